@@ -1,0 +1,30 @@
+# Ferry: `make serve` and `make test` set up .venv when needed, then run.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.ferry-installed
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+# torch is pinned and installed first: that pin resolves to the CPU wheel shipped on
+# this disk; letting the resolver pick torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) show torch >/dev/null 2>&1 || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test,load]'
+	touch $(STAMP)
+
+serve: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/ferry serve --host $(HOST) --port $(PORT)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,67 @@
+"""Admission control: say no at once rather than queue work that cannot be served.
+
+`check` is the first half of a check-then-act pair: it raises if the item must be refused
+and otherwise returns whether it is admitted best-effort. It predicts when the new item
+would finish (the running batch, then the work ordered ahead of it, then its own batch)
+using the cost model, and compares that with the item's deadline.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_right
+
+from .cost import CostModel
+from .errors import DeadlineInfeasible, QueueFull
+from .queue import INF, RequestQueue
+from .settings import BatchingSettings
+from .types import Priority, WorkItem
+
+
+def items_ahead(q: RequestQueue, item: WorkItem) -> int:  # noqa: D401
+    """Queued items that EDF-within-class ordering would serve before `item`."""
+    deadline = item.deadline if item.deadline is not None else INF
+    ahead = 0
+    for p in Priority:
+        if p < item.priority:
+            ahead += q.count(p)
+        elif p == item.priority:
+            ahead += bisect_right(q._edf[p], (deadline, item.id))
+    return ahead
+
+
+def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings,
+                         cost: CostModel, siblings: int = 0) -> float:
+    ahead = items_ahead(q, item) + siblings
+    size = s.max_batch_size
+    full, rest = divmod(ahead + 1, size)
+    tokens = max(item.cost, 1)
+    t = max(now, busy_until) + full * cost.predict(size, size * tokens)
+    if rest:
+        t += cost.predict(rest, rest * tokens)
+    return t
+
+
+def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings, cost: CostModel,
+          siblings: int = 0) -> bool:
+    """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
+
+    `siblings` counts the other items of the same request, admitted all or none: they are
+    queued ahead of the last one, which is the one checked.
+    """
+    if len(q) + siblings >= s.max_queue:
+        # Time for the queue to drain by one batch is an honest lower bound to retry after.
+        wait = max(busy_until - now, 0.0) + cost.predict(s.max_batch_size, s.max_batch_size * max(item.cost, 1))
+        raise QueueFull(f"queue is full ({s.max_queue} items waiting)", retry_after=max(1, math.ceil(wait)))
+    if item.deadline is None:
+        return False
+    done = predicted_completion(q, item, now, busy_until, s, cost, siblings)
+    if done + s.margin <= item.deadline:
+        return False
+    if s.on_infeasible == "serve":
+        return True
+    budget_ms = (item.deadline - item.arrival) * 1000.0
+    raise DeadlineInfeasible(
+        f"latency budget of {budget_ms:.0f} ms cannot be met: predicted completion in "
+        f"{(done - now) * 1000.0:.0f} ms with {len(q)} items queued",
+        retry_after=max(1, math.ceil(done - now)),
+    )

@@ -1,0 +1,245 @@
+"""What every batcher shares: admission, the queue, cancellation, expiry, live settings,
+drain, and exactly-once resolution of items with their metrics.
+
+Subclasses (`MicroBatcher` for one-shot models, `GenerationScheduler` for generation)
+supply the loop that decides what runs when.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections import deque
+from typing import Any, Callable
+
+from . import admission
+from .clock import Clock, MonotonicClock
+from .cost import CostModel
+from .errors import Cancelled, DeadlineExceeded, ShuttingDown
+from .metrics import Metrics
+from .queue import RequestQueue
+from .settings import BatchingSettings
+from .types import Outcome, Priority, Stage, WorkItem
+
+log = logging.getLogger("ferry.batcher")
+
+RATE_HORIZON = 1.0  # seconds of arrivals used to estimate the arrival rate
+
+
+class QueueingBatcher:
+    phase = "embed"
+
+    def __init__(
+        self,
+        model: str,
+        settings: BatchingSettings,
+        *,
+        clock: Clock | None = None,
+        cost: CostModel | None = None,
+        metrics: Metrics | None = None,
+    ):
+        self.model = model
+        self.clock = clock or MonotonicClock()
+        self.cost = cost or CostModel()
+        self.metrics = metrics or Metrics()
+        self._settings = settings
+        self.queue = RequestQueue(aging=settings.aging_ms / 1000.0)
+        self._wake = asyncio.Event()
+        self._arrivals: deque[float] = deque()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.metrics.publish_settings(model, settings)
+        self.outcomes: dict[Outcome, int] = {o: 0 for o in Outcome if o is not Outcome.PENDING}
+
+    # -- settings -----------------------------------------------------------------
+    @property
+    def settings(self) -> BatchingSettings:
+        return self._settings
+
+    def update(self, **changes: Any) -> BatchingSettings:
+        """Apply new knobs from the next decision on; queued work keeps its place."""
+        new = self._settings.updated(**changes)
+        old, self._settings = self._settings, new
+        self.queue.aging = new.aging_ms / 1000.0
+        self.metrics.publish_settings(self.model, new)
+        self.metrics.config_changes.labels(self.model).inc()
+        diff = {k: (getattr(old, k), v) for k, v in new.to_dict().items() if getattr(old, k) != v}
+        log.info("batching settings changed", extra={"model": self.model, "changes": diff})
+        self._wake.set()
+        return new
+
+    # -- arrival rate -------------------------------------------------------------
+    def arrival_rate(self, now: float) -> float:
+        while self._arrivals and self._arrivals[0] < now - RATE_HORIZON:
+            self._arrivals.popleft()
+        return len(self._arrivals) / RATE_HORIZON
+
+    # -- submit / cancel ----------------------------------------------------------
+    def busy_until(self, now: float) -> float:
+        """When the engine is predicted to be free of work already dispatched."""
+        return now
+
+    def submit(self, payload: Any, **kw: Any) -> WorkItem:
+        return self.submit_many([payload], **kw)[0]
+
+    def submit_many(
+        self,
+        payloads: list[Any],
+        *,
+        costs: list[int] | None = None,
+        cost: int = 1,
+        budget: float | None = None,
+        priority: Priority = Priority.INTERACTIVE,
+        request_id: str = "",
+        on_delta: Callable[[Any], None] | None = None,
+    ) -> list[WorkItem]:
+        """Queue the items of one request, all or none, or raise at once
+        (QueueFull, DeadlineInfeasible, ShuttingDown).
+
+        `budget` is the latency budget in seconds; None uses the configured default.
+        Item i gets prompt_index i.
+        """
+        s = self._settings
+        now = self.clock.now()
+        if self._closing:
+            raise ShuttingDown("server is shutting down", retry_after=1)
+        if budget is None and s.default_budget_ms is not None:
+            budget = s.default_budget_ms / 1000.0
+        deadline = None if budget is None else now + budget
+        items = [
+            WorkItem(payload=p, arrival=now, deadline=deadline, priority=priority,
+                     cost=costs[i] if costs is not None else cost, request_id=request_id,
+                     prompt_index=i, on_delta=on_delta)
+            for i, p in enumerate(payloads)
+        ]
+        try:
+            best_effort = admission.check(self.queue, items[-1], now, self.busy_until(now), s, self.cost,
+                                          siblings=len(items) - 1)
+        except Exception as exc:
+            self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
+            raise
+        loop = asyncio.get_running_loop()
+        for item in items:
+            item.best_effort = best_effort
+            item.future = loop.create_future()
+            self.queue.push(item)
+            self._arrivals.append(now)
+        self._publish_depth()
+        self._wake.set()
+        return items
+
+    def cancel(self, item: WorkItem) -> bool:
+        """Idempotent: a finished or unknown item is skipped."""
+        if item.finished:
+            return False
+        stage = Stage.QUEUED if item in self.queue else Stage.RUNNING
+        if stage is Stage.QUEUED:
+            self.queue.remove(item)
+            self._publish_depth()
+        else:
+            self._cancel_running(item)
+        self.metrics.cancellations.labels(self.model, stage.value).inc()
+        self._finish(item, Outcome.CANCELLED, Cancelled("request cancelled by the client"))
+        self._wake.set()
+        return True
+
+    def _cancel_running(self, item: WorkItem) -> None:
+        """Hook: one-shot batches simply discard the result; generation drops the row."""
+
+    # -- resolution ---------------------------------------------------------------
+    def _finish(self, item: WorkItem, outcome: Outcome, value: Any = None) -> bool:
+        if not item.finish(outcome, value):
+            return False
+        self.outcomes[outcome] += 1
+        self.metrics.items.labels(self.model, outcome.name.lower()).inc()
+        if item.deadline is not None and outcome in (Outcome.RESULT, Outcome.EXPIRED):
+            met = outcome is Outcome.RESULT and self.clock.now() <= item.deadline
+            self.metrics.slo.labels(self.model, item.priority.label, "met" if met else "missed").inc()
+        return True
+
+    def _expire(self, now: float) -> None:
+        for item in self.queue.expired(now):
+            self.queue.remove(item)
+            self.metrics.expired.labels(self.model, item.priority.label).inc()
+            waited_ms = (now - item.arrival) * 1000.0
+            self._finish(item, Outcome.EXPIRED, DeadlineExceeded(f"latency budget exceeded after waiting {waited_ms:.0f} ms in the queue"))
+        self._publish_depth()
+
+    def _take(self, n: int, now: float) -> list[WorkItem]:
+        items = self.queue.take(n, now)
+        for item in items:
+            self.metrics.queue_wait.labels(self.model, item.priority.label).observe(now - item.arrival)
+        self._publish_depth()
+        return items
+
+    def _publish_depth(self) -> None:
+        for p in Priority:
+            self.metrics.queue_depth.labels(self.model, p.label).set(self.queue.count(p))
+
+    # -- lifecycle ----------------------------------------------------------------
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._guarded_loop(), name=f"ferry-batcher-{self.model}")
+
+    async def _guarded_loop(self) -> None:
+        try:
+            await self._loop()
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # pragma: no cover - a bug; fail loudly, never hang clients
+            log.exception("batcher loop crashed", extra={"model": self.model})
+            self._fail_all(RuntimeError("batcher loop crashed"))
+            raise
+
+    async def _loop(self) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def busy(self) -> bool:
+        return len(self.queue) > 0
+
+    async def drain(self, timeout: float) -> int:
+        """Stop admitting, finish what was accepted within `timeout`, fail the rest.
+
+        Returns how many items had to be failed.
+        """
+        self._closing = True
+        self._wake.set()
+        deadline = self.clock.now() + timeout
+        while self.busy and self.clock.now() < deadline:
+            self._idle.clear()
+            await self.clock.wait(self._idle, min(0.05, max(0.0, deadline - self.clock.now())))
+        return self._fail_all(ShuttingDown("server shut down before this request could finish"))
+
+    def _fail_all(self, exc: Exception) -> int:
+        failed = 0
+        for item in list(self.queue.items()):
+            self.queue.remove(item)
+            failed += self._finish(item, Outcome.ERROR, exc)
+        failed += self._fail_running(exc)
+        self._publish_depth()
+        return failed
+
+    def _fail_running(self, exc: Exception) -> int:
+        return 0
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+        self._fail_all(ShuttingDown("server stopped"))
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+
+def seconds_until(t: float, now: float) -> float | None:
+    return None if t == math.inf else max(0.0, t - now)

@@ -1,0 +1,39 @@
+"""Errors the batcher hands back through an item's future (or raises at submit).
+
+Each carries the HTTP-agnostic facts the gateway needs to answer: a stable `code`
+and, where it helps the client, how long to wait before retrying.
+"""
+from __future__ import annotations
+
+
+class FerryError(Exception):
+    code = "internal_error"
+
+    def __init__(self, message: str, *, retry_after: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.retry_after = retry_after
+
+
+class QueueFull(FerryError):
+    code = "queue_full"
+
+
+class DeadlineInfeasible(FerryError):
+    code = "deadline_infeasible"
+
+
+class DeadlineExceeded(FerryError):
+    code = "deadline_exceeded"
+
+
+class Cancelled(FerryError):
+    code = "cancelled"
+
+
+class EngineError(FerryError):
+    code = "engine_error"
+
+
+class ShuttingDown(FerryError):
+    code = "shutting_down"

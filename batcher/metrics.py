@@ -1,0 +1,64 @@
+"""Every Ferry metric, defined once.
+
+Names follow `ferry_<thing>_<unit>`; counters end in `_total`; labels stay in
+{model, route, status, reason, phase, class}. Tests build a `Metrics` on a fresh
+`CollectorRegistry` and read values with `registry.get_sample_value`.
+The Grafana dashboard and alert rules use only these names (tests/test_grafana.py checks).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Sub-millisecond (a queue hop) to a minute (a long generation on a busy CPU).
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+# Decode steps and inter-token gaps live between ~5 ms and ~1 s.
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
+RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
+ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.registry = r
+        # Requests (HTTP level)
+        self.requests = Counter("ferry_requests_total", "HTTP requests by route, model and status code.", ["route", "model", "status"], registry=r)
+        self.request_latency = Histogram("ferry_request_duration_seconds", "End-to-end request latency.", ["route", "model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("ferry_requests_in_flight", "Requests being served now.", ["route"], registry=r)
+        # Queue
+        self.queue_depth = Gauge("ferry_queue_depth", "Items waiting in the queue.", ["model", "class"], registry=r)
+        self.queue_wait = Histogram("ferry_queue_wait_seconds", "Time an item waited before dispatch.", ["model", "class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.rejections = Counter("ferry_rejections_total", "Items refused at admission.", ["model", "reason"], registry=r)
+        self.expired = Counter("ferry_expired_total", "Items whose deadline passed while they waited (never computed).", ["model", "class"], registry=r)
+        self.cancellations = Counter("ferry_cancellations_total", "Items cancelled by their client, by stage.", ["model", "stage"], registry=r)
+        self.items = Counter("ferry_items_total", "Items by terminal outcome.", ["model", "status"], registry=r)
+        # Batches
+        self.batches = Counter("ferry_batches_total", "Batches dispatched, by reason.", ["model", "reason"], registry=r)
+        self.batch_size = Histogram("ferry_batch_size_items", "Items per engine call.", ["model", "phase"], buckets=SIZE_BUCKETS, registry=r)
+        self.batch_tokens = Histogram("ferry_batch_size_tokens", "Real (unpadded) tokens per engine call.", ["model", "phase"], buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_seconds = Histogram("ferry_batch_execution_seconds", "Engine time per call.", ["model", "phase"], buckets=STEP_BUCKETS + (5.0, 10.0, 30.0), registry=r)
+        self.padding = Histogram("ferry_batch_padding_ratio", "Padded tokens over total tokens per batch.", ["model", "phase"], buckets=RATIO_BUCKETS, registry=r)
+        self.cost_error = Histogram("ferry_cost_model_error_ratio", "Relative error of the cost model's prediction per batch.", ["model", "phase"], buckets=ERROR_BUCKETS, registry=r)
+        self.engine_errors = Counter("ferry_engine_errors_total", "Engine calls or items that failed.", ["model", "phase"], registry=r)
+        # Generation
+        self.ttft = Histogram("ferry_time_to_first_token_seconds", "Arrival to first generated token.", ["model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("ferry_inter_token_latency_seconds", "Gap between consecutive tokens of a sequence.", ["model"], buckets=STEP_BUCKETS, registry=r)
+        self.generated_tokens = Counter("ferry_generated_tokens_total", "Completion tokens generated.", ["model"], registry=r)
+        self.prompt_tokens = Counter("ferry_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=r)
+        self.running = Gauge("ferry_running_sequences", "Sequences in the running batch.", ["model"], registry=r)
+        self.waiting = Gauge("ferry_waiting_sequences", "Sequences waiting to be admitted.", ["model"], registry=r)
+        self.kv_tokens = Gauge("ferry_kv_cache_tokens", "Token slots held by the KV cache (rows x length, padding included).", ["model"], registry=r)
+        # SLO
+        self.slo = Counter("ferry_slo_total", "Finished items within their latency budget (status=met) or not (missed).", ["model", "class", "status"], registry=r)
+        # Knobs
+        self.knob_batch = Gauge("ferry_setting_max_batch_size", "Current max_batch_size.", ["model"], registry=r)
+        self.knob_wait = Gauge("ferry_setting_max_wait_seconds", "Current max_wait.", ["model"], registry=r)
+        self.knob_queue = Gauge("ferry_setting_max_queue", "Current max_queue.", ["model"], registry=r)
+        self.config_changes = Counter("ferry_config_changes_total", "Live batching-setting changes.", ["model"], registry=r)
+
+    def publish_settings(self, model: str, s) -> None:
+        self.knob_batch.labels(model).set(s.max_batch_size)
+        self.knob_wait.labels(model).set(s.max_wait_ms / 1000.0)
+        self.knob_queue.labels(model).set(s.max_queue)

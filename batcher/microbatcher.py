@@ -1,0 +1,144 @@
+"""Dynamic micro-batching for one-shot models (embeddings, classifiers).
+
+The loop: expire what is late, ask the policy, dispatch or sleep until the policy's time
+or the next arrival. While the engine runs a batch, arrivals keep queuing and the next
+batch forms from them; there is no polling: the loop wakes on an arrival, a batch ending,
+a settings change, or the next deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from typing import Any, Awaitable, Callable, Sequence
+
+from .core import QueueingBatcher, seconds_until
+from .errors import EngineError, ShuttingDown
+from .policy import Dispatch, batch_cost, get_policy
+from .types import Batch, DispatchReason, Outcome, WorkItem
+
+log = logging.getLogger("ferry.batcher")
+
+Execute = Callable[[list[Any]], Awaitable[Sequence[Any]]]
+
+
+class MicroBatcher(QueueingBatcher):
+    """`execute(payloads)` returns one result per payload, an Exception in place of a
+    result for an item that failed alone; if it raises, every item of that batch fails."""
+
+    def __init__(self, model: str, execute: Execute, settings, *, phase: str = "embed", **kw):
+        super().__init__(model, settings, **kw)
+        self.execute = execute
+        self.phase = phase
+        self._inflight: asyncio.Task | None = None
+        self._busy_until = 0.0
+        self.batches: list[Batch] = []  # recent batches, for tests and introspection
+        self._keep_batches = 256
+
+    def busy_until(self, now: float) -> float:
+        return self._busy_until if self._inflight is not None else now
+
+    @property
+    def busy(self) -> bool:
+        return len(self.queue) > 0 or self._inflight is not None
+
+    async def _loop(self) -> None:
+        while True:
+            now = self.clock.now()
+            self._expire(now)
+            wake_at = self.queue.min_deadline
+            if self._inflight is None:
+                decision = self._decide(now)
+                if isinstance(decision, Dispatch):
+                    self._dispatch(decision, now)
+                    continue
+                if decision.t is not None:
+                    wake_at = min(wake_at, decision.t)
+                if not self.busy:
+                    self._idle.set()
+            self._wake.clear()
+            await self.clock.wait(self._wake, seconds_until(wake_at, now))
+
+    def _decide(self, now: float):
+        s = self.settings
+        if self._closing and len(self.queue):
+            return Dispatch(min(len(self.queue), s.max_batch_size), DispatchReason.DRAIN)
+        return get_policy(s.policy)(self.queue, now, s, self.cost, self.arrival_rate(now))
+
+    def _dispatch(self, decision: Dispatch, now: float) -> None:
+        items = self._take(decision.size, now)
+        batch = Batch(items, now, decision.reason)
+        for item in items:
+            item.dispatched_at, item.batch_size, item.reason = now, len(items), decision.reason
+        self.batches.append(batch)
+        if len(self.batches) > self._keep_batches:
+            del self.batches[: -self._keep_batches]
+        self._busy_until = now + batch_cost(self.cost, items)
+        self.metrics.batches.labels(self.model, decision.reason.value).inc()
+        self._inflight = asyncio.create_task(self._run_batch(batch))
+        self._inflight.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._inflight = None
+        self._wake.set()
+
+    async def _run_batch(self, batch: Batch) -> None:
+        # A client may have left between dispatch and now; never compute for it.
+        items = [i for i in batch.items if not i.finished]
+        if not items:
+            return
+        m, model, phase = self.metrics, self.model, self.phase
+        real = sum(i.cost for i in items)
+        padded = max(i.cost for i in items) * len(items)
+        m.batch_size.labels(model, phase).observe(len(items))
+        m.batch_tokens.labels(model, phase).observe(real)
+        m.padding.labels(model, phase).observe(1.0 - real / padded if padded else 0.0)
+        start = self.clock.now()
+        try:
+            results = await self.execute([i.payload for i in items])
+            if len(results) != len(items):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(items)} inputs")
+        except asyncio.CancelledError:
+            for item in items:
+                self._finish(item, Outcome.ERROR, ShuttingDown("server stopped while this batch ran"))
+            raise
+        except Exception as exc:
+            log.exception("engine failed a batch of %d", len(items), extra={"model": model})
+            m.engine_errors.labels(model, phase).inc()
+            err = EngineError(f"model execution failed: {type(exc).__name__}: {exc}")
+            for item in items:
+                self._finish(item, Outcome.ERROR, err)
+            return
+        finally:
+            elapsed = self.clock.now() - start
+            m.batch_seconds.labels(model, phase).observe(elapsed)
+        m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), padded, elapsed))
+        for item, result in zip(items, results):
+            if isinstance(result, Exception):
+                m.engine_errors.labels(model, phase).inc()
+                self._finish(item, Outcome.ERROR, EngineError(f"model execution failed for this input: {result}"))
+            else:
+                self._finish(item, Outcome.RESULT, result)
+
+    def _fail_running(self, exc: Exception) -> int:
+        if self._inflight is not None:
+            self._inflight.cancel()
+        return 0
+
+
+def split_on_oom(run: Execute, is_oom: Callable[[BaseException], bool]) -> Execute:
+    """Wrap `run` so a batch that fails like out-of-memory is retried in halves until the
+    failing item is isolated; only that item fails."""
+
+    async def execute(payloads: list[Any]) -> list[Any]:
+        try:
+            return list(await run(payloads))
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            if len(payloads) == 1:
+                return [exc]
+            mid = math.ceil(len(payloads) / 2)
+            return (await execute(payloads[:mid])) + (await execute(payloads[mid:]))
+
+    return execute

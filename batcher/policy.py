@@ -1,0 +1,128 @@
+"""Dispatch policies: pure functions of (queue, now, settings, cost model).
+
+Each returns `Dispatch(size, reason)` ("send the first `size` items in queue order now")
+or `WaitUntil(t)` ("nothing to do before t; None = until something arrives"). Only the
+batcher's loop awaits; these functions never do.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .cost import CostModel
+from .queue import RequestQueue
+from .settings import BatchingSettings
+from .types import DispatchReason, WorkItem
+
+INF = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    size: int
+    reason: DispatchReason
+
+
+@dataclass(frozen=True, slots=True)
+class WaitUntil:
+    t: float | None  # None: until the next arrival
+
+
+Decision = Dispatch | WaitUntil
+Policy = Callable[[RequestQueue, float, BatchingSettings, CostModel, float], Decision]
+
+
+def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
+    """Predicted execution time; inputs are padded to the longest member."""
+    if not items:
+        return 0.0
+    return cost.predict(len(items), max(i.cost for i in items) * len(items))
+
+
+def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel) -> int:
+    """Largest prefix whose predicted run still meets every deadline in it.
+
+    Items that would miss their deadline even alone do not constrain the cap: they run
+    best-effort and shrinking the batch for them would only cost everyone throughput.
+    """
+    k_best = 1
+    tightest = INF
+    longest = 0
+    for k, item in enumerate(items, start=1):
+        longest = max(longest, item.cost)
+        if item.deadline is not None and now + cost.predict(1, item.cost) + s.margin <= item.deadline:
+            tightest = min(tightest, item.deadline)
+        if now + cost.predict(k, longest * k) + s.margin <= tightest:
+            k_best = k
+        else:
+            break
+    return k_best
+
+
+def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel) -> float:
+    """Last moment this batch can start and still meet its tightest deadline."""
+    deadline = min((i.deadline for i in items if i.deadline is not None), default=INF)
+    return deadline - batch_cost(cost, items) - s.margin
+
+
+def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0) -> Decision:
+    n = len(q)
+    if n == 0:
+        return WaitUntil(None)
+    if n >= s.max_batch_size:
+        return Dispatch(s.max_batch_size, DispatchReason.FULL)
+    due = q.oldest_arrival + s.max_wait
+    if now >= due:
+        return Dispatch(n, DispatchReason.MAX_WAIT)
+    return WaitUntil(due)
+
+
+def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0) -> Decision:
+    base = fixed(q, now, s, cost, rate)
+    if len(q) == 0:
+        return base
+    items = q.peek(s.max_batch_size, now)
+    cap = deadline_cap(items, now, s, cost)
+    if isinstance(base, Dispatch):
+        return Dispatch(min(base.size, cap), base.reason)
+    start_by = latest_start(items[:cap], s, cost)
+    if now >= start_by:
+        return Dispatch(cap, DispatchReason.DEADLINE)
+    return WaitUntil(min(base.t, start_by))
+
+
+def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0) -> Decision:
+    """Wait only while waiting raises throughput, and never past a deadline or max_wait.
+
+    With batch time a + b*n and arrivals at rate r, the throughput of a batch that waits w
+    more seconds, (n + r*w) / (w + a + b*(n + r*w)), grows with w exactly when r*a > n.
+    So the target size is r*a items (what arrives during one batch's fixed overhead):
+    at low load that is one item and the policy dispatches at once; as load grows the
+    target grows with it, up to max_batch_size.
+    """
+    n = len(q)
+    if n == 0:
+        return WaitUntil(None)
+    items = q.peek(s.max_batch_size, now)
+    cap = deadline_cap(items, now, s, cost)
+    if n >= s.max_batch_size:
+        return Dispatch(cap, DispatchReason.FULL)
+    target = min(s.max_batch_size, max(1, math.ceil(rate * cost.params.fixed)))
+    if n >= target:
+        return Dispatch(cap, DispatchReason.ADAPTIVE)
+    start_by = latest_start(items[:cap], s, cost)
+    due = q.oldest_arrival + s.max_wait
+    fill_at = now + (target - n) / rate if rate > 0 else INF
+    if now >= start_by:
+        return Dispatch(cap, DispatchReason.DEADLINE)
+    if now >= due:
+        return Dispatch(cap, DispatchReason.MAX_WAIT)
+    return WaitUntil(min(fill_at, start_by, due))
+
+
+POLICIES: dict[str, Policy] = {"fixed": fixed, "deadline": deadline, "adaptive": adaptive}
+
+
+def get_policy(name: str) -> Policy:
+    return POLICIES[name]

@@ -1,0 +1,107 @@
+"""The waiting room: ordered by priority class, then earliest deadline, with aging.
+
+Interactive work goes first, earliest deadline first (EDF). Batch-class work fills what
+interactive work leaves, but an item that has waited `aging` seconds is ordered among the
+interactive items as if its deadline were `arrival + aging`, so it cannot starve.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left, insort
+from typing import Iterator
+
+from .types import Priority, WorkItem
+
+INF = math.inf
+
+
+def _key(item: WorkItem) -> tuple[float, int]:
+    return (item.deadline if item.deadline is not None else INF, item.id)
+
+
+class RequestQueue:
+    def __init__(self, aging: float = 2.0):
+        self.aging = aging
+        # dicts keep insertion order, and items are inserted on arrival: arrival order.
+        self._all: dict[int, WorkItem] = {}
+        self._batch_fifo: dict[int, WorkItem] = {}
+        self._edf: dict[Priority, list[tuple[float, int]]] = {p: [] for p in Priority}
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, item: WorkItem) -> bool:
+        return item.id in self._all
+
+    def count(self, priority: Priority) -> int:
+        return len(self._edf[priority])
+
+    def push(self, item: WorkItem) -> None:
+        self._all[item.id] = item
+        insort(self._edf[item.priority], _key(item))
+        if item.priority is Priority.BATCH:
+            self._batch_fifo[item.id] = item
+
+    def remove(self, item: WorkItem) -> bool:
+        if self._all.pop(item.id, None) is None:
+            return False
+        edf = self._edf[item.priority]
+        del edf[bisect_left(edf, _key(item))]
+        self._batch_fifo.pop(item.id, None)
+        return True
+
+    def items(self) -> Iterator[WorkItem]:
+        """Arrival order."""
+        return iter(self._all.values())
+
+    @property
+    def oldest_arrival(self) -> float | None:
+        for item in self._all.values():
+            return item.arrival
+        return None
+
+    @property
+    def min_deadline(self) -> float:
+        heads = [edf[0][0] for edf in self._edf.values() if edf]
+        return min(heads, default=INF)
+
+    def ordered(self, now: float) -> Iterator[WorkItem]:
+        """Dispatch order at time `now`."""
+        aged: list[tuple[float, int]] = []
+        for item in self._batch_fifo.values():
+            if item.arrival + self.aging > now:
+                break
+            aged.append((item.arrival + self.aging, item.id))
+        aged_ids = {i for _, i in aged}
+        for _, item_id in heapq.merge(self._edf[Priority.INTERACTIVE], aged):
+            yield self._all[item_id]
+        for _, item_id in self._edf[Priority.BATCH]:
+            if item_id not in aged_ids:
+                yield self._all[item_id]
+
+    def peek(self, n: int, now: float) -> list[WorkItem]:
+        out: list[WorkItem] = []
+        if n <= 0:
+            return out
+        for item in self.ordered(now):
+            out.append(item)
+            if len(out) >= n:
+                break
+        return out
+
+    def take(self, n: int, now: float) -> list[WorkItem]:
+        out = self.peek(n, now)
+        for item in out:
+            self.remove(item)
+        return out
+
+    def expired(self, now: float) -> list[WorkItem]:
+        """Items whose deadline has passed (they must never reach the engine)."""
+        out = []
+        for edf in self._edf.values():
+            for deadline, item_id in edf:
+                if deadline > now:
+                    break
+                out.append(self._all[item_id])
+        return out

@@ -1,0 +1,338 @@
+"""Continuous (iteration-level) batching for generation.
+
+One iteration = apply cancellations, one decode step of every running sequence, then a
+batched prefill of the prompts admitted now; every sequence gets exactly one token per
+iteration, and a sequence leaves the moment it finishes without ending its peers.
+
+The micro-batcher decides *admission*: waiting prompts join together when enough are
+waiting (max_batch_size), when the oldest has waited max_wait_ms, when a deadline says so,
+or at once when nothing is running. Static mode (the comparison baseline) admits a new
+group only when the previous one has completely finished.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Sequence
+
+from .core import QueueingBatcher, seconds_until
+from .cost import CostModel, LinearCost
+from .errors import DeadlineExceeded, EngineError, ShuttingDown
+from .types import DispatchReason, Outcome, WorkItem
+
+log = logging.getLogger("ferry.batcher")
+
+Runner = Callable[..., Awaitable[Any]]
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """Payload of a generation work item (engine-neutral: params is the engine's
+    SamplingParams, passed through untouched)."""
+
+    prompt_ids: list[int]
+    params: Any
+
+
+@dataclass(slots=True)
+class GenResult:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Delta:
+    """One streamed piece of one sequence, handed to `WorkItem.on_delta`."""
+
+    item: WorkItem
+    text: str
+    tokens: int
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Seq:
+    item: WorkItem
+    pieces: list[str] = field(default_factory=list)
+    tokens: int = 0
+    last_token_at: float | None = None
+
+
+@dataclass(slots=True)
+class _IterationResult:
+    outputs: list[Any]
+    failed: dict[int, Exception]
+    prefill_seconds: float
+    decode_seconds: float
+    decoded_rows: int
+
+
+class GenerationScheduler(QueueingBatcher):
+    phase = "decode"
+
+    def __init__(self, model: str, engine: Any, runner: Runner, settings, *,
+                 make_request: Callable[[int, list[int], Any], Any] | None = None, **kw):
+        super().__init__(model, settings, **kw)
+        self.engine = engine
+        self.runner = runner
+        self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
+        self.decode_cost = CostModel(LinearCost(0.010, 0.0005, 0.0))
+        self.cost = self.prefill_cost  # admission predicts time to first token from prefill
+        self._make_request = make_request or _default_request
+        self._running: dict[int, _Seq] = {}
+        self._removals: list[int] = []
+        self.iterations = 0
+        self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
+        self._keep_trace = 1024
+
+    # -- introspection ------------------------------------------------------------
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def busy(self) -> bool:
+        return len(self.queue) > 0 or bool(self._running)
+
+    def busy_until(self, now: float) -> float:
+        # A new prompt joins at the next iteration boundary, at most one decode step away.
+        return now + (self.decode_cost.predict(len(self._running)) if self._running else 0.0)
+
+    # -- admission ----------------------------------------------------------------
+    def _capacity(self) -> int:
+        s = self.settings
+        if s.mode == "static" and self._running:
+            return 0
+        cap = s.max_running
+        if s.max_itl_ms is not None:
+            limit = s.max_itl_ms / 1000.0
+            while cap > 1 and self.decode_cost.predict(cap) > limit:
+                cap -= 1
+        return max(0, min(cap, s.max_running) - len(self._running))
+
+    def _admission(self, now: float) -> tuple[list[WorkItem], float | None]:
+        """Items to admit now (in queue order) and, if none, when to look again."""
+        s = self.settings
+        n = len(self.queue)
+        capacity = self._capacity()
+        if n == 0 or capacity == 0:
+            return [], None
+        if self._closing:
+            reason = DispatchReason.DRAIN
+        elif not self._running:
+            reason = DispatchReason.ADAPTIVE  # engine idle: waiting could only add latency
+        elif n >= s.max_batch_size:
+            reason = DispatchReason.FULL
+        elif now >= self.queue.oldest_arrival + s.max_wait:
+            reason = DispatchReason.MAX_WAIT
+        elif s.policy != "fixed" and now + self.prefill_cost.predict(n, n * 32) + s.margin >= self.queue.min_deadline:
+            reason = DispatchReason.DEADLINE
+        else:
+            return [], self.queue.oldest_arrival + s.max_wait
+        limit = min(capacity, s.max_batch_size)
+        chosen, tokens = [], 0
+        for item in self.queue.peek(limit, now):
+            if chosen and tokens + item.cost > s.prefill_token_budget:
+                break
+            chosen.append(item)
+            tokens += item.cost
+        for item in chosen:
+            self.queue.remove(item)
+            self.metrics.queue_wait.labels(self.model, item.priority.label).observe(now - item.arrival)
+            item.dispatched_at, item.batch_size, item.reason = now, len(chosen), reason
+        self._publish_depth()
+        self.metrics.batches.labels(self.model, reason.value).inc()
+        return chosen, None
+
+    # -- the loop -----------------------------------------------------------------
+    async def _loop(self) -> None:
+        while True:
+            now = self.clock.now()
+            self._expire(now)
+            self._expire_running(now)
+            admitted, look_again = self._admission(now)
+            if admitted or self._running or self._removals:
+                await self._iteration(admitted)
+                continue
+            if not self.busy:
+                self._idle.set()
+            wake_at = min(self.queue.min_deadline, look_again if look_again is not None else float("inf"))
+            self._wake.clear()
+            await self.clock.wait(self._wake, seconds_until(wake_at, now))
+
+    async def _iteration(self, admitted: list[WorkItem]) -> None:
+        for item in admitted:
+            self._running[item.id] = _Seq(item)
+        requests = [self._make_request(i.id, i.payload.prompt_ids, i.payload.params) for i in admitted]
+        removals, self._removals = self._removals, []
+        decoding = [i for i in self._running if i not in {r.seq_id for r in requests}]
+        self.iterations += 1
+        self.trace.append((self.iterations, decoding, [r.seq_id for r in requests]))
+        if len(self.trace) > self._keep_trace:
+            del self.trace[: -self._keep_trace]
+        self._publish_gen()
+        try:
+            result: _IterationResult = await self.runner(self._run_engine, removals, requests, bool(decoding))
+        except asyncio.CancelledError:
+            self._fail_running(ShuttingDown("server stopped while this request ran"))
+            raise
+        except Exception as exc:
+            log.exception("engine failed a decode step", extra={"model": self.model})
+            self.metrics.engine_errors.labels(self.model, "decode").inc()
+            self._fail_running(EngineError(f"model execution failed: {type(exc).__name__}: {exc}"))
+            return
+        self._observe(result, requests)
+        now = self.clock.now()
+        for seq_id, exc in result.failed.items():
+            seq = self._running.pop(seq_id, None)
+            if seq is not None:
+                self.metrics.engine_errors.labels(self.model, "prefill").inc()
+                self._finish(seq.item, Outcome.ERROR, EngineError(f"model execution failed for this prompt: {exc}"))
+        for out in result.outputs:
+            self._deliver(out, now)
+        self._publish_gen()
+
+    def _run_engine(self, removals: list[int], requests: list[Any], decode: bool) -> _IterationResult:
+        """Runs on the worker thread: everything the engine does in one iteration."""
+        engine = self.engine
+        if removals:
+            engine.remove(removals)
+        t0 = time.perf_counter()
+        outputs = list(engine.step()) if decode and engine.running else []
+        rows = len(outputs)
+        t1 = time.perf_counter()
+        failed: dict[int, Exception] = {}
+        if requests:
+            outputs.extend(self._add_isolating(requests, failed))
+        return _IterationResult(outputs, failed, time.perf_counter() - t1, t1 - t0, rows)
+
+    def _add_isolating(self, requests: Sequence[Any], failed: dict[int, Exception]) -> list[Any]:
+        """Prefill; if the group fails, retry in halves so only the failing prompt fails."""
+        try:
+            return list(self.engine.add(requests))
+        except Exception as exc:
+            self.engine.remove([r.seq_id for r in requests])
+            if len(requests) == 1:
+                failed[requests[0].seq_id] = exc
+                return []
+            mid = (len(requests) + 1) // 2
+            return self._add_isolating(requests[:mid], failed) + self._add_isolating(requests[mid:], failed)
+
+    def _observe(self, r: _IterationResult, requests: list[Any]) -> None:
+        m, model = self.metrics, self.model
+        if r.decoded_rows:
+            m.batch_size.labels(model, "decode").observe(r.decoded_rows)
+            m.batch_seconds.labels(model, "decode").observe(r.decode_seconds)
+            m.cost_error.labels(model, "decode").observe(self.decode_cost.observe(r.decoded_rows, 0, r.decode_seconds))
+        if requests:
+            lengths = [len(q.prompt_ids) for q in requests]
+            real, padded = sum(lengths), max(lengths) * len(lengths)
+            m.batch_size.labels(model, "prefill").observe(len(requests))
+            m.batch_tokens.labels(model, "prefill").observe(real)
+            m.padding.labels(model, "prefill").observe(1.0 - real / padded)
+            m.batch_seconds.labels(model, "prefill").observe(r.prefill_seconds)
+            m.cost_error.labels(model, "prefill").observe(self.prefill_cost.observe(len(requests), padded, r.prefill_seconds))
+            m.prompt_tokens.labels(model).inc(real)
+
+    def _deliver(self, out: Any, now: float) -> None:
+        seq = self._running.get(out.seq_id)
+        if seq is None:  # cancelled while the step ran: its output is dropped
+            return
+        item, m = seq.item, self.metrics
+        produced = len(out.token_ids)
+        if produced:
+            if seq.tokens == 0:
+                m.ttft.labels(self.model).observe(now - item.arrival)
+            elif seq.last_token_at is not None:
+                m.itl.labels(self.model).observe((now - seq.last_token_at) / produced)
+            seq.last_token_at = now
+            seq.tokens += produced
+            m.generated_tokens.labels(self.model).inc(produced)
+        if out.text:
+            seq.pieces.append(out.text)
+        if item.on_delta is not None and (out.text or out.finish_reason):
+            item.on_delta(Delta(item, out.text, produced, out.finish_reason))
+        if out.finish_reason is not None:
+            del self._running[out.seq_id]
+            prompt_tokens = len(item.payload.prompt_ids)
+            self._finish(item, Outcome.RESULT, GenResult("".join(seq.pieces), out.finish_reason, prompt_tokens, seq.tokens))
+
+    def _expire_running(self, now: float) -> None:
+        """With budget_scope=total, a sequence still running at its deadline is cut."""
+        if self.settings.budget_scope != "total":
+            return
+        for seq_id, seq in list(self._running.items()):
+            d = seq.item.deadline
+            if d is not None and d <= now and not seq.item.best_effort:
+                del self._running[seq_id]
+                self._removals.append(seq_id)
+                self.metrics.expired.labels(self.model, seq.item.priority.label).inc()
+                self._finish(seq.item, Outcome.EXPIRED, DeadlineExceeded("latency budget exceeded while generating"))
+
+    def _cancel_running(self, item: WorkItem) -> None:
+        if self._running.pop(item.id, None) is not None:
+            self._removals.append(item.id)
+
+    def _fail_running(self, exc: Exception) -> int:
+        failed = 0
+        for seq_id, seq in list(self._running.items()):
+            del self._running[seq_id]
+            self._removals.append(seq_id)
+            failed += self._finish(seq.item, Outcome.ERROR, exc)
+        return failed
+
+    def _publish_gen(self) -> None:
+        m = self.metrics
+        m.running.labels(self.model).set(len(self._running))
+        m.waiting.labels(self.model).set(len(self.queue))
+        kv = getattr(self.engine, "kv_tokens", None)
+        if isinstance(kv, int):
+            m.kv_tokens.labels(self.model).set(kv)
+
+    async def warmup(self) -> None:
+        """Profile prefill and decode on the real engine to seed both cost models."""
+        sizes = (1, 4, 8)
+        prompt = self.engine.encode_prompt("Ferry warms up the engine with an ordinary prompt.")
+
+        def profile() -> list[tuple[str, int, int, float]]:
+            obs = []
+            next_id = -1
+            for n in sizes:
+                ids = list(range(next_id, next_id - n, -1))
+                next_id -= n
+                reqs = [self._make_request(i, prompt, None) for i in ids]
+                t0 = time.perf_counter()
+                self.engine.add(reqs)
+                obs.append(("prefill", n, n * len(prompt), time.perf_counter() - t0))
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    self.engine.step()
+                    obs.append(("decode", n, 0, time.perf_counter() - t0))
+                self.engine.remove(ids)
+            return obs
+
+        for phase, n, tokens, secs in await self.runner(profile):
+            (self.prefill_cost if phase == "prefill" else self.decode_cost).observe(n, tokens, secs)
+        self.prefill_cost.refit()
+        self.decode_cost.refit()
+
+
+def _default_request(seq_id: int, prompt_ids: list[int], params: Any) -> Any:
+    from engine.base import SamplingParams, SequenceRequest  # engine.base is torch-free
+
+    return SequenceRequest(seq_id, list(prompt_ids), params if params is not None else SamplingParams(max_tokens=8, temperature=0.0))
+
+
+class SimulatedRunner:
+    """A runner for tests: each engine call costs fixed + per_row * rows of simulated time."""
+
+    def __init__(self, clock: Any, engine: Any, fixed: float = 0.010, per_row: float = 0.001):
+        self.clock, self.engine, self.fixed, self.per_row = clock, engine, fixed, per_row
+
+    async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        await self.clock.sleep(self.fixed + self.per_row * max(1, self.engine.running))
+        return fn(*args)

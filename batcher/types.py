@@ -1,0 +1,113 @@
+"""Shared vocabulary of the batcher: work items, batches, outcomes.
+
+Every module imports these; nobody redefines them.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any, Callable
+
+_ids = itertools.count(1)
+
+
+class Outcome(IntEnum):
+    """Terminal states are ordered after PENDING so `finished` is one comparison."""
+
+    PENDING = 0
+    RESULT = 1
+    ERROR = 2
+    CANCELLED = 3
+    EXPIRED = 4
+
+
+class Priority(IntEnum):
+    INTERACTIVE = 0
+    BATCH = 1
+
+    @classmethod
+    def parse(cls, value: str | None) -> "Priority":
+        if value is None or value == "":
+            return cls.INTERACTIVE
+        try:
+            return cls[value.upper()]
+        except KeyError:
+            raise ValueError(f"priority must be 'interactive' or 'batch', got {value!r}") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+class DispatchReason(str, Enum):
+    FULL = "full"
+    MAX_WAIT = "max_wait"
+    DEADLINE = "deadline"
+    ADAPTIVE = "adaptive"
+    DRAIN = "drain"
+
+
+class Stage(str, Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+
+
+@dataclass(eq=False, slots=True)
+class WorkItem:
+    """One prompt or input. Its future is resolved exactly once, by `finish`."""
+
+    payload: Any
+    arrival: float
+    deadline: float | None = None
+    priority: Priority = Priority.INTERACTIVE
+    cost: int = 1  # tokens
+    request_id: str = ""
+    prompt_index: int = 0
+    # Generation items stream deltas through this callback (called on the event loop).
+    on_delta: Callable[[Any], None] | None = None
+    id: int = field(default_factory=lambda: next(_ids))
+    future: asyncio.Future | None = None
+    outcome: Outcome = Outcome.PENDING
+    # Filled in when the item leaves the queue.
+    dispatched_at: float | None = None
+    batch_size: int = 0
+    reason: DispatchReason | None = None
+    # Best-effort service of an item admission judged infeasible (on_infeasible=serve).
+    best_effort: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome > Outcome.PENDING
+
+    def finish(self, outcome: Outcome, value: Any = None) -> bool:
+        """Move to a terminal state once; later calls are ignored and return False."""
+        if self.finished:
+            return False
+        self.outcome = outcome
+        fut = self.future
+        if fut is not None and not fut.done():
+            if outcome is Outcome.RESULT:
+                fut.set_result(value)
+            else:
+                fut.set_exception(value)
+        return True
+
+
+@dataclass(slots=True)
+class Batch:
+    items: list[WorkItem]
+    formed_at: float
+    reason: DispatchReason
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def tokens(self) -> int:
+        return sum(i.cost for i in self.items)
+
+    @property
+    def padded_tokens(self) -> int:
+        return max((i.cost for i in self.items), default=0) * len(self.items)

@@ -1,0 +1,86 @@
+"""Engine protocols: what the batcher may ask of a model.
+
+Engines know nothing about deadlines, queues or HTTP. They are called from one worker
+thread at a time (the batcher owns that thread), so implementations need no locking.
+Per-item failures are returned in place of a result, never raised, so that one bad item
+cannot fail its batch mates; an exception raised out of a call fails every item of it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    vector: "object"  # numpy float32 array, shape [dim], L2-normalised
+    tokens: int
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    name: str
+    max_length: int  # tokens; longer inputs are truncated
+    dim: int
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Token ids per text, already truncated to max_length (special tokens included)."""
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingResult | Exception]:
+        """One forward pass over the batch, padded to its longest member."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SequenceRequest:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one sequence produced in one engine call.
+
+    `text` is the newly *released* text: text that might still turn out to be the start
+    of a stop string is held back until it is known not to be. When `finish_reason` is
+    set ("stop" or "length") the sequence has left the running set and its cache is freed.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    name: str
+    max_context: int  # prompt + completion tokens
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        """Apply the chat template (with the generation prompt) and tokenize."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Tokenize a plain completion prompt."""
+
+    def add(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
+        """Batched prefill of new sequences; each produces its first token."""
+
+    def step(self) -> list[StepOutput]:
+        """One decode step of every running sequence."""
+
+    def remove(self, seq_ids: Sequence[int]) -> None:
+        """Drop sequences (cancellation); unknown ids are ignored. Frees their cache."""
+
+    @property
+    def running(self) -> int:
+        """Number of sequences in the running set."""

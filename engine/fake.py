@@ -1,0 +1,169 @@
+"""Fake engines with a configurable cost model, for tests and benchmarks of the batcher
+and gateway. Torch-free. Special inputs inject faults:
+
+- text containing ``FAIL_ITEM``: that item fails alone (returned as an exception);
+- ``FAIL_BATCH``: the whole engine call raises;
+- ``OOM``: the call raises an out-of-memory error (the gateway splits and retries);
+- ``HANG``: the call blocks for `hang_seconds`.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from .base import EmbeddingResult
+
+
+class FakeOOM(RuntimeError):
+    def __init__(self) -> None:
+        super().__init__("CUDA out of memory (simulated)")
+
+
+def fake_vector(text: str, dim: int) -> np.ndarray:
+    seed = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    v = np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+class FakeEmbeddingEngine:
+    """Implements `EmbeddingEngine`; latency = fixed + per_item * n (+ per_token * padded)."""
+
+    def __init__(self, name: str = "fake-embed", dim: int = 8, fixed: float = 0.0, per_item: float = 0.0,
+                 per_token: float = 0.0, max_length: int = 512, hang_seconds: float = 30.0):
+        self.name, self.dim, self.max_length = name, dim, max_length
+        self.fixed, self.per_item, self.per_token, self.hang_seconds = fixed, per_item, per_token, hang_seconds
+        self.calls: list[int] = []  # batch sizes seen, in order
+        self._texts: dict[tuple[int, ...], str] = {}
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        out = []
+        for text in texts:
+            ids = [101] + [hash(w) % 30000 for w in text.split()] + [102]
+            ids = ids[: self.max_length]
+            self._texts[tuple(ids)] = text
+            out.append(ids)
+        return out
+
+    def cost(self, batch: Sequence[Sequence[int]]) -> float:
+        longest = max((len(b) for b in batch), default=0)
+        return self.fixed + self.per_item * len(batch) + self.per_token * longest * len(batch)
+
+    def embed(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingResult | Exception]:
+        self.calls.append(len(batch))
+        texts = [self._texts.get(tuple(ids), " ".join(map(str, ids))) for ids in batch]
+        if any("HANG" in t for t in texts):
+            time.sleep(self.hang_seconds)
+        if any("FAIL_BATCH" in t for t in texts):
+            raise RuntimeError("simulated engine failure")
+        if any("OOM" in t for t in texts):
+            raise FakeOOM()
+        delay = self.cost(batch)
+        if delay > 0:
+            time.sleep(delay)
+        return [
+            ValueError("simulated failure of one input") if "FAIL_ITEM" in t else EmbeddingResult(fake_vector(t, self.dim), len(ids))
+            for t, ids in zip(texts, batch)
+        ]
+
+
+class SimulatedExecutor:
+    """An async `execute` for the batcher that spends simulated time on a clock.
+
+    latency = fixed + per_item * n; `fail_items` fail alone, `fail_batches` (by call
+    index) raise. Records every batch it ran, with the clock time it started.
+    """
+
+    def __init__(self, clock: Any, fixed: float = 0.010, per_item: float = 0.002,
+                 fail_items: set[Any] | None = None, fail_batches: set[int] | None = None):
+        self.clock, self.fixed, self.per_item = clock, fixed, per_item
+        self.fail_items = fail_items or set()
+        self.fail_batches = fail_batches or set()
+        self.runs: list[tuple[float, list[Any]]] = []
+
+    async def __call__(self, payloads: list[Any]) -> list[Any]:
+        index = len(self.runs)
+        self.runs.append((self.clock.now(), list(payloads)))
+        await self.clock.sleep(self.fixed + self.per_item * len(payloads))
+        if index in self.fail_batches:
+            raise RuntimeError(f"simulated failure of batch {index}")
+        return [ValueError(f"bad item {p!r}") if p in self.fail_items else ("ok", p) for p in payloads]
+
+
+class FakeGenerationEngine:
+    """Implements `GenerationEngine` without a model: sequence `s` emits the words
+    "w<k>" for k = 0, 1, ... (one per token) until its max_tokens or a stop string.
+
+    `calls` records every engine call as (kind, [seq_ids]) so tests can count steps and
+    the rows active in each. `fail_prompts` (first prompt token) make `add` raise when
+    such a prompt is in the group; `step_delay` makes each call block (wall clock).
+    """
+
+    def __init__(self, name: str = "fake-chat", max_context: int = 512, step_delay: float = 0.0,
+                 fail_prompts: set[int] | None = None):
+        self.name, self.max_context, self.step_delay = name, max_context, step_delay
+        self.fail_prompts = fail_prompts or set()
+        self.calls: list[tuple[str, list[int]]] = []
+        self._seqs: dict[int, dict] = {}
+
+    @property
+    def running(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def kv_tokens(self) -> int:
+        longest = max((len(s["prompt"]) + s["n"] for s in self._seqs.values()), default=0)
+        return longest * len(self._seqs)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>"
+        return self.encode_prompt(text)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return [ord(c) % 256 for c in text] or [0]
+
+    def add(self, requests) -> list:
+        self.calls.append(("add", [r.seq_id for r in requests]))
+        if any(r.prompt_ids and r.prompt_ids[0] in self.fail_prompts for r in requests):
+            raise RuntimeError("simulated prefill failure")
+        self._sleep()
+        for r in requests:
+            self._seqs[r.seq_id] = {"prompt": r.prompt_ids, "params": r.params, "n": 0, "text": ""}
+        return [self._emit(r.seq_id) for r in requests]
+
+    def step(self) -> list:
+        ids = list(self._seqs)
+        self.calls.append(("step", ids))
+        self._sleep()
+        return [self._emit(i) for i in ids]
+
+    def remove(self, seq_ids) -> None:
+        for i in seq_ids:
+            self._seqs.pop(i, None)
+
+    def _sleep(self) -> None:
+        if self.step_delay > 0:
+            time.sleep(self.step_delay)
+
+    def _emit(self, seq_id: int):
+        from .base import StepOutput
+
+        s = self._seqs[seq_id]
+        word = f"w{s['n']} "
+        s["n"] += 1
+        s["text"] += word
+        params = s["params"]
+        finish = None
+        for stop in params.stop:
+            if stop in s["text"]:
+                finish = "stop"
+                cut = s["text"].index(stop)
+                word = word[: max(0, len(word) - (len(s["text"]) - cut))]
+                break
+        if finish is None and (s["n"] >= params.max_tokens or len(s["prompt"]) + s["n"] >= self.max_context):
+            finish = "length"
+        if finish is not None:
+            del self._seqs[seq_id]
+        return StepOutput(seq_id, [s["n"]], word, finish)

@@ -1,0 +1,434 @@
+"""Continuous (iteration-level) batching over any Hugging Face causal LM.
+
+Running sequences share one DynamicCache, one row each, left-padded to a common length.
+`add()` prefills new prompts as their own batch and merges that cache into the running
+one; `step()` decodes one token for every row; finished or cancelled rows leave the cache
+at once. Because rows are left-padded and joined at different times, every forward gets
+an explicit 2D 0/1 attention mask and explicit position ids (real tokens before the
+fed one); transformers' defaults ignore padding and give silently wrong tokens.
+"""
+from __future__ import annotations
+
+import inspect
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .base import SamplingParams, SequenceRequest, StepOutput
+from .device import configure_threads, resolve_device, resolve_dtype
+from .sampling import SequenceSampler, sample_next_tokens
+
+log = logging.getLogger("ferry.engine")
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
+
+# Prompt tokens decoded ahead of the completion so that tokenizers which drop or add a
+# leading space at the start of a decode (SentencePiece) render the first word right.
+_DETOKENIZE_CONTEXT = 5
+# A UTF-8 character is at most 4 bytes; past this many undecodable tokens the bytes are
+# genuinely invalid and are released as U+FFFD rather than held forever.
+_MAX_HELD_TOKENS = 6
+
+
+class HFGenerationEngine:
+    """GenerationEngine for a local path or hub id loadable by AutoModelForCausalLM.
+
+    Not thread-safe: the batcher calls it from one worker thread.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str,
+        device: str | None = "cpu",
+        dtype: str | None = "float32",
+        max_running: int = 32,
+        *,
+        name: str | None = None,
+        max_context: int | None = None,
+        torch_threads: int | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
+        to the config's max_position_embeddings."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        configure_threads(torch_threads)
+        self.name = name or model_name_or_path
+        self.device = torch.device(resolve_device(device))
+        self.max_running = max_running
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            model_name_or_path, trust_remote_code=trust_remote_code
+        )
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_name_or_path,
+            dtype=resolve_dtype(dtype, self.device.type),
+            trust_remote_code=trust_remote_code,
+        )
+        self.model.to(self.device).eval()
+        self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        self._cache_kwarg = _cache_kwarg(self.model)
+        self._batch = _RunningBatch()
+        self._check_cache_layout()
+        log.info(
+            "loaded chat model %s on %s (max_context=%d, max_running=%d)",
+            self.name, self.device, self.max_context, self.max_running,
+        )
+
+    @classmethod
+    def tiny_default(cls, cache_dir: str | None = None, **kwargs: Any) -> "HFGenerationEngine":
+        """The built-in "ferry-tiny-chat" model, built on first use."""
+        from .tiny_chat import MODEL_NAME, ensure_tiny_chat
+
+        kwargs.setdefault("name", MODEL_NAME)
+        return cls(ensure_tiny_chat(cache_dir), **kwargs)
+
+    @property
+    def running(self) -> int:
+        return len(self._batch.seqs)
+
+    @property
+    def running_ids(self) -> list[int]:
+        return [seq.seq_id for seq in self._batch.seqs]
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.chat_template:
+            raise ValueError(f"model {self.name!r} has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    @torch.inference_mode()
+    def add(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
+        """Prefill `requests` together; each yields its first token (or finishes at once).
+
+        A prompt that is empty or leaves no room in max_context finishes with "length" and
+        no tokens: the protocol has no per-item error, and it must not fail its batch mates.
+        """
+        self._check_admission(requests)
+        admitted = [r for r in requests if self._fits(r)]
+        outputs = {
+            r.seq_id: StepOutput(r.seq_id, [], "", FINISH_LENGTH)
+            for r in requests
+            if not self._fits(r)
+        }
+        if admitted:
+            outputs.update((o.seq_id, o) for o in self._prefill(admitted))
+        return [outputs[r.seq_id] for r in requests]
+
+    @torch.inference_mode()
+    def step(self) -> list[StepOutput]:
+        batch = self._batch
+        if not batch.seqs:
+            return []
+        input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)
+        positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
+        ones = torch.ones((len(batch.seqs), 1), dtype=batch.mask.dtype, device=self.device)
+        mask = torch.cat([batch.mask, ones], dim=1)
+        logits, batch.cache = self._forward(input_ids, positions, mask, batch.cache)
+        batch.mask = mask
+        tokens = sample_next_tokens(logits, [s.sampler for s in batch.seqs])
+        outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens)]
+        finished = {i for i, out in enumerate(outputs) if out.finish_reason}
+        if finished:
+            batch.keep([i for i in range(len(batch.seqs)) if i not in finished])
+        return outputs
+
+    @torch.inference_mode()
+    def remove(self, seq_ids: Sequence[int]) -> None:
+        drop = set(seq_ids)
+        rows = [i for i, seq in enumerate(self._batch.seqs) if seq.seq_id not in drop]
+        if len(rows) != len(self._batch.seqs):
+            self._batch.keep(rows)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _fits(self, request: SequenceRequest) -> bool:
+        n = len(request.prompt_ids)
+        return 0 < n < self.max_context and request.params.max_tokens > 0
+
+    def _check_admission(self, requests: Sequence[SequenceRequest]) -> None:
+        """Caller bugs fail the whole call, before any state changes."""
+        ids = [r.seq_id for r in requests]
+        clash = set(ids) & set(self.running_ids)
+        if clash or len(set(ids)) != len(ids):
+            raise ValueError(f"duplicate seq_id(s): {sorted(clash) or ids}")
+        admitted = sum(1 for r in requests if self._fits(r))
+        if self.running + admitted > self.max_running:
+            raise ValueError(
+                f"admitting {admitted} would exceed max_running={self.max_running} "
+                f"({self.running} running)"
+            )
+
+    def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
+        input_ids, mask = _left_pad_prompts([r.prompt_ids for r in requests], self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
+        logits, cache = self._forward(input_ids, positions, mask, self._new_cache())
+        seqs = [self._new_sequence(r) for r in requests]
+        tokens = sample_next_tokens(logits, [s.sampler for s in seqs])
+        outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens)]
+        alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
+        if alive:
+            newcomers = _RunningBatch(cache=cache, mask=mask, seqs=seqs)
+            if len(alive) < len(seqs):
+                newcomers.keep(alive)
+            self._batch.merge(newcomers)
+        return outputs
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        cache = out.cache if self._cache_kwarg == "cache" else out.past_key_values
+        return out.logits[:, -1, :], cache
+
+    def _new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def _new_sequence(self, request: SequenceRequest) -> "_Sequence":
+        params = request.params
+        return _Sequence(
+            seq_id=request.seq_id,
+            params=params,
+            prompt_len=len(request.prompt_ids),
+            sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed),
+            detokenizer=_IncrementalDetokenizer(
+                self.tokenizer, request.prompt_ids[-_DETOKENIZE_CONTEXT:]
+            ),
+            stops=_StopStringFilter(params.stop),
+        )
+
+    def _advance(self, seq: "_Sequence", token: int) -> StepOutput:
+        """Account one new token: release text, decide whether the sequence finishes."""
+        seq.tokens.append(token)
+        if token in self.eos_token_ids:
+            text, _ = seq.stops.feed(seq.detokenizer.flush(), final=True)
+            return StepOutput(seq.seq_id, [token], text, FINISH_STOP)
+        text, stopped = seq.stops.feed(seq.detokenizer.push(token))
+        if stopped:
+            return StepOutput(seq.seq_id, [token], text, FINISH_STOP)
+        out_of_room = (
+            len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context
+        )
+        if not out_of_room:
+            return StepOutput(seq.seq_id, [token], text)
+        tail, stopped = seq.stops.feed(seq.detokenizer.flush(), final=True)
+        reason = FINISH_STOP if stopped else FINISH_LENGTH
+        return StepOutput(seq.seq_id, [token], text + tail, reason)
+
+    def _check_cache_layout(self) -> None:
+        """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model."""
+        from transformers.cache_utils import DynamicLayer
+
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            _, cache = self._forward(ids, torch.zeros_like(ids), mask, self._new_cache())
+        unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+        if unsupported:
+            raise NotImplementedError(
+                f"model {self.name!r} uses cache layers {sorted(unsupported)}; only full-attention "
+                "DynamicLayer caches can be merged across sequences"
+            )
+
+
+@dataclass(slots=True)
+class _Sequence:
+    seq_id: int
+    params: SamplingParams
+    prompt_len: int
+    sampler: SequenceSampler
+    detokenizer: "_IncrementalDetokenizer"
+    stops: "_StopStringFilter"
+    tokens: list[int] = field(default_factory=list)
+
+    @property
+    def last_token(self) -> int:
+        return self.tokens[-1]
+
+    @property
+    def total_tokens(self) -> int:
+        """Prompt plus completion; the cache holds all but the last completion token."""
+        return self.prompt_len + len(self.tokens)
+
+
+@dataclass(slots=True)
+class _RunningBatch:
+    """Rows of the shared cache; `mask` is [rows, cache columns] with 0 on padding."""
+
+    cache: Any = None
+    mask: torch.Tensor | None = None
+    seqs: list[_Sequence] = field(default_factory=list)
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only `rows` (in that order), then drop padding columns nobody needs."""
+        if not rows:
+            self.cache, self.mask, self.seqs = None, None, []
+            return
+        index = torch.tensor(rows, device=self.mask.device)
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask.index_select(0, index)
+        self.seqs = [self.seqs[i] for i in rows]
+        self._trim_left_padding()
+
+    def merge(self, other: "_RunningBatch") -> None:
+        """Append `other`'s rows, left-padding the shorter cache to a common length."""
+        if not self.seqs:
+            self.cache, self.mask, self.seqs = other.cache, other.mask, list(other.seqs)
+            return
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys = torch.cat([_pad_seq(mine.keys, width), _pad_seq(theirs.keys, width)])
+            mine.values = torch.cat([_pad_seq(mine.values, width), _pad_seq(theirs.values, width)])
+        self.mask = torch.cat([_pad_mask(self.mask, width), _pad_mask(other.mask, width)])
+        self.seqs.extend(other.seqs)
+
+    def _trim_left_padding(self) -> None:
+        # Slicing is a view, and DynamicLayer.update copies the cache on the next step
+        # anyway, so trimming every time is free and keeps attention cost bounded.
+        lead = int(self.mask.any(dim=0).int().argmax())
+        if lead == 0:
+            return
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[:, :, lead:]
+            layer.values = layer.values[:, :, lead:]
+        self.mask = self.mask[:, lead:]
+
+
+class _IncrementalDetokenizer:
+    """Turns a token stream into text deltas, holding back incomplete UTF-8 characters.
+
+    Decodes a short window (already-released context + new tokens) and emits the part
+    beyond the context, so byte-level and SentencePiece tokenizers both render spaces and
+    multi-byte characters split across tokens correctly.
+    """
+
+    def __init__(self, tokenizer: Any, context: Sequence[int]) -> None:
+        self._tokenizer = tokenizer
+        self._ids = list(context)
+        self._prefix = 0  # window start
+        self._read = len(self._ids)  # end of text already released
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        held = len(self._ids) - self._read
+        incomplete = len(text) <= len(prefix_text) or text.endswith("\ufffd")
+        if incomplete and held < _MAX_HELD_TOKENS:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Everything not yet released, partial characters included."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(prefix_text) :]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+
+class _StopStringFilter:
+    """OpenAI stop semantics over a text stream: output ends before the first stop
+    string, which is not included; text that may be the start of one is held back."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(releasable text, whether a stop string was hit)."""
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buffer[: min(hits)], True
+        hold = 0 if final else self._partial_stop_suffix(buffer)
+        self._held = buffer[len(buffer) - hold :] if hold else ""
+        return buffer[: len(buffer) - hold], False
+
+    def _partial_stop_suffix(self, buffer: str) -> int:
+        """Length of the longest suffix of `buffer` that is a proper prefix of a stop."""
+        longest = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+
+def _left_pad_prompts(prompts: Sequence[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    # The pad id is never attended to; 0 is merely a valid embedding index.
+    ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, width - len(prompt) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _pad_seq(kv: torch.Tensor, width: int) -> torch.Tensor:
+    """Left-pad a [batch, heads, seq, head_dim] tensor along seq to `width`."""
+    return F.pad(kv, (0, 0, width - kv.shape[2], 0))
+
+
+def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
+    return F.pad(mask, (width - mask.shape[1], 0))
+
+
+def _max_context(config: Any, tokenizer: Any) -> int:
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    # Tokenizers without a limit report a huge sentinel (int(1e30)).
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < 1_000_000:
+        return limit
+    raise ValueError("cannot tell the model's context length; pass max_context=")
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return frozenset(ids)
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers 5.x renamed `past_key_values` to `cache` (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -1,0 +1,62 @@
+"""The Starlette application: routes, lifespan (model loading in the background so
+/healthz answers at once and /readyz tells when models are warm), and drain."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from batcher.metrics import Metrics
+
+from .config import ServerConfig
+from .endpoint import endpoint
+from .models import ModelSpec, default_specs
+from .routes import admin, embeddings, system
+from .state import Ferry
+
+log = logging.getLogger("ferry.gateway")
+
+
+def routes() -> list[Route]:
+    from .routes import chat  # noqa: PLC0415 - chat imports nothing heavy, kept apart for clarity
+
+    return [
+        Route("/healthz", system.healthz, methods=["GET"]),
+        Route("/readyz", system.readyz, methods=["GET"]),
+        Route("/metrics", system.metrics, methods=["GET"]),
+        Route("/v1/models", endpoint("/v1/models", system.list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", endpoint("/v1/models/{model}", system.get_model), methods=["GET"]),
+        Route("/v1/embeddings", endpoint("/v1/embeddings", embeddings.create_embeddings), methods=["POST"]),
+        Route("/v1/chat/completions", endpoint("/v1/chat/completions", chat.chat_completions), methods=["POST"]),
+        Route("/v1/completions", endpoint("/v1/completions", chat.completions), methods=["POST"]),
+        Route("/admin/models/{model:path}/batching", endpoint("/admin/batching", admin.get_batching, public=True), methods=["GET"]),
+        Route("/admin/models/{model:path}/batching", endpoint("/admin/batching", admin.patch_batching, public=True), methods=["PATCH"]),
+    ]
+
+
+def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None = None,
+               metrics: Metrics | None = None) -> Starlette:
+    config = config or ServerConfig()
+    ferry = Ferry(config, metrics or Metrics(), specs if specs is not None else default_specs(config))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        loader = asyncio.create_task(ferry.load())
+        try:
+            yield
+        finally:
+            if not loader.done():
+                loader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await loader
+            failed = await ferry.drain(config.drain_timeout)
+            if failed:
+                log.warning("drain timeout: %d accepted items ended with an error", failed)
+            await ferry.close()
+
+    app = Starlette(routes=routes(), lifespan=lifespan)
+    app.state.ferry = ferry
+    return app

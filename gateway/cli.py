@@ -1,0 +1,27 @@
+"""`ferry serve`: the command-line entry point."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .config import from_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    command, cfg = from_args(argv)
+    from .logs import setup_logging
+
+    setup_logging()
+    if command == "serve":
+        from .server import serve
+
+        return serve(cfg)
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

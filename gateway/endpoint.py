@@ -1,0 +1,85 @@
+"""One wrapper for every route: request id, API-key check, OpenAI error mapping,
+request metrics and one structured log line per request."""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from .errors import APIError
+from .http import ClientGone
+
+log = logging.getLogger("ferry.access")
+
+
+@dataclass
+class Ctx:
+    route: str
+    request_id: str
+    model: str = ""
+    extra: dict = field(default_factory=dict)  # fields for the access log line
+
+
+Handler = Callable[[Request, Ctx], Awaitable[Response]]
+
+
+def check_key(request: Request, keys: list[str], header: str = "authorization") -> bool:
+    auth = request.headers.get(header, "")
+    scheme, _, token = auth.partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        return False
+    # Compare against every key so timing reveals neither which key nor how much matched.
+    ok = False
+    for key in keys:
+        ok |= hmac.compare_digest(token.encode(), key.encode())
+    return ok
+
+
+def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
+    async def wrapped(request: Request) -> Response:
+        ferry = request.app.state.ferry
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        if len(rid) > 128 or not rid.isprintable():
+            rid = uuid.uuid4().hex
+        ctx = Ctx(route, rid)
+        m = ferry.metrics
+        start = time.perf_counter()
+        m.in_flight.labels(route).inc()
+        try:
+            if not public and ferry.config.api_keys and not check_key(request, ferry.config.api_keys):
+                raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+            response = await handler(request, ctx)
+        except APIError as exc:
+            response = exc.response()
+        except ClientGone:
+            response = Response(status_code=499)
+        except Exception:
+            log.exception("unhandled error on %s", route)
+            response = APIError(500, "internal server error", code="internal_error").response()
+        response.headers["X-Request-Id"] = rid
+        if isinstance(response, StreamingResponse):
+            # Streams account for themselves when they end.
+            m.in_flight.labels(route).dec()
+            return response
+        m.in_flight.labels(route).dec()
+        finish(ferry, ctx, response.status_code, start)
+        return response
+
+    return wrapped
+
+
+def finish(ferry, ctx: Ctx, status: int, start: float) -> None:
+    elapsed = time.perf_counter() - start
+    m = ferry.metrics
+    m.requests.labels(ctx.route, ctx.model, str(status)).inc()
+    if ctx.model:
+        m.request_latency.labels(ctx.route, ctx.model).observe(elapsed)
+    if log.isEnabledFor(logging.INFO):
+        log.info("request", extra={"request_id": ctx.request_id, "route": ctx.route, "model": ctx.model,
+                                   "status": status, "latency_ms": round(elapsed * 1000.0, 3), **ctx.extra})

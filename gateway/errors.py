@@ -1,0 +1,57 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+from __future__ import annotations
+
+import math
+
+from batcher.errors import (Cancelled, DeadlineExceeded, DeadlineInfeasible, EngineError, FerryError,
+                            QueueFull, ShuttingDown)
+
+from .responses import json_response
+
+TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
+
+STATUS_OF = {
+    QueueFull: 429,
+    DeadlineInfeasible: 429,
+    DeadlineExceeded: 504,
+    ShuttingDown: 503,
+    EngineError: 500,
+    Cancelled: 499,
+}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 retry_after: float | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
+
+    @classmethod
+    def from_ferry(cls, exc: FerryError) -> "APIError":
+        status = next((s for t, s in STATUS_OF.items() if isinstance(exc, t)), 500)
+        return cls(status, exc.message, code=exc.code, retry_after=exc.retry_after)
+
+    def response(self, headers: dict[str, str] | None = None):
+        hdrs = dict(headers or {})
+        if self.retry_after is not None:
+            hdrs["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return json_response(error_body(self.status, self.message, self.code, self.param), self.status, hdrs)
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}
+
+
+def not_found_model(name: str, available: list[str]) -> APIError:
+    return APIError(404, f"The model '{name}' does not exist. Available models: {', '.join(available) or 'none'}",
+                    code="model_not_found", param="model")

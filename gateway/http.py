@@ -1,0 +1,145 @@
+"""Request plumbing shared by the routes: bounded body reading, parsing to pydantic
+models with OpenAI errors, scheduling fields, and waiting on work items while watching
+for the client to leave."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from batcher.core import QueueingBatcher
+from batcher.errors import FerryError
+from batcher.types import Priority, WorkItem
+
+from .errors import APIError
+
+M = TypeVar("M", bound=BaseModel)
+
+BUDGET_HEADER = "x-ferry-latency-budget-ms"
+PRIORITY_HEADER = "x-ferry-priority"
+
+
+class ClientGone(Exception):
+    """The client disconnected; nobody is listening for an answer."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse(request: Request, model: type[M], limit: int) -> M:
+    raw = await read_body(request, limit)
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    err = exc.errors()[0]
+    # Drop pydantic's union-branch names ("str", "list[str]") from the location.
+    loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
+    param = ".".join(loc) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    return APIError(422, f"{param}: {msg}" if param else msg, code="invalid_value", param=param)
+
+
+def _is_type_tag(p: Any) -> bool:
+    return isinstance(p, str) and (p[:1].islower() and ("[" in p or p in {"str", "int", "float", "bool", "none", "list", "dict"}) or p.startswith("function-"))
+
+
+def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
+    """Latency budget (seconds) and priority class: body field, else header, else default."""
+    budget_ms = getattr(body, "latency_budget_ms", None)
+    if budget_ms is None and (raw := request.headers.get(BUDGET_HEADER)) is not None:
+        try:
+            budget_ms = float(raw)
+        except ValueError:
+            budget_ms = -1.0
+        if not (0 < budget_ms <= 3_600_000):
+            raise APIError(422, f"header X-Ferry-Latency-Budget-Ms must be a number of milliseconds in (0, 3600000], got {raw!r}",
+                           code="invalid_value", param="X-Ferry-Latency-Budget-Ms")
+    name = getattr(body, "priority", None) or request.headers.get(PRIORITY_HEADER)
+    try:
+        priority = Priority.parse(name)
+    except ValueError as exc:
+        raise APIError(422, str(exc), code="invalid_value", param="priority") from None
+    return (None if budget_ms is None else budget_ms / 1000.0), priority
+
+
+def submit(batcher: QueueingBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
+    try:
+        return batcher.submit_many(payloads, **kw)
+    except FerryError as exc:
+        raise APIError.from_ferry(exc) from None
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def wait_items(request: Request, batcher: QueueingBatcher, items: list[WorkItem]) -> list[Any]:
+    """Results in item order. If the client leaves first, its items are cancelled (and
+    never computed if still queued). If one item fails, its siblings are cancelled."""
+    gathered = asyncio.gather(*(i.future for i in items))
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        cancel_all(batcher, items)
+        raise
+    finally:
+        watcher.cancel()
+    if not gathered.done():
+        cancel_all(batcher, items)
+        gathered.cancel()
+        raise ClientGone()
+    try:
+        return gathered.result()
+    except FerryError as exc:
+        cancel_all(batcher, items)
+        raise APIError.from_ferry(exc) from None
+
+
+def cancel_all(batcher: QueueingBatcher, items: list[WorkItem]) -> None:
+    for item in items:
+        batcher.cancel(item)
+
+
+def timing_headers(items: list[WorkItem]) -> dict[str, str]:
+    """The slowest item speaks for the request: its queue wait, batch size and reason."""
+    done = [i for i in items if i.dispatched_at is not None]
+    if not done:
+        return {}
+    worst = max(done, key=lambda i: i.dispatched_at - i.arrival)
+    headers = {
+        "X-Ferry-Queue-Ms": f"{(worst.dispatched_at - worst.arrival) * 1000.0:.3f}",
+        "X-Ferry-Batch-Size": str(worst.batch_size),
+        "X-Ferry-Dispatch-Reason": worst.reason.value if worst.reason else "",
+    }
+    if any(i.best_effort for i in items):
+        headers["X-Ferry-Best-Effort"] = "true"
+    return headers

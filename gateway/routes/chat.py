@@ -1,0 +1,273 @@
+"""POST /v1/chat/completions and /v1/completions.
+
+Several prompts may share one request (`messages` as a list of conversations, `prompt`
+as a list of strings); every sampling field is a scalar or a per-prompt list. Each
+(prompt, candidate) pair is its own work item, so prompts of one request batch with
+prompts of others; choices come back in prompt order and stream deltas carry
+`prompt_index`.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from batcher.errors import FerryError
+from batcher.scheduler import Delta, GenRequest
+from batcher.types import WorkItem
+from engine.base import SamplingParams
+
+from ..endpoint import Ctx, finish
+from ..errors import APIError, error_body
+from ..http import cancel_all, parse, scheduling, submit, timing_headers, wait_items
+from ..models import CHAT
+from ..responses import dumps, json_response
+from ..schemas import ChatCompletionRequest, CompletionRequest
+
+
+@dataclass
+class Plan:
+    """What one request asks for, after validation: prompts and per-item parameters."""
+
+    prompts: list[list[int]]
+    params: list[SamplingParams]  # one per prompt
+    n: int
+
+    def items(self) -> list[tuple[int, int, GenRequest]]:
+        """(prompt_index, candidate, payload) in item order: prompt-major."""
+        out = []
+        for p, (ids, sp) in enumerate(zip(self.prompts, self.params)):
+            for j in range(self.n):
+                seed = None if sp.seed is None else sp.seed + j
+                params = SamplingParams(sp.max_tokens, sp.temperature, sp.top_p, seed, list(sp.stop))
+                out.append((p, j, GenRequest(ids, params)))
+        return out
+
+
+def per_prompt(name: str, value: Any, n: int, default: Any) -> list[Any]:
+    if value is None:
+        return [default] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise APIError(422, f"{name} is a list of {len(value)} values but the request has {n} prompts; "
+                                f"give one value per prompt or a single value for all", code="invalid_value", param=name)
+        return list(value)
+    return [value] * n
+
+
+def stops_per_prompt(value: Any, n: int, limit: int) -> list[list[str]]:
+    if value is None:
+        out = [[] for _ in range(n)]
+    elif isinstance(value, str):
+        out = [[value] for _ in range(n)]
+    elif all(isinstance(v, str) for v in value):
+        out = [list(value) for _ in range(n)]  # a list of strings applies to every prompt (OpenAI)
+    else:
+        out = [[] if v is None else ([v] if isinstance(v, str) else list(v)) for v in per_prompt("stop", value, n, None)]
+    for i, stops in enumerate(out):
+        if len(stops) > limit:
+            raise APIError(422, f"stop: prompt {i} has {len(stops)} stop strings; at most {limit} are allowed",
+                           code="too_many_stop_strings", param="stop")
+        if any(not s for s in stops):
+            raise APIError(422, "stop: stop strings must not be empty", code="invalid_value", param="stop")
+    return out
+
+
+def plan(body: Any, prompts: list[list[int]], served: Any, cfg: Any, default_max: int | None) -> Plan:
+    n = len(prompts)
+    if n > cfg.max_prompts:
+        raise APIError(422, f"request has {n} prompts; at most {cfg.max_prompts} are allowed", code="too_many_prompts",
+                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+    raw_max = getattr(body, "max_completion_tokens", None)
+    max_name = "max_completion_tokens" if raw_max is not None else "max_tokens"
+    if raw_max is None:
+        raw_max = body.max_tokens
+    max_tokens = per_prompt(max_name, raw_max, n, None)
+    temps = per_prompt("temperature", body.temperature, n, 1.0)
+    top_ps = per_prompt("top_p", body.top_p, n, 1.0)
+    seeds = per_prompt("seed", body.seed, n, None)
+    stops = stops_per_prompt(body.stop, n, cfg.max_stop_strings)
+    context = served.engine.max_context
+    limit_prompt = min(context - 1, cfg.max_prompt_tokens or context)
+    params = []
+    for i, ids in enumerate(prompts):
+        if len(ids) > limit_prompt:
+            raise APIError(422, f"prompt {i} has {len(ids)} tokens; this model accepts at most {limit_prompt} prompt tokens "
+                                f"(context {context})", code="context_length_exceeded",
+                           param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
+        room = context - len(ids)
+        mt = max_tokens[i]
+        if mt is not None and mt > cfg.max_completion_tokens:
+            raise APIError(422, f"{max_name}: {mt} exceeds the limit of {cfg.max_completion_tokens}", code="invalid_value",
+                           param=max_name)
+        mt = min(mt if mt is not None else (default_max or room), room)
+        params.append(SamplingParams(max_tokens=mt, temperature=temps[i], top_p=top_ps[i], seed=seeds[i], stop=stops[i]))
+    return Plan(prompts, params, body.n)
+
+
+async def chat_completions(request: Request, ctx: Ctx):
+    ferry = request.app.state.ferry
+    body = await parse(request, ChatCompletionRequest, ferry.config.max_body_bytes)
+    served = ferry.model(body.model, CHAT)
+    ctx.model = served.name
+    convs = body.conversations
+    if len(convs) > ferry.config.max_prompts:
+        raise APIError(422, f"request has {len(convs)} prompts; at most {ferry.config.max_prompts} are allowed",
+                       code="too_many_prompts", param="messages")
+    prompts = [served.engine.encode_chat([{"role": m.role, "content": m.text()} for m in conv]) for conv in convs]
+    return await _generate(request, ctx, served, body, plan(body, prompts, served, ferry.config, None), chat=True)
+
+
+async def completions(request: Request, ctx: Ctx):
+    ferry = request.app.state.ferry
+    body = await parse(request, CompletionRequest, ferry.config.max_body_bytes)
+    served = ferry.model(body.model, CHAT)
+    ctx.model = served.name
+    if len(body.prompts) > ferry.config.max_prompts:
+        raise APIError(422, f"request has {len(body.prompts)} prompts; at most {ferry.config.max_prompts} are allowed",
+                       code="too_many_prompts", param="prompt")
+    prompts = [served.engine.encode_prompt(p) for p in body.prompts]
+    return await _generate(request, ctx, served, body, plan(body, prompts, served, ferry.config, 16), chat=False)
+
+
+async def _generate(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan, *, chat: bool):
+    ferry = request.app.state.ferry
+    budget, priority = scheduling(request, body)
+    triples = p.items()
+    if body.stream:
+        if ferry.streams >= ferry.config.max_streams:
+            raise APIError(429, f"too many concurrent streams (limit {ferry.config.max_streams})", code="too_many_streams",
+                           retry_after=1)
+        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        items = submit(served.batcher, [t[2] for t in triples], costs=[len(t[2].prompt_ids) for t in triples],
+                       budget=budget, priority=priority, request_id=ctx.request_id, on_delta=deltas.put_nowait)
+        stream = _stream(request, ctx, served, body, p, triples, items, deltas, chat)
+        return StreamingResponse(stream, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    items = submit(served.batcher, [t[2] for t in triples], costs=[len(t[2].prompt_ids) for t in triples],
+                   budget=budget, priority=priority, request_id=ctx.request_id)
+    results = await wait_items(request, served.batcher, items)
+    choices = []
+    for k, ((prompt_index, _, _), r) in enumerate(zip(triples, results)):
+        if chat:
+            choice = {"index": k, "prompt_index": prompt_index, "message": {"role": "assistant", "content": r.text},
+                      "finish_reason": r.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": k, "prompt_index": prompt_index, "text": r.text, "finish_reason": r.finish_reason,
+                      "logprobs": None}
+        choices.append(choice)
+    usage = _usage(p, results)
+    ctx.extra.update(prompts=len(p.prompts), completion_tokens=usage["completion_tokens"])
+    out = {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+           "model": served.name, "choices": choices, "usage": usage}
+    return json_response(out, headers=timing_headers(items))
+
+
+def _usage(p: Plan, results: list[Any]) -> dict[str, int]:
+    prompt = sum(len(ids) for ids in p.prompts)
+    completion = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+async def _stream(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan, triples: list, items: list[WorkItem],
+                  deltas: asyncio.Queue, chat: bool):
+    ferry = request.app.state.ferry
+    ferry.streams += 1
+    start = time.perf_counter()
+    rid, created, model = _id(chat), int(time.time()), served.name
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    index_of = {item.id: k for k, item in enumerate(items)}
+    started: set[int] = set()
+    open_items = {item.id for item in items}
+    completion_tokens = 0
+    status = 200
+
+    def chunk(k: int, text: str | None, finish_reason: str | None) -> bytes:
+        choice: dict[str, Any] = {"index": k, "prompt_index": triples[k][0], "finish_reason": finish_reason, "logprobs": None}
+        if chat:
+            delta: dict[str, Any] = {}
+            if k not in started:
+                delta["role"] = "assistant"
+                started.add(k)
+            if text:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
+
+    # Futures end each item: a result after its last delta, or an error/expiry without one.
+    waiters = {asyncio.ensure_future(_outcome(item)): item for item in items}
+    getter: asyncio.Future | None = None
+    try:
+        while open_items:
+            if getter is None:
+                getter = asyncio.ensure_future(deltas.get())
+            done, _ = await asyncio.wait({getter, *waiters}, return_when=asyncio.FIRST_COMPLETED)
+            if getter in done:
+                d: Delta = getter.result()
+                getter = None
+                k = index_of[d.item.id]
+                completion_tokens += d.tokens
+                yield chunk(k, d.text, d.finish_reason)
+                if d.finish_reason is not None:
+                    open_items.discard(d.item.id)
+                continue
+            for fut in done:
+                item = waiters.pop(fut)
+                exc = fut.result()
+                if exc is not None and item.id in open_items:
+                    open_items.discard(item.id)
+                    err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, str(exc))
+                    status = err.status if status == 200 else status
+                    body_ = error_body(err.status, err.message, err.code)
+                    body_["error"]["prompt_index"] = triples[index_of[item.id]][0]
+                    body_["error"]["index"] = index_of[item.id]
+                    yield chunk(index_of[item.id], None, "error")
+                    yield _sse(body_)
+        if body.stream_options is not None and body.stream_options.include_usage:
+            prompt_tokens = sum(len(ids) for ids in p.prompts)
+            yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                  "total_tokens": prompt_tokens + completion_tokens}})
+        yield b"data: [DONE]\n\n"
+    finally:
+        # The client left (or the server stops): cancel whatever is still queued or running.
+        if getter is not None:
+            getter.cancel()
+        for fut in waiters:
+            fut.cancel()
+        if open_items:
+            status = 499
+        cancel_all(served.batcher, items)
+        ferry.streams -= 1
+        ctx.extra.update(prompts=len(p.prompts), completion_tokens=completion_tokens, **_queue_fields(items))
+        finish(ferry, ctx, status, start)
+
+
+async def _outcome(item: WorkItem) -> Exception | None:
+    try:
+        await asyncio.shield(item.future)
+        return None
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        return exc
+
+
+def _queue_fields(items: list[WorkItem]) -> dict:
+    h = timing_headers(items)
+    return {"queue_ms": float(h.get("X-Ferry-Queue-Ms", 0.0)), "batch_size": int(h.get("X-Ferry-Batch-Size", 0))}

@@ -1,0 +1,47 @@
+"""Health, readiness, metrics and the model list."""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..endpoint import Ctx
+from ..errors import APIError
+from ..responses import json_response
+
+
+async def healthz(request: Request) -> Response:
+    return json_response({"status": "ok"})
+
+
+async def readyz(request: Request) -> Response:
+    ferry = request.app.state.ferry
+    if ferry.draining:
+        return json_response({"status": "draining"}, 503, {"Retry-After": "1"})
+    if not ferry.ready:
+        status = "failed" if ferry.load_error else "loading"
+        return json_response({"status": status, "error": ferry.load_error}, 503)
+    return json_response({"status": "ready", "models": list(ferry.models)})
+
+
+async def metrics(request: Request) -> Response:
+    registry = request.app.state.ferry.metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_card(m) -> dict:
+    return {"id": m.name, "object": "model", "created": m.created, "owned_by": "ferry", "type": m.kind}
+
+
+async def list_models(request: Request, ctx: Ctx) -> Response:
+    ferry = request.app.state.ferry
+    return json_response({"object": "list", "data": [_model_card(m) for m in ferry.models.values()]})
+
+
+async def get_model(request: Request, ctx: Ctx) -> Response:
+    ferry = request.app.state.ferry
+    name = request.path_params["model"]
+    m = ferry.models.get(name)
+    if m is None:
+        raise APIError(404, f"The model '{name}' does not exist", code="model_not_found", param="model")
+    return json_response(_model_card(m))

@@ -1,0 +1,51 @@
+"""Run the app under uvicorn, with a graceful drain on SIGTERM/SIGINT.
+
+On the first signal: /readyz turns 503 at once, new requests get 503 with Retry-After,
+accepted work (streams included) finishes within --drain-timeout, whatever is left ends
+with a clear error, then uvicorn stops and the process exits 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import uvicorn
+
+from .app import create_app
+from .config import ServerConfig
+
+log = logging.getLogger("ferry.gateway")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, ferry):
+        super().__init__(config)
+        self.ferry = ferry
+        self._drain_task: asyncio.Task | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self._drain_task is None and not self.should_exit:
+            log.info("signal %s: draining for up to %.1f s", sig, self.ferry.config.drain_timeout)
+            self._drain_task = asyncio.get_event_loop().create_task(self._drain())
+        else:
+            super().handle_exit(sig, frame)
+
+    async def _drain(self) -> None:
+        failed = await self.ferry.drain(self.ferry.config.drain_timeout)
+        if failed:
+            log.warning("drain timeout: %d accepted items ended with an error", failed)
+        # Let the last streams send their final events before uvicorn closes connections.
+        for _ in range(100):
+            if self.ferry.streams == 0:
+                break
+            await asyncio.sleep(0.05)
+        self.should_exit = True
+
+
+def serve(cfg: ServerConfig) -> int:
+    app = create_app(cfg)
+    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=cfg.drain_timeout + 5)
+    server = DrainingServer(config, app.state.ferry)
+    server.run()
+    return 0

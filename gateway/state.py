@@ -1,0 +1,58 @@
+"""Process-wide state of one gateway, kept on `app.state.ferry`."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+from batcher.metrics import Metrics
+
+from .config import ServerConfig
+from .errors import APIError, not_found_model
+from .models import ModelSpec, ServedModel, start_model
+
+log = logging.getLogger("ferry.gateway")
+
+
+@dataclass
+class Ferry:
+    config: ServerConfig
+    metrics: Metrics
+    specs: list[ModelSpec]
+    models: dict[str, ServedModel] = field(default_factory=dict)
+    ready: bool = False
+    draining: bool = False
+    load_error: str | None = None
+    streams: int = 0
+
+    async def load(self) -> None:
+        try:
+            for spec in self.specs:
+                served = await start_model(spec, self.config, self.metrics)
+                self.models[served.name] = served
+            self.ready = True
+            log.info("ready: %s", ", ".join(self.models))
+        except Exception as exc:  # surfaced on /readyz; the process keeps answering health checks
+            log.exception("model loading failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def model(self, name: str, kind: str) -> ServedModel:
+        if self.draining:
+            raise APIError(503, "server is shutting down", code="shutting_down", retry_after=1)
+        if not self.ready:
+            raise APIError(503, "models are still loading" if self.load_error is None else f"model loading failed: {self.load_error}",
+                           code="not_ready", retry_after=2)
+        served = self.models.get(name)
+        if served is None or served.kind != kind:
+            raise not_found_model(name, [m.name for m in self.models.values() if m.kind == kind])
+        return served
+
+    async def drain(self, timeout: float) -> int:
+        self.draining = True
+        failed = await asyncio.gather(*(m.batcher.drain(timeout) for m in self.models.values()))
+        return sum(failed)
+
+    async def close(self) -> None:
+        for m in self.models.values():
+            await m.batcher.stop()
+            m.runner.close()
