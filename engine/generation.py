@@ -92,6 +92,12 @@ class HFGenerationEngine:
         return len(self._batch.seqs)
 
     @property
+    def kv_tokens(self) -> int:
+        """Token slots the KV cache holds: rows x length, padding included."""
+        mask = self._batch.mask
+        return 0 if mask is None else mask.numel()
+
+    @property
     def running_ids(self) -> list[int]:
         return [seq.seq_id for seq in self._batch.seqs]
 
@@ -126,6 +132,18 @@ class HFGenerationEngine:
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
+        """Decode one token for every running sequence.
+
+        If this raises, every running sequence has failed and has been dropped: a forward
+        that dies part-way leaves the per-layer caches at different lengths.
+        """
+        try:
+            return self._decode_step()
+        except BaseException:
+            self._batch = _RunningBatch()
+            raise
+
+    def _decode_step(self) -> list[StepOutput]:
         batch = self._batch
         if not batch.seqs:
             return []
@@ -298,10 +316,18 @@ class _RunningBatch:
             self.cache, self.mask, self.seqs = other.cache, other.mask, list(other.seqs)
             return
         width = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([_pad_seq(mine.keys, width), _pad_seq(theirs.keys, width)])
-            mine.values = torch.cat([_pad_seq(mine.values, width), _pad_seq(theirs.values, width)])
-        self.mask = torch.cat([_pad_mask(self.mask, width), _pad_mask(other.mask, width)])
+        # Build everything before assigning anything, so a failure (OOM) leaves self intact.
+        merged = [
+            (
+                torch.cat([_pad_seq(mine.keys, width), _pad_seq(theirs.keys, width)]),
+                torch.cat([_pad_seq(mine.values, width), _pad_seq(theirs.values, width)]),
+            )
+            for mine, theirs in zip(self.cache.layers, other.cache.layers)
+        ]
+        mask = torch.cat([_pad_mask(self.mask, width), _pad_mask(other.mask, width)])
+        for layer, (keys, values) in zip(self.cache.layers, merged):
+            layer.keys, layer.values = keys, values
+        self.mask = mask
         self.seqs.extend(other.seqs)
 
     def _trim_left_padding(self) -> None:

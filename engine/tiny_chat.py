@@ -77,6 +77,7 @@ def ensure_tiny_chat(cache_dir: str | os.PathLike | None = None) -> str:
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         build_tiny_chat(staging)
+        os.chmod(staging, 0o755)  # mkdtemp makes it owner-only
         try:
             os.rename(staging, target)
         except OSError:

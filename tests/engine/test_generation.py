@@ -59,6 +59,7 @@ def assert_no_padding_only_columns(engine) -> None:
     batch = engine._batch
     width = int(batch.mask.sum(dim=1).max())
     assert batch.mask.shape[1] == width
+    assert engine.kv_tokens == width * engine.running
     assert all(layer.keys.shape[2] == width for layer in batch.cache.layers)
 
 

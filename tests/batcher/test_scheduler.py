@@ -1,0 +1,171 @@
+"""Continuous vs static batching, counted in engine iterations on a fake clock."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from batcher.clock import FakeClock
+from batcher.cost import LinearCost
+from batcher.errors import EngineError
+from batcher.metrics import Metrics
+from batcher.scheduler import GenerationScheduler, GenRequest, SimulatedRunner
+from batcher.settings import BatchingSettings
+from batcher.types import Outcome
+from engine.base import SamplingParams
+from engine.fake import FakeGenerationEngine
+
+from .conftest import run
+
+
+class GenRig:
+    def __init__(self, fail_prompts=None, per_row=0.0, **settings):
+        settings.setdefault("default_budget_ms", None)
+        self.clock = FakeClock()
+        self.engine = FakeGenerationEngine(fail_prompts=fail_prompts)
+        self.registry = CollectorRegistry()
+        self.sched = GenerationScheduler("g", self.engine, SimulatedRunner(self.clock, self.engine, 0.010, per_row),
+                                         BatchingSettings(**settings), clock=self.clock, metrics=Metrics(self.registry))
+
+    def submit(self, max_tokens: int, first_token: int = 1, **kw):
+        payload = GenRequest([first_token, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        return self.sched.submit(payload, cost=3, **kw)
+
+    def rows(self) -> list[int]:
+        """Active rows per iteration: decoded plus newly admitted."""
+        return [len(decoded) + len(admitted) for _, decoded, admitted in self.sched.trace]
+
+    def admitted_at(self, item) -> int:
+        return next(i for i, _, admitted in self.sched.trace if item.id in admitted)
+
+    def finished_at(self, item) -> int:
+        return max(i for i, decoded, admitted in self.sched.trace if item.id in decoded or item.id in admitted)
+
+
+async def _exercise(mode: str):
+    r = GenRig(mode=mode, max_running=3, max_batch_size=3, max_wait_ms=0)
+    await r.sched.start()
+    a, b, c = r.submit(2), r.submit(5), r.submit(8)
+    await r.clock.advance(0.001)  # the group of three is prefilled: iteration 1
+    d = r.submit(4)  # just after them
+    await r.clock.run_until_idle()
+    results = {k: i.future.result() for k, i in zip("abcd", (a, b, c, d))}
+    await r.sched.stop()
+    return r, (a, b, c, d), results
+
+
+def test_static_batching_makes_the_fourth_request_wait_for_the_whole_group():
+    r, (a, b, c, d), results = run(_exercise("static"))
+    assert [results[k].completion_tokens for k in "abc"] == [2, 5, 8]
+    assert all(results[k].finish_reason == "length" for k in "abcd")
+    assert r.finished_at(c) == 8
+    assert r.admitted_at(d) == 9  # waited the full 8 iterations of the group
+    assert r.rows() == [3, 3, 2, 2, 2, 1, 1, 1, 1, 1, 1, 1]
+    assert r.sched.iterations == 12
+
+
+def test_continuous_batching_lets_the_fourth_join_when_the_first_finishes():
+    r, (a, b, c, d), results = run(_exercise("continuous"))
+    assert [results[k].completion_tokens for k in "abcd"] == [2, 5, 8, 4]
+    assert r.finished_at(a) == 2
+    assert r.admitted_at(d) == 3  # the slot freed by the first request
+    assert r.finished_at(d) == 6
+    assert r.rows() == [3, 3, 3, 3, 3, 2, 1, 1]
+    assert r.sched.iterations == 8  # 12 in static mode
+
+
+def test_independent_stopping_in_one_batch():
+    async def scenario():
+        r = GenRig(max_running=8, max_batch_size=8)
+        await r.sched.start()
+        items = [r.submit(n) for n in (2, 5, 8)]
+        await r.clock.run_until_idle()
+        out = [i.future.result() for i in items]
+        assert [o.completion_tokens for o in out] == [2, 5, 8]
+        assert [o.text.split() for o in out] == [[f"w{k}" for k in range(n)] for n in (2, 5, 8)]
+        assert r.admitted_at(items[0]) == r.admitted_at(items[2]) == 1  # one batch
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_cancellation_frees_a_slot_that_a_waiting_request_takes():
+    async def scenario():
+        r = GenRig(max_running=2, max_batch_size=2, max_wait_ms=0)
+        await r.sched.start()
+        long1, long2 = r.submit(50), r.submit(50)
+        await r.clock.advance(0.001)
+        waiting = r.submit(3)
+        await r.clock.advance(0.05)
+        assert waiting.dispatched_at is None and r.sched.running == 2
+        r.sched.cancel(long1)
+        await r.clock.advance(0.015)
+        assert waiting.dispatched_at is not None
+        await r.clock.advance(0.02)
+        assert long1.id not in r.engine._seqs  # the engine dropped the row
+        await r.clock.advance(0.1)
+        assert waiting.future.result().completion_tokens == 3
+        assert long1.outcome is Outcome.CANCELLED
+        assert r.registry.get_sample_value("ferry_cancellations_total", {"model": "g", "stage": "running"}) == 1
+        r.sched.cancel(long2)
+        await r.clock.run_until_idle()
+        assert r.engine.running == 0
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_waiting_prompts_are_admitted_together_by_size_or_max_wait():
+    async def scenario():
+        r = GenRig(max_running=16, max_batch_size=3, max_wait_ms=30)
+        await r.sched.start()
+        first = r.submit(40)
+        await r.clock.advance(0.001)
+        x, y = r.submit(2), r.submit(2)
+        await r.clock.advance(0.021)
+        assert x.dispatched_at is None  # running work exists: wait for company or max_wait
+        z = r.submit(2)
+        await r.clock.advance(0.011)  # size cap of 3 reached at the next boundary
+        assert x.dispatched_at == y.dispatched_at == z.dispatched_at is not None
+        assert x.reason.value == "full"
+        lone = r.submit(2)
+        await r.clock.advance(0.025)
+        assert lone.dispatched_at is None
+        await r.clock.advance(0.02)
+        assert lone.reason.value == "max_wait"
+        r.sched.cancel(first)
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_prefill_failure_is_isolated_to_the_failing_prompt():
+    async def scenario():
+        r = GenRig(fail_prompts={66}, max_running=8, max_batch_size=8)
+        await r.sched.start()
+        good1, bad, good2 = r.submit(3), r.submit(3, first_token=66), r.submit(3)
+        await r.clock.run_until_idle()
+        assert good1.future.result().completion_tokens == 3
+        assert good2.future.result().completion_tokens == 3
+        assert isinstance(bad.future.exception(), EngineError)
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_max_itl_limits_running_sequences():
+    async def scenario():
+        # Decode costs 10 ms + 2 ms per running row: 5 rows reach the 20 ms target.
+        r = GenRig(max_running=16, max_batch_size=16, max_itl_ms=20, per_row=0.002)
+        r.sched.decode_cost._fit = LinearCost(0.010, 0.002, 0.0)  # as a warm-up profile would seed it
+        await r.sched.start()
+        items = [r.submit(30) for _ in range(8)]
+        await r.clock.advance(0.001)
+        assert r.sched.running == 5
+        await r.clock.run_until_idle()
+        assert all(i.future.result().completion_tokens == 30 for i in items)
+        assert max(r.rows()) <= 5
+        await r.sched.stop()
+
+    run(scenario())

@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from batcher.metrics import Metrics  # noqa: E402
+from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine  # noqa: E402
+from gateway.app import create_app  # noqa: E402
+from gateway.config import ServerConfig  # noqa: E402
+from gateway.models import CHAT, EMBEDDING, ModelSpec  # noqa: E402
+
+from .live import live  # noqa: E402
+
+
+def fake_specs(embed: FakeEmbeddingEngine | None = None, chat: FakeGenerationEngine | None = None) -> list[ModelSpec]:
+    embed = embed or FakeEmbeddingEngine()
+    chat = chat or FakeGenerationEngine()
+    return [ModelSpec(EMBEDDING, lambda: embed), ModelSpec(CHAT, lambda: chat)]
+
+
+def fake_app(embed=None, chat=None, **config):
+    config.setdefault("warmup", False)
+    cfg = ServerConfig(**config)
+    return create_app(cfg, fake_specs(embed, chat), Metrics(CollectorRegistry()))
+
+
+@pytest.fixture
+def fake_server_factory():
+    """Start a gateway over fake engines on a real socket; stopped at test end."""
+    stack = []
+
+    def start(embed=None, chat=None, **config):
+        cm = live(fake_app(embed, chat, **config))
+        server = cm.__enter__()
+        stack.append(cm)
+        return server
+
+    yield start
+    for cm in reversed(stack):
+        cm.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """The default models, loaded once per test session."""
+    cfg = ServerConfig(admin_token="admin-secret", max_wait_ms=5.0)
+    app = create_app(cfg, metrics=Metrics(CollectorRegistry()))
+    with live(app, ready_timeout=300) as server:
+        yield server

@@ -1,0 +1,149 @@
+"""/v1/chat/completions and /v1/completions over a real socket with the fake engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from engine.fake import FakeGenerationEngine
+
+CONV_A = [{"role": "user", "content": "Respond with a single word greeting."}]
+CONV_B = [{"role": "user", "content": "List three colors separated by commas."}]
+
+
+def chat(server, **body):
+    body.setdefault("model", "fake-chat")
+    return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=30)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def test_two_conversations_with_per_prompt_parameters(fake_server_factory):
+    s = fake_server_factory()
+    r = chat(s, messages=[CONV_A, CONV_B], temperature=[0.0, 0.0], max_completion_tokens=[1, 8], stop=[["!"], ["w5"]])
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["prompt_index"] for c in body["choices"]] == [0, 1]
+    a, b = (c["message"]["content"] for c in body["choices"])
+    assert a == "w0 " and body["choices"][0]["finish_reason"] == "length"
+    assert b == "w0 w1 w2 w3 w4 " and body["choices"][1]["finish_reason"] == "stop"  # stop string excluded
+    assert body["usage"]["completion_tokens"] == 1 + 6
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 7
+    assert body["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize("field, value", [("temperature", [0.1, 0.2, 0.3]), ("max_completion_tokens", [4]),
+                                          ("seed", [1, 2, 3]), ("stop", [["a"], ["b"], ["c"]]), ("top_p", [0.5])])
+def test_wrong_per_prompt_list_length_is_422_naming_the_field(fake_server_factory, field, value):
+    s = fake_server_factory()
+    r = chat(s, messages=[CONV_A, CONV_B], **{field: value})
+    assert r.status_code == 422
+    assert r.json()["error"]["param"] == field
+    assert s.ferry.models["fake-chat"].engine.calls == []
+
+
+def test_independent_stopping_2_5_8(fake_server_factory):
+    s = fake_server_factory(max_wait_ms=50)
+    r = chat(s, messages=[CONV_A, CONV_B, CONV_A], max_tokens=[2, 5, 8])
+    counts = [len(c["message"]["content"].split()) for c in r.json()["choices"]]
+    assert counts == [2, 5, 8]
+    assert {c["finish_reason"] for c in r.json()["choices"]} == {"length"}
+
+
+def test_streaming_is_demultiplexed_by_prompt_index(fake_server_factory):
+    s = fake_server_factory()
+    body = {"model": "fake-chat", "messages": [CONV_A, CONV_B], "max_tokens": [3, 6], "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 9
+    buffers, finish = {0: "", 1: ""}, {}
+    for e in events[:-2]:
+        assert e["object"] == "chat.completion.chunk"
+        (choice,) = e["choices"]
+        buffers[choice["prompt_index"]] += choice["delta"].get("content", "")
+        if choice["finish_reason"]:
+            finish[choice["prompt_index"]] = choice["finish_reason"]
+    assert buffers == {0: "w0 w1 w2 ", 1: "w0 w1 w2 w3 w4 w5 "}
+    assert finish == {0: "length", 1: "length"}
+
+
+def test_n_candidates_per_prompt(fake_server_factory):
+    s = fake_server_factory()
+    r = chat(s, messages=[CONV_A, CONV_B], n=2, max_tokens=2)
+    choices = r.json()["choices"]
+    assert [(c["index"], c["prompt_index"]) for c in choices] == [(0, 0), (1, 0), (2, 1), (3, 1)]
+
+
+def test_completions_with_prompt_list(fake_server_factory):
+    s = fake_server_factory()
+    r = httpx.post(s.url + "/v1/completions", json={"model": "fake-chat", "prompt": ["a", "b"], "max_tokens": [1, 3]})
+    body = r.json()
+    assert body["object"] == "text_completion"
+    assert [c["text"] for c in body["choices"]] == ["w0 ", "w0 w1 w2 "]
+
+
+def test_prompt_longer_than_context_is_rejected_before_the_engine(fake_server_factory):
+    s = fake_server_factory(chat=FakeGenerationEngine(max_context=64))
+    r = chat(s, messages=[{"role": "user", "content": "x" * 500}])
+    assert r.status_code == 422 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert s.ferry.models["fake-chat"].engine.calls == []
+
+
+def test_client_disconnect_mid_stream_cancels_the_sequence(fake_server_factory):
+    engine = FakeGenerationEngine(step_delay=0.01)
+    s = fake_server_factory(chat=engine)
+    body = {"model": "fake-chat", "messages": CONV_A, "max_tokens": 400, "stream": True}
+
+    async def leave_early():
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        break  # got a token; hang up
+
+    asyncio.run(leave_early())
+    registry = s.ferry.metrics.registry
+    for _ in range(200):
+        if engine.running == 0:
+            break
+        asyncio.run(asyncio.sleep(0.02))
+    assert engine.running == 0
+    assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "stage": "running"}) == 1
+    # Another request is served normally afterwards.
+    assert chat(s, messages=CONV_A, max_tokens=2).status_code == 200
+
+
+def test_client_disconnect_while_waiting_cancels(fake_server_factory):
+    engine = FakeGenerationEngine(step_delay=0.02)
+    s = fake_server_factory(chat=engine, max_running=1)
+    blocker = {"model": "fake-chat", "messages": CONV_A, "max_tokens": 60}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            first = asyncio.create_task(c.post("/v1/chat/completions", json=blocker))
+            while engine.running == 0:
+                await asyncio.sleep(0.01)
+            waiting = asyncio.create_task(c.post("/v1/chat/completions", json={**blocker, "max_tokens": 2}))
+            while len(s.ferry.models["fake-chat"].batcher.queue) == 0:
+                await asyncio.sleep(0.01)
+            waiting.cancel()  # the client gives up while queued
+            return await first
+
+    assert asyncio.run(scenario()).status_code == 200
+    registry = s.ferry.metrics.registry
+    assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "stage": "queued"}) == 1
+    assert all(len(ids) == 1 for kind, ids in engine.calls)  # the cancelled one never ran
