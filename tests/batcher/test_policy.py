@@ -1,0 +1,184 @@
+"""Latency-aware scheduling rules as properties over random arrival streams (fake clock)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batcher import admission
+from batcher.cost import CostModel, LinearCost
+from batcher.errors import FerryError
+from batcher.policy import Dispatch, WaitUntil, adaptive, deadline, fixed
+from batcher.queue import RequestQueue
+from batcher.settings import BatchingSettings
+from batcher.types import Outcome, Priority, WorkItem
+
+from .conftest import Rig, run
+
+FIXED, PER_ITEM = 0.010, 0.002
+
+
+def exact_rig(**kw) -> Rig:
+    """A rig whose cost model knows the simulated engine exactly and never refits."""
+    r = Rig(fixed=FIXED, per_item=PER_ITEM, **kw)
+    r.batcher.cost = CostModel(LinearCost(FIXED, PER_ITEM, 0.0), refit_every=10**9)
+    return r
+
+
+arrivals = st.lists(
+    st.tuples(
+        st.floats(0, 0.02),  # gap before this arrival
+        st.sampled_from([None, 0.015, 0.03, 0.08, 0.5]),  # budget (s); None = default
+        st.sampled_from([Priority.INTERACTIVE, Priority.INTERACTIVE, Priority.BATCH]),
+        st.booleans(),  # cancel a random earlier item afterwards
+    ),
+    min_size=1, max_size=50,
+)
+
+
+async def drive(r: Rig, stream, *, check_admission: bool = False):
+    """Feed the stream; returns (items, finish time by item id, rejected count)."""
+    await r.batcher.start()
+    items: list[WorkItem] = []
+    finished_at: dict[int, float] = {}
+    rejected = 0
+    for gap, budget, prio, cancel in stream:
+        await r.clock.advance(gap)
+        b = r.batcher
+        if check_admission and budget is not None:
+            probe = WorkItem(payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio, id=10**9)
+            predicted = admission.predicted_completion(b.queue, probe, r.clock.now(), b.busy_until(r.clock.now()),
+                                                       b.settings, b.cost)
+            infeasible = predicted + b.settings.margin > probe.deadline
+        try:
+            item = b.submit(len(items), budget=budget, priority=prio)
+        except FerryError:
+            rejected += 1
+            if check_admission:
+                assert budget is not None and infeasible, "rejected although the cost model said feasible"
+            continue
+        if check_admission and budget is not None:
+            assert not infeasible or item.best_effort
+        item.future.add_done_callback(lambda f, i=item: finished_at.setdefault(i.id, r.clock.now()))
+        items.append(item)
+        if cancel and len(items) > 1:
+            b.cancel(items[(len(items) * 7) % (len(items) - 1)])
+    await r.clock.run_until_idle()
+    await r.batcher.stop()
+    return items, finished_at, rejected
+
+
+@pytest.mark.parametrize("policy", ["fixed", "deadline", "adaptive"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(stream=arrivals, size=st.integers(1, 8), wait_ms=st.sampled_from([0, 2, 10, 40]))
+def test_no_item_reaches_the_engine_after_its_deadline_and_all_end_once(policy, stream, size, wait_ms):
+    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=wait_ms, max_queue=30, default_budget_ms=200,
+                  on_infeasible="serve", aging_ms=50)
+    items, finished_at, _ = run(drive(r, stream))
+    for item in items:
+        assert item.finished and item.id in finished_at
+        if item.dispatched_at is not None:
+            assert item.dispatched_at < item.deadline
+        if item.outcome is Outcome.EXPIRED:
+            assert item.dispatched_at is None and finished_at[item.id] >= item.deadline
+    assert sum(r.batcher.outcomes.values()) == len(items)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=arrivals, size=st.integers(1, 8))
+def test_earliest_deadline_first_within_a_class(stream, size):
+    stream = [(g, b, Priority.INTERACTIVE, c) for g, b, _, c in stream]
+    r = exact_rig(policy="deadline", max_batch_size=size, max_wait_ms=5, max_queue=30, default_budget_ms=200,
+                  on_infeasible="serve")
+    items, finished_at, _ = run(drive(r, stream))
+    for x in items:
+        if x.dispatched_at is None:
+            continue
+        t = x.dispatched_at
+        for y in items:
+            waiting_at_t = y.arrival < t and (y.dispatched_at is None or y.dispatched_at > t) and finished_at[y.id] > t
+            assert not (waiting_at_t and y.deadline < x.deadline), "a later deadline was served first"
+
+
+def test_aging_bounds_how_long_batch_work_waits_behind_interactive_work():
+    async def scenario():
+        r = exact_rig(policy="fixed", max_batch_size=4, max_wait_ms=0, max_queue=10_000, default_budget_ms=None, aging_ms=100)
+        await r.batcher.start()
+        job = r.batcher.submit("batch-job", priority=Priority.BATCH, budget=60)
+        # Interactive traffic at twice the engine's capacity, each with a generous budget.
+        for k in range(400):
+            r.batcher.submit(f"i{k}", budget=30)
+            await r.clock.advance(0.0025)
+            if job.dispatched_at is not None:
+                break
+        waited = job.dispatched_at - job.arrival
+        batch_time = FIXED + 4 * PER_ITEM
+        assert waited <= 0.100 + batch_time  # the bound: aging plus the batch already running
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=arrivals, size=st.integers(1, 8), wait_ms=st.sampled_from([0, 5, 20]))
+def test_fixed_never_holds_the_oldest_item_longer_than_max_wait(stream, size, wait_ms):
+    stream = [(g, None, Priority.INTERACTIVE, False) for g, *_ in stream]
+    r = exact_rig(policy="fixed", max_batch_size=size, max_wait_ms=wait_ms, max_queue=1000, default_budget_ms=None)
+    items, _, _ = run(drive(r, stream))
+    runs = r.engine.runs
+    ends = [t + FIXED + PER_ITEM * len(p) for t, p in runs]
+    for k, (t, payloads) in enumerate(runs):
+        oldest = min(payloads)  # payloads are arrival indices
+        engine_free = ends[k - 1] if k else -math.inf
+        # Dispatched no later than max_wait after the oldest arrived, or the moment the engine freed.
+        assert t <= max(items[oldest].arrival + wait_ms / 1000.0, engine_free) + 1e-9
+        waiting_older = [i for i in items if i.arrival <= t and i.dispatched_at > t and int(i.payload) < oldest]
+        assert not waiting_older  # FIFO: nobody older was left behind
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=arrivals, size=st.integers(1, 8), policy=st.sampled_from(["fixed", "deadline", "adaptive"]))
+def test_admission_rejects_only_what_the_cost_model_says_is_infeasible(stream, size, policy):
+    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=1000, default_budget_ms=None)
+    items, _, rejected = run(drive(r, stream, check_admission=True))
+    assert rejected + len(items) == len(stream)
+
+
+# -- the policies as pure functions ------------------------------------------------------
+def _queue(now: float, specs) -> RequestQueue:
+    q = RequestQueue(aging=10)
+    for arrival, dl in specs:
+        q.push(WorkItem(payload=None, arrival=arrival, deadline=dl))
+    return q
+
+
+COST = CostModel(LinearCost(0.010, 0.002, 0.0))
+
+
+def test_deadline_policy_dispatches_early_for_the_tightest_budget():
+    s = BatchingSettings(policy="deadline", max_batch_size=8, max_wait_ms=50, deadline_margin_ms=1)
+    q = _queue(0.0, [(0.0, 0.030)])
+    # Latest start = 0.030 - 0.012 - 0.001 = 0.017: wait until then, not 50 ms.
+    assert deadline(q, 0.0, s, COST) == WaitUntil(pytest.approx(0.017))
+    assert deadline(q, 0.017, s, COST).reason.value == "deadline"
+    assert fixed(q, 0.017, s, COST) == WaitUntil(0.050)
+
+
+def test_deadline_policy_caps_the_batch_to_meet_the_tightest_deadline():
+    s = BatchingSettings(policy="deadline", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
+    q = _queue(0.0, [(0.0, 0.0165)] + [(0.0, 1.0)] * 7)
+    d = deadline(q, 0.0, s, COST)
+    assert isinstance(d, Dispatch) and d.size == 3  # 10 + 3*2 = 16 ms <= 16.5 ms; 4 would be 18 ms
+
+
+def test_adaptive_dispatches_at_once_at_low_load_and_waits_to_fill_at_high_load():
+    s = BatchingSettings(policy="adaptive", max_batch_size=32, max_wait_ms=20)
+    q = _queue(0.0, [(0.0, 10.0)])
+    assert adaptive(q, 0.0, s, COST, rate=5.0).reason.value == "adaptive"  # r*a = 0.05 < 1 item
+    q = _queue(0.0, [(0.0, 10.0)] * 2)
+    wait = adaptive(q, 0.0, s, COST, rate=1000.0)  # r*a = 10 items arrive per fixed overhead
+    assert isinstance(wait, WaitUntil) and wait.t == pytest.approx(0.008)  # 8 more at 1000/s
+    assert adaptive(_queue(0.0, [(0.0, 10.0)] * 10), 0.0, s, COST, rate=1000.0).reason.value == "adaptive"
+    assert adaptive(q, 0.020, s, COST, rate=1000.0).reason.value == "max_wait"  # never past max_wait
