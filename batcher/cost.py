@@ -55,24 +55,41 @@ class CostModel:
         return abs(seconds - predicted) / max(seconds, 1e-6)
 
     def refit(self) -> None:
+        """Robust two-parameter fit: time = fixed + slope * x, x = padded tokens when the
+        phase reports tokens (embed, prefill), else items (decode).
+
+        Batch size and padded tokens move together, so fitting both at once is ill-conditioned
+        and a little noise (a busy neighbour on a shared core) gave absurd coefficients. One
+        driver, least squares, then one pass that drops outliers beyond 3 MADs (CPU
+        contention only ever makes batches slower), then refit.
+        """
         self._since_fit = 0
         if len(self._obs) < 3:
             return
         data = np.asarray(self._obs, dtype=np.float64)
         n, tok, t = data[:, 0], data[:, 1], data[:, 2]
-        # Use the token term only when tokens vary independently of size; otherwise the
-        # system is degenerate and a two-parameter fit is the honest one.
-        cols = [np.ones_like(n), n]
-        use_tokens = np.ptp(tok / np.maximum(n, 1)) > 1e-9 and len(self._obs) >= 6
-        if use_tokens:
-            cols.append(tok)
-        if np.ptp(n) == 0 and not use_tokens:
-            # One batch size only: keep the prior's shape, rescale it to the observations.
-            prior = self._fit.predict(int(n[0]), int(tok.mean()))
-            scale = float(np.median(t)) / max(prior, 1e-9)
-            self._fit = LinearCost(self._fit.fixed * scale, self._fit.per_item * scale, self._fit.per_token * scale)
+        by_tokens = bool(np.all(tok > 0))
+        x = tok if by_tokens else n
+        if np.ptp(x) == 0:
+            # One size only: keep the prior's shape, rescale it to the observations.
+            scale = float(np.median(t)) / max(self._fit.predict(int(n[0]), int(tok[0])), 1e-9)
+            p = self._fit
+            self._fit = LinearCost(p.fixed * scale, p.per_item * scale, p.per_token * scale)
             return
-        coef, *_ = np.linalg.lstsq(np.stack(cols, axis=1), t, rcond=None)
-        fixed, per_item = max(float(coef[0]), 0.0), max(float(coef[1]), 0.0)
-        per_token = max(float(coef[2]), 0.0) if use_tokens else 0.0
-        self._fit = LinearCost(fixed, per_item, per_token)
+        fixed, slope = _line(x, t)
+        resid = t - (fixed + slope * x)
+        mad = float(np.median(np.abs(resid - np.median(resid)))) or 1e-9
+        keep = np.abs(resid) <= 3 * 1.4826 * mad
+        if keep.sum() >= 3 and np.ptp(x[keep]) > 0:
+            fixed, slope = _line(x[keep], t[keep])
+        self._fit = LinearCost(fixed, 0.0, slope) if by_tokens else LinearCost(fixed, slope, 0.0)
+
+
+def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """Least-squares line with both coefficients kept non-negative."""
+    slope, fixed = np.polyfit(x, t, 1)
+    if slope < 0:
+        return float(np.median(t)), 0.0
+    if fixed < 0:
+        return 0.0, float((x * t).sum() / (x * x).sum())
+    return float(fixed), float(slope)

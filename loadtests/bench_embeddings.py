@@ -15,7 +15,7 @@ import asyncio
 import os
 import time
 
-from .openloop import Gateway, open_loop, summarise
+from .openloop import Gateway, open_loop, post_json, summarise
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 TOPICS = ["ferries", "rivers", "harbours", "timetables", "latency", "throughput", "queues", "tokens", "weather", "cargo"]
@@ -46,8 +46,8 @@ def engine_ceiling(sizes=(8, 16, 32, 64), seconds: float = 4.0) -> tuple[int, fl
     return best
 
 
-async def send(client, i):
-    return await client.post("/v1/embeddings", json={"model": MODEL, "input": sentence(i)})
+async def send(session, i):
+    return await post_json(session, "/v1/embeddings", {"model": MODEL, "input": sentence(i)})
 
 
 def sweep(label: str, args: list[str], rates: list[float], duration: float) -> list[dict]:

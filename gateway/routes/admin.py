@@ -38,7 +38,17 @@ def _authorize(request: Request):
 async def get_batching(request: Request, ctx: Ctx) -> Response:
     served = _authorize(request)
     ctx.model = served.name
-    return json_response(served.batcher.settings.to_dict())
+    return json_response({**served.batcher.settings.to_dict(), "cost_model": cost_models(served.batcher)})
+
+
+def cost_models(batcher) -> dict:
+    """The fitted cost models, so an operator can see what admission and policies assume."""
+    out = {}
+    for phase, model in getattr(batcher, "cost_models", {"embed": batcher.cost}).items():
+        p = model.params
+        out[phase] = {"fixed_ms": p.fixed * 1e3, "per_item_ms": p.per_item * 1e3, "per_token_ms": p.per_token * 1e3,
+                      "observations": model.observations}
+    return out
 
 
 async def patch_batching(request: Request, ctx: Ctx) -> Response:

@@ -1,0 +1,142 @@
+"""Chat benchmark, one run, side by side on the same tiny model and machine:
+
+- Ferry, continuous batching;
+- Ferry, static batching (--batching static: a group runs until its last member ends);
+- `transformers serve --continuous-batching` (transformers' own continuous batching).
+
+Open-loop Poisson arrivals of streaming chat requests whose max_tokens is uniform in
+4..64 (greedy). Reports generated tokens/s and p50/p99 time to first token.
+
+    python -m loadtests.bench_chat [--rates 8,24] [--duration 20]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+import orjson
+
+from .openloop import Gateway, Sample, free_port, open_loop, pct
+
+PROMPTS = ["Tell me about ferries.", "What is a harbour?", "Write a line about rivers.", "Explain latency.",
+           "Name three boats.", "Why batch requests?", "Describe the sea at night.", "Count to five."]
+
+
+def make_send(model: str, seed: int):
+    rng = random.Random(seed)
+    plan = [(PROMPTS[i % len(PROMPTS)], rng.randint(4, 64)) for i in range(100_000)]
+
+    async def send(session, i: int) -> Sample:
+        prompt, max_tokens = plan[i]
+        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        t0 = time.perf_counter()
+        ttft, chunks, usage = None, 0, None
+        async with session.post("/v1/chat/completions", data=orjson.dumps(body),
+                                headers={"Content-Type": "application/json"}) as r:
+            if r.status != 200:
+                await r.read()
+                return Sample(t0, time.perf_counter() - t0, r.status)
+            async for raw in r.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = orjson.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"].get("completion_tokens")
+                for choice in event.get("choices") or []:
+                    if (choice.get("delta") or {}).get("content"):
+                        chunks += 1
+                        if ttft is None:
+                            ttft = time.perf_counter()  # absolute; made relative to the scheduled send
+        return Sample(t0, time.perf_counter() - t0, 200, ttft=ttft, tokens=usage if usage is not None else chunks)
+
+    return send
+
+
+def run_rates(label: str, url: str, model: str, rates: list[float], duration: float) -> list[dict]:
+    rows = []
+    asyncio.run(open_loop(2, 2.0, make_send(model, 1), url, seed=1))  # warm-up
+    for rate in rates:
+        samples = asyncio.run(open_loop(rate, duration, make_send(model, int(rate)), url, seed=int(rate)))
+        ok = [s for s in samples if s.status == 200]
+        span = max(s.sent + s.latency for s in samples) - min(s.sent for s in samples)
+        ttfts = [s.ttft * 1000 for s in ok if s.ttft is not None]
+        row = {"label": label, "rate": rate, "ok": len(ok), "sent": len(samples), "tok_s": sum(s.tokens for s in ok) / span,
+               "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99)}
+        rows.append(row)
+        print(f"  {label:22s} {rate:5.1f} req/s: {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:8.1f} ms"
+              f"  p99 {row['ttft_p99']:8.1f} ms  ok {row['ok']}/{row['sent']}", flush=True)
+    return rows
+
+
+def transformers_serve(model_path: str):
+    port = free_port()
+    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_path, "--continuous-batching",
+           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--cb-num-blocks", "64",
+           "--cb-max-batch-tokens", "2048"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    log = tempfile.NamedTemporaryFile(prefix="tf-serve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(open(log.name).read()[-3000:])
+        try:
+            httpx.get(url + "/v1/models", timeout=2)
+            return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("transformers serve did not start")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rates", default="8,24")
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--skip-transformers", action="store_true")
+    a = p.parse_args()
+    rates = [float(r) for r in a.rates.split(",")]
+    common = ["--embedding-model", "none", "--max-batch-size", "16", "--max-running", "32", "--max-wait-ms", "5"]
+    results = []
+    print("Ferry, continuous batching:")
+    with Gateway(*common) as gw:
+        results += run_rates("ferry continuous", gw.url, "ferry-tiny-chat", rates, a.duration)
+    print("Ferry, static batching:")
+    with Gateway(*common, "--batching", "static") as gw:
+        results += run_rates("ferry static", gw.url, "ferry-tiny-chat", rates, a.duration)
+    if not a.skip_transformers:
+        from engine.tiny_chat import ensure_tiny_chat
+
+        path = ensure_tiny_chat()
+        print("transformers serve --continuous-batching:")
+        proc, url = transformers_serve(path)
+        try:
+            results += run_rates("transformers serve cb", url, path, rates, a.duration)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    print("\nsummary (highest rate):")
+    top = {r["label"]: r for r in results if r["rate"] == rates[-1]}
+    cont = top["ferry continuous"]
+    for label, r in top.items():
+        print(f"  {label:22s} {r['tok_s']:7.1f} tok/s  ({r['tok_s'] / cont['tok_s']:.2f}x of continuous)"
+              f"  TTFT p99 {r['ttft_p99']:.0f} ms")
+    print(f"  continuous / static: {cont['tok_s'] / top['ferry static']['tok_s']:.2f}x tok/s")
+    if "transformers serve cb" in top:
+        t = top["transformers serve cb"]
+        print(f"  continuous / transformers serve: {cont['tok_s'] / t['tok_s']:.2f}x tok/s; "
+              f"p99 TTFT {cont['ttft_p99']:.0f} vs {t['ttft_p99']:.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
