@@ -1,0 +1,184 @@
+"""Embedded mode: `with Ferry(...) as ferry` starts a gateway in this process and leaves
+nothing behind (no thread, no child process, no listening port)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+
+import pytest
+
+from engine.fake import FakeGenerationEngine
+from gateway import Ferry
+from gateway.client import AuthenticationError, FerryClient
+from gateway.embedded import resolve_models
+
+from ..conftest import fake_specs
+
+CONV = [{"role": "user", "content": "hello"}]
+
+
+def child_pids() -> set[int]:
+    """Processes whose parent is this one (Linux /proc)."""
+    me, out = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == me:
+                out.add(int(entry))
+    return out
+
+
+def assert_port_free(port: int) -> None:
+    with socket.socket() as probe:  # nobody accepts connections there ...
+        probe.settimeout(2)
+        assert probe.connect_ex(("127.0.0.1", port)) != 0
+    with socket.socket() as sock:  # ... and a new server can listen on it at once
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+
+
+def new_threads(before: list[threading.Thread]) -> list[str]:
+    return [t.name for t in threading.enumerate() if t not in before]
+
+
+def test_embedded_starts_serves_and_leaves_nothing_behind():
+    threads, children = threading.enumerate(), child_pids()
+    with Ferry(specs=fake_specs(), warmup=False, max_batch_size=16, max_wait_ms=20) as ferry:
+        assert ferry.running and set(ferry.models) == {"fake-chat", "fake-embed"}
+        assert ferry.url == f"http://127.0.0.1:{ferry.port}" and ferry.port > 0
+        assert ferry.state.models["fake-embed"].batcher.settings.max_batch_size == 16  # settings reach the batcher
+        client = ferry.client()
+        a, b = client.chat("fake-chat", [CONV, CONV], max_completion_tokens=[1, 3])
+        assert (a.text, b.text) == ("w0 ", "w0 w1 w2 ")
+        assert client.embed("fake-embed", ["x", "y"]) == [client.embed("fake-embed", "x"), client.embed("fake-embed", "y")]
+        port = ferry.port
+    assert not ferry.running and client.closed
+    assert new_threads(threads) == []
+    assert child_pids() == children
+    assert_port_free(port)
+
+
+def test_given_port_and_taken_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    threads = threading.enumerate()
+    with Ferry(specs=fake_specs(), warmup=False, port=port) as ferry:
+        assert ferry.port == port and ferry.client().ready()
+        with pytest.raises(OSError, match=str(port)):  # a second gateway on the same port fails at once
+            Ferry(specs=fake_specs(), warmup=False, port=port).start()
+    assert new_threads(threads) == []
+    assert_port_free(port)
+
+
+def test_an_exception_in_the_block_still_stops_cleanly():
+    threads = threading.enumerate()
+    with pytest.raises(KeyError):
+        with Ferry(specs=fake_specs(), warmup=False) as ferry:
+            port = ferry.port
+            raise KeyError("boom")
+    assert new_threads(threads) == []
+    assert_port_free(port)
+
+
+def test_stop_waits_for_a_stream_in_flight_to_end():
+    engine = FakeGenerationEngine(step_delay=0.005)
+    threads = threading.enumerate()
+    with Ferry(specs=fake_specs(chat=engine), warmup=False) as ferry:
+        stream = ferry.client().chat("fake-chat", CONV, max_tokens=50, stream=True)
+        next(iter(stream))
+    # Leaving the block closed the client, so the server cancelled the sequence and stopped.
+    assert engine.running == 0
+    assert new_threads(threads) == []
+
+
+def test_api_key_setting_is_used_by_its_clients():
+    with Ferry(specs=fake_specs(), warmup=False, api_key="sesame") as ferry:
+        assert ferry.client().chat("fake-chat", CONV, max_tokens=1).text == "w0 "
+        with FerryClient(ferry.url) as anonymous:
+            with pytest.raises(AuthenticationError):
+                anonymous.chat("fake-chat", CONV)
+
+
+def test_async_context_and_async_client():
+    threads = threading.enumerate()
+
+    async def main():
+        async with Ferry(specs=fake_specs(), warmup=False) as ferry:
+            async with ferry.async_client() as client:
+                responses = await client.chat("fake-chat", [CONV, CONV, CONV], max_tokens=[3, 1, 2])
+                return [r.text for r in responses], ferry.port
+
+    texts, port = asyncio.run(main())
+    assert texts == ["w0 w1 w2 ", "w0 ", "w0 w1 "]
+    assert new_threads(threads) == []
+    assert_port_free(port)
+
+
+def test_bad_settings_fail_before_starting():
+    with pytest.raises(TypeError, match="max_batch"):
+        Ferry(specs=fake_specs(), max_batch=4)
+    with pytest.raises(ValueError, match="max-batch-size"):
+        Ferry(specs=fake_specs(), max_batch_size=0)
+    with pytest.raises(RuntimeError, match="not running"):
+        Ferry(specs=fake_specs()).client()
+
+
+def test_models_argument():
+    assert resolve_models(None) == ("default", "default")
+    assert resolve_models(["embeddings", "chat"]) == ("default", "default")
+    assert resolve_models(["embeddings"]) == ("default", "none")
+    assert resolve_models("chat") == ("none", "default")
+    assert resolve_models(["sentence-transformers/all-MiniLM-L6-v2", "ferry-tiny-chat"]) == ("default", "default")
+    assert resolve_models(["chat:/models/llama", "embeddings:BAAI/bge-small"]) == ("BAAI/bge-small", "/models/llama")
+    assert resolve_models({"chat": "/models/llama"}) == ("none", "/models/llama")
+    with pytest.raises(ValueError, match="two chat models"):
+        resolve_models(["chat", "chat:/models/llama"])
+    with pytest.raises(ValueError, match="chat:/no/such/model"):
+        resolve_models(["/no/such/model"])
+
+
+def test_models_argument_reads_the_kind_of_a_local_model(tmp_path):
+    llama, bert = tmp_path / "llama", tmp_path / "bert"
+    for path, arch in ((llama, "LlamaForCausalLM"), (bert, "BertModel")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+    assert resolve_models([str(llama), str(bert)]) == (str(bert), str(llama))
+    with pytest.raises(ValueError, match="embeddings:"):
+        resolve_models([str(tmp_path)])  # a directory without config.json
+
+
+def test_a_model_that_fails_to_load_raises_and_cleans_up():
+    from gateway.models import CHAT, ModelSpec
+
+    def broken():
+        raise RuntimeError("weights missing")
+
+    threads = threading.enumerate()
+    with pytest.raises(RuntimeError, match="weights missing"):
+        with Ferry(specs=[ModelSpec(CHAT, broken)], warmup=False):
+            pass
+    assert new_threads(threads) == []
+
+
+@pytest.mark.model
+def test_embedded_with_the_real_default_models():
+    threads = threading.enumerate()
+    with Ferry(models=["embeddings", "chat"], max_batch_size=16, ready_timeout=300) as ferry:
+        assert set(ferry.models) == {"sentence-transformers/all-MiniLM-L6-v2", "ferry-tiny-chat"}
+        client = ferry.client()
+        vectors = client.embed("sentence-transformers/all-MiniLM-L6-v2", ["hello ferry", "goodbye ferry"], numpy=True)
+        assert vectors.shape == (2, 384)
+        a, b = client.chat("ferry-tiny-chat", [CONV, CONV], temperature=0.0, max_completion_tokens=[1, 4])
+        assert a.usage.completion_tokens <= 5 and a.finish_reason in ("length", "stop")
+        port = ferry.port
+    assert new_threads(threads) == []
+    assert_port_free(port)
