@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test bench clean
+.PHONY: setup serve test bench clean prometheus
 
 setup: $(STAMP)
 
@@ -23,8 +23,19 @@ $(STAMP): pyproject.toml
 serve: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/ferry serve --host $(HOST) --port $(PORT)
 
-test: setup
+test: setup prometheus
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+# Prometheus + promtool (Debian package) for the end-to-end test in tests/observability.
+# Installed only when missing and only as root; otherwise (or if apt fails) that test skips.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends prometheus) \
+	      || echo "note: could not install prometheus; the Prometheus end-to-end test will be skipped"; \
+	  else \
+	    echo "note: prometheus not found and not root: run 'sudo make prometheus' (Debian package 'prometheus'), or the Prometheus end-to-end test is skipped"; \
+	  fi; }
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

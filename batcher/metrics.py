@@ -3,26 +3,64 @@
 Names follow `ferry_<thing>_<unit>`; counters end in `_total`; labels stay in
 {model, route, status, reason, phase, class}. Tests build a `Metrics` on a fresh
 `CollectorRegistry` and read values with `registry.get_sample_value`.
-The Grafana dashboard and alert rules use only these names (tests/test_grafana.py checks).
+The Grafana dashboard and alert rules use only these names, and every metric here is
+drawn by at least one panel (tests/observability/test_catalogue.py checks both ways).
+docs/operations.md explains each metric and panel to operators.
+
+Label values:
+- `route`: the route template (`/v1/embeddings`, `/v1/chat/completions`, ...).
+- `status`: the HTTP status code on `ferry_requests_total`; the item outcome
+  (`result`, `error`, `cancelled`, `expired`) on `ferry_items_total`; `met` / `missed` on
+  `ferry_slo_total`.
+- `reason`: a dispatch reason (`full`, `max_wait`, `deadline`, `adaptive`, `drain`) or a
+  rejection reason (`queue_full`, `deadline_infeasible`, `invalid`, `shutting_down`).
+- `phase`: the engine phase (`embed`, `prefill`, `decode`), or on
+  `ferry_cancellations_total` where the item was when its client left (`queued`, `running`).
+- `class`: the priority class (`interactive`, `batch`).
+
+Counters whose label values are known up front are created at zero (`init_model`,
+`init_phases`) so that `rate()`/`increase()` see the first event and alert expressions
+return 0 rather than nothing.
+
+Histogram buckets (seconds unless said otherwise) are chosen for this workload:
+- LATENCY_BUCKETS: 0.5 ms (a queue hop on an idle server) to 60 s (a long generation on a
+  busy CPU). Dense between 1 ms and 250 ms, where budgets and max_wait live and where an
+  operator needs to tell 5 ms from 10 ms of queue wait; coarse beyond 1 s.
+- STEP_BUCKETS: one engine call or one inter-token gap. A decode step of the tiny model is
+  10-50 ms on 2 CPU cores, an embeddings batch of 32 about 150 ms; 1 ms to 2.5 s, dense
+  from 5 to 150 ms. Execution time adds 5, 10 and 30 s for large prefills on CPU.
+- SIZE_BUCKETS: items per batch. Every power of two up to 256 plus 12, 24, 48, so the
+  default cap of 32 and the measured sweet spot of 16-32 fall on bucket edges.
+- TOKEN_BUCKETS: real tokens per batch: one short sentence (16) to a full batch of long
+  prompts (65536); powers of two match how operators set prefill_token_budget (2048).
+- RATIO_BUCKETS: padding waste, a fraction in [0, 1]; 0 (no padding) is its own bucket.
+- ERROR_BUCKETS: the cost model's relative error |predicted - actual| / actual, from 1 %
+  (excellent) to 500 % (the model is lost; admission and deadline decisions suffer).
 """
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-# Sub-millisecond (a queue hop) to a minute (a long generation on a busy CPU).
+from .types import DispatchReason, Priority, Stage
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-# Decode steps and inter-token gaps live between ~5 ms and ~1 s.
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+EXECUTION_BUCKETS = STEP_BUCKETS + (5.0, 10.0, 30.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
+
+# Rejection reasons known up front (others, like shutting_down, appear when they happen).
+REJECTION_REASONS = ("queue_full", "deadline_infeasible", "invalid")
+ITEM_STATUSES = ("result", "error", "cancelled", "expired")
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.registry = r
+        self._initialised: set[str] = set()
         # Requests (HTTP level)
         self.requests = Counter("ferry_requests_total", "HTTP requests by route, model and status code.", ["route", "model", "status"], registry=r)
         self.request_latency = Histogram("ferry_request_duration_seconds", "End-to-end request latency.", ["route", "model"], buckets=LATENCY_BUCKETS, registry=r)
@@ -30,15 +68,15 @@ class Metrics:
         # Queue
         self.queue_depth = Gauge("ferry_queue_depth", "Items waiting in the queue.", ["model", "class"], registry=r)
         self.queue_wait = Histogram("ferry_queue_wait_seconds", "Time an item waited before dispatch.", ["model", "class"], buckets=LATENCY_BUCKETS, registry=r)
-        self.rejections = Counter("ferry_rejections_total", "Items refused at admission.", ["model", "reason"], registry=r)
+        self.rejections = Counter("ferry_rejections_total", "Items refused before queuing: queue_full, deadline_infeasible (admission), invalid (bad input, counted by the gateway; model is empty when the body could not be parsed).", ["model", "reason"], registry=r)
         self.expired = Counter("ferry_expired_total", "Items whose deadline passed while they waited (never computed).", ["model", "class"], registry=r)
-        self.cancellations = Counter("ferry_cancellations_total", "Items cancelled by their client, by stage.", ["model", "stage"], registry=r)
+        self.cancellations = Counter("ferry_cancellations_total", "Items cancelled by their client, by where they were (phase=queued or running).", ["model", "phase"], registry=r)
         self.items = Counter("ferry_items_total", "Items by terminal outcome.", ["model", "status"], registry=r)
         # Batches
         self.batches = Counter("ferry_batches_total", "Batches dispatched, by reason.", ["model", "reason"], registry=r)
         self.batch_size = Histogram("ferry_batch_size_items", "Items per engine call.", ["model", "phase"], buckets=SIZE_BUCKETS, registry=r)
         self.batch_tokens = Histogram("ferry_batch_size_tokens", "Real (unpadded) tokens per engine call.", ["model", "phase"], buckets=TOKEN_BUCKETS, registry=r)
-        self.batch_seconds = Histogram("ferry_batch_execution_seconds", "Engine time per call.", ["model", "phase"], buckets=STEP_BUCKETS + (5.0, 10.0, 30.0), registry=r)
+        self.batch_seconds = Histogram("ferry_batch_execution_seconds", "Engine time per call.", ["model", "phase"], buckets=EXECUTION_BUCKETS, registry=r)
         self.padding = Histogram("ferry_batch_padding_ratio", "Padded tokens over total tokens per batch.", ["model", "phase"], buckets=RATIO_BUCKETS, registry=r)
         self.cost_error = Histogram("ferry_cost_model_error_ratio", "Relative error of the cost model's prediction per batch.", ["model", "phase"], buckets=ERROR_BUCKETS, registry=r)
         self.engine_errors = Counter("ferry_engine_errors_total", "Engine calls or items that failed.", ["model", "phase"], registry=r)
@@ -56,9 +94,43 @@ class Metrics:
         self.knob_batch = Gauge("ferry_setting_max_batch_size", "Current max_batch_size.", ["model"], registry=r)
         self.knob_wait = Gauge("ferry_setting_max_wait_seconds", "Current max_wait.", ["model"], registry=r)
         self.knob_queue = Gauge("ferry_setting_max_queue", "Current max_queue.", ["model"], registry=r)
+        self.knob_budget = Gauge("ferry_setting_default_budget_seconds", "Current default latency budget (the SLO line of the dashboard); absent when requests without a budget have no deadline.", ["model"], registry=r)
         self.config_changes = Counter("ferry_config_changes_total", "Live batching-setting changes.", ["model"], registry=r)
 
     def publish_settings(self, model: str, s) -> None:
+        self.init_model(model)
         self.knob_batch.labels(model).set(s.max_batch_size)
         self.knob_wait.labels(model).set(s.max_wait_ms / 1000.0)
         self.knob_queue.labels(model).set(s.max_queue)
+        if s.default_budget_ms is None:
+            try:
+                self.knob_budget.remove(model)
+            except KeyError:
+                pass
+        else:
+            self.knob_budget.labels(model).set(s.default_budget_ms / 1000.0)
+
+    def init_model(self, model: str) -> None:
+        """Create the model's counters whose label values are known, at zero (idempotent)."""
+        if model in self._initialised:
+            return
+        self._initialised.add(model)
+        self.config_changes.labels(model)
+        for reason in REJECTION_REASONS:
+            self.rejections.labels(model, reason)
+        for reason in DispatchReason:
+            self.batches.labels(model, reason.value)
+        for status in ITEM_STATUSES:
+            self.items.labels(model, status)
+        for stage in Stage:
+            self.cancellations.labels(model, stage.value)
+        for p in Priority:
+            self.expired.labels(model, p.label)
+            self.queue_depth.labels(model, p.label)
+            for status in ("met", "missed"):
+                self.slo.labels(model, p.label, status)
+
+    def init_phases(self, model: str, *phases: str) -> None:
+        """Create the engine-error counters of the phases a batcher runs, at zero."""
+        for phase in phases:
+            self.engine_errors.labels(model, phase)

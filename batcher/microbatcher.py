@@ -30,6 +30,7 @@ class MicroBatcher(QueueingBatcher):
         super().__init__(model, settings, **kw)
         self.execute = execute
         self.phase = phase
+        self.metrics.init_phases(model, phase)
         self._inflight: asyncio.Task | None = None
         self._busy_until = 0.0
         self.batches: list[Batch] = []  # recent batches, for tests and introspection

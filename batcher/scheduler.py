@@ -77,6 +77,7 @@ class GenerationScheduler(QueueingBatcher):
     def __init__(self, model: str, engine: Any, runner: Runner, settings, *,
                  make_request: Callable[[int, list[int], Any], Any] | None = None, **kw):
         super().__init__(model, settings, **kw)
+        self.metrics.init_phases(model, "prefill", "decode")
         self.engine = engine
         self.runner = runner
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
@@ -90,6 +91,10 @@ class GenerationScheduler(QueueingBatcher):
         self._keep_trace = 1024
 
     # -- introspection ------------------------------------------------------------
+    @property
+    def cost_models(self) -> dict[str, CostModel]:
+        return {"prefill": self.prefill_cost, "decode": self.decode_cost}
+
     @property
     def running(self) -> int:
         return len(self._running)

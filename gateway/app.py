@@ -13,6 +13,8 @@ from batcher.metrics import Metrics
 
 from .config import ServerConfig
 from .endpoint import endpoint
+from .errors import APIError
+from . import openapi
 from .models import ModelSpec, default_specs
 from .routes import admin, embeddings, system
 from .state import Ferry
@@ -22,19 +24,29 @@ log = logging.getLogger("ferry.gateway")
 
 def routes() -> list[Route]:
     from .routes import chat  # noqa: PLC0415 - chat imports nothing heavy, kept apart for clarity
+    from .routes import batches  # noqa: PLC0415
 
     return [
         Route("/healthz", system.healthz, methods=["GET"]),
         Route("/readyz", system.readyz, methods=["GET"]),
         Route("/metrics", system.metrics, methods=["GET"]),
+        Route("/openapi.json", openapi.openapi, methods=["GET"]),
         Route("/v1/models", endpoint("/v1/models", system.list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint("/v1/models/{model}", system.get_model), methods=["GET"]),
         Route("/v1/embeddings", endpoint("/v1/embeddings", embeddings.create_embeddings), methods=["POST"]),
         Route("/v1/chat/completions", endpoint("/v1/chat/completions", chat.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("/v1/completions", chat.completions), methods=["POST"]),
+        *batches.routes(),
         Route("/admin/models/{model:path}/batching", endpoint("/admin/batching", admin.get_batching, public=True), methods=["GET"]),
         Route("/admin/models/{model:path}/batching", endpoint("/admin/batching", admin.patch_batching, public=True), methods=["PATCH"]),
     ]
+
+
+async def _http_error(request, exc):
+    """Unknown routes and methods answer in the same OpenAI error shape as everything else."""
+    code = "not_found" if exc.status_code == 404 else "method_not_allowed"
+    message = "Not Found" if exc.status_code == 404 else f"method {request.method} is not allowed here"
+    return APIError(exc.status_code, message, code=code).response(headers=getattr(exc, "headers", None))
 
 
 def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None = None,
@@ -45,6 +57,7 @@ def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         loader = asyncio.create_task(ferry.load())
+        ferry.jobs.start(loader)  # resumes unfinished batch jobs once the models are loaded
         try:
             yield
         finally:
@@ -55,8 +68,13 @@ def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None
             failed = await ferry.drain(config.drain_timeout)
             if failed:
                 log.warning("drain timeout: %d accepted items ended with an error", failed)
+            await ferry.jobs.close()
             await ferry.close()
 
-    app = Starlette(routes=routes(), lifespan=lifespan)
+    from .jobs import JobRunner  # noqa: PLC0415
+
+    ferry.jobs = JobRunner(ferry)
+    app = Starlette(routes=routes(), lifespan=lifespan,
+                    exception_handlers={404: _http_error, 405: _http_error})
     app.state.ferry = ferry
     return app

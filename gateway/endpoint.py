@@ -17,6 +17,8 @@ from .http import ClientGone
 
 log = logging.getLogger("ferry.access")
 
+INVALID_INPUT = frozenset({400, 413, 422})  # counted as ferry_rejections_total{reason="invalid"}
+
 
 @dataclass
 class Ctx:
@@ -56,6 +58,8 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
                 raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
             response = await handler(request, ctx)
         except APIError as exc:
+            if exc.status in INVALID_INPUT and not public:
+                m.rejections.labels(ctx.model, "invalid").inc()  # refused before queuing
             response = exc.response()
         except ClientGone:
             response = Response(status_code=499)

@@ -65,7 +65,9 @@ def validation_error(exc: ValidationError) -> APIError:
 
 
 def _is_type_tag(p: Any) -> bool:
-    return isinstance(p, str) and (p[:1].islower() and ("[" in p or p in {"str", "int", "float", "bool", "none", "list", "dict"}) or p.startswith("function-"))
+    """Pydantic names union branches in error locations ("str", "list[constrained-str]");
+    field names are identifiers, branch tags are not (or are bare type names)."""
+    return isinstance(p, str) and (not p.isidentifier() or p in {"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:

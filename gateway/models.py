@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -40,6 +41,8 @@ class ServedModel:
 
 
 def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
+    if os.environ.get("FERRY_FAKE_ENGINES", "0") not in ("", "0"):
+        return fake_specs_from_env()
     specs = []
     if cfg.embedding_model != "none":
         def load_embeddings():
@@ -61,6 +64,34 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
 
         specs.append(ModelSpec(CHAT, load_chat))
     return specs
+
+
+def fake_specs_from_env() -> list[ModelSpec]:
+    """Testing aid, not a feature: FERRY_FAKE_ENGINES=1 makes `ferry serve` serve the torch-free
+    fakes of engine/fake.py ("fake-embed", "fake-chat"), so tests can run the real CLI in a
+    subprocess (kill it, restart it). FERRY_FAKE_DELAY: seconds each engine call takes.
+    FERRY_FAKE_LOG: a file to which every computed input is appended ("<kind>\t<text>")."""
+    from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
+
+    delay = float(os.environ.get("FERRY_FAKE_DELAY", "0") or 0)
+    path = os.environ.get("FERRY_FAKE_LOG")
+
+    def record(kind: str, texts: list[str]) -> None:
+        if path:
+            with open(path, "a", encoding="utf-8") as f:
+                f.writelines(f"{kind}\t{t}\n" for t in texts)
+
+    class LoggedEmbed(FakeEmbeddingEngine):
+        def embed(self, batch):
+            record("embed", [self._texts.get(tuple(ids), "") for ids in batch])
+            return super().embed(batch)
+
+    class LoggedChat(FakeGenerationEngine):
+        def add(self, requests):
+            record("chat", ["".join(map(chr, r.prompt_ids)) for r in requests])
+            return super().add(requests)
+
+    return [ModelSpec(EMBEDDING, lambda: LoggedEmbed(fixed=delay)), ModelSpec(CHAT, lambda: LoggedChat(step_delay=delay))]
 
 
 async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> ServedModel:

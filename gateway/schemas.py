@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 Budget = Annotated[float, Field(gt=0, le=3_600_000, description="Latency budget in milliseconds.")]
 PriorityName = Literal["interactive", "batch"]
+NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
 class Strict(BaseModel):
@@ -24,20 +25,10 @@ class Scheduling(Strict):
 # -- embeddings ---------------------------------------------------------------------
 class EmbeddingsRequest(Scheduling):
     model: str = Field(min_length=1, max_length=256)
-    input: Union[str, list[str]] = Field(description="A string or a list of strings; each becomes its own work item.")
+    input: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(min_length=1)]] = Field(
+        description="A string or a list of strings; each becomes its own work item.")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
-
-    @field_validator("input")
-    @classmethod
-    def _non_empty(cls, v: Any) -> Any:
-        if isinstance(v, list) and not v:
-            raise ValueError("input must not be an empty list")
-        items = [v] if isinstance(v, str) else v
-        for i, text in enumerate(items):
-            if not text:
-                raise ValueError(f"input[{i}] must not be an empty string")
-        return v
 
 
 class EmbeddingData(BaseModel):
@@ -106,7 +97,7 @@ class GenerationParams(Scheduling):
 
 
 class ChatCompletionRequest(GenerationParams):
-    messages: Union[list[Conversation], Conversation] = Field(
+    messages: Union[Annotated[list[Conversation], Field(min_length=1)], Conversation] = Field(
         description="One conversation, or a list of conversations (one choice per prompt, in order).")
     max_completion_tokens: Union[MaxTokens, list[MaxTokens], None] = None
 
@@ -146,3 +137,96 @@ class BatchingPatch(Strict):
 
 def is_finite(x: float) -> bool:
     return not (math.isnan(x) or math.isinf(x))
+
+
+# -- responses (documented in /openapi.json; the routes build the same shapes) ----------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class CompletionUsage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    prompt_index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: CompletionUsage
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    prompt_index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: CompletionUsage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    type: Literal["embedding", "chat"]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Status(BaseModel):
+    status: str
+    models: list[str] | None = None
+    error: str | None = None
+
+
+class BatchingSettingsOut(BaseModel):
+    max_batch_size: int
+    max_wait_ms: float
+    max_queue: int
+    policy: str
+    default_budget_ms: float | None
+    deadline_margin_ms: float
+    aging_ms: float
+    on_infeasible: str
+    budget_scope: str
+    max_itl_ms: float | None
+    max_running: int
+    prefill_token_budget: int
+    mode: str
+    cost_model: dict[str, Any] | None = None

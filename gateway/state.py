@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from batcher.metrics import Metrics
 
@@ -24,6 +25,7 @@ class Ferry:
     draining: bool = False
     load_error: str | None = None
     streams: int = 0
+    jobs: Any = None  # gateway.jobs.JobRunner, set by create_app
 
     async def load(self) -> None:
         try:
@@ -49,6 +51,8 @@ class Ferry:
 
     async def drain(self, timeout: float) -> int:
         self.draining = True
+        if self.jobs is not None:
+            self.jobs.pause()  # batch-job lines still queued go back to pending, not computed now
         failed = await asyncio.gather(*(m.batcher.drain(timeout) for m in self.models.values()))
         return sum(failed)
 

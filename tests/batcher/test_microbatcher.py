@@ -94,7 +94,7 @@ def test_cancelled_before_dispatch_is_never_computed():
         assert r.batches == [["keep"]]
         assert leave.outcome is Outcome.CANCELLED and isinstance(leave.future.exception(), Cancelled)
         assert keep.future.result() == ("ok", "keep")
-        assert r.value("ferry_cancellations_total", model="m", stage="queued") == 1
+        assert r.value("ferry_cancellations_total", model="m", phase="queued") == 1
         await r.batcher.stop()
 
     run(scenario())

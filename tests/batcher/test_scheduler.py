@@ -107,7 +107,7 @@ def test_cancellation_frees_a_slot_that_a_waiting_request_takes():
         await r.clock.advance(0.1)
         assert waiting.future.result().completion_tokens == 3
         assert long1.outcome is Outcome.CANCELLED
-        assert r.registry.get_sample_value("ferry_cancellations_total", {"model": "g", "stage": "running"}) == 1
+        assert r.registry.get_sample_value("ferry_cancellations_total", {"model": "g", "phase": "running"}) == 1
         r.sched.cancel(long2)
         await r.clock.run_until_idle()
         assert r.engine.running == 0

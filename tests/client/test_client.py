@@ -1,6 +1,8 @@
 """gateway.client against a real gateway on 127.0.0.1 (fake engines: fast and deterministic)."""
 from __future__ import annotations
 
+import time
+
 import asyncio
 import socket
 import threading
@@ -26,9 +28,15 @@ def words(k: int) -> str:
 
 
 def requests_total(server, route: str, model: str, status: str = "200") -> float:
-    value = server.ferry.metrics.registry.get_sample_value(
-        "ferry_requests_total", {"route": route, "model": model, "status": status})
-    return value or 0.0
+    """A stream is counted when the server's generator finishes, just after the client has
+    read [DONE]; give the server loop a moment (bounded) to get there."""
+    labels = {"route": route, "model": model, "status": status}
+    for _ in range(100):
+        value = server.ferry.metrics.registry.get_sample_value("ferry_requests_total", labels)
+        if value:
+            return value
+        time.sleep(0.01)
+    return 0.0
 
 
 @pytest.fixture

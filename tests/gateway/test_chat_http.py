@@ -122,7 +122,7 @@ def test_client_disconnect_mid_stream_cancels_the_sequence(fake_server_factory):
             break
         asyncio.run(asyncio.sleep(0.02))
     assert engine.running == 0
-    assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "stage": "running"}) == 1
+    assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "phase": "running"}) == 1
     # Another request is served normally afterwards.
     assert chat(s, messages=CONV_A, max_tokens=2).status_code == 200
 
@@ -145,5 +145,5 @@ def test_client_disconnect_while_waiting_cancels(fake_server_factory):
 
     assert asyncio.run(scenario()).status_code == 200
     registry = s.ferry.metrics.registry
-    assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "stage": "queued"}) == 1
+    assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "phase": "queued"}) == 1
     assert all(len(ids) == 1 for kind, ids in engine.calls)  # the cancelled one never ran

@@ -1,0 +1,289 @@
+"""Checking a batch input file, and turning one of its lines into work items.
+
+`validate_file` runs when a batch is created, on a worker thread (it is pure Python:
+JSON, pydantic, the routes' own limit checks; no tokenizer, no engine). Every line is
+checked and every fault reported with its 1-based line number, so a file is accepted
+whole or not at all, before any of it runs:
+
+- not a JSON object, missing/invalid `custom_id`, `method` other than POST;
+- `url` not a batch route, or not the batch's `endpoint`;
+- a `custom_id` used twice;
+- a `body` the route's own pydantic schema rejects, `stream: true`, or one the route's
+  limits reject (too many prompts or inputs, per-prompt list lengths, stop strings,
+  max tokens, dimensions);
+- a `model` that is not served (or not of the route's kind).
+
+Checks that need the tokenizer (prompt length against the context) run when the line
+runs; a line failing them fails alone, in the error file, like a direct request would.
+
+`prepare` does at run time what the routes do per request: tokenize, plan, and say how
+to turn results into the same response body a direct request would get.
+"""
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import APIError
+from ..http import validation_error
+from ..models import CHAT, EMBEDDING
+from ..schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
+
+CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
+ROUTES: dict[str, tuple[type[BaseModel], str]] = {
+    CHAT_URL: (ChatCompletionRequest, CHAT),
+    COMPLETIONS_URL: (CompletionRequest, CHAT),
+    EMBEDDINGS_URL: (EmbeddingsRequest, EMBEDDING),
+}
+ANY_ENDPOINT = "*"  # Ferry extension: lines may use any of ROUTES
+
+MAX_FILE_BYTES = 100 * 1024 * 1024
+MAX_LINES = 50_000
+MAX_CUSTOM_ID = 512
+MAX_REPORTED = 100  # line errors listed in a 422 (all are counted)
+WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([hms])$")
+MAX_WINDOW_S = 7 * 24 * 3600
+
+
+class BatchCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    input_file_id: str = Field(min_length=1, max_length=256)
+    endpoint: str = Field(description="/v1/chat/completions, /v1/completions, /v1/embeddings, or '*' (any of them).")
+    completion_window: str = Field("24h", description="Nh, Nm or Ns; lines not run by then are not run.")
+    metadata: dict[str, str] | None = Field(None, max_length=16)
+    output_expires_after: dict[str, Any] | None = None  # accepted for compatibility, ignored
+
+
+def parse_window(value: str) -> float:
+    m = WINDOW_RE.match(value or "")
+    if m is None:
+        raise APIError(422, f"completion_window must look like '24h', '30m' or '90s', got {value!r}",
+                       code="invalid_value", param="completion_window")
+    seconds = int(m.group(1)) * {"h": 3600, "m": 60, "s": 1}[m.group(2)]
+    if seconds > MAX_WINDOW_S:
+        raise APIError(422, "completion_window must be at most 168h", code="invalid_value", param="completion_window")
+    return float(seconds)
+
+
+def check_create(body: BatchCreate) -> float:
+    if body.endpoint not in ROUTES and body.endpoint != ANY_ENDPOINT:
+        raise APIError(422, f"endpoint must be one of {', '.join(ROUTES)} or '*', got {body.endpoint!r}",
+                       code="invalid_value", param="endpoint")
+    for k, v in (body.metadata or {}).items():
+        if len(k) > 64 or len(v) > 512:
+            raise APIError(422, "metadata keys are at most 64 characters and values at most 512", code="invalid_value",
+                           param="metadata")
+    return parse_window(body.completion_window)
+
+
+@dataclass
+class LineError:
+    line: int
+    message: str
+    param: str | None = None
+    code: str = "invalid_line"
+
+    def to_dict(self) -> dict:
+        return {"line": self.line, "message": self.message, "param": self.param, "code": self.code}
+
+
+@dataclass
+class ValidLine:
+    line: int
+    custom_id: str
+    url: str
+    body: str  # compact JSON of the request body
+
+
+def validate_file(ferry: Any, content: bytes, endpoint: str) -> tuple[list[ValidLine], list[LineError]]:
+    """Every line checked; returns the lines, or the errors (never both non-empty)."""
+    good: list[ValidLine] = []
+    errors: list[LineError] = []
+    seen: dict[str, int] = {}
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = content[: exc.start].count(b"\n") + 1
+        return [], [LineError(line, "the file is not valid UTF-8", code="invalid_encoding")]
+    count = 0
+    for n, raw in enumerate(text.split("\n"), start=1):
+        if not raw.strip():
+            continue
+        count += 1
+        if count > MAX_LINES:
+            errors.append(LineError(n, f"the file has more than {MAX_LINES} requests", code="too_many_lines"))
+            break
+        try:
+            good.append(_check_line(ferry, n, raw, endpoint, seen))
+        except _Bad as bad:
+            errors.append(LineError(n, bad.message, bad.param, bad.code))
+    if not good and not errors:
+        errors.append(LineError(1, "the file has no requests", code="empty_file"))
+    return ([] if errors else good), errors
+
+
+class _Bad(Exception):
+    def __init__(self, message: str, param: str | None = None, code: str = "invalid_line"):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+def _check_line(ferry: Any, n: int, raw: str, endpoint: str, seen: dict[str, int]) -> ValidLine:
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise _Bad(f"not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(obj, dict):
+        raise _Bad("a line must be a JSON object", code="invalid_json")
+    unknown = set(obj) - {"custom_id", "method", "url", "body"}
+    if unknown:
+        raise _Bad(f"unknown field(s): {', '.join(sorted(unknown))}", param=sorted(unknown)[0])
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
+        raise _Bad(f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters", param="custom_id")
+    if cid in seen:
+        raise _Bad(f"duplicate custom_id {cid!r} (first used on line {seen[cid]})", param="custom_id",
+                   code="duplicate_custom_id")
+    seen[cid] = n
+    if obj.get("method") != "POST":
+        raise _Bad(f"method must be 'POST', got {obj.get('method')!r}", param="method")
+    url = obj.get("url")
+    if url not in ROUTES:
+        raise _Bad(f"url {url!r} is not a batch route ({', '.join(ROUTES)})", param="url", code="invalid_url")
+    if endpoint != ANY_ENDPOINT and url != endpoint:
+        raise _Bad(f"url {url!r} does not match the batch endpoint {endpoint!r}", param="url", code="invalid_url")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise _Bad("body must be a JSON object", param="body")
+    try:
+        parsed = parse_body(url, body)
+        check_body(ferry, url, parsed)
+    except APIError as exc:
+        if exc.status >= 500:  # not ready / draining: the whole request fails, not this line
+            raise
+        param = f"body.{exc.param}" if exc.param else "body"
+        raise _Bad(exc.message, param=param, code=exc.code or "invalid_value") from None
+    return ValidLine(n, cid, url, orjson.dumps(body).decode())
+
+
+def parse_body(url: str, body: dict) -> BaseModel:
+    schema, _ = ROUTES[url]
+    try:
+        parsed = schema.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+    if getattr(parsed, "stream", False):
+        raise APIError(422, "stream is not supported in batch requests", code="invalid_value", param="stream")
+    return parsed
+
+
+def _served(ferry: Any, url: str, body: Any) -> Any:
+    _, kind = ROUTES[url]
+    return ferry.model(body.model, kind)  # 404 model_not_found (or 503 while not ready / draining)
+
+
+def check_body(ferry: Any, url: str, body: Any) -> None:
+    """The routes' tokenizer-free checks (limits, per-prompt lists, known model)."""
+    from ..routes.chat import plan  # noqa: PLC0415
+
+    served = _served(ferry, url, body)
+    cfg = ferry.config
+    if url == EMBEDDINGS_URL:
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        _check_inputs(texts, served, body, cfg)
+        return
+    n = len(body.conversations if url == CHAT_URL else body.prompts)
+    param = "messages" if url == CHAT_URL else "prompt"
+    if n > cfg.max_prompts:
+        raise APIError(422, f"request has {n} prompts; at most {cfg.max_prompts} are allowed", code="too_many_prompts",
+                       param=param)
+    # One-token stand-in prompts: every check of plan() except prompt length, which needs the tokenizer.
+    plan(body, [[0]] * n, served, cfg, None if url == CHAT_URL else 16)
+
+
+def _check_inputs(texts: list[str], served: Any, body: Any, cfg: Any) -> None:
+    if len(texts) > cfg.max_inputs:
+        raise APIError(422, f"input has {len(texts)} items; at most {cfg.max_inputs} are allowed per request",
+                       code="too_many_inputs", param="input")
+    dim = served.engine.dim
+    if body.dimensions is not None and body.dimensions != dim:
+        raise APIError(422, f"dimensions: {served.name} produces {dim}-dimensional embeddings; other sizes are not supported",
+                       code="invalid_value", param="dimensions")
+
+
+@dataclass
+class Work:
+    """One line, ready to submit: payloads and costs for `submit_many`, and how to turn
+    the items' results (in order) into the response body."""
+
+    served: Any
+    payloads: list[Any]
+    costs: list[int]
+    respond: Callable[[list[Any]], dict] = field(repr=False)
+
+
+def prepare(ferry: Any, url: str, body_json: str) -> Work:
+    """Runs on the event loop, like the routes (tokenizers are not shared across threads).
+    Raises APIError for a line that fails as a direct request would."""
+    from ..routes.chat import _id, _usage, plan  # noqa: PLC0415
+    from ..routes.embeddings import _encode  # noqa: PLC0415
+
+    body = parse_body(url, orjson.loads(body_json))
+    served = _served(ferry, url, body)
+    cfg = ferry.config
+    engine = served.engine
+    if url == EMBEDDINGS_URL:
+        texts = [body.input] if isinstance(body.input, str) else body.input
+        _check_inputs(texts, served, body, cfg)
+        token_ids = engine.tokenize(texts)
+        if cfg.max_prompt_tokens is not None:
+            for i, ids in enumerate(token_ids):
+                if len(ids) > cfg.max_prompt_tokens:
+                    raise APIError(422, f"input[{i}] has {len(ids)} tokens; the limit is {cfg.max_prompt_tokens}",
+                                   code="too_many_tokens", param="input")
+
+        def respond_embed(results: list[Any]) -> dict:
+            data = [{"object": "embedding", "index": i, "embedding": _encode(r.vector, body.encoding_format)}
+                    for i, r in enumerate(results)]
+            tokens = sum(r.tokens for r in results)
+            return {"object": "list", "data": data, "model": served.name,
+                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+        return Work(served, token_ids, [len(t) for t in token_ids], respond_embed)
+
+    chat = url == CHAT_URL
+    if chat:
+        convs = body.conversations
+        if len(convs) > cfg.max_prompts:
+            raise APIError(422, f"request has {len(convs)} prompts; at most {cfg.max_prompts} are allowed",
+                           code="too_many_prompts", param="messages")
+        prompts = [engine.encode_chat([{"role": m.role, "content": m.text()} for m in conv]) for conv in convs]
+        p = plan(body, prompts, served, cfg, None)
+    else:
+        if len(body.prompts) > cfg.max_prompts:
+            raise APIError(422, f"request has {len(body.prompts)} prompts; at most {cfg.max_prompts} are allowed",
+                           code="too_many_prompts", param="prompt")
+        prompts = [engine.encode_prompt(t) for t in body.prompts]
+        p = plan(body, prompts, served, cfg, 16)
+    triples = p.items()
+
+    def respond_gen(results: list[Any]) -> dict:
+        choices = []
+        for k, ((prompt_index, _, _), r) in enumerate(zip(triples, results)):
+            if chat:
+                choices.append({"index": k, "prompt_index": prompt_index,
+                                "message": {"role": "assistant", "content": r.text},
+                                "finish_reason": r.finish_reason, "logprobs": None})
+            else:
+                choices.append({"index": k, "prompt_index": prompt_index, "text": r.text,
+                                "finish_reason": r.finish_reason, "logprobs": None})
+        return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+                "model": served.name, "choices": choices, "usage": _usage(p, results)}
+
+    return Work(served, [t[2] for t in triples], [len(t[2].prompt_ids) for t in triples], respond_gen)

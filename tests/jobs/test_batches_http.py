@@ -1,0 +1,226 @@
+"""The batch API over a real socket with fake engines: results, validation, cancel,
+expiry, resume after a graceful restart, listing, metrics, the openai client."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import orjson
+
+from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
+
+from .conftest import Api, chat_line, completion_line, embed_line, jsonl
+
+VOLATILE = ("id", "created")
+
+
+def stable(body: dict) -> dict:
+    return {k: v for k, v in body.items() if k not in VOLATILE}
+
+
+def test_mixed_job_matches_direct_requests(jobs_server):
+    s, api = jobs_server()
+    lines = [
+        chat_line("chat-1", "hello ferry"),
+        chat_line("chat-2", "two", messages=[[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+                  max_tokens=[2, 5], stop=[None, ["w3"]]),
+        chat_line("chat-n", "candidates", n=2, max_tokens=2),
+        completion_line("cmpl-1", ["p one", "p two"], max_tokens=[1, 3]),
+        completion_line("cmpl-2", "just one"),
+        embed_line("emb-1", ["some text", "other words here"]),
+        embed_line("emb-b64", "base64 please", encoding_format="base64"),
+        embed_line("emb-bad", ["fine", "FAIL_ITEM here"]),  # fails alone, like a direct request
+        chat_line("chat-long", "x" * 600),  # longer than the context: found when it runs (tokenizer), fails alone
+    ]
+    batch = api.create(lines)
+    assert batch["object"] == "batch" and batch["request_counts"]["total"] == len(lines)
+    done = api.wait(batch["id"])
+    assert done["status"] == "completed"
+    assert done["request_counts"] == {"total": 9, "completed": 7, "failed": 2}
+    assert done["completed_at"] and done["finalizing_at"] and done["in_progress_at"]
+    out = api.content(done["output_file_id"])
+    err = api.content(done["error_file_id"])
+    assert sorted(o["custom_id"] for o in out) == sorted(line["custom_id"] for line in lines[:-2])
+    assert [e["custom_id"] for e in err] == ["emb-bad", "chat-long"]
+    by_id = {o["custom_id"]: o for o in out + err}
+    for line in lines:
+        direct = httpx.post(s.url + line["url"], json=line["body"], timeout=30)
+        record = by_id[line["custom_id"]]
+        assert record["response"]["status_code"] == direct.status_code
+        assert record["error"] is None and record["id"].startswith("batch_req_") and record["response"]["request_id"]
+        assert stable(record["response"]["body"]) == stable(direct.json()), line["custom_id"]
+    assert err[0]["response"]["body"]["error"]["code"] == "engine_error"
+    assert err[1]["response"]["status_code"] == 422
+    assert err[1]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+
+
+def test_whole_file_is_validated_and_bad_lines_are_named(jobs_server):
+    embed, chat = FakeEmbeddingEngine(), FakeGenerationEngine()
+    s, api = jobs_server(embed, chat)
+    good = chat_line("ok-1", "fine")
+    lines = [
+        good,                                                                            # 1
+        b"{not json",                                                                    # 2
+        {**chat_line("x3", "hi"), "url": "/v1/images/generations"},                      # 3 unknown route
+        chat_line("ok-1", "same custom id"),                                             # 4 duplicate custom_id
+        chat_line("x5", "hi", temperature=5),                                            # 5 schema
+        {**embed_line("x6", "hi"), "body": {"model": "no-such-model", "input": "hi"}},   # 6 unknown model
+        {**chat_line("x7", "hi"), "method": "GET"},                                      # 7 method
+        completion_line("ok-8", "fine"),                                                 # 8
+        b"   ",                                                                          # 9 blank: skipped
+        chat_line("x10", "hi", stream=True),                                             # 10 streaming
+        chat_line("x11", "hi", messages=[[{"role": "user", "content": "a"}]], max_tokens=[1, 2]),  # 11 per-prompt list
+        embed_line("x12", "hi", dimensions=3),                                           # 12 route limit
+        [1, 2],                                                                          # 13 not an object
+    ]
+    fid = api.upload(lines)
+    r = api.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "*", "completion_window": "24h"})
+    assert r.status_code == 422, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_batch_file" and error["type"] == "invalid_request_error"
+    assert error["lines"] == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13]
+    details = {d["line"]: d for d in error["errors"]["data"]}
+    assert details[4]["code"] == "duplicate_custom_id" and "line 1" in details[4]["message"]
+    assert details[3]["code"] == "invalid_url" and details[6]["code"] == "model_not_found"
+    assert details[5]["param"].startswith("body.temperature")
+    assert "line 2" in error["message"]
+    # Nothing was created, nothing ran.
+    assert api.http.get("/v1/batches").json()["data"] == []
+    assert embed.calls == [] and chat.calls == []
+    # A line whose url is a batch route but not the batch's endpoint.
+    fid = api.upload([embed_line("e", "x"), chat_line("c", "y")])
+    r = api.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/embeddings", "completion_window": "24h"})
+    assert r.status_code == 422 and r.json()["error"]["lines"] == [2]
+
+
+def test_request_level_errors(jobs_server):
+    s, api = jobs_server()
+    h = api.http
+    assert h.post("/v1/files", files={"file": ("a.jsonl", b"x\n")}, data={"purpose": "fine-tune"}).status_code == 422
+    assert h.post("/v1/files", data={"purpose": "batch"}).status_code == 422
+    assert h.get("/v1/files/file-nope").status_code == 404
+    assert h.get("/v1/batches/batch_nope").status_code == 404
+    assert h.post("/v1/batches", json={"input_file_id": "file-nope", "endpoint": "*"}).status_code == 404
+    # Raw JSONL body upload (curl convenience).
+    r = h.post("/v1/files?purpose=batch&filename=raw.jsonl", content=jsonl([embed_line("a", "x")]))
+    assert r.status_code == 200 and r.json()["filename"] == "raw.jsonl" and r.json()["purpose"] == "batch"
+    fid = r.json()["id"]
+    for bad in ({"completion_window": "1d"}, {"completion_window": "0h"}, {"endpoint": "/v1/moderations"}, {"bogus": 1}):
+        body = {"input_file_id": fid, "endpoint": "*", "completion_window": "24h", **bad}
+        assert h.post("/v1/batches", json=body).status_code == 422, bad
+    b = api.wait(api.create([embed_line("a", "x")], endpoint="/v1/embeddings")["id"])
+    r = h.post(f"/v1/batches/{b['id']}/cancel")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "batch_not_cancellable"
+    assert h.get("/v1/batches?limit=0").status_code == 422
+
+
+def test_list_is_newest_first_and_paginated(jobs_server):
+    s, api = jobs_server()
+    ids = [api.create([embed_line("a", f"x{i}")])["id"] for i in range(3)]
+    page = api.http.get("/v1/batches", params={"limit": 2}).json()
+    assert page["object"] == "list" and [b["id"] for b in page["data"]] == ids[::-1][:2] and page["has_more"]
+    assert page["first_id"] == ids[2] and page["last_id"] == ids[1]
+    rest = api.http.get("/v1/batches", params={"limit": 2, "after": page["last_id"]}).json()
+    assert [b["id"] for b in rest["data"]] == [ids[0]] and not rest["has_more"]
+
+
+def test_cancel_mid_job_computes_nothing_more(jobs_server):
+    embed = FakeEmbeddingEngine(fixed=0.05)
+    s, api = jobs_server(embed, max_batch_size=2)
+    lines = [embed_line(f"l{i}", f"text {i}") for i in range(40)]
+    batch = api.create(lines, endpoint="/v1/embeddings")
+    api.wait(batch["id"], lambda b: b["request_counts"]["completed"] >= 2)
+    r = api.http.post(f"/v1/batches/{batch['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] in ("cancelling", "cancelled")
+    calls_at_cancel = len(embed.calls)
+    completed_at_cancel = r.json()["request_counts"]["completed"]
+    done = api.wait(batch["id"])
+    time.sleep(0.3)
+    assert done["status"] == "cancelled" and done["cancelled_at"] and done["cancelling_at"]
+    # At most the batch already dispatched when the cancel arrived ran afterwards; nothing else.
+    assert len(embed.calls) <= calls_at_cancel + 1
+    counts = done["request_counts"]
+    assert counts["completed"] - completed_at_cancel <= 2 and counts["completed"] < 40
+    # Every computed input belongs to a line whose result was kept: no computed line was dropped.
+    assert sum(embed.calls) == counts["completed"]
+    out, err = api.content(done["output_file_id"]), api.content(done["error_file_id"])
+    assert len(out) == counts["completed"] and all(o["response"]["status_code"] == 200 for o in out)
+    assert len(err) == 40 - counts["completed"]
+    assert {e["error"]["code"] for e in err} == {"batch_cancelled"} and all(e["response"] is None for e in err)
+    assert sorted(o["custom_id"] for o in out + err) == sorted(line["custom_id"] for line in lines)
+    # Cancelling again is harmless.
+    assert api.http.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] == "cancelled"
+
+
+def test_completion_window_expires_with_partial_results(jobs_server):
+    embed = FakeEmbeddingEngine(fixed=0.1)
+    s, api = jobs_server(embed, max_batch_size=1)
+    lines = [embed_line(f"l{i}", f"text {i}") for i in range(30)]
+    batch = api.create(lines, window="1s")
+    assert batch["expires_at"] - batch["created_at"] in (0, 1, 2)
+    done = api.wait(batch["id"], timeout=20)
+    assert done["status"] == "expired" and done["expired_at"]
+    counts = done["request_counts"]
+    assert 0 < counts["completed"] < 30
+    out, err = api.content(done["output_file_id"]), api.content(done["error_file_id"])
+    assert len(out) == counts["completed"] and len(err) == 30 - counts["completed"]
+    assert {e["error"]["code"] for e in err} == {"batch_expired"}
+    assert sum(embed.calls) == counts["completed"]
+
+
+def test_graceful_restart_resumes_without_rerunning(fake_server_factory, tmp_path):
+    data = str(tmp_path / "data")
+    first = FakeEmbeddingEngine(fixed=0.03)
+    s1 = fake_server_factory(first, max_batch_size=1, data_dir=data)
+    api1 = Api(s1.url)
+    lines = [embed_line(f"l{i}", f"text {i}") for i in range(30)]
+    batch = api1.create(lines)
+    api1.wait(batch["id"], lambda b: b["request_counts"]["completed"] >= 5)
+    s1.stop()  # drain: queued lines go back to pending, the running one finishes and is committed
+    second = FakeEmbeddingEngine()
+    s2 = fake_server_factory(second, data_dir=data)
+    api2 = Api(s2.url)
+    done = api2.wait(batch["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 30, "completed": 30, "failed": 0}
+    out = api2.content(done["output_file_id"])
+    assert sorted(o["custom_id"] for o in out) == sorted(line["custom_id"] for line in lines)
+    # Every input computed exactly once across both processes.
+    assert sum(first.calls) + sum(second.calls) == 30 and sum(first.calls) >= 5
+
+
+def test_metrics_and_openai_client(jobs_server, tmp_path):
+    import openai
+
+    s, api = jobs_server()
+    client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl([embed_line(f"e{i}", f"words {i}") for i in range(5)]))
+    f = client.files.create(file=open(path, "rb"), purpose="batch")
+    assert f.object == "file" and f.purpose == "batch" and f.bytes == path.stat().st_size
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h",
+                              metadata={"team": "evals"})
+    assert b.status == "in_progress" and b.metadata == {"team": "evals"}
+    deadline = time.monotonic() + 30
+    while (b := client.batches.retrieve(b.id)).status != "completed":
+        assert time.monotonic() < deadline, b
+        time.sleep(0.02)
+    assert b.request_counts.total == 5 and b.request_counts.completed == 5 and b.error_file_id is None
+    out = [orjson.loads(x) for x in client.files.content(b.output_file_id).content.splitlines()]
+    assert sorted(o["custom_id"] for o in out) == [f"e{i}" for i in range(5)]
+    assert client.files.retrieve(b.output_file_id).purpose == "batch_output"
+    assert [x.id for x in client.batches.list(limit=10)] == [b.id]
+    registry = s.ferry.metrics.registry
+    assert registry.get_sample_value("ferry_jobs", {"status": "completed"}) == 1
+    assert registry.get_sample_value("ferry_jobs", {"status": "in_progress"}) == 0
+    assert registry.get_sample_value("ferry_job_lines_total", {"status": "completed"}) == 5
+    text = httpx.get(s.url + "/metrics").text
+    assert 'ferry_jobs{status="completed"} 1.0' in text
+
+
+def test_batch_work_leaves_running_slots_for_interactive_prompts(jobs_server):
+    chat = FakeGenerationEngine(step_delay=0.002)
+    s, api = jobs_server(chat=chat, max_running=4)
+    done = api.wait(api.create([chat_line(f"c{i}", f"prompt {i}", max_tokens=6) for i in range(12)])["id"])
+    assert done["request_counts"]["completed"] == 12
+    # Batch sequences never held more than half of max_running at once.
+    assert max(len(ids) for kind, ids in chat.calls if kind == "step") == 2
