@@ -1,21 +1,47 @@
 """Run blocking engine calls off the event loop, on one dedicated worker thread.
 
 One thread per engine: torch work is serialised (the engine needs no locks) and the loop
-pays one thread hop per batch, never per request.
+pays one thread hop per batch, never per request. A call that outlives `timeout` fails
+with EngineTimeout and the runner moves to a fresh thread, so one hung call cannot stall
+every later batch; the stuck thread is abandoned (Python cannot kill it) and its result,
+if it ever comes, is dropped.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+log = logging.getLogger("ferry.batcher")
+
+
+class EngineTimeout(TimeoutError):
+    pass
+
 
 class ThreadRunner:
-    def __init__(self, name: str):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ferry-{name}")
+    def __init__(self, name: str, timeout: float | None = None, initializer: Callable[[], None] | None = None):
+        self.name, self.timeout, self._initializer = name, timeout, initializer
+        self.abandoned = 0
+        self._pool = self._new_pool()
+
+    def _new_pool(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ferry-{self.name}", initializer=self._initializer)
 
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        if self.timeout is None:
+            return await fut
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
+        except asyncio.TimeoutError:
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._new_pool()
+            self.abandoned += 1
+            log.error("engine call on %s exceeded %.1f s; moved to a fresh worker thread", self.name, self.timeout)
+            raise EngineTimeout(f"engine call exceeded {self.timeout:g} s") from None
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=self.abandoned == 0, cancel_futures=True)

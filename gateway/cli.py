@@ -13,6 +13,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     command, cfg = from_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.torch_threads))  # before torch is imported
     from .logs import setup_logging
 
     setup_logging()

@@ -39,6 +39,7 @@ class ServerConfig:
     max_stop_strings: int = 16
     max_streams: int = 1024
     drain_timeout: float = 30.0
+    engine_timeout: float = 120.0
     log_prompts: bool = False
     warmup: bool = True
     data_dir: str = ".ferry"
@@ -64,6 +65,9 @@ class ServerConfig:
         for name in ("max_body_bytes", "max_inputs", "max_prompts", "max_completion_tokens", "max_streams", "torch_threads"):
             if getattr(self, name) < 1:
                 raise SystemExit(f"ferry: invalid --{name.replace('_', '-')}: must be at least 1")
+        for name in ("drain_timeout", "engine_timeout"):
+            if not getattr(self, name) > 0:
+                raise SystemExit(f"ferry: invalid --{name.replace('_', '-')}: must be a number of seconds above 0")
         if self.embedding_model == "none" and self.chat_model == "none":
             raise SystemExit("ferry: nothing to serve: both --embedding-model and --chat-model are 'none'")
 
@@ -94,6 +98,7 @@ HELP = {
     "max_stop_strings": "most stop strings per prompt",
     "max_streams": "most concurrent streaming responses",
     "drain_timeout": "seconds to finish accepted work after SIGTERM",
+    "engine_timeout": "seconds one engine call may take before its items fail and the engine moves to a fresh thread",
     "log_prompts": "include prompt text in request logs",
     "warmup": "profile the engines at startup to seed the cost model",
     "data_dir": "where batch jobs and uploaded files are kept",

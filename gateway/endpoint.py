@@ -68,9 +68,7 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
             response = APIError(500, "internal server error", code="internal_error").response()
         response.headers["X-Request-Id"] = rid
         if isinstance(response, StreamingResponse):
-            # Streams account for themselves when they end.
-            m.in_flight.labels(route).dec()
-            return response
+            return response  # streams account for themselves (in flight, status, latency) when they end
         m.in_flight.labels(route).dec()
         finish(ferry, ctx, response.status_code, start)
         return response

@@ -54,9 +54,13 @@ async def parse(request: Request, model: type[M], limit: int) -> M:
 
 
 def validation_error(exc: ValidationError) -> APIError:
-    err = exc.errors()[0]
-    # Drop pydantic's union-branch names ("str", "list[str]") from the location.
-    loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
+    # A union field reports one error per branch; the one that got deepest into the value
+    # names the real problem ("messages.0.role", not "messages.0: should be a list").
+    def where(e: dict) -> list[str]:
+        return [str(p) for p in e["loc"] if not _is_type_tag(p)]
+
+    err = max(exc.errors(), key=lambda e: len(where(e)))
+    loc = where(err)
     param = ".".join(loc) or None
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
@@ -112,18 +116,24 @@ async def wait_items(request: Request, batcher: QueueingBatcher, items: list[Wor
         await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         cancel_all(batcher, items)
+        gathered.add_done_callback(_consume)
         raise
     finally:
         watcher.cancel()
     if not gathered.done():
-        cancel_all(batcher, items)
-        gathered.cancel()
+        cancel_all(batcher, items)  # resolves every item future, so `gathered` completes too
+        gathered.add_done_callback(_consume)
         raise ClientGone()
     try:
         return gathered.result()
     except FerryError as exc:
         cancel_all(batcher, items)
         raise APIError.from_ferry(exc) from None
+
+
+def _consume(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: the client is gone, nobody else will
 
 
 def cancel_all(batcher: QueueingBatcher, items: list[WorkItem]) -> None:

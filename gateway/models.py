@@ -94,10 +94,24 @@ def fake_specs_from_env() -> list[ModelSpec]:
     return [ModelSpec(EMBEDDING, lambda: LoggedEmbed(fixed=delay)), ModelSpec(CHAT, lambda: LoggedChat(step_delay=delay))]
 
 
+def _thread_setup(cfg: ServerConfig):
+    """Torch's intra-op thread count is per OS thread under OpenMP: set it on the worker."""
+
+    def setup() -> None:
+        import sys
+
+        if "torch" in sys.modules:
+            from engine.device import configure_threads
+
+            configure_threads(cfg.torch_threads)
+
+    return setup
+
+
 async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> ServedModel:
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, spec.load)
-    runner = ThreadRunner(engine.name)
+    runner = ThreadRunner(engine.name, timeout=cfg.engine_timeout, initializer=_thread_setup(cfg))
     settings = cfg.batching_settings(**spec.settings)
     if spec.kind == EMBEDDING:
         cost = CostModel()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 Budget = Annotated[float, Field(gt=0, le=3_600_000, description="Latency budget in milliseconds.")]
 PriorityName = Literal["interactive", "batch"]
@@ -78,7 +78,7 @@ StopList = Annotated[list[str], Field(max_length=16)]
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class GenerationParams(Scheduling):
@@ -92,7 +92,7 @@ class GenerationParams(Scheduling):
     stop: Union[str, StopList, list[Union[str, StopList, None]], None] = Field(
         None, description="A string or list of strings for every prompt, or a per-prompt list of lists.")
     n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
 

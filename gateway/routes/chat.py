@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -146,9 +146,21 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan,
         deltas: asyncio.Queue[Delta] = asyncio.Queue()
         items = submit(served.batcher, [t[2] for t in triples], costs=[len(t[2].prompt_ids) for t in triples],
                        budget=budget, priority=priority, request_id=ctx.request_id, on_delta=deltas.put_nowait)
-        stream = _stream(request, ctx, served, body, p, triples, items, deltas, chat)
-        return StreamingResponse(stream, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        state = StreamState(time.perf_counter())
+        ferry.streams += 1
+
+        def close() -> None:
+            # The client left, the stream ended or the server stops: cancel whatever is
+            # still queued or running, then account for the request exactly once.
+            cancel_all(served.batcher, items)
+            ferry.streams -= 1
+            status = 499 if state.open else state.status
+            ctx.extra.update(prompts=len(p.prompts), completion_tokens=state.completion_tokens, **_queue_fields(items))
+            ferry.metrics.in_flight.labels(ctx.route).dec()
+            finish(ferry, ctx, status, state.start)
+
+        stream = _stream(served, body, p, triples, items, deltas, chat, state)
+        return EventStream(stream, close)
     items = submit(served.batcher, [t[2] for t in triples], costs=[len(t[2].prompt_ids) for t in triples],
                    budget=budget, priority=priority, request_id=ctx.request_id)
     results = await wait_items(request, served.batcher, items)
@@ -182,18 +194,37 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + dumps(obj) + b"\n\n"
 
 
-async def _stream(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan, triples: list, items: list[WorkItem],
-                  deltas: asyncio.Queue, chat: bool):
-    ferry = request.app.state.ferry
-    ferry.streams += 1
-    start = time.perf_counter()
+@dataclass
+class StreamState:
+    start: float
+    status: int = 200
+    completion_tokens: int = 0
+    open: set[int] = field(default_factory=lambda: {-1})  # ids still owed a final event
+
+
+class EventStream(StreamingResponse):
+    """SSE response whose clean-up runs however it ends, even when the client leaves before
+    the first byte: then the generator never starts and its own `finally` never runs."""
+
+    def __init__(self, gen: Any, on_close: Any):
+        super().__init__(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self._on_close()
+
+
+async def _stream(served: Any, body: Any, p: Plan, triples: list, items: list[WorkItem], deltas: asyncio.Queue,
+                  chat: bool, state: StreamState):
     rid, created, model = _id(chat), int(time.time()), served.name
     obj = "chat.completion.chunk" if chat else "text_completion"
     index_of = {item.id: k for k, item in enumerate(items)}
     started: set[int] = set()
-    open_items = {item.id for item in items}
-    completion_tokens = 0
-    status = 200
+    open_items = state.open = {item.id for item in items}
 
     def chunk(k: int, text: str | None, finish_reason: str | None) -> bytes:
         choice: dict[str, Any] = {"index": k, "prompt_index": triples[k][0], "finish_reason": finish_reason, "logprobs": None}
@@ -221,7 +252,7 @@ async def _stream(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan, t
                 d: Delta = getter.result()
                 getter = None
                 k = index_of[d.item.id]
-                completion_tokens += d.tokens
+                state.completion_tokens += d.tokens
                 yield chunk(k, d.text, d.finish_reason)
                 if d.finish_reason is not None:
                     open_items.discard(d.item.id)
@@ -232,7 +263,7 @@ async def _stream(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan, t
                 if exc is not None and item.id in open_items:
                     open_items.discard(item.id)
                     err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, str(exc))
-                    status = err.status if status == 200 else status
+                    state.status = err.status if state.status == 200 else state.status
                     body_ = error_body(err.status, err.message, err.code)
                     body_["error"]["prompt_index"] = triples[index_of[item.id]][0]
                     body_["error"]["index"] = index_of[item.id]
@@ -240,22 +271,16 @@ async def _stream(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan, t
                     yield _sse(body_)
         if body.stream_options is not None and body.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for ids in p.prompts)
+            done_tokens = state.completion_tokens
             yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                  "total_tokens": prompt_tokens + completion_tokens}})
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": done_tokens,
+                                  "total_tokens": prompt_tokens + done_tokens}})
         yield b"data: [DONE]\n\n"
     finally:
-        # The client left (or the server stops): cancel whatever is still queued or running.
         if getter is not None:
             getter.cancel()
         for fut in waiters:
             fut.cancel()
-        if open_items:
-            status = 499
-        cancel_all(served.batcher, items)
-        ferry.streams -= 1
-        ctx.extra.update(prompts=len(p.prompts), completion_tokens=completion_tokens, **_queue_fields(items))
-        finish(ferry, ctx, status, start)
 
 
 async def _outcome(item: WorkItem) -> Exception | None:

@@ -46,7 +46,7 @@ def test_base64_is_little_endian_float32(fake_server_factory):
         (b'{"input": "x"}', 422, "invalid_value", "model"),
         (b'{"model": "fake-embed", "input": 5}', 422, "invalid_value", "input"),
         (b'{"model": "fake-embed", "input": []}', 422, "invalid_value", "input"),
-        (b'{"model": "fake-embed", "input": [""]}', 422, "invalid_value", "input"),
+        (b'{"model": "fake-embed", "input": [""]}', 422, "invalid_value", "input.0"),
         (b'{"model": "fake-embed", "input": "x", "encoding_format": "int8"}', 422, "invalid_value", "encoding_format"),
         (b'{"model": "fake-embed", "input": "x", "bogus": 1}', 422, "invalid_value", "bogus"),
         (b'{"model": "fake-embed", "input": "x", "latency_budget_ms": -5}', 422, "invalid_value", "latency_budget_ms"),

@@ -1,0 +1,92 @@
+"""A table of bad inputs over every route: each gets its documented status and error code,
+nothing reaches an engine, and the server still serves the next good request."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+E, C = "/v1/embeddings", "/v1/chat/completions"
+P = "/v1/completions"
+MSG = [{"role": "user", "content": "hi"}]
+
+CASES = [
+    # route, raw body, status, code, param
+    (E, b"{oops", 400, "invalid_json", None),
+    (C, b"{oops", 400, "invalid_json", None),
+    (P, b"\xff\xfe\x00garbage", 400, "invalid_json", None),  # not UTF-8
+    (C, b'"just a string"', 400, "invalid_json", None),
+    (E, b'{"model": "fake-embed"}', 422, "invalid_value", "input"),
+    (C, b'{"model": "fake-chat"}', 422, "invalid_value", "messages"),
+    (P, b'{"model": "fake-chat"}', 422, "invalid_value", "prompt"),
+    (E, b'{"model": 3, "input": "x"}', 422, "invalid_value", "model"),
+    (C, b'{"model": "fake-chat", "messages": []}', 422, "invalid_value", "messages"),
+    (C, b'{"model": "fake-chat", "messages": [[]]}', 422, "invalid_value", "messages.0"),
+    (P, b'{"model": "fake-chat", "prompt": []}', 422, "invalid_value", "prompt"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "robot", "content": "x"}]}', 422, "invalid_value", "messages.0.role"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "temperature": -1}', 422, "invalid_value", "temperature"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_json", None),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', 400, "invalid_json", None),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}', 422, "invalid_value", "max_tokens"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', 422, "invalid_value", "max_tokens"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "n": 1000}', 422, "invalid_value", "n"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 422, "invalid_value", "stream"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}', 422, "invalid_value", "frequency_penalty"),
+    (C, b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], "seed": [1]}', 422, "invalid_value", "seed"),
+    (P, b'{"model": "fake-chat", "prompt": ["a", "b"], "max_tokens": [1, 2, 3]}', 422, "invalid_value", "max_tokens"),
+    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stop": [""]}', 422, "invalid_value", "stop"),
+    (E, b'{"model": "fake-embed", "input": "x", "latency_budget_ms": 0}', 422, "invalid_value", "latency_budget_ms"),
+    (E, b'{"model": "fake-embed", "input": "x", "priority": "vip"}', 422, "invalid_value", "priority"),
+    (E, b'{"model": "ghost", "input": "x"}', 404, "model_not_found", "model"),
+    (C, b'{"model": "ghost", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found", "model"),
+    (P, b'{"model": "fake-embed", "prompt": "x"}', 404, "model_not_found", "model"),
+]
+
+
+@pytest.fixture(scope="module")
+def server():
+    from ..conftest import fake_app
+    from ..live import live
+
+    with live(fake_app(max_body_bytes=10_000, max_prompts=4, max_inputs=4, max_completion_tokens=100,
+                       max_stop_strings=2, max_prompt_tokens=50)) as s:
+        yield s
+
+
+@pytest.mark.parametrize("route, raw, status, code, param", CASES)
+def test_bad_input_gets_its_documented_error(server, route, raw, status, code, param):
+    calls = [len(m.engine.calls) for m in server.ferry.models.values()]
+    r = httpx.post(server.url + route, content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == (code, param), err
+    assert err["message"] and err["type"]
+    assert [len(m.engine.calls) for m in server.ferry.models.values()] == calls  # nothing reached an engine
+    good = httpx.post(server.url + C, json={"model": "fake-chat", "messages": MSG, "max_tokens": 2})
+    assert good.status_code == 200
+
+
+LIMITS = [
+    (E, {"model": "fake-embed", "input": "x" * 20_000}, 413, "body_too_large"),
+    (E, {"model": "fake-embed", "input": ["a"] * 5}, 422, "too_many_inputs"),
+    (E, {"model": "fake-embed", "input": " ".join(["w"] * 60)}, 422, "too_many_tokens"),
+    (C, {"model": "fake-chat", "messages": [MSG] * 5}, 422, "too_many_prompts"),
+    (P, {"model": "fake-chat", "prompt": ["a"] * 5}, 422, "too_many_prompts"),
+    (C, {"model": "fake-chat", "messages": MSG, "max_tokens": 101}, 422, "invalid_value"),
+    (C, {"model": "fake-chat", "messages": MSG, "stop": ["a", "b", "c"]}, 422, "too_many_stop_strings"),
+    (C, {"model": "fake-chat", "messages": [{"role": "user", "content": "x" * 80}]}, 422, "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize("route, body, status, code", LIMITS)
+def test_each_limit_has_its_own_clear_error(server, route, body, status, code):
+    r = httpx.post(server.url + route, json=body)
+    assert r.status_code == status, r.text
+    assert r.json()["error"]["code"] == code
+    assert r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method_answer_in_the_same_shape(server):
+    r = httpx.get(server.url + "/v1/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+    r = httpx.delete(server.url + "/v1/embeddings")
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
