@@ -109,6 +109,8 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="ferry", description="Ferry: latency-aware dynamic micro-batching gateway")
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the gateway")
+    # `ferry tune` is dispatched by gateway/cli.py before parsing (its options: `ferry tune --help`).
+    sub.add_parser("tune", help="sweep batching settings under load, recommend one for an SLO (docs/tuning.md)", add_help=False)
     for f in fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         env = os.environ.get("FERRY_" + f.name.upper())

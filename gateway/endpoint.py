@@ -50,6 +50,7 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
         if len(rid) > 128 or not rid.isprintable():
             rid = uuid.uuid4().hex
         ctx = Ctx(route, rid)
+        ferry.last_request_at = time.monotonic()
         m = ferry.metrics
         start = time.perf_counter()
         m.in_flight.labels(route).inc()
@@ -67,6 +68,8 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
             log.exception("unhandled error on %s", route)
             response = APIError(500, "internal server error", code="internal_error").response()
         response.headers["X-Request-Id"] = rid
+        if ferry.draining:
+            response.headers["Connection"] = "close"  # no more requests on this connection
         if isinstance(response, StreamingResponse):
             return response  # streams account for themselves (in flight, status, latency) when they end
         m.in_flight.labels(route).dec()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import uvicorn
 
@@ -34,10 +35,13 @@ class DrainingServer(uvicorn.Server):
         failed = await self.ferry.drain(self.ferry.config.drain_timeout)
         if failed:
             log.warning("drain timeout: %d accepted items ended with an error", failed)
-        # Let the last streams send their final events before uvicorn closes connections.
-        for _ in range(100):
-            if self.ferry.streams == 0:
-                break
+        # Let the last streams send their final events, then keep answering 503 (with
+        # Connection: close) while clients are still sending: closing the socket under a
+        # keep-alive connection the client is writing to would reset a request instead of
+        # refusing it. Linger until 0.5 s pass with no new request, at most 5 s.
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 5.0
+        while loop.time() < end and (self.ferry.streams > 0 or time.monotonic() - self.ferry.last_request_at < 0.5):
             await asyncio.sleep(0.05)
         self.should_exit = True
 

@@ -25,6 +25,7 @@ class Ferry:
     draining: bool = False
     load_error: str | None = None
     streams: int = 0
+    last_request_at: float = 0.0  # time.monotonic() of the latest request, for the drain linger
     jobs: Any = None  # gateway.jobs.JobRunner, set by create_app
 
     async def load(self) -> None:

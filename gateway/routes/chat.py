@@ -119,6 +119,8 @@ async def chat_completions(request: Request, ctx: Ctx):
     if len(convs) > ferry.config.max_prompts:
         raise APIError(422, f"request has {len(convs)} prompts; at most {ferry.config.max_prompts} are allowed",
                        code="too_many_prompts", param="messages")
+    if ferry.config.log_prompts:
+        ctx.extra["prompts"] = [[{"role": m.role, "content": m.text()} for m in conv] for conv in convs]
     prompts = [served.engine.encode_chat([{"role": m.role, "content": m.text()} for m in conv]) for conv in convs]
     return await _generate(request, ctx, served, body, plan(body, prompts, served, ferry.config, None), chat=True)
 
@@ -131,6 +133,8 @@ async def completions(request: Request, ctx: Ctx):
     if len(body.prompts) > ferry.config.max_prompts:
         raise APIError(422, f"request has {len(body.prompts)} prompts; at most {ferry.config.max_prompts} are allowed",
                        code="too_many_prompts", param="prompt")
+    if ferry.config.log_prompts:
+        ctx.extra["prompts"] = body.prompts
     prompts = [served.engine.encode_prompt(p) for p in body.prompts]
     return await _generate(request, ctx, served, body, plan(body, prompts, served, ferry.config, 16), chat=False)
 
@@ -155,7 +159,7 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan,
             cancel_all(served.batcher, items)
             ferry.streams -= 1
             status = 499 if state.open else state.status
-            ctx.extra.update(prompts=len(p.prompts), completion_tokens=state.completion_tokens, **_queue_fields(items))
+            ctx.extra.update(n_prompts=len(p.prompts), completion_tokens=state.completion_tokens, **_queue_fields(items))
             ferry.metrics.in_flight.labels(ctx.route).dec()
             finish(ferry, ctx, status, state.start)
 
@@ -174,7 +178,7 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan,
                       "logprobs": None}
         choices.append(choice)
     usage = _usage(p, results)
-    ctx.extra.update(prompts=len(p.prompts), completion_tokens=usage["completion_tokens"])
+    ctx.extra.update(n_prompts=len(p.prompts), completion_tokens=usage["completion_tokens"])
     out = {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
            "model": served.name, "choices": choices, "usage": usage}
     return json_response(out, headers=timing_headers(items))

@@ -26,6 +26,8 @@ async def create_embeddings(request: Request, ctx: Ctx):
         raise APIError(422, f"input has {len(texts)} items; at most {cfg.max_inputs} are allowed per request",
                        code="too_many_inputs", param="input")
     engine = served.engine
+    if cfg.log_prompts:
+        ctx.extra["prompts"] = texts
     if body.dimensions is not None and body.dimensions != engine.dim:
         raise APIError(422, f"dimensions: {served.name} produces {engine.dim}-dimensional embeddings; other sizes are not supported",
                        code="invalid_value", param="dimensions")

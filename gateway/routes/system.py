@@ -17,7 +17,7 @@ async def healthz(request: Request) -> Response:
 async def readyz(request: Request) -> Response:
     ferry = request.app.state.ferry
     if ferry.draining:
-        return json_response({"status": "draining"}, 503, {"Retry-After": "1"})
+        return json_response({"status": "draining"}, 503, {"Retry-After": "1", "Connection": "close"})
     if not ferry.ready:
         status = "failed" if ferry.load_error else "loading"
         return json_response({"status": status, "error": ferry.load_error}, 503)
