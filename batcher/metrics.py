@@ -96,6 +96,10 @@ class Metrics:
         self.knob_queue = Gauge("ferry_setting_max_queue", "Current max_queue.", ["model"], registry=r)
         self.knob_budget = Gauge("ferry_setting_default_budget_seconds", "Current default latency budget (the SLO line of the dashboard); absent when requests without a budget have no deadline.", ["model"], registry=r)
         self.config_changes = Counter("ferry_config_changes_total", "Live batching-setting changes.", ["model"], registry=r)
+        # Batch jobs (gateway/jobs): jobs in the store by status, lines finished by status.
+        self.jobs = Gauge("ferry_jobs", "Batch jobs in the store, by status.", ["status"], registry=r)
+        self.job_lines = Counter("ferry_job_lines_total", "Batch-job lines finished, by status (cancelled/expired: never run).",
+                                 ["status"], registry=r)
 
     def publish_settings(self, model: str, s) -> None:
         self.init_model(model)

@@ -124,7 +124,7 @@ class JobRunner:
     def __init__(self, ferry: Any, *, in_flight: int = LINES_IN_FLIGHT):
         self.ferry = ferry
         self.store = st.Store(ferry.config.data_dir)
-        self.metrics = JobMetrics.on(ferry.metrics.registry)
+        self.metrics = JobMetrics(ferry.metrics)
         self.in_flight = in_flight
         self.jobs: dict[str, Job] = {}
         self.shares: dict[str, Share] = {}
