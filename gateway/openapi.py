@@ -79,6 +79,7 @@ def build() -> dict[str, Any]:
         paths.setdefault(path, {})[method] = op
     for path, ops in _extra_paths.items():
         paths.setdefault(path, {}).update(ops)
+    _batch_jobs(paths)
     paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "tags": ["ops"], "operationId": "get_metrics",
                                  "responses": {"200": {"description": "Prometheus text format",
                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
@@ -93,6 +94,39 @@ def build() -> dict[str, Any]:
                                 "adminToken": {"type": "http", "scheme": "bearer"}},
         },
     }
+
+
+def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
+    """The OpenAI batch API (gateway/routes/batches.py): request schema from BatchCreate;
+    file and batch objects follow OpenAI's shapes and are documented as objects."""
+    from .jobs.validate import BatchCreate
+
+    obj = {"type": "object"}
+    errors = {code: {"description": text, "content": {"application/json": {"schema": _ref(s.ErrorResponse)}}}
+              for code, text in ERRORS.items() if code in ("400", "401", "404", "413", "422", "503")}
+
+    def op(op_id: str, summary: str, content: dict[str, Any], param: str | None = None, body: dict | None = None) -> dict:
+        out: dict[str, Any] = {"summary": summary, "tags": ["batch"], "operationId": op_id, "security": [{"apiKey": []}, {}],
+                               "responses": {"200": {"description": "OK", "content": content}, **errors}}
+        if param:
+            out["parameters"] = [{"name": param, "in": "path", "required": True, "schema": {"type": "string"}}]
+        if body:
+            out["requestBody"] = body
+        return out
+
+    upload = {"required": True, "content": {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["purpose", "file"],
+        "properties": {"purpose": {"type": "string", "enum": ["batch"]}, "file": {"type": "string", "format": "binary"}}}}}}
+    create = {"required": True, "content": {"application/json": {"schema": BatchCreate.model_json_schema(ref_template=REF)}}}
+    j = {"application/json": {"schema": obj}}
+    paths["/v1/files"] = {"post": op("post_files", "Upload a JSONL batch input file", j, body=upload)}
+    paths["/v1/files/{file_id}"] = {"get": op("get_file", "A file object", j, "file_id")}
+    paths["/v1/files/{file_id}/content"] = {"get": op("get_file_content", "A file's content (JSONL)",
+                                                      {"application/jsonl": {"schema": {"type": "string"}}}, "file_id")}
+    paths["/v1/batches"] = {"post": op("post_batches", "Create a batch job from an uploaded file", j, body=create),
+                            "get": op("list_batches", "List batch jobs (paginated with after and limit)", j)}
+    paths["/v1/batches/{batch_id}"] = {"get": op("get_batch", "A batch job: status and request counts", j, "batch_id")}
+    paths["/v1/batches/{batch_id}/cancel"] = {"post": op("cancel_batch", "Cancel a batch job", j, "batch_id")}
 
 
 async def openapi(request: Request):

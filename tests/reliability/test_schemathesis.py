@@ -23,8 +23,9 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 
 @pytest.fixture(scope="module")
-def api():
-    with live(fake_app(admin_token="admin-secret", max_completion_tokens=64, max_prompts=8)) as server:
+def api(tmp_path_factory):
+    data_dir = str(tmp_path_factory.mktemp("jobs"))
+    with live(fake_app(admin_token="admin-secret", max_completion_tokens=64, max_prompts=8, data_dir=data_dir)) as server:
         yield server
 
 
