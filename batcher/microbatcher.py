@@ -15,7 +15,7 @@ from typing import Any, Awaitable, Callable, Sequence
 from .core import QueueingBatcher, seconds_until
 from .errors import EngineError, ShuttingDown
 from .policy import Dispatch, batch_cost, get_policy
-from .types import Batch, DispatchReason, Outcome, WorkItem
+from .types import Batch, DispatchReason, Outcome
 
 log = logging.getLogger("ferry.batcher")
 

@@ -1,7 +1,6 @@
 """`ferry serve`: the command-line entry point."""
 from __future__ import annotations
 
-import logging
 import os
 import sys
 

@@ -16,7 +16,6 @@ import random
 import time
 
 import httpx
-import numpy as np
 
 from .bench_embeddings import MODEL, sentence
 from .openloop import Gateway, Sample, open_loop, pct

@@ -22,7 +22,6 @@ to turn results into the same response body a direct request would get.
 from __future__ import annotations
 
 import re
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -191,12 +190,13 @@ def _served(ferry: Any, url: str, body: Any) -> Any:
 def check_body(ferry: Any, url: str, body: Any) -> None:
     """The routes' tokenizer-free checks (limits, per-prompt lists, known model)."""
     from ..routes.chat import plan  # noqa: PLC0415
+    from ..routes.embeddings import check_inputs  # noqa: PLC0415
 
     served = _served(ferry, url, body)
     cfg = ferry.config
     if url == EMBEDDINGS_URL:
         texts = [body.input] if isinstance(body.input, str) else body.input
-        _check_inputs(texts, served, body, cfg)
+        check_inputs(texts, served, body, cfg)
         return
     n = len(body.conversations if url == CHAT_URL else body.prompts)
     param = "messages" if url == CHAT_URL else "prompt"
@@ -205,16 +205,6 @@ def check_body(ferry: Any, url: str, body: Any) -> None:
                        param=param)
     # One-token stand-in prompts: every check of plan() except prompt length, which needs the tokenizer.
     plan(body, [[0]] * n, served, cfg, None if url == CHAT_URL else 16)
-
-
-def _check_inputs(texts: list[str], served: Any, body: Any, cfg: Any) -> None:
-    if len(texts) > cfg.max_inputs:
-        raise APIError(422, f"input has {len(texts)} items; at most {cfg.max_inputs} are allowed per request",
-                       code="too_many_inputs", param="input")
-    dim = served.engine.dim
-    if body.dimensions is not None and body.dimensions != dim:
-        raise APIError(422, f"dimensions: {served.name} produces {dim}-dimensional embeddings; other sizes are not supported",
-                       code="invalid_value", param="dimensions")
 
 
 @dataclass
@@ -231,59 +221,26 @@ class Work:
 def prepare(ferry: Any, url: str, body_json: str) -> Work:
     """Runs on the event loop, like the routes (tokenizers are not shared across threads).
     Raises APIError for a line that fails as a direct request would."""
-    from ..routes.chat import _id, _usage, plan  # noqa: PLC0415
-    from ..routes.embeddings import _encode  # noqa: PLC0415
+    from ..routes.chat import completion_body, make_plan  # noqa: PLC0415
+    from ..routes.embeddings import embeddings_body, tokenize_inputs  # noqa: PLC0415
 
     body = parse_body(url, orjson.loads(body_json))
     served = _served(ferry, url, body)
     cfg = ferry.config
-    engine = served.engine
     if url == EMBEDDINGS_URL:
         texts = [body.input] if isinstance(body.input, str) else body.input
-        _check_inputs(texts, served, body, cfg)
-        token_ids = engine.tokenize(texts)
-        if cfg.max_prompt_tokens is not None:
-            for i, ids in enumerate(token_ids):
-                if len(ids) > cfg.max_prompt_tokens:
-                    raise APIError(422, f"input[{i}] has {len(ids)} tokens; the limit is {cfg.max_prompt_tokens}",
-                                   code="too_many_tokens", param="input")
+        token_ids = tokenize_inputs(texts, served, body, cfg)
 
         def respond_embed(results: list[Any]) -> dict:
-            data = [{"object": "embedding", "index": i, "embedding": _encode(r.vector, body.encoding_format)}
-                    for i, r in enumerate(results)]
-            tokens = sum(r.tokens for r in results)
-            return {"object": "list", "data": data, "model": served.name,
-                    "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+            return embeddings_body(results, served, body)
 
         return Work(served, token_ids, [len(t) for t in token_ids], respond_embed)
 
     chat = url == CHAT_URL
-    if chat:
-        convs = body.conversations
-        if len(convs) > cfg.max_prompts:
-            raise APIError(422, f"request has {len(convs)} prompts; at most {cfg.max_prompts} are allowed",
-                           code="too_many_prompts", param="messages")
-        prompts = [engine.encode_chat([{"role": m.role, "content": m.text()} for m in conv]) for conv in convs]
-        p = plan(body, prompts, served, cfg, None)
-    else:
-        if len(body.prompts) > cfg.max_prompts:
-            raise APIError(422, f"request has {len(body.prompts)} prompts; at most {cfg.max_prompts} are allowed",
-                           code="too_many_prompts", param="prompt")
-        prompts = [engine.encode_prompt(t) for t in body.prompts]
-        p = plan(body, prompts, served, cfg, 16)
+    p = make_plan(body, served, cfg)
     triples = p.items()
 
     def respond_gen(results: list[Any]) -> dict:
-        choices = []
-        for k, ((prompt_index, _, _), r) in enumerate(zip(triples, results)):
-            if chat:
-                choices.append({"index": k, "prompt_index": prompt_index,
-                                "message": {"role": "assistant", "content": r.text},
-                                "finish_reason": r.finish_reason, "logprobs": None})
-            else:
-                choices.append({"index": k, "prompt_index": prompt_index, "text": r.text,
-                                "finish_reason": r.finish_reason, "logprobs": None})
-        return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": served.name, "choices": choices, "usage": _usage(p, results)}
+        return completion_body(p, results, served.name, chat)
 
     return Work(served, [t[2] for t in triples], [len(t[2].prompt_ids) for t in triples], respond_gen)

@@ -115,14 +115,9 @@ async def chat_completions(request: Request, ctx: Ctx):
     body = await parse(request, ChatCompletionRequest, ferry.config.max_body_bytes)
     served = ferry.model(body.model, CHAT)
     ctx.model = served.name
-    convs = body.conversations
-    if len(convs) > ferry.config.max_prompts:
-        raise APIError(422, f"request has {len(convs)} prompts; at most {ferry.config.max_prompts} are allowed",
-                       code="too_many_prompts", param="messages")
     if ferry.config.log_prompts:
-        ctx.extra["prompts"] = [[{"role": m.role, "content": m.text()} for m in conv] for conv in convs]
-    prompts = [served.engine.encode_chat([{"role": m.role, "content": m.text()} for m in conv]) for conv in convs]
-    return await _generate(request, ctx, served, body, plan(body, prompts, served, ferry.config, None), chat=True)
+        ctx.extra["prompts"] = [[{"role": m.role, "content": m.text()} for m in conv] for conv in body.conversations]
+    return await _generate(request, ctx, served, body, make_plan(body, served, ferry.config), chat=True)
 
 
 async def completions(request: Request, ctx: Ctx):
@@ -130,13 +125,38 @@ async def completions(request: Request, ctx: Ctx):
     body = await parse(request, CompletionRequest, ferry.config.max_body_bytes)
     served = ferry.model(body.model, CHAT)
     ctx.model = served.name
-    if len(body.prompts) > ferry.config.max_prompts:
-        raise APIError(422, f"request has {len(body.prompts)} prompts; at most {ferry.config.max_prompts} are allowed",
-                       code="too_many_prompts", param="prompt")
     if ferry.config.log_prompts:
         ctx.extra["prompts"] = body.prompts
-    prompts = [served.engine.encode_prompt(p) for p in body.prompts]
-    return await _generate(request, ctx, served, body, plan(body, prompts, served, ferry.config, 16), chat=False)
+    return await _generate(request, ctx, served, body, make_plan(body, served, ferry.config), chat=False)
+
+
+def make_plan(body: ChatCompletionRequest | CompletionRequest, served: Any, cfg: Any) -> Plan:
+    """Count, tokenize and validate the prompts of a chat or completions request."""
+    chat = isinstance(body, ChatCompletionRequest)
+    texts = body.conversations if chat else body.prompts
+    if len(texts) > cfg.max_prompts:
+        raise APIError(422, f"request has {len(texts)} prompts; at most {cfg.max_prompts} are allowed",
+                       code="too_many_prompts", param="messages" if chat else "prompt")
+    if chat:
+        prompts = [served.engine.encode_chat([{"role": m.role, "content": m.text()} for m in conv]) for conv in texts]
+    else:
+        prompts = [served.engine.encode_prompt(t) for t in texts]
+    return plan(body, prompts, served, cfg, None if chat else 16)
+
+
+def completion_body(p: Plan, results: list[Any], model: str, chat: bool) -> dict[str, Any]:
+    """The non-streaming response: one choice per (prompt, candidate), in prompt order."""
+    choices = []
+    for k, ((prompt_index, _, _), r) in enumerate(zip(p.items(), results)):
+        choice: dict[str, Any] = {"index": k, "prompt_index": prompt_index}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["text"] = r.text
+        choice.update(finish_reason=r.finish_reason, logprobs=None)
+        choices.append(choice)
+    return {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(p, results)}
 
 
 async def _generate(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan, *, chat: bool):
@@ -168,19 +188,8 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan,
     items = submit(served.batcher, [t[2] for t in triples], costs=[len(t[2].prompt_ids) for t in triples],
                    budget=budget, priority=priority, request_id=ctx.request_id)
     results = await wait_items(request, served.batcher, items)
-    choices = []
-    for k, ((prompt_index, _, _), r) in enumerate(zip(triples, results)):
-        if chat:
-            choice = {"index": k, "prompt_index": prompt_index, "message": {"role": "assistant", "content": r.text},
-                      "finish_reason": r.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": k, "prompt_index": prompt_index, "text": r.text, "finish_reason": r.finish_reason,
-                      "logprobs": None}
-        choices.append(choice)
-    usage = _usage(p, results)
-    ctx.extra.update(n_prompts=len(p.prompts), completion_tokens=usage["completion_tokens"])
-    out = {"id": _id(chat), "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-           "model": served.name, "choices": choices, "usage": usage}
+    out = completion_body(p, results, served.name, chat)
+    ctx.extra.update(n_prompts=len(p.prompts), completion_tokens=out["usage"]["completion_tokens"])
     return json_response(out, headers=timing_headers(items))
 
 

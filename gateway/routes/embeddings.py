@@ -22,32 +22,44 @@ async def create_embeddings(request: Request, ctx: Ctx):
     served = ferry.model(body.model, EMBEDDING)
     ctx.model = served.name
     texts = [body.input] if isinstance(body.input, str) else body.input
-    if len(texts) > cfg.max_inputs:
-        raise APIError(422, f"input has {len(texts)} items; at most {cfg.max_inputs} are allowed per request",
-                       code="too_many_inputs", param="input")
-    engine = served.engine
     if cfg.log_prompts:
         ctx.extra["prompts"] = texts
-    if body.dimensions is not None and body.dimensions != engine.dim:
-        raise APIError(422, f"dimensions: {served.name} produces {engine.dim}-dimensional embeddings; other sizes are not supported",
-                       code="invalid_value", param="dimensions")
-    token_ids = engine.tokenize(texts)
-    if cfg.max_prompt_tokens is not None:
-        for i, ids in enumerate(token_ids):
-            if len(ids) > cfg.max_prompt_tokens:
-                raise APIError(422, f"input[{i}] has {len(ids)} tokens; the limit is {cfg.max_prompt_tokens}",
-                               code="too_many_tokens", param="input")
+    token_ids = tokenize_inputs(texts, served, body, cfg)
     budget, priority = scheduling(request, body)
     items = submit(served.batcher, token_ids, costs=[len(t) for t in token_ids], budget=budget, priority=priority,
                    request_id=ctx.request_id)
     results = await wait_items(request, served.batcher, items)
     ctx.extra.update(inputs=len(texts), **_log_fields(items))
+    return json_response(embeddings_body(results, served, body), headers=timing_headers(items))
+
+
+def check_inputs(texts: list[str], served, body: EmbeddingsRequest, cfg) -> None:
+    """The checks that need no tokenizer (batch jobs run them when a file is validated)."""
+    if len(texts) > cfg.max_inputs:
+        raise APIError(422, f"input has {len(texts)} items; at most {cfg.max_inputs} are allowed per request",
+                       code="too_many_inputs", param="input")
+    dim = served.engine.dim
+    if body.dimensions is not None and body.dimensions != dim:
+        raise APIError(422, f"dimensions: {served.name} produces {dim}-dimensional embeddings; other sizes are not supported",
+                       code="invalid_value", param="dimensions")
+
+
+def tokenize_inputs(texts: list[str], served, body: EmbeddingsRequest, cfg) -> list[list[int]]:
+    check_inputs(texts, served, body, cfg)
+    token_ids = served.engine.tokenize(texts)
+    if cfg.max_prompt_tokens is not None:
+        for i, ids in enumerate(token_ids):
+            if len(ids) > cfg.max_prompt_tokens:
+                raise APIError(422, f"input[{i}] has {len(ids)} tokens; the limit is {cfg.max_prompt_tokens}",
+                               code="too_many_tokens", param="input")
+    return token_ids
+
+
+def embeddings_body(results: list, served, body: EmbeddingsRequest) -> dict:
     data = [{"object": "embedding", "index": i, "embedding": _encode(r.vector, body.encoding_format)}
             for i, r in enumerate(results)]
     tokens = sum(r.tokens for r in results)
-    payload = {"object": "list", "data": data, "model": served.name,
-               "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-    return json_response(payload, headers=timing_headers(items))
+    return {"object": "list", "data": data, "model": served.name, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
 def _encode(vector: np.ndarray, fmt: str):

@@ -1,7 +1,6 @@
 """The Foundation rules of the micro-batcher, in simulated time."""
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 from hypothesis import HealthCheck, given, settings

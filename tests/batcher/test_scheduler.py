@@ -1,9 +1,7 @@
 """Continuous vs static batching, counted in engine iterations on a fake clock."""
 from __future__ import annotations
 
-import asyncio
 
-import pytest
 from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
