@@ -35,7 +35,8 @@ class MonotonicClock:
             await event.wait()
             return True
         if timeout <= 0:
-            return False
+            await asyncio.sleep(0)  # always yield: a caller looping on a zero timeout must not starve the loop
+            return event.is_set()
         try:
             await asyncio.wait_for(event.wait(), timeout)
             return True

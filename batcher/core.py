@@ -15,7 +15,7 @@ from typing import Any, Callable
 from . import admission
 from .clock import Clock, MonotonicClock
 from .cost import CostModel
-from .errors import Cancelled, DeadlineExceeded, ShuttingDown
+from .errors import Cancelled, DeadlineExceeded, EngineError, RequestTooLarge, ShuttingDown
 from .metrics import Metrics
 from .queue import RequestQueue
 from .settings import BatchingSettings
@@ -48,6 +48,7 @@ class QueueingBatcher:
         self._arrivals: deque[float] = deque()
         self._task: asyncio.Task | None = None
         self._closing = False
+        self.failed: str | None = None  # set if the loop crashed; the model then answers 503
         self._idle = asyncio.Event()
         self._idle.set()
         self.metrics.publish_settings(model, settings)
@@ -105,6 +106,9 @@ class QueueingBatcher:
         now = self.clock.now()
         if self._closing:
             raise ShuttingDown("server is shutting down", retry_after=1)
+        if len(payloads) > s.max_queue:
+            raise RequestTooLarge(f"request has {len(payloads)} items but this model queues at most {s.max_queue}; "
+                                  f"split it into smaller requests")
         if budget is None and s.default_budget_ms is not None:
             budget = s.default_budget_ms / 1000.0
         deadline = None if budget is None else now + budget
@@ -154,10 +158,18 @@ class QueueingBatcher:
             return False
         self.outcomes[outcome] += 1
         self.metrics.items.labels(self.model, outcome.name.lower()).inc()
-        if item.deadline is not None and outcome in (Outcome.RESULT, Outcome.EXPIRED):
-            met = outcome is Outcome.RESULT and self.clock.now() <= item.deadline
-            self.metrics.slo.labels(self.model, item.priority.label, "met" if met else "missed").inc()
+        if outcome in (Outcome.RESULT, Outcome.EXPIRED):
+            self._record_slo(item, outcome is Outcome.RESULT)
         return True
+
+    def _record_slo(self, item: WorkItem, served: bool) -> None:
+        """Once per item: within budget or not (generation with a TTFT budget records it at
+        the first token)."""
+        if item.deadline is None or item.slo_recorded:
+            return
+        item.slo_recorded = True
+        met = served and self.clock.now() <= item.deadline
+        self.metrics.slo.labels(self.model, item.priority.label, "met" if met else "missed").inc()
 
     def _expire(self, now: float) -> None:
         for item in self.queue.expired(now):
@@ -188,9 +200,12 @@ class QueueingBatcher:
             await self._loop()
         except asyncio.CancelledError:
             raise
-        except Exception:  # pragma: no cover - a bug; fail loudly, never hang clients
+        except Exception as exc:  # a bug; fail loudly, never hang clients
             log.exception("batcher loop crashed", extra={"model": self.model})
-            self._fail_all(RuntimeError("batcher loop crashed"))
+            # Refuse new work from now on: nothing is left to dispatch or expire it.
+            self._closing = True
+            self.failed = f"batcher loop crashed: {type(exc).__name__}: {exc}"
+            self._fail_all(EngineError(self.failed))
             raise
 
     async def _loop(self) -> None:  # pragma: no cover - abstract

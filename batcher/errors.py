@@ -23,6 +23,12 @@ class DeadlineInfeasible(FerryError):
     code = "deadline_infeasible"
 
 
+class RequestTooLarge(FerryError):
+    """More items in one request than the queue can ever hold: retrying cannot help."""
+
+    code = "request_too_large"
+
+
 class DeadlineExceeded(FerryError):
     code = "deadline_exceeded"
 

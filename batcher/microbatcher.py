@@ -77,11 +77,22 @@ class MicroBatcher(QueueingBatcher):
         self._busy_until = now + batch_cost(self.cost, items)
         self.metrics.batches.labels(self.model, decision.reason.value).inc()
         self._inflight = asyncio.create_task(self._run_batch(batch))
-        self._inflight.add_done_callback(self._batch_done)
+        self._inflight.add_done_callback(lambda task: self._batch_done(task, batch))
 
-    def _batch_done(self, task: asyncio.Task) -> None:
+    def _batch_done(self, task: asyncio.Task, batch: Batch) -> None:
+        """Whatever happened to the task (cancelled before its first step, a bug after the
+        engine call), no item of its batch is left without an outcome."""
         self._inflight = None
         self._wake.set()
+        if task.cancelled():
+            exc: Exception = ShuttingDown("server stopped while this batch ran")
+        elif task.exception() is not None:
+            log.error("batch task failed", exc_info=task.exception(), extra={"model": self.model})
+            exc = EngineError(f"batch failed: {type(task.exception()).__name__}: {task.exception()}")
+        else:
+            return
+        for item in batch.items:
+            self._finish(item, Outcome.ERROR, exc)
 
     async def _run_batch(self, batch: Batch) -> None:
         # A client may have left between dispatch and now; never compute for it.
@@ -113,18 +124,20 @@ class MicroBatcher(QueueingBatcher):
         finally:
             elapsed = self.clock.now() - start
             m.batch_seconds.labels(model, phase).observe(elapsed)
-        m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), padded, elapsed))
         for item, result in zip(items, results):
             if isinstance(result, Exception):
                 m.engine_errors.labels(model, phase).inc()
                 self._finish(item, Outcome.ERROR, EngineError(f"model execution failed for this input: {result}"))
             else:
                 self._finish(item, Outcome.RESULT, result)
+        m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), padded, elapsed))
 
     def _fail_running(self, exc: Exception) -> int:
-        if self._inflight is not None:
-            self._inflight.cancel()
-        return 0
+        if self._inflight is None:
+            return 0
+        running = sum(1 for i in self.batches[-1].items if not i.finished) if self.batches else 0
+        self._inflight.cancel()  # its done-callback fails the batch's items
+        return running
 
 
 def split_on_oom(run: Execute, is_oom: Callable[[BaseException], bool]) -> Execute:

@@ -21,8 +21,13 @@ class EngineTimeout(TimeoutError):
 
 
 class ThreadRunner:
-    def __init__(self, name: str, timeout: float | None = None, initializer: Callable[[], None] | None = None):
+    def __init__(self, name: str, timeout: float | None = None, initializer: Callable[[], None] | None = None,
+                 replace_on_timeout: bool = True):
+        """`replace_on_timeout=False` for engines with state (generation's running batch and
+        KV cache): a second thread must never touch it while the stuck call might still run,
+        so the timed-out call fails its items and the next call queues behind it."""
         self.name, self.timeout, self._initializer = name, timeout, initializer
+        self.replace_on_timeout = replace_on_timeout
         self.abandoned = 0
         self._pool = self._new_pool()
 
@@ -37,10 +42,12 @@ class ThreadRunner:
             return await asyncio.wait_for(asyncio.shield(fut), self.timeout)
         except asyncio.TimeoutError:
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = self._new_pool()
-            self.abandoned += 1
-            log.error("engine call on %s exceeded %.1f s; moved to a fresh worker thread", self.name, self.timeout)
+            if self.replace_on_timeout:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = self._new_pool()
+                self.abandoned += 1
+            log.error("engine call on %s exceeded %.1f s%s", self.name, self.timeout,
+                      "; moved to a fresh worker thread" if self.replace_on_timeout else "")
             raise EngineTimeout(f"engine call exceeded {self.timeout:g} s") from None
 
     def close(self) -> None:

@@ -112,7 +112,8 @@ class GenerationScheduler(QueueingBatcher):
         s = self.settings
         if s.mode == "static" and self._running:
             return 0
-        cap = s.max_running
+        # The engine's own slot count bounds a live PATCH of max_running.
+        cap = min(s.max_running, getattr(self.engine, "max_running", s.max_running))
         if s.max_itl_ms is not None:
             limit = s.max_itl_ms / 1000.0
             while cap > 1 and self.decode_cost.predict(cap) > limit:
@@ -254,6 +255,8 @@ class GenerationScheduler(QueueingBatcher):
         if produced:
             if seq.tokens == 0:
                 m.ttft.labels(self.model).observe(now - item.arrival)
+                if self.settings.budget_scope == "ttft":
+                    self._record_slo(item, True)  # the budget covered the first token
             elif seq.last_token_at is not None:
                 m.itl.labels(self.model).observe((now - seq.last_token_at) / produced)
             seq.last_token_at = now

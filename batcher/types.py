@@ -76,6 +76,7 @@ class WorkItem:
     reason: DispatchReason | None = None
     # Best-effort service of an item admission judged infeasible (on_infeasible=serve).
     best_effort: bool = False
+    slo_recorded: bool = False
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,8 @@ fed one); transformers' defaults ignore padding and give silently wrong tokens.
 """
 from __future__ import annotations
 
+import copy
+
 import inspect
 import logging
 from dataclasses import dataclass, field
@@ -69,6 +71,10 @@ class HFGenerationEngine:
             trust_remote_code=trust_remote_code,
         )
         self.model.to(self.device).eval()
+        # Prompts are tokenized on the event loop while the worker thread detokenizes; a
+        # Rust tokenizer borrowed from two threads raises "Already borrowed" as soon as one
+        # side changes its settings, so the detokenizer gets its own copy.
+        self._detok = copy.deepcopy(self.tokenizer)
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._cache_kwarg = _cache_kwarg(self.model)
@@ -232,7 +238,7 @@ class HFGenerationEngine:
             prompt_len=len(request.prompt_ids),
             sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed),
             detokenizer=_IncrementalDetokenizer(
-                self.tokenizer, request.prompt_ids[-_DETOKENIZE_CONTEXT:]
+                self._detok, request.prompt_ids[-_DETOKENIZE_CONTEXT:]
             ),
             stops=_StopStringFilter(params.stop),
         )

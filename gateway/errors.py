@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from batcher.errors import (Cancelled, DeadlineExceeded, DeadlineInfeasible, EngineError, FerryError,
-                            QueueFull, ShuttingDown)
+                            QueueFull, RequestTooLarge, ShuttingDown)
 
 from .responses import json_response
 
@@ -23,6 +23,7 @@ TYPES = {
 
 STATUS_OF = {
     QueueFull: 429,
+    RequestTooLarge: 422,
     DeadlineInfeasible: 429,
     DeadlineExceeded: 504,
     ShuttingDown: 503,

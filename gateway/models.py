@@ -111,7 +111,8 @@ def _thread_setup(cfg: ServerConfig):
 async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> ServedModel:
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, spec.load)
-    runner = ThreadRunner(engine.name, timeout=cfg.engine_timeout, initializer=_thread_setup(cfg))
+    runner = ThreadRunner(engine.name, timeout=cfg.engine_timeout, initializer=_thread_setup(cfg),
+                          replace_on_timeout=spec.kind == EMBEDDING)
     settings = cfg.batching_settings(**spec.settings)
     if spec.kind == EMBEDDING:
         cost = CostModel()

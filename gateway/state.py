@@ -48,6 +48,8 @@ class Ferry:
         served = self.models.get(name)
         if served is None or served.kind != kind:
             raise not_found_model(name, [m.name for m in self.models.values() if m.kind == kind])
+        if served.batcher.failed:
+            raise APIError(503, f"model {name} is unavailable: {served.batcher.failed}", code="model_unavailable")
         return served
 
     async def drain(self, timeout: float) -> int:

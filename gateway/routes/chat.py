@@ -105,7 +105,7 @@ def plan(body: Any, prompts: list[list[int]], served: Any, cfg: Any, default_max
         if mt is not None and mt > cfg.max_completion_tokens:
             raise APIError(422, f"{max_name}: {mt} exceeds the limit of {cfg.max_completion_tokens}", code="invalid_value",
                            param=max_name)
-        mt = min(mt if mt is not None else (default_max or room), room)
+        mt = min(mt if mt is not None else (default_max or cfg.max_completion_tokens), room)
         params.append(SamplingParams(max_tokens=mt, temperature=temps[i], top_p=top_ps[i], seed=seeds[i], stop=stops[i]))
     return Plan(prompts, params, body.n)
 
@@ -239,8 +239,10 @@ async def _stream(served: Any, body: Any, p: Plan, triples: list, items: list[Wo
     started: set[int] = set()
     open_items = state.open = {item.id for item in items}
 
-    def chunk(k: int, text: str | None, finish_reason: str | None) -> bytes:
+    def chunk(k: int, text: str | None, finish_reason: str | None, error: dict | None = None) -> bytes:
         choice: dict[str, Any] = {"index": k, "prompt_index": triples[k][0], "finish_reason": finish_reason, "logprobs": None}
+        if error is not None:
+            choice["error"] = error
         if chat:
             delta: dict[str, Any] = {}
             if k not in started:
@@ -277,11 +279,12 @@ async def _stream(served: Any, body: Any, p: Plan, triples: list, items: list[Wo
                     open_items.discard(item.id)
                     err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, str(exc))
                     state.status = err.status if state.status == 200 else state.status
-                    body_ = error_body(err.status, err.message, err.code)
-                    body_["error"]["prompt_index"] = triples[index_of[item.id]][0]
-                    body_["error"]["index"] = index_of[item.id]
-                    yield chunk(index_of[item.id], None, "error")
-                    yield _sse(body_)
+                    # The error rides on the prompt's own final chunk: a separate top-level
+                    # error event would make OpenAI clients abort the whole stream, and
+                    # with it the other prompts' answers.
+                    detail = error_body(err.status, err.message, err.code)["error"]
+                    detail.update(status=err.status, prompt_index=triples[index_of[item.id]][0], index=index_of[item.id])
+                    yield chunk(index_of[item.id], None, "error", detail)
         if body.stream_options is not None and body.stream_options.include_usage:
             prompt_tokens = sum(len(ids) for ids in p.prompts)
             done_tokens = state.completion_tokens

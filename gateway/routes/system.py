@@ -21,6 +21,9 @@ async def readyz(request: Request) -> Response:
     if not ferry.ready:
         status = "failed" if ferry.load_error else "loading"
         return json_response({"status": status, "error": ferry.load_error}, 503)
+    failed = {name: m.batcher.failed for name, m in ferry.models.items() if m.batcher.failed}
+    if failed:
+        return json_response({"status": "failed", "error": "; ".join(f"{k}: {v}" for k, v in failed.items())}, 503)
     return json_response({"status": "ready", "models": list(ferry.models)})
 
 

@@ -166,8 +166,8 @@ def drive_embeddings(s, c: httpx.Client, engine: GatedEmbeddings) -> None:
         assert c.post(url, json={"model": "fake-embed", "input": ["a b", "c d e"]}).status_code == 200
     assert c.post(url, json={"model": "fake-embed", "input": ["ok", "FAIL_ITEM"]}).status_code == 500
     assert c.post(url, json={"model": "fake-embed", "input": "x", "dimensions": 3}).status_code == 422
-    r = c.post(url, json={"model": "fake-embed", "input": list("abcde")})  # 5 items, max_queue 4
-    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    r = c.post(url, json={"model": "fake-embed", "input": list("abcde")})  # 5 items can never fit max_queue 4
+    assert r.status_code == 422 and r.json()["error"]["code"] == "request_too_large"
     queue = s.ferry.models["fake-embed"].batcher.queue
     engine.gate.clear()
     with ThreadPoolExecutor(2) as pool:
@@ -179,6 +179,8 @@ def drive_embeddings(s, c: httpx.Client, engine: GatedEmbeddings) -> None:
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
         sock = abandoned_request(s.port, "/v1/embeddings", {"model": "fake-embed", "input": "leaving"})
         wait_until(lambda: len(queue) == 1, "the abandoned embeddings request to queue")
+        r = c.post(url, json={"model": "fake-embed", "input": list("abcd")})  # 1 queued + 4 > max_queue 4
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         hang_up(sock)
         wait_until(lambda: cancelled(s, "fake-embed") == 1, "the queued embeddings item to be cancelled")
         engine.gate.set()
@@ -194,7 +196,7 @@ def drive_chat(s, c: httpx.Client, engine: GatedChat) -> None:
     r = c.post(s.url + "/v1/completions", json={"model": "fake-chat", "prompt": "~boom", "max_tokens": 3})
     assert r.status_code == 500  # prefill fails for this prompt alone
     r = c.post(url, json={"model": "fake-chat", "messages": [conv] * 5})
-    assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+    assert r.status_code == 422 and r.json()["error"]["code"] == "request_too_large"
     queue = s.ferry.models["fake-chat"].batcher.queue
     engine.gate.clear()
     with ThreadPoolExecutor(2) as pool:
@@ -204,6 +206,8 @@ def drive_chat(s, c: httpx.Client, engine: GatedChat) -> None:
         wait_until(lambda: len(queue) == 1, "the 1 ms chat request to queue")
         sock = abandoned_request(s.port, "/v1/chat/completions", {"model": "fake-chat", "messages": conv})
         wait_until(lambda: len(queue) == 2, "the abandoned chat request to queue")
+        r = c.post(url, json={"model": "fake-chat", "messages": [conv] * 3})  # 2 queued + 3 > max_queue 4
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         hang_up(sock)
         wait_until(lambda: cancelled(s, "fake-chat") == 1, "the queued chat item to be cancelled")
         engine.gate.set()  # the step ends; the 1 ms item is found expired before admission

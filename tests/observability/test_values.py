@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
-from batcher.errors import DeadlineInfeasible, QueueFull
+from batcher.errors import DeadlineInfeasible, QueueFull, RequestTooLarge
 from batcher.metrics import Metrics
 from batcher.microbatcher import MicroBatcher
 from batcher.scheduler import GenerationScheduler, GenRequest, SimulatedRunner
@@ -55,9 +55,16 @@ def test_micro_batcher_metrics_after_a_known_sequence():
         await clock.advance(0.004)
         b.submit("f")
         await clock.run_until_idle()
-        # 3. A request of 7 items cannot fit a queue of 6: all 7 refused.
-        with pytest.raises(QueueFull):
+        # 3. A request of 7 items can never fit a queue of 6: refused as too large (a 422 at
+        #    the gateway, counted there as invalid), not as a full queue.
+        with pytest.raises(RequestTooLarge):
             b.submit_many(list("1234567"))
+        # 3b. A full queue: 6 queued, the 7th item is refused.
+        fill = b.submit_many(list("123456"))
+        with pytest.raises(QueueFull):
+            b.submit("7")
+        for item in fill:
+            b.cancel(item)
         # 4. A 5 ms budget against a 10 ms max_wait: admitted best-effort, expires queued.
         late = b.submit("h", budget=0.005)
         # 5. A batch-class item with room to spare meets its budget; 6. one is cancelled queued.
@@ -91,13 +98,13 @@ def test_micro_batcher_metrics_after_a_known_sequence():
     count, total = v.hist("ferry_queue_wait_seconds", model="m", **{"class": "batch"})
     assert count == 1 and total == pytest.approx(0.010)
     assert {s: v("ferry_items_total", model="m", status=s) for s in ("result", "error", "cancelled", "expired")} == \
-        {"result": 6, "error": 1, "cancelled": 1, "expired": 1}
+        {"result": 6, "error": 1, "cancelled": 7, "expired": 1}  # 6 of the cancelled filled the queue in 3b
     assert v("ferry_engine_errors_total", model="m", phase="embed") == 1
-    assert v("ferry_rejections_total", model="m", reason="queue_full") == 7
+    assert v("ferry_rejections_total", model="m", reason="queue_full") == 1
     assert v("ferry_rejections_total", model="m", reason="deadline_infeasible") == 1
     assert v("ferry_rejections_total", model="m", reason="invalid") == 0
     assert v("ferry_expired_total", model="m", **{"class": "interactive"}) == 1
-    assert v("ferry_cancellations_total", model="m", phase="queued") == 1
+    assert v("ferry_cancellations_total", model="m", phase="queued") == 7
     assert v("ferry_cancellations_total", model="m", phase="running") == 0
     assert v("ferry_slo_total", model="m", status="missed", **{"class": "interactive"}) == 1
     assert v("ferry_slo_total", model="m", status="met", **{"class": "batch"}) == 1
@@ -172,7 +179,7 @@ def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
         assert c.post(embed_url, json={"model": "fake-embed", "input": ["a b", "c", "d e f", "g"]}).status_code == 200
         assert c.post(embed_url, json={"model": "fake-embed", "input": "h"}).status_code == 200
         r = c.post(embed_url, json={"model": "fake-embed", "input": [str(i) for i in range(9)]})
-        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert r.status_code == 422 and r.json()["error"]["code"] == "request_too_large"  # 9 > max_queue 8
         assert c.post(embed_url, json={"model": "fake-embed", "input": "x", "dimensions": 3}).status_code == 422
         assert c.post(embed_url, content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
         convs = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "tell me more"}]]
@@ -184,15 +191,15 @@ def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
     v = Reader(s.ferry.metrics.registry)
     emb = {"route": "/v1/embeddings", "model": "fake-embed"}
     assert v("ferry_requests_total", status="200", **emb) == 2
-    assert v("ferry_requests_total", status="429", **emb) == 1
-    assert v("ferry_requests_total", status="422", **emb) == 1
+    assert not v("ferry_requests_total", status="429", **emb)
+    assert v("ferry_requests_total", status="422", **emb) == 2
     assert v("ferry_requests_total", route="/v1/embeddings", model="", status="400") == 1
     assert v("ferry_requests_total", route="/v1/chat/completions", model="fake-chat", status="200") == 1
     assert v("ferry_request_duration_seconds_count", **emb) == 4  # every answer that named its model
     assert v("ferry_request_duration_seconds_count", route="/v1/chat/completions", model="fake-chat") == 1
     assert v("ferry_requests_in_flight", route="/v1/embeddings") == 0
-    assert v("ferry_rejections_total", model="fake-embed", reason="queue_full") == 9  # items, not requests
-    assert v("ferry_rejections_total", model="fake-embed", reason="invalid") == 1
+    assert v("ferry_rejections_total", model="fake-embed", reason="queue_full") == 0
+    assert v("ferry_rejections_total", model="fake-embed", reason="invalid") == 2  # requests refused before queuing
     assert v("ferry_rejections_total", model="", reason="invalid") == 1  # body never parsed
     assert v("ferry_batches_total", model="fake-embed", reason="full") == 1
     assert v("ferry_batches_total", model="fake-embed", reason="max_wait") == 1

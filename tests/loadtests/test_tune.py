@@ -1,0 +1,136 @@
+"""`ferry tune` on a 2 x 2 grid with short cells against a fake gateway, and its pure parts."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+
+import pytest
+
+from loadtests import tune
+
+from .conftest import ADMIN_TOKEN, run
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SLO_MS = 500.0
+
+
+def independent_recommendation(rows: list[dict], slo_ms: float, max_error_rate: float, tol: float):
+    """The documented rule, written again from the CSV alone: p99 within the SLO and few errors;
+    the most throughput (ties within `tol`), then the lowest p99, max_wait_ms, max_batch_size."""
+    passing = [r for r in rows if r["p99_ms"] != "" and r["error"] == "" and float(r["ok"]) > 0
+               and float(r["p99_ms"]) <= slo_ms and float(r["error_rate"]) <= max_error_rate]
+    if not passing:
+        return None
+    top = max(float(r["throughput_rps"]) for r in passing)
+    tied = [r for r in passing if float(r["throughput_rps"]) >= top * (1 - tol)]
+    best = min(tied, key=lambda r: (float(r["p99_ms"]), float(r["max_wait_ms"]), int(r["max_batch_size"]), r["policy"]))
+    return best["policy"], int(best["max_batch_size"]), float(best["max_wait_ms"])
+
+
+def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_path):
+    out = tmp_path / "tune"
+    proc = run(["-m", "gateway.cli", "tune", "--host", fake_gateway.url, "--admin-token", ADMIN_TOKEN,
+                "--model", "fake-embed", "--sizes", "1,8", "--waits", "0,5", "--policies", "fixed",
+                "--rates", "30", "--cell-seconds", "2", "--drain-seconds", "5", "--slo-ms", f"{SLO_MS:g}",
+                "--out", str(out)], timeout=150)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    with open(out / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4
+    assert {(r["max_batch_size"], r["max_wait_ms"]) for r in rows} == {("1", "0.0"), ("1", "5.0"), ("8", "0.0"), ("8", "5.0")}
+    for r in rows:
+        assert r["error"] == "", r
+        assert int(r["sent"]) > 0 and r["p99_ms"] != ""
+        assert float(r["throughput_rps"]) > 0
+        assert r["mean_batch_size"] != "" and float(r["mean_batch_size"]) >= 1  # scraped from Ferry's /metrics
+        assert float(r["batches"]) > 0
+    # max_batch_size 1 can only ever run batches of one.
+    assert all(float(r["mean_batch_size"]) == 1.0 for r in rows if r["max_batch_size"] == "1")
+
+    for name in ("p99_vs_throughput.png", "goodput_vs_rate.png", "batch_size_vs_rate.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and len(data) > 1024, name
+
+    meta = json.loads((out / "results.json").read_text())
+    assert len(meta["rows"]) == 4
+    expected = independent_recommendation(rows, SLO_MS, meta["max_error_rate"], meta["tie_tolerance"])
+    printed = re.search(r"Recommended for p99 <= ([\d.]+) ms: policy=(\w+) max_batch_size=(\d+) max_wait_ms=([\d.]+)", proc.stdout)
+    if expected is None:
+        assert printed is None and "No setting kept p99 within" in proc.stdout
+        assert meta["recommendation"] is None
+    else:
+        assert printed, proc.stdout
+        assert float(printed.group(1)) == SLO_MS
+        assert (printed.group(2), int(printed.group(3)), float(printed.group(4))) == expected
+        rec = meta["recommendation"]
+        assert (rec["policy"], int(rec["max_batch_size"]), float(rec["max_wait_ms"])) == expected
+    assert "evidence:" in proc.stdout or expected is None
+
+    # The gateway's original setting is back.
+    import httpx
+
+    got = httpx.get(f"{fake_gateway.url}/admin/models/fake-embed/batching",
+                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+    assert (got["max_batch_size"], got["max_wait_ms"], got["policy"]) == (32, 2.0, "adaptive")
+
+
+def _row(policy="fixed", size=8, wait=5.0, rate=40.0, tp=40.0, p99=100.0, er=0.0, **kw):
+    return {"policy": policy, "max_batch_size": size, "max_wait_ms": wait, "rate": rate, "throughput_rps": tp,
+            "p99_ms": p99, "error_rate": er, "ok": 100, "error": "", "goodput_rps": tp, **kw}
+
+
+def test_recommend_is_the_most_throughput_within_the_slo():
+    rows = [
+        _row(size=1, wait=0, rate=120, tp=60, p99=3000),        # overloaded: over the SLO
+        _row(size=32, wait=10, rate=120, tp=119, p99=150),
+        _row(size=8, wait=0, rate=120, tp=118, p99=90),         # within 2 % of the best: tie, lower p99 wins
+        _row(size=8, wait=0, rate=200, tp=190, p99=80, er=0.2),  # too many errors
+        _row(size=8, wait=0, rate=40, tp=40, p99=20),
+    ]
+    rec = tune.recommend(rows, slo_ms=200, max_error_rate=0.01, tolerance=0.02)
+    assert (rec["max_batch_size"], rec["rate"]) == (8, 120)
+    assert tune.recommend(rows, slo_ms=200, max_error_rate=0.01, tolerance=0.0)["max_batch_size"] == 32
+    assert tune.recommend(rows, slo_ms=10, max_error_rate=0.01) is None
+    # Without a latency cap the errors still count, the latency does not.
+    assert tune.recommend_throughput(rows, max_error_rate=0.01, tolerance=0.0)["max_batch_size"] == 32
+    assert tune.recommend_throughput(rows, max_error_rate=0.5)["rate"] == 200
+
+
+def test_cell_figures_count_unfinished_requests_as_errors():
+    stats = {"embeddings": {"Request Count": "90", "Failure Count": "0", "50%": "20", "95%": "40", "99%": "60",
+                            "Max Response Time": "70.2"}}
+    report = {"window_s": 3.0, "scheduled": 100, "entries": {"embeddings": {"within_slo": 85}}, "late_starts": 0}
+    f = tune.cell_figures(stats, report, ["embed"], slo_ms=50)
+    assert f["unfinished"] == 10 and math.isclose(f["error_rate"], 0.1)
+    assert f["throughput_rps"] == 30.0 and math.isclose(f["goodput_rps"], 85 / 3, rel_tol=1e-3)
+    assert f["p99_ms"] == 60.0
+    # Interactive chat: the SLO applies to time to first token; the worst class decides.
+    stats.update({"chat (stream)": {"Request Count": "10", "Failure Count": "1"},
+                  "TTFT chat": {"Request Count": "9", "Failure Count": "0", "50%": "30", "95%": "90", "99%": "95",
+                                "Max Response Time": "99"}})
+    report["scheduled"] = 100
+    f = tune.cell_figures(stats, report, ["embed", "interactive"], slo_ms=50)
+    assert f["sent"] == 100 and f["failures"] == 1 and f["p99_ms"] == 95.0
+
+
+@pytest.mark.parametrize("host", ["http://10.0.0.1:8000", "http://example.com", "ftp://127.0.0.1"])
+def test_tune_refuses_non_loopback_hosts(host):
+    with pytest.raises(SystemExit, match="127.0.0.1 / localhost only"):
+        tune.main(["--host", host, "--admin-token", "x", "--dry-run"])
+
+
+def test_grid_is_bounded():
+    with pytest.raises(SystemExit, match="max-cells"):
+        tune.main(["--sizes", "1,2,3,4,5", "--waits", "0,1,2,3,4", "--rates", "1,2,3", "--max-cells", "50", "--dry-run"])
+    with pytest.raises(SystemExit, match="max-minutes"):
+        tune.main(["--rates", "1,2,3", "--cell-seconds", "600", "--max-minutes", "5", "--dry-run"])
+    assert tune.main(["--sizes", "1,8", "--waits", "0", "--rates", "10", "--dry-run"]) == 0
+
+
+def test_parse_mix():
+    assert tune.parse_mix("embeddings=3,chat=1") == {"embed": 3.0, "interactive": 1.0}
+    with pytest.raises(SystemExit):
+        tune.parse_mix("video=1")
