@@ -30,19 +30,24 @@ def items_ahead(q: RequestQueue, item: WorkItem) -> int:  # noqa: D401
 
 
 def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings,
-                         cost: CostModel, siblings: int = 0) -> float:
+                         cost: CostModel, siblings: int = 0, service_rate: float = 0.0) -> float:
     ahead = items_ahead(q, item) + siblings
     size = s.max_batch_size
     full, rest = divmod(ahead + 1, size)
     tokens = max(item.cost, 1)
-    t = max(now, busy_until) + full * cost.predict(size, size * tokens)
+    per_batch = cost.predict(size, size * tokens)
+    if len(q) >= size and service_rate > 0:
+        # Saturated: batches may be smaller than max_batch_size (deadline caps, the
+        # interactive reserve), so trust the rate items actually finish at when it is slower.
+        per_batch = max(per_batch, size / service_rate)
+    t = max(now, busy_until) + full * per_batch
     if rest:
         t += cost.predict(rest, rest * tokens)
     return t
 
 
 def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings, cost: CostModel,
-          siblings: int = 0) -> bool:
+          siblings: int = 0, service_rate: float = 0.0) -> bool:
     """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
 
     `siblings` counts the other items of the same request, admitted all or none: they are
@@ -54,7 +59,7 @@ def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: Bat
         raise QueueFull(f"queue is full ({s.max_queue} items waiting)", retry_after=max(1, math.ceil(wait)))
     if item.deadline is None:
         return False
-    done = predicted_completion(q, item, now, busy_until, s, cost, siblings)
+    done = predicted_completion(q, item, now, busy_until, s, cost, siblings, service_rate)
     if done + s.margin <= item.deadline:
         return False
     if s.on_infeasible == "serve":

@@ -24,6 +24,8 @@ from .types import Outcome, Priority, Stage, WorkItem
 log = logging.getLogger("ferry.batcher")
 
 RATE_HORIZON = 1.0  # seconds of arrivals used to estimate the arrival rate
+RESERVE_HORIZON = 2.0  # seconds an interactive budget keeps shaping batch sizes
+SERVICE_HORIZON = 2.0  # seconds of completions used to estimate the service rate
 
 
 class QueueingBatcher:
@@ -46,6 +48,8 @@ class QueueingBatcher:
         self.queue = RequestQueue(aging=settings.aging_ms / 1000.0)
         self._wake = asyncio.Event()
         self._arrivals: deque[float] = deque()
+        self._interactive_budgets: deque[tuple[float, float]] = deque()  # (arrival, budget)
+        self._completions: deque[float] = deque()
         self._task: asyncio.Task | None = None
         self._closing = False
         self.failed: str | None = None  # set if the loop crashed; the model then answers 503
@@ -76,6 +80,22 @@ class QueueingBatcher:
         while self._arrivals and self._arrivals[0] < now - RATE_HORIZON:
             self._arrivals.popleft()
         return len(self._arrivals) / RATE_HORIZON
+
+    def reserve(self, now: float) -> float | None:
+        """Longest batch the policies may form so that an interactive request arriving while
+        it runs can still be served within the tightest interactive budget seen lately
+        (half of it: the wait for the running batch, then its own). None: no such traffic."""
+        q = self._interactive_budgets
+        while q and q[0][0] < now - RESERVE_HORIZON:
+            q.popleft()
+        return min(b for _, b in q) / 2.0 if q else None
+
+    def service_rate(self, now: float) -> float:
+        """Items finished per second lately (the saturated service rate when the queue is long)."""
+        c = self._completions
+        while c and c[0] < now - SERVICE_HORIZON:
+            c.popleft()
+        return len(c) / SERVICE_HORIZON
 
     # -- submit / cancel ----------------------------------------------------------
     def busy_until(self, now: float) -> float:
@@ -120,7 +140,7 @@ class QueueingBatcher:
         ]
         try:
             best_effort = admission.check(self.queue, items[-1], now, self.busy_until(now), s, self.cost,
-                                          siblings=len(items) - 1)
+                                          siblings=len(items) - 1, service_rate=self.service_rate(now))
         except Exception as exc:
             self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
             raise
@@ -130,6 +150,8 @@ class QueueingBatcher:
             item.future = loop.create_future()
             self.queue.push(item)
             self._arrivals.append(now)
+        if priority is Priority.INTERACTIVE and budget is not None:
+            self._interactive_budgets.append((now, budget))
         self._publish_depth()
         self._wake.set()
         return items
@@ -157,6 +179,8 @@ class QueueingBatcher:
         if not item.finish(outcome, value):
             return False
         self.outcomes[outcome] += 1
+        if outcome is Outcome.RESULT:
+            self._completions.append(self.clock.now())
         self.metrics.items.labels(self.model, outcome.name.lower()).inc()
         if outcome in (Outcome.RESULT, Outcome.EXPIRED):
             self._record_slo(item, outcome is Outcome.RESULT)

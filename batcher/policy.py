@@ -7,13 +7,14 @@ batcher's loop awaits; these functions never do.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left, insort
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .cost import CostModel
 from .queue import RequestQueue
 from .settings import BatchingSettings
-from .types import DispatchReason, WorkItem
+from .types import DispatchReason, Priority, WorkItem
 
 INF = math.inf
 
@@ -30,7 +31,7 @@ class WaitUntil:
 
 
 Decision = Dispatch | WaitUntil
-Policy = Callable[[RequestQueue, float, BatchingSettings, CostModel, float], Decision]
+Policy = Callable[..., Decision]
 
 
 def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
@@ -40,24 +41,38 @@ def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
     return cost.predict(len(items), max(i.cost for i in items) * len(items))
 
 
-def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel) -> int:
-    """Largest prefix whose predicted run still meets every deadline in it.
+def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel,
+                 reserve: float | None = None) -> int:
+    """How many of `items` (in queue order) to send now.
 
-    Items that would miss their deadline even alone do not constrain the cap: they run
-    best-effort and shrinking the batch for them would only cost everyone throughput.
+    Interactive items constrain the batch: it may not grow past the point where one of them
+    would miss a deadline it could still meet alone. Within that, the size is the one that
+    finishes the most items within their deadlines per second (goodput), so one late
+    batch-class item does not shrink a batch for everyone, and under overload batches stay
+    large. `reserve` caps the predicted batch time so that an interactive request arriving
+    while the batch runs can still make its budget (the engine cannot be preempted).
+    Items that would miss even alone constrain nothing: they run best-effort.
     """
-    k_best = 1
-    tightest = INF
+    best_k, best_rate = 1, -1.0
     longest = 0
+    finished_in_time: list[float] = []  # sorted deadlines of the items taken so far
+    tightest_interactive = INF
     for k, item in enumerate(items, start=1):
         longest = max(longest, item.cost)
-        if item.deadline is not None and now + cost.predict(1, item.cost) + s.margin <= item.deadline:
-            tightest = min(tightest, item.deadline)
-        if now + cost.predict(k, longest * k) + s.margin <= tightest:
-            k_best = k
-        else:
+        t = cost.predict(k, longest * k)
+        if k > 1 and reserve is not None and t > reserve:
             break
-    return k_best
+        d = item.deadline if item.deadline is not None else INF
+        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) + s.margin <= d:
+            tightest_interactive = min(tightest_interactive, d)
+        if k > 1 and now + t + s.margin > tightest_interactive:
+            break
+        insort(finished_in_time, d)
+        good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)
+        rate = good / max(t, 1e-9)
+        if rate >= best_rate:
+            best_k, best_rate = k, rate
+    return best_k
 
 
 def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel) -> float:
@@ -66,7 +81,8 @@ def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel
     return deadline - batch_cost(cost, items) - s.margin
 
 
-def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0) -> Decision:
+def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
+          reserve: float | None = None) -> Decision:
     n = len(q)
     if n == 0:
         return WaitUntil(None)
@@ -78,12 +94,13 @@ def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rat
     return WaitUntil(due)
 
 
-def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0) -> Decision:
+def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
+             reserve: float | None = None) -> Decision:
     base = fixed(q, now, s, cost, rate)
     if len(q) == 0:
         return base
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost)
+    cap = deadline_cap(items, now, s, cost, reserve)
     if isinstance(base, Dispatch):
         return Dispatch(min(base.size, cap), base.reason)
     start_by = latest_start(items[:cap], s, cost)
@@ -92,7 +109,8 @@ def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     return WaitUntil(min(base.t, start_by))
 
 
-def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0) -> Decision:
+def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
+             reserve: float | None = None) -> Decision:
     """Wait only while waiting raises throughput, and never past a deadline or max_wait.
 
     With batch time a + b*n and arrivals at rate r, the throughput of a batch that waits w
@@ -105,11 +123,11 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if n == 0:
         return WaitUntil(None)
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost)
+    cap = deadline_cap(items, now, s, cost, reserve)
     if n >= s.max_batch_size:
         return Dispatch(cap, DispatchReason.FULL)
     target = min(s.max_batch_size, max(1, math.ceil(rate * cost.params.fixed)))
-    if n >= target:
+    if n >= target or cap < n:  # big enough, or a deadline/reserve already binds: waiting cannot help
         return Dispatch(cap, DispatchReason.ADAPTIVE)
     start_by = latest_start(items[:cap], s, cost)
     due = q.oldest_arrival + s.max_wait

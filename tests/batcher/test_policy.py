@@ -50,7 +50,7 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
         if check_admission and budget is not None:
             probe = WorkItem(payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio, id=10**9)
             predicted = admission.predicted_completion(b.queue, probe, r.clock.now(), b.busy_until(r.clock.now()),
-                                                       b.settings, b.cost)
+                                                       b.settings, b.cost, service_rate=b.service_rate(r.clock.now()))
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)
@@ -171,6 +171,23 @@ def test_deadline_policy_caps_the_batch_to_meet_the_tightest_deadline():
     q = _queue(0.0, [(0.0, 0.0165)] + [(0.0, 1.0)] * 7)
     d = deadline(q, 0.0, s, COST)
     assert isinstance(d, Dispatch) and d.size == 3  # 10 + 3*2 = 16 ms <= 16.5 ms; 4 would be 18 ms
+
+
+def test_goodput_cap_does_not_shrink_a_batch_for_one_late_batch_item():
+    s = BatchingSettings(policy="deadline", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
+    q = RequestQueue(aging=10)
+    q.push(WorkItem(payload=None, arrival=0.0, deadline=0.0165, priority=Priority.BATCH))
+    for _ in range(7):
+        q.push(WorkItem(payload=None, arrival=0.0, deadline=1.0, priority=Priority.BATCH))
+    d = deadline(q, 0.0, s, COST)
+    assert d.size == 8  # 7 on time in 26 ms beats 3 on time in 16 ms
+
+
+def test_reserve_caps_batch_time_for_interactive_arrivals():
+    s = BatchingSettings(policy="adaptive", max_batch_size=32, max_wait_ms=0)
+    q = _queue(0.0, [(0.0, 10.0)] * 20)
+    assert adaptive(q, 0.0, s, COST, rate=0.0).size == 20
+    assert adaptive(q, 0.0, s, COST, rate=0.0, reserve=0.020).size == 5  # 10 + 5*2 = 20 ms
 
 
 def test_adaptive_dispatches_at_once_at_low_load_and_waits_to_fill_at_high_load():
