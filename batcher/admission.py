@@ -29,25 +29,39 @@ def items_ahead(q: RequestQueue, item: WorkItem) -> int:  # noqa: D401
     return ahead
 
 
-def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings,
-                         cost: CostModel, siblings: int = 0, service_rate: float = 0.0) -> float:
-    ahead = items_ahead(q, item) + siblings
+def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel, tokens: int) -> int:
+    """The batch size the policies will form: max_batch_size, or less under the reserve."""
     size = s.max_batch_size
-    full, rest = divmod(ahead + 1, size)
+    if reserve is not None and s.policy != "fixed":
+        while size > 1 and cost.predict(size, size * tokens) > reserve:
+            size -= 1
+    return size
+
+
+def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings,
+                         cost: CostModel, siblings: int = 0, service_rate: float = 0.0,
+                         reserve: float | None = None, interactive_rate: float = 0.0) -> float:
+    ahead = items_ahead(q, item) + siblings
     tokens = max(item.cost, 1)
+    size = batch_size_under(reserve, s, cost, tokens)
+    full, rest = divmod(ahead + 1, size)
     per_batch = cost.predict(size, size * tokens)
     if len(q) >= size and service_rate > 0:
         # Saturated: batches may be smaller than max_batch_size (deadline caps, the
         # interactive reserve), so trust the rate items actually finish at when it is slower.
         per_batch = max(per_batch, size / service_rate)
-    t = max(now, busy_until) + full * per_batch
-    if rest:
-        t += cost.predict(rest, rest * tokens)
-    return t
+    wait = full * per_batch + (cost.predict(rest, rest * tokens) if rest else 0.0)
+    if item.priority is not Priority.INTERACTIVE and interactive_rate > 0:
+        # Interactive arrivals keep going ahead of batch-class work: it only gets the
+        # capacity they leave, a share of 1 - rho (priority queueing).
+        rho = interactive_rate * per_batch / size
+        wait = wait / (1.0 - rho) if rho < 0.95 else INF
+    return max(now, busy_until) + wait
 
 
 def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings, cost: CostModel,
-          siblings: int = 0, service_rate: float = 0.0) -> bool:
+          siblings: int = 0, service_rate: float = 0.0, reserve: float | None = None,
+          interactive_rate: float = 0.0) -> bool:
     """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
 
     `siblings` counts the other items of the same request, admitted all or none: they are
@@ -59,14 +73,14 @@ def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: Bat
         raise QueueFull(f"queue is full ({s.max_queue} items waiting)", retry_after=max(1, math.ceil(wait)))
     if item.deadline is None:
         return False
-    done = predicted_completion(q, item, now, busy_until, s, cost, siblings, service_rate)
+    done = predicted_completion(q, item, now, busy_until, s, cost, siblings, service_rate, reserve, interactive_rate)
     if done + s.margin <= item.deadline:
         return False
     if s.on_infeasible == "serve":
         return True
     budget_ms = (item.deadline - item.arrival) * 1000.0
+    eta = "not in the foreseeable future" if done == INF else f"in {(done - now) * 1000.0:.0f} ms"
     raise DeadlineInfeasible(
-        f"latency budget of {budget_ms:.0f} ms cannot be met: predicted completion in "
-        f"{(done - now) * 1000.0:.0f} ms with {len(q)} items queued",
-        retry_after=max(1, math.ceil(done - now)),
+        f"latency budget of {budget_ms:.0f} ms cannot be met: predicted completion {eta} with {len(q)} items queued",
+        retry_after=max(1, math.ceil(min(done - now, 60.0))),
     )

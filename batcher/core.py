@@ -85,10 +85,17 @@ class QueueingBatcher:
         """Longest batch the policies may form so that an interactive request arriving while
         it runs can still be served within the tightest interactive budget seen lately
         (half of it: the wait for the running batch, then its own). None: no such traffic."""
+        q = self._recent_interactive(now)
+        return min(b for _, b in q) / 2.0 if q else None
+
+    def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
         q = self._interactive_budgets
         while q and q[0][0] < now - RESERVE_HORIZON:
             q.popleft()
-        return min(b for _, b in q) / 2.0 if q else None
+        return q
+
+    def interactive_rate(self, now: float) -> float:
+        return len(self._recent_interactive(now)) / RESERVE_HORIZON
 
     def service_rate(self, now: float) -> float:
         """Items finished per second lately (the saturated service rate when the queue is long)."""
@@ -140,7 +147,8 @@ class QueueingBatcher:
         ]
         try:
             best_effort = admission.check(self.queue, items[-1], now, self.busy_until(now), s, self.cost,
-                                          siblings=len(items) - 1, service_rate=self.service_rate(now))
+                                          siblings=len(items) - 1, service_rate=self.service_rate(now),
+                                          reserve=self.reserve(now), interactive_rate=self.interactive_rate(now))
         except Exception as exc:
             self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
             raise

@@ -103,6 +103,10 @@ class GenerationScheduler(QueueingBatcher):
     def busy(self) -> bool:
         return len(self.queue) > 0 or bool(self._running)
 
+    def reserve(self, now: float) -> float | None:
+        """Generation needs no batch-time reserve: new prompts join at the next step."""
+        return None
+
     def busy_until(self, now: float) -> float:
         # A new prompt joins at the next iteration boundary, at most one decode step away.
         return now + (self.decode_cost.predict(len(self._running)) if self._running else 0.0)

@@ -106,7 +106,8 @@ def main() -> None:
     p.add_argument("--skip-transformers", action="store_true")
     a = p.parse_args()
     rates = [float(r) for r in a.rates.split(",")]
-    common = ["--embedding-model", "none", "--max-batch-size", "16", "--max-running", "32", "--max-wait-ms", "5"]
+    # Admission groups of up to 16 prompts in both modes: static runs each group to its end.
+    common = ["--embedding-model", "none", "--max-batch-size", "16", "--max-wait-ms", "5"]
     results = []
     print("Ferry, continuous batching:")
     with Gateway(*common) as gw:

@@ -50,7 +50,9 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
         if check_admission and budget is not None:
             probe = WorkItem(payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio, id=10**9)
             predicted = admission.predicted_completion(b.queue, probe, r.clock.now(), b.busy_until(r.clock.now()),
-                                                       b.settings, b.cost, service_rate=b.service_rate(r.clock.now()))
+                                                       b.settings, b.cost, service_rate=b.service_rate(r.clock.now()),
+                                                       reserve=b.reserve(r.clock.now()),
+                                                       interactive_rate=b.interactive_rate(r.clock.now()))
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)
