@@ -2,38 +2,14 @@
 that send signals or measure a server's memory."""
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import tempfile
-import time
 
-import httpx
-
-from loadtests.openloop import free_port
+from loadtests.openloop import Gateway
 
 
-class FakeGatewayProcess:
+class FakeGatewayProcess(Gateway):
     def __init__(self, *args: str, delay: float = 0.0):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="ferry-test-", suffix=".log", delete=False)
-        env = {**os.environ, "FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": str(delay)}
-        self.proc = subprocess.Popen([sys.executable, "-m", "gateway.cli", "serve", "--port", str(self.port), *args],
-                                     env=env, stdout=subprocess.DEVNULL, stderr=self.log)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(open(self.log.name).read()[-2000:])
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.kill()
-        raise RuntimeError("fake gateway did not become ready")
+        super().__init__(*args, env={"FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": str(delay)}, ready_timeout=60)
 
     def rss_bytes(self) -> int:
         with open(f"/proc/{self.proc.pid}/status") as f:
@@ -52,6 +28,3 @@ class FakeGatewayProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-    def log_text(self) -> str:
-        return open(self.log.name).read()
