@@ -108,8 +108,16 @@ class GenerationScheduler(QueueingBatcher):
         return None
 
     def busy_until(self, now: float) -> float:
-        # A new prompt joins at the next iteration boundary, at most one decode step away.
-        return now + (self.decode_cost.predict(len(self._running)) if self._running else 0.0)
+        """When a newcomer can be prefilled: the next iteration boundary, or, when every slot
+        is taken, when the running sequence closest to its token limit must have finished
+        (it may finish sooner on EOS or a stop string, so this is an upper bound)."""
+        if not self._running:
+            return now
+        step = self.decode_cost.predict(len(self._running))
+        if self._capacity() > 0:
+            return now + step
+        left = min(max(1, _max_tokens(seq.item) - seq.tokens) for seq in self._running.values())
+        return now + left * step
 
     # -- admission ----------------------------------------------------------------
     def _capacity(self) -> int:
@@ -333,6 +341,10 @@ class GenerationScheduler(QueueingBatcher):
             (self.prefill_cost if phase == "prefill" else self.decode_cost).observe(n, tokens, secs)
         self.prefill_cost.refit()
         self.decode_cost.refit()
+
+
+def _max_tokens(item: WorkItem) -> int:
+    return int(getattr(item.payload.params, "max_tokens", 1) or 1)
 
 
 def _apportion(r: _IterationResult, total: float) -> None:

@@ -1,6 +1,8 @@
 """Continuous vs static batching, counted in engine iterations on a fake clock."""
 from __future__ import annotations
 
+import pytest
+
 
 from prometheus_client import CollectorRegistry
 
@@ -164,6 +166,30 @@ def test_max_itl_limits_running_sequences():
         await r.clock.run_until_idle()
         assert all(i.future.result().completion_tokens == 30 for i in items)
         assert max(r.rows()) <= 5
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_admission_refuses_at_once_when_no_slot_can_free_in_time():
+    async def scenario():
+        from batcher.errors import DeadlineInfeasible
+
+        r = GenRig(max_running=2, max_batch_size=2, max_wait_ms=0)
+        r.sched.decode_cost._fit = LinearCost(0.010, 0.0, 0.0)
+        await r.sched.start()
+        r.submit(100), r.submit(100)
+        await r.clock.advance(0.001)
+        assert r.sched.running == 2
+        # Both slots are busy for ~99 more 10 ms steps: a 200 ms TTFT budget cannot be met.
+        with pytest.raises(DeadlineInfeasible):
+            r.submit(3, budget=0.2)
+        late_ok = r.submit(3, budget=5.0)
+        assert late_ok.dispatched_at is None
+        for item in list(r.sched._running.values()):
+            r.sched.cancel(item.item)
+        await r.clock.run_until_idle()
+        assert late_ok.future.result().completion_tokens == 3
         await r.sched.stop()
 
     run(scenario())
