@@ -86,7 +86,7 @@ class QueueingBatcher:
         it runs can still be served within the tightest interactive budget seen lately
         (half of it: the wait for the running batch, then its own). None: no such traffic."""
         q = self._recent_interactive(now)
-        return min(b for _, b in q) / 2.0 if q else None
+        return max(min(b for _, b in q) / 2.0 - self._settings.margin, 0.0) if q else None
 
     def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
         q = self._interactive_budgets

@@ -25,8 +25,10 @@ class BatchingSettings:
     policy: str = "adaptive"
     # Latency budget of a request that names none (milliseconds); None = no deadline.
     default_budget_ms: float | None = 10_000.0
-    # Safety margin the deadline-aware policies keep between prediction and deadline.
-    deadline_margin_ms: float = 2.0
+    # Safety margin the deadline-aware policies keep between prediction and deadline: it
+    # covers what the server's clock does not see (reading the request, writing the answer,
+    # the client's own queueing) and the noise of a shared CPU.
+    deadline_margin_ms: float = 5.0
     # Batch-class work waits at most this long behind interactive work before it is
     # ordered as if it were interactive.
     aging_ms: float = 2_000.0
