@@ -122,12 +122,14 @@ class QueueingBatcher:
         priority: Priority = Priority.INTERACTIVE,
         request_id: str = "",
         on_delta: Callable[[Any], None] | None = None,
+        count_rejection: bool = True,
     ) -> list[WorkItem]:
         """Queue the items of one request, all or none, or raise at once
         (QueueFull, DeadlineInfeasible, ShuttingDown).
 
         `budget` is the latency budget in seconds; None uses the configured default.
-        Item i gets prompt_index i.
+        Item i gets prompt_index i. `count_rejection=False` is for callers that retry a
+        refusal themselves (batch jobs): only their final outcome should count.
         """
         s = self._settings
         now = self.clock.now()
@@ -150,7 +152,8 @@ class QueueingBatcher:
                                           siblings=len(items) - 1, service_rate=self.service_rate(now),
                                           reserve=self.reserve(now), interactive_rate=self.interactive_rate(now))
         except Exception as exc:
-            self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
+            if count_rejection:
+                self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
             raise
         loop = asyncio.get_running_loop()
         for item in items:
@@ -164,8 +167,10 @@ class QueueingBatcher:
         self._wake.set()
         return items
 
-    def cancel(self, item: WorkItem) -> bool:
-        """Idempotent: a finished or unknown item is skipped."""
+    def cancel(self, item: WorkItem, *, by_client: bool = True) -> bool:
+        """Idempotent: a finished or unknown item is skipped. `by_client=False` withdraws an
+        item for the server's own reasons (a sibling failed): it ends cancelled but is not
+        counted as a client cancellation."""
         if item.finished:
             return False
         stage = Stage.QUEUED if item in self.queue else Stage.RUNNING
@@ -174,7 +179,8 @@ class QueueingBatcher:
             self._publish_depth()
         else:
             self._cancel_running(item)
-        self.metrics.cancellations.labels(self.model, stage.value).inc()
+        if by_client:
+            self.metrics.cancellations.labels(self.model, stage.value).inc()
         self._finish(item, Outcome.CANCELLED, Cancelled("request cancelled by the client"))
         self._wake.set()
         return True

@@ -127,7 +127,7 @@ async def wait_items(request: Request, batcher: QueueingBatcher, items: list[Wor
     try:
         return gathered.result()
     except FerryError as exc:
-        cancel_all(batcher, items)
+        cancel_all(batcher, items, by_client=False)  # one failed: its siblings' work is moot
         raise APIError.from_ferry(exc) from None
 
 
@@ -136,9 +136,9 @@ def _consume(fut: asyncio.Future) -> None:
         fut.exception()  # retrieved: the client is gone, nobody else will
 
 
-def cancel_all(batcher: QueueingBatcher, items: list[WorkItem]) -> None:
+def cancel_all(batcher: QueueingBatcher, items: list[WorkItem], by_client: bool = True) -> None:
     for item in items:
-        batcher.cancel(item)
+        batcher.cancel(item, by_client=by_client)
 
 
 def timing_headers(items: list[WorkItem]) -> dict[str, str]:

@@ -436,7 +436,8 @@ class JobRunner:
                     return None
                 try:
                     run.items = batcher.submit_many(work.payloads, costs=work.costs, budget=budget,
-                                                    priority=Priority.BATCH, request_id=rid)
+                                                    priority=Priority.BATCH, request_id=rid,
+                                                    count_rejection=False)  # retried, not refused
                     break
                 except (QueueFull, DeadlineInfeasible):
                     self.admission_retries += 1

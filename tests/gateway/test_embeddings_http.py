@@ -133,3 +133,13 @@ def test_models_health_and_metrics(fake_server_factory):
     text = httpx.get(s.url + "/metrics").text
     assert 'ferry_requests_total{model="fake-embed",route="/v1/embeddings",status="200"} 1.0' in text
     assert "ferry_batch_size_items_count" in text
+
+
+def test_a_failed_input_withdraws_its_siblings_without_counting_a_client_cancel(fake_server_factory):
+    s = fake_server_factory(max_batch_size=1, max_wait_ms=0, policy="fixed")
+    r = post(s, {"model": "fake-embed", "input": ["FAIL_ITEM first", "second", "third"]})
+    assert r.status_code == 500
+    registry = s.ferry.metrics.registry
+    for phase in ("queued", "running"):
+        assert not registry.get_sample_value("ferry_cancellations_total", {"model": "fake-embed", "phase": phase})
+    assert sum(s.ferry.models["fake-embed"].batcher.outcomes.values()) == 3  # every item still ended once
