@@ -8,7 +8,6 @@ using the cost model, and compares that with the item's deadline.
 from __future__ import annotations
 
 import math
-from bisect import bisect_right
 
 from .cost import CostModel
 from .errors import DeadlineInfeasible, QueueFull
@@ -17,16 +16,10 @@ from .settings import BatchingSettings
 from .types import Priority, WorkItem
 
 
-def items_ahead(q: RequestQueue, item: WorkItem) -> int:  # noqa: D401
+def items_ahead(q: RequestQueue, item: WorkItem) -> int:
     """Queued items that EDF-within-class ordering would serve before `item`."""
-    deadline = item.deadline if item.deadline is not None else INF
-    ahead = 0
-    for p in Priority:
-        if p < item.priority:
-            ahead += q.count(p)
-        elif p == item.priority:
-            ahead += bisect_right(q._edf[p], (deadline, item.id))
-    return ahead
+    ahead = sum(q.count(p) for p in Priority if p < item.priority)
+    return ahead + q.count_before(item)
 
 
 def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel, tokens: int) -> int:

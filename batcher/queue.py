@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from typing import Iterator
 
 from .types import Priority, WorkItem
@@ -36,6 +36,10 @@ class RequestQueue:
 
     def count(self, priority: Priority) -> int:
         return len(self._edf[priority])
+
+    def count_before(self, item: WorkItem) -> int:
+        """Queued items of the item's own class that EDF orders before it."""
+        return bisect_right(self._edf[item.priority], _key(item))
 
     def push(self, item: WorkItem) -> None:
         self._all[item.id] = item
