@@ -1,23 +1,23 @@
 """Continuous (iteration-level) batching over any Hugging Face causal LM.
 
-Running sequences share one DynamicCache, one row each, left-padded to a common length.
-`add()` prefills new prompts as their own batch and merges that cache into the running
-one; `step()` decodes one token for every row; finished or cancelled rows leave the cache
-at once. Because rows are left-padded and joined at different times, every forward gets
+Running sequences share preallocated per-slot KV buffers (`_RunningBatch`), one row each,
+right-aligned at a shared write column and left-padded. `add()` prefills new prompts as
+their own batch (a DynamicCache) and copies their rows into free slots; `step()` decodes
+one token for every row, writing one cache column in place; finished or cancelled rows
+leave at once and their slots are reused. Because rows are left-padded and joined at different times, every forward gets
 an explicit 2D 0/1 attention mask and explicit position ids (real tokens before the
 fed one); transformers' defaults ignore padding and give silently wrong tokens.
 """
 from __future__ import annotations
 
 import copy
-
 import inspect
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 from .base import SamplingParams, SequenceRequest, StepOutput
 from .device import configure_threads, resolve_device, resolve_dtype
@@ -78,7 +78,7 @@ class HFGenerationEngine:
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._cache_kwarg = _cache_kwarg(self.model)
-        self._batch = _RunningBatch()
+        self._batch = _RunningBatch(max_running)
         self._check_cache_layout()
         log.info(
             "loaded chat model %s on %s (max_context=%d, max_running=%d)",
@@ -99,9 +99,8 @@ class HFGenerationEngine:
 
     @property
     def kv_tokens(self) -> int:
-        """Token slots the KV cache holds: rows x length, padding included."""
-        mask = self._batch.mask
-        return 0 if mask is None else mask.numel()
+        """Token slots the running rows attend over: rows x length, padding included."""
+        return self._batch.rows * self._batch.width
 
     @property
     def running_ids(self) -> list[int]:
@@ -146,7 +145,7 @@ class HFGenerationEngine:
         try:
             return self._decode_step()
         except BaseException:
-            self._batch = _RunningBatch()
+            self._batch = _RunningBatch(self.max_running)
             raise
 
     def _decode_step(self) -> list[StepOutput]:
@@ -155,23 +154,22 @@ class HFGenerationEngine:
             return []
         input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)
         positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
-        ones = torch.ones((len(batch.seqs), 1), dtype=batch.mask.dtype, device=self.device)
-        mask = torch.cat([batch.mask, ones], dim=1)
-        logits, batch.cache = self._forward(input_ids, positions, mask, batch.cache)
-        batch.mask = mask
+        mask = batch.decode_mask()
+        logits, _ = self._forward(input_ids, positions, mask, batch.cache)
+        batch.advance()
         tokens = sample_next_tokens(logits, [s.sampler for s in batch.seqs])
         outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens)]
         finished = {i for i, out in enumerate(outputs) if out.finish_reason}
         if finished:
-            batch.keep([i for i in range(len(batch.seqs)) if i not in finished])
+            batch.drop(finished)
         return outputs
 
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[int]) -> None:
         drop = set(seq_ids)
-        rows = [i for i, seq in enumerate(self._batch.seqs) if seq.seq_id not in drop]
-        if len(rows) != len(self._batch.seqs):
-            self._batch.keep(rows)
+        leaving = {i for i, seq in enumerate(self._batch.seqs) if seq.seq_id in drop}
+        if leaving:
+            self._batch.drop(leaving)
 
     # -- internals -------------------------------------------------------------------
 
@@ -201,10 +199,7 @@ class HFGenerationEngine:
         outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens)]
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
         if alive:
-            newcomers = _RunningBatch(cache=cache, mask=mask, seqs=seqs)
-            if len(alive) < len(seqs):
-                newcomers.keep(alive)
-            self._batch.merge(newcomers)
+            self._batch.admit(cache, mask, seqs, alive)
         return outputs
 
     def _forward(
@@ -297,55 +292,191 @@ class _Sequence:
         return self.prompt_len + len(self.tokens)
 
 
-@dataclass(slots=True)
+class _SlotLayer(DynamicLayer):
+    """One attention layer's keys and values in preallocated per-slot buffers.
+
+    Buffers are [slots, kv_heads, capacity, head_dim]; running row i lives in slot i and
+    all rows share one write column (`owner.end`), so a decode step writes one column in
+    place and attends over a view of columns [start, end] instead of concatenating the
+    whole cache, as DynamicLayer does every step.
+    """
+
+    def __init__(self, owner: "_RunningBatch", keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.owner = owner
+        self.keys, self.values = keys, values
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise AssertionError("slot buffers are allocated by the running batch")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        rows, width = key_states.shape[0], key_states.shape[-2]
+        start, end = self.owner.start, self.owner.end
+        self.keys[:rows, :, end : end + width] = key_states
+        self.values[:rows, :, end : end + width] = value_states
+        return self.keys[:rows, :, start : end + width], self.values[:rows, :, start : end + width]
+
+    def get_seq_length(self) -> int:
+        return self.owner.end - self.owner.start
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+
 class _RunningBatch:
-    """Rows of the shared cache; `mask` is [rows, cache columns] with 0 on padding."""
+    """Running sequences in preallocated KV slots.
 
-    cache: Any = None
-    mask: torch.Tensor | None = None
-    seqs: list[_Sequence] = field(default_factory=list)
+    Row i of every buffer belongs to `seqs[i]`; rows are kept dense (a leaving row's slot
+    is filled by the last row), so the forward sees rows [0, n). Columns [start, end) hold
+    the cached tokens, rows right-aligned at `end` and left-padded with mask 0. Joining
+    copies only the newcomers' prefill cache, leaving copies only the rows that move, and
+    the buffers are compacted to the left (or grown) when the write column reaches the
+    end: amortised, nothing is copied per step.
+    """
 
-    def keep(self, rows: list[int]) -> None:
-        """Keep only `rows` (in that order), then drop padding columns nobody needs."""
-        if not rows:
-            self.cache, self.mask, self.seqs = None, None, []
-            return
-        index = torch.tensor(rows, device=self.mask.device)
-        self.cache.batch_select_indices(index)
-        self.mask = self.mask.index_select(0, index)
-        self.seqs = [self.seqs[i] for i in rows]
-        self._trim_left_padding()
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.seqs: list[_Sequence] = []
+        self.start = self.end = 0
+        self.mask: torch.Tensor | None = None  # [slots, capacity] int64, 1 = real token
+        self.cache: Any = None  # transformers Cache over _SlotLayer views
 
-    def merge(self, other: "_RunningBatch") -> None:
-        """Append `other`'s rows, left-padding the shorter cache to a common length."""
+    @property
+    def rows(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def width(self) -> int:
+        return self.end - self.start
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    def decode_mask(self) -> torch.Tensor:
+        """Open the next column for every row; the 2D mask for a one-token forward."""
+        self._ensure_room(self.width + 1)
+        self.mask[: self.rows, self.end] = 1
+        return self.mask[: self.rows, self.start : self.end + 1]
+
+    def advance(self) -> None:
+        """The forward wrote column `end` of every row."""
+        self.end += 1
+
+    def admit(self, cache: Any, mask: torch.Tensor, seqs: list[_Sequence], alive: list[int]) -> None:
+        """Copy the alive rows of a prefill (its own left-padded cache) into free slots."""
+        if len(alive) < len(seqs):
+            index = torch.tensor(alive, device=mask.device)
+            mask = mask.index_select(0, index)
+            layers = [(l.keys.index_select(0, index), l.values.index_select(0, index)) for l in cache.layers]
+        else:
+            layers = [(l.keys, l.values) for l in cache.layers]
+        seqs = [seqs[i] for i in alive]
+        width = mask.shape[1]
+        if self.mask is None:
+            self._allocate(layers, max(256, 2 * width), mask.dtype)
         if not self.seqs:
-            self.cache, self.mask, self.seqs = other.cache, other.mask, list(other.seqs)
-            return
-        width = max(self.mask.shape[1], other.mask.shape[1])
-        # Build everything before assigning anything, so a failure (OOM) leaves self intact.
-        merged = [
-            (
-                torch.cat([_pad_seq(mine.keys, width), _pad_seq(theirs.keys, width)]),
-                torch.cat([_pad_seq(mine.values, width), _pad_seq(theirs.values, width)]),
-            )
-            for mine, theirs in zip(self.cache.layers, other.cache.layers)
-        ]
-        mask = torch.cat([_pad_mask(self.mask, width), _pad_mask(other.mask, width)])
-        for layer, (keys, values) in zip(self.cache.layers, merged):
-            layer.keys, layer.values = keys, values
-        self.mask = mask
-        self.seqs.extend(other.seqs)
+            self.start = self.end = 0
+        # Newcomers end at column `end` like everyone else: the span after joining is the
+        # wider of the two, plus one column for the next decode step.
+        span = max(self.width, width)
+        if span + 1 > self.capacity:
+            self._grow(span + 1)
+        if self.end < width or self.end + 1 > self.capacity:
+            self._move_columns(span - self.width)
+        lo, hi, first = self.end - width, self.end, self.rows
+        last = first + len(seqs)
+        self.mask[first:last].zero_()
+        self.mask[first:last, lo:hi] = mask
+        for layer, (keys, values) in zip(self.cache.layers, layers):
+            layer.keys[first:last, :, lo:hi] = keys
+            layer.values[first:last, :, lo:hi] = values
+        self.start = min(self.start, lo) if self.seqs else lo
+        self.seqs.extend(seqs)
 
-    def _trim_left_padding(self) -> None:
-        # Slicing is a view, and DynamicLayer.update copies the cache on the next step
-        # anyway, so trimming every time is free and keeps attention cost bounded.
-        lead = int(self.mask.any(dim=0).int().argmax())
-        if lead == 0:
+    def drop(self, leaving: set[int]) -> None:
+        """Remove the rows at indices `leaving`; later rows fill their slots."""
+        keep = self.rows - len(leaving)
+        holes = [i for i in sorted(leaving) if i < keep]
+        movers = [i for i in range(keep, self.rows) if i not in leaving]
+        if holes:
+            dst = torch.tensor(holes, device=self.mask.device)
+            src = torch.tensor(movers, device=self.mask.device)
+            cols = slice(self.start, self.end)
+            for layer in self.cache.layers:
+                layer.keys[dst, :, cols] = layer.keys[src, :, cols]
+                layer.values[dst, :, cols] = layer.values[src, :, cols]
+            self.mask[dst, cols] = self.mask[src, cols]
+            for hole, mover in zip(holes, movers):
+                self.seqs[hole] = self.seqs[mover]
+        del self.seqs[keep:]
+        if not self.seqs:
+            self.start = self.end = 0
             return
+        # Padding columns nobody needs any more stop costing attention.
+        used = self.mask[:keep, self.start : self.end].any(dim=0)
+        self.start += int(used.int().argmax())
+
+    # -- buffers ---------------------------------------------------------------------
+
+    def _allocate(self, layers: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
+        from transformers.cache_utils import Cache
+
+        def buffer(like: torch.Tensor) -> torch.Tensor:
+            return like.new_zeros((self.slots, like.shape[1], capacity, like.shape[3]))
+
+        slot_layers = [_SlotLayer(self, buffer(k), buffer(v)) for k, v in layers]
+        self.mask = torch.zeros((self.slots, capacity), dtype=dtype, device=layers[0][0].device)
+        self.cache = Cache(layers=slot_layers)
+
+    def _ensure_room(self, needed: int) -> None:
+        """Make columns [start, start + needed) fit: compact to the left, else grow.
+
+        Compaction only when it frees at least a quarter of the buffer, so its copy is
+        amortised over that many steps; otherwise double.
+        """
+        if self.start + needed <= self.capacity:
+            return
+        if needed <= self.capacity - self.capacity // 4:
+            self._move_columns(0)
+        else:
+            self._grow(needed)
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(2 * self.capacity, needed + needed // 2)
+        width, cols = self.width, slice(self.start, self.end)
+        grown_mask = self.mask.new_zeros((self.slots, capacity))
+        grown_mask[:, :width] = self.mask[:, cols]
+        grown = []
         for layer in self.cache.layers:
-            layer.keys = layer.keys[:, :, lead:]
-            layer.values = layer.values[:, :, lead:]
-        self.mask = self.mask[:, lead:]
+            pair = []
+            for old in (layer.keys, layer.values):
+                new = old.new_zeros((self.slots, old.shape[1], capacity, old.shape[3]))
+                new[:, :, :width] = old[:, :, cols]
+                pair.append(new)
+            grown.append(pair)
+        # Allocated and copied first: an OOM above leaves the batch as it was.
+        for layer, (keys, values) in zip(self.cache.layers, grown):
+            layer.keys, layer.values = keys, values
+        self.mask = grown_mask
+        self.start, self.end = 0, width
+
+    def _move_columns(self, new_start: int) -> None:
+        """Shift the cached columns to begin at `new_start`, leaving one free column after."""
+        width, rows = self.width, self.rows
+        if new_start + width + 1 > self.capacity:
+            raise AssertionError("caller must ensure capacity before moving columns")
+        if new_start != self.start and rows:
+            src, dst = slice(self.start, self.end), slice(new_start, new_start + width)
+            for layer in self.cache.layers:
+                layer.keys[:rows, :, dst] = layer.keys[:rows, :, src].clone()
+                layer.values[:rows, :, dst] = layer.values[:rows, :, src].clone()
+            moved = self.mask[:rows, src].clone()
+            self.mask[:rows].zero_()
+            self.mask[:rows, dst] = moved
+        self.start, self.end = new_start, new_start + width
 
 
 class _IncrementalDetokenizer:
@@ -427,15 +558,6 @@ def _left_pad_prompts(prompts: Sequence[list[int]], device: torch.device) -> tup
         ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
-
-
-def _pad_seq(kv: torch.Tensor, width: int) -> torch.Tensor:
-    """Left-pad a [batch, heads, seq, head_dim] tensor along seq to `width`."""
-    return F.pad(kv, (0, 0, width - kv.shape[2], 0))
-
-
-def _pad_mask(mask: torch.Tensor, width: int) -> torch.Tensor:
-    return F.pad(mask, (width - mask.shape[1], 0))
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:

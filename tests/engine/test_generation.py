@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.base import SamplingParams, SequenceRequest, StepOutput
-from engine.generation import _IncrementalDetokenizer, _StopStringFilter
+from engine.generation import _IncrementalDetokenizer, _RunningBatch, _StopStringFilter
 from engine.sampling import SequenceSampler, make_generator, sample_next_tokens
 
 pytestmark = pytest.mark.model
@@ -56,11 +56,15 @@ def run_alone(engine, prompt: list[int], **params) -> Transcript:
 
 
 def assert_no_padding_only_columns(engine) -> None:
+    """The span the running rows attend over is exactly the longest row: padding that
+    nobody needs any more is not attended to."""
     batch = engine._batch
-    width = int(batch.mask.sum(dim=1).max())
-    assert batch.mask.shape[1] == width
-    assert engine.kv_tokens == width * engine.running
-    assert all(layer.keys.shape[2] == width for layer in batch.cache.layers)
+    rows = engine.running
+    attended = batch.mask[:rows, batch.start : batch.end]
+    width = int(attended.sum(dim=1).max())
+    assert batch.width == width
+    assert int(batch.mask[:rows].sum()) == int(attended.sum())  # nothing outside the span
+    assert engine.kv_tokens == width * rows
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +320,51 @@ def test_engine_package_does_not_import_the_server_layers():
             else:
                 continue
             assert not {n.split(".")[0] for n in names} & forbidden, f"{path.name} imports {names}"
+
+
+def test_churn_through_compaction_and_growth_keeps_every_row_exact(engine, prompts):
+    """Hundreds of steps of staggered joins, finishes and cancellations move the shared
+    write column past the buffer's end (compaction), and a prompt wider than the buffer
+    forces it to grow; every sequence still gets exactly its solo greedy tokens."""
+    import random
+
+    rng = random.Random(3)
+    wide = engine.encode_prompt("boats carry people across the wide river " * 40)
+    pool = [prompts["a"], prompts["b"], prompts["c"], prompts["long"]]
+    solo = {}
+
+    def expected(prompt: list[int], max_tokens: int) -> list[int]:
+        key = tuple(prompt)
+        if key not in solo:
+            solo[key] = run_alone(engine, prompt, max_tokens=48, temperature=0).tokens[1]
+        return solo[key][:max_tokens]
+
+    for prompt in pool + [wide]:
+        expected(prompt, 1)
+    engine._batch = _RunningBatch(engine.max_running)  # fresh buffers, sized by short prompts
+    transcript, asked, cancelled = Transcript(), {}, set()
+    capacities, starts, next_id = set(), set(), 1
+    for step in range(420):
+        if engine.running < 12 and rng.random() < 0.5:
+            group = []
+            for _ in range(rng.randint(1, 3)):
+                prompt = wide if step == 300 else rng.choice(pool)
+                asked[next_id] = (prompt, rng.randint(1, 48))
+                group.append(req(next_id, prompt, max_tokens=asked[next_id][1], temperature=0))
+                next_id += 1
+            transcript.take(engine.add(group))
+        if engine.running and rng.random() < 0.03:
+            victim = rng.choice(engine.running_ids)
+            engine.remove([victim])
+            cancelled.add(victim)
+        transcript.take(engine.step())
+        capacities.add(engine._batch.capacity)
+        starts.add(engine._batch.start)
+    drain(engine, transcript)
+    assert len(capacities) > 1, "the wide prompt should have grown the buffers"
+    assert max(starts) > 0 and min(starts) == 0, "the write column should have wrapped by compaction"
+    finished = [i for i in asked if i not in cancelled]
+    assert len(finished) > 100
+    for seq_id in finished:
+        prompt, max_tokens = asked[seq_id]
+        assert transcript.tokens[seq_id] == expected(prompt, max_tokens), seq_id
