@@ -104,18 +104,25 @@ def main() -> None:
     p.add_argument("--rates", default="8,24")
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--servers", default="continuous,static,transformers",
+                   help="comma-separated subset of continuous,static,transformers")
     a = p.parse_args()
+    servers = set(a.servers.split(","))
+    if a.skip_transformers:
+        servers.discard("transformers")
     rates = [float(r) for r in a.rates.split(",")]
     # Admission groups of up to 16 prompts in both modes: static runs each group to its end.
     common = ["--embedding-model", "none", "--max-batch-size", "16", "--max-wait-ms", "5"]
     results = []
-    print("Ferry, continuous batching:")
-    with Gateway(*common) as gw:
-        results += run_rates("ferry continuous", gw.url, "ferry-tiny-chat", rates, a.duration)
-    print("Ferry, static batching:")
-    with Gateway(*common, "--batching", "static") as gw:
-        results += run_rates("ferry static", gw.url, "ferry-tiny-chat", rates, a.duration)
-    if not a.skip_transformers:
+    if "continuous" in servers:
+        print("Ferry, continuous batching:")
+        with Gateway(*common) as gw:
+            results += run_rates("ferry continuous", gw.url, "ferry-tiny-chat", rates, a.duration)
+    if "static" in servers:
+        print("Ferry, static batching:")
+        with Gateway(*common, "--batching", "static") as gw:
+            results += run_rates("ferry static", gw.url, "ferry-tiny-chat", rates, a.duration)
+    if "transformers" in servers:
         from engine.tiny_chat import ensure_tiny_chat
 
         path = ensure_tiny_chat()
@@ -128,11 +135,14 @@ def main() -> None:
             proc.wait(30)
     print("\nsummary (highest rate):")
     top = {r["label"]: r for r in results if r["rate"] == rates[-1]}
+    if "ferry continuous" not in top:
+        return
     cont = top["ferry continuous"]
     for label, r in top.items():
         print(f"  {label:22s} {r['tok_s']:7.1f} tok/s  ({r['tok_s'] / cont['tok_s']:.2f}x of continuous)"
               f"  TTFT p99 {r['ttft_p99']:.0f} ms")
-    print(f"  continuous / static: {cont['tok_s'] / top['ferry static']['tok_s']:.2f}x tok/s")
+    if "ferry static" in top:
+        print(f"  continuous / static: {cont['tok_s'] / top['ferry static']['tok_s']:.2f}x tok/s")
     if "transformers serve cb" in top:
         t = top["transformers serve cb"]
         print(f"  continuous / transformers serve: {cont['tok_s'] / t['tok_s']:.2f}x tok/s; "

@@ -167,7 +167,7 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: Any, p: Plan,
         if ferry.streams >= ferry.config.max_streams:
             raise APIError(429, f"too many concurrent streams (limit {ferry.config.max_streams})", code="too_many_streams",
                            retry_after=1)
-        deltas: asyncio.Queue[Delta] = asyncio.Queue()
+        deltas: asyncio.Queue[Delta | WorkItem] = asyncio.Queue()  # deltas, then endings
         items = submit(served.batcher, [t[2] for t in triples], costs=[len(t[2].prompt_ids) for t in triples],
                        budget=budget, priority=priority, request_id=ctx.request_id, on_delta=deltas.put_nowait)
         state = StreamState(time.perf_counter())
@@ -255,58 +255,47 @@ async def _stream(served: Any, body: Any, p: Plan, triples: list, items: list[Wo
             choice["text"] = text or ""
         return _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]})
 
-    # Futures end each item: a result after its last delta, or an error/expiry without one.
-    waiters = {asyncio.ensure_future(_outcome(item)): item for item in items}
-    getter: asyncio.Future | None = None
-    try:
-        while open_items:
-            if getter is None:
-                getter = asyncio.ensure_future(deltas.get())
-            done, _ = await asyncio.wait({getter, *waiters}, return_when=asyncio.FIRST_COMPLETED)
-            if getter in done:
-                d: Delta = getter.result()
-                getter = None
-                k = index_of[d.item.id]
-                state.completion_tokens += d.tokens
-                yield chunk(k, d.text, d.finish_reason)
-                if d.finish_reason is not None:
-                    open_items.discard(d.item.id)
+    # Deltas and item endings share one queue. An item's future resolves only after its
+    # last delta was queued, and done-callbacks run later still, so an ending always comes
+    # after the item's deltas; an ending without a final delta is an error or expiry.
+    for item in items:
+        item.future.add_done_callback(lambda _f, item=item: deltas.put_nowait(item))
+    while open_items:
+        events = [await deltas.get()]
+        while not deltas.empty():  # whatever else is already here goes out in one write
+            events.append(deltas.get_nowait())
+        out = []
+        for ev in events:
+            if isinstance(ev, Delta):
+                k = index_of[ev.item.id]
+                state.completion_tokens += ev.tokens
+                out.append(chunk(k, ev.text, ev.finish_reason))
+                if ev.finish_reason is not None:
+                    open_items.discard(ev.item.id)
                 continue
-            for fut in done:
-                item = waiters.pop(fut)
-                exc = fut.result()
-                if exc is not None and item.id in open_items:
-                    open_items.discard(item.id)
-                    err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, str(exc))
-                    state.status = err.status if state.status == 200 else state.status
-                    # The error rides on the prompt's own final chunk: a separate top-level
-                    # error event would make OpenAI clients abort the whole stream, and
-                    # with it the other prompts' answers.
-                    detail = error_body(err.status, err.message, err.code)["error"]
-                    detail.update(status=err.status, prompt_index=triples[index_of[item.id]][0], index=index_of[item.id])
-                    yield chunk(index_of[item.id], None, "error", detail)
-        if body.stream_options is not None and body.stream_options.include_usage:
-            prompt_tokens = sum(len(ids) for ids in p.prompts)
-            done_tokens = state.completion_tokens
-            yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
-                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": done_tokens,
-                                  "total_tokens": prompt_tokens + done_tokens}})
-        yield b"data: [DONE]\n\n"
-    finally:
-        if getter is not None:
-            getter.cancel()
-        for fut in waiters:
-            fut.cancel()
-
-
-async def _outcome(item: WorkItem) -> Exception | None:
-    try:
-        await asyncio.shield(item.future)
-        return None
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        return exc
+            if ev.id not in open_items:
+                continue
+            exc = ev.future.exception()
+            if exc is None:  # cannot happen: a result always follows a final delta
+                continue
+            open_items.discard(ev.id)
+            err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, str(exc))
+            state.status = err.status if state.status == 200 else state.status
+            # The error rides on the prompt's own final chunk: a separate top-level error
+            # event would make OpenAI clients abort the whole stream, and with it the
+            # other prompts' answers.
+            detail = error_body(err.status, err.message, err.code)["error"]
+            k = index_of[ev.id]
+            detail.update(status=err.status, prompt_index=triples[k][0], index=k)
+            out.append(chunk(k, None, "error", detail))
+        yield b"".join(out)
+    if body.stream_options is not None and body.stream_options.include_usage:
+        prompt_tokens = sum(len(ids) for ids in p.prompts)
+        done_tokens = state.completion_tokens
+        yield _sse({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                    "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": done_tokens,
+                              "total_tokens": prompt_tokens + done_tokens}})
+    yield b"data: [DONE]\n\n"
 
 
 def _queue_fields(items: list[WorkItem]) -> dict:
