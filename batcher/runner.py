@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 log = logging.getLogger("ferry.batcher")
 
@@ -35,7 +35,15 @@ class ThreadRunner:
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ferry-{self.name}", initializer=self._initializer)
 
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await self.start(fn, *args)
+
+    def start(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        """Hand `fn(*args)` to the worker thread now; await the result later. Lets the
+        caller do event-loop work (deliver the previous step's tokens) while it runs."""
         fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        return self._result(fut)
+
+    async def _result(self, fut: asyncio.Future) -> Any:
         if self.timeout is None:
             return await fut
         try:

@@ -78,6 +78,10 @@ class GenerationScheduler(QueueingBatcher):
                  make_request: Callable[[int, list[int], Any], Any] | None = None, **kw):
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
+        # Children looked up once: these are touched for every generated token.
+        self._ttft = self.metrics.ttft.labels(model)
+        self._itl = self.metrics.itl.labels(model)
+        self._generated = self.metrics.generated_tokens.labels(model)
         self.engine = engine
         self.runner = runner
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
@@ -168,21 +172,35 @@ class GenerationScheduler(QueueingBatcher):
 
     # -- the loop -----------------------------------------------------------------
     async def _loop(self) -> None:
-        while True:
-            now = self.clock.now()
-            self._expire(now)
-            self._expire_running(now)
-            admitted, look_again = self._admission(now)
-            if admitted or self._running or self._removals:
-                await self._iteration(admitted)
-                continue
-            if not self.busy:
-                self._idle.set()
-            wake_at = min(self.queue.min_deadline, look_again if look_again is not None else float("inf"))
-            self._wake.clear()
-            await self.clock.wait(self._wake, seconds_until(wake_at, now))
+        # The previous iteration's outputs are delivered (streams woken, results set)
+        # while the worker already runs the next one: slots it freed are known before,
+        # so admission timing is the same as if delivery came first.
+        pending: Callable[[], None] | None = None
+        try:
+            while True:
+                now = self.clock.now()
+                self._expire(now)
+                self._expire_running(now)
+                admitted, look_again = self._admission(now)
+                if admitted or self._running or self._removals:
+                    deliver, pending = pending, None  # _iteration runs it exactly once
+                    pending = await self._iteration(admitted, deliver)
+                    continue
+                if pending is not None:
+                    pending, deliver = None, pending
+                    deliver()
+                    continue
+                if not self.busy:
+                    self._idle.set()
+                wake_at = min(self.queue.min_deadline, look_again if look_again is not None else float("inf"))
+                self._wake.clear()
+                await self.clock.wait(self._wake, seconds_until(wake_at, now))
+        finally:
+            if pending is not None:
+                pending()
 
-    async def _iteration(self, admitted: list[WorkItem]) -> None:
+    async def _iteration(self, admitted: list[WorkItem], pending: Callable[[], None] | None) -> Callable[[], None] | None:
+        """Run one iteration; returns the delivery of its outputs, for the caller to run."""
         for item in admitted:
             self._running[item.id] = _Seq(item)
         requests = [self._make_request(i.id, i.payload.prompt_ids, i.payload.params) for i in admitted]
@@ -194,8 +212,14 @@ class GenerationScheduler(QueueingBatcher):
             del self.trace[: -self._keep_trace]
         self._publish_gen()
         started = self.clock.now()
+        call = self._start(self._run_engine, removals, requests, bool(decoding))
+        if pending is not None:
+            try:
+                pending()
+            except Exception:  # a delivery bug must not leave the engine call unawaited
+                log.exception("delivering generated tokens failed", extra={"model": self.model})
         try:
-            result: _IterationResult = await self.runner(self._run_engine, removals, requests, bool(decoding))
+            result: _IterationResult = await call
         except asyncio.CancelledError:
             self._fail_running(ShuttingDown("server stopped while this request ran"))
             raise
@@ -203,7 +227,7 @@ class GenerationScheduler(QueueingBatcher):
             log.exception("engine failed a decode step", extra={"model": self.model})
             self.metrics.engine_errors.labels(self.model, "decode").inc()
             self._fail_running(EngineError(f"model execution failed: {type(exc).__name__}: {exc}"))
-            return
+            return None
         now = self.clock.now()
         _apportion(result, now - started)
         self._observe(result, requests)
@@ -212,9 +236,18 @@ class GenerationScheduler(QueueingBatcher):
             if seq is not None:
                 self.metrics.engine_errors.labels(self.model, "prefill").inc()
                 self._finish(seq.item, Outcome.ERROR, EngineError(f"model execution failed for this prompt: {exc}"))
+        # Finished sequences leave the running set now, so the next admission sees their slots.
+        finished = {}
         for out in result.outputs:
-            self._deliver(out, now)
+            if out.finish_reason is not None and out.seq_id in self._running:
+                finished[out.seq_id] = self._running.pop(out.seq_id)
         self._publish_gen()
+        return lambda: self._deliver_all(result.outputs, finished, now)
+
+    def _start(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
+        """Start the engine call now if the runner can (ThreadRunner.start), else when awaited."""
+        start = getattr(self.runner, "start", None)
+        return start(fn, *args) if start is not None else self.runner(fn, *args)
 
     def _run_engine(self, removals: list[int], requests: list[Any], decode: bool) -> _IterationResult:
         """Runs on the worker thread: everything the engine does in one iteration."""
@@ -258,28 +291,32 @@ class GenerationScheduler(QueueingBatcher):
             m.cost_error.labels(model, "prefill").observe(self.prefill_cost.observe(len(requests), padded, r.prefill_seconds))
             m.prompt_tokens.labels(model).inc(real)
 
-    def _deliver(self, out: Any, now: float) -> None:
-        seq = self._running.get(out.seq_id)
-        if seq is None:  # cancelled while the step ran: its output is dropped
+    def _deliver_all(self, outputs: list[Any], finished: dict[int, _Seq], now: float) -> None:
+        for out in outputs:
+            seq = finished.get(out.seq_id) or self._running.get(out.seq_id)
+            if seq is not None:  # else cancelled while the step ran: its output is dropped
+                self._deliver(seq, out, now)
+
+    def _deliver(self, seq: _Seq, out: Any, now: float) -> None:
+        item = seq.item
+        if item.finished:  # cancelled or expired after its last step ran
             return
-        item, m = seq.item, self.metrics
         produced = len(out.token_ids)
         if produced:
             if seq.tokens == 0:
-                m.ttft.labels(self.model).observe(now - item.arrival)
+                self._ttft.observe(now - item.arrival)
                 if self.settings.budget_scope == "ttft":
                     self._record_slo(item, True)  # the budget covered the first token
             elif seq.last_token_at is not None:
-                m.itl.labels(self.model).observe((now - seq.last_token_at) / produced)
+                self._itl.observe((now - seq.last_token_at) / produced)
             seq.last_token_at = now
             seq.tokens += produced
-            m.generated_tokens.labels(self.model).inc(produced)
+            self._generated.inc(produced)
         if out.text:
             seq.pieces.append(out.text)
         if item.on_delta is not None and (out.text or out.finish_reason):
             item.on_delta(Delta(item, out.text, produced, out.finish_reason))
         if out.finish_reason is not None:
-            del self._running[out.seq_id]
             prompt_tokens = len(item.payload.prompt_ids)
             self._finish(item, Outcome.RESULT, GenResult("".join(seq.pieces), out.finish_reason, prompt_tokens, seq.tokens))
 
