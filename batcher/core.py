@@ -26,6 +26,7 @@ log = logging.getLogger("ferry.batcher")
 RATE_HORIZON = 1.0  # seconds of arrivals used to estimate the arrival rate
 RESERVE_HORIZON = 2.0  # seconds an interactive budget keeps shaping batch sizes
 SERVICE_HORIZON = 2.0  # seconds of completions used to estimate the service rate
+KEEP_UP_UTILISATION = 0.9  # the busiest the engine may be with reserve-sized batches
 
 
 class QueueingBatcher:
@@ -50,6 +51,7 @@ class QueueingBatcher:
         self._arrivals: deque[float] = deque()
         self._interactive_budgets: deque[tuple[float, float]] = deque()  # (arrival, budget)
         self._completions: deque[float] = deque()
+        self._typical_cost = 1.0  # moving average of item cost (tokens), for keep_up_time
         self._task: asyncio.Task | None = None
         self._closing = False
         self.failed: str | None = None  # set if the loop crashed; the model then answers 503
@@ -84,9 +86,30 @@ class QueueingBatcher:
     def reserve(self, now: float) -> float | None:
         """Longest batch the policies may form so that an interactive request arriving while
         it runs can still be served within the tightest interactive budget seen lately
-        (half of it: the wait for the running batch, then its own). None: no such traffic."""
+        (half of it: the wait for the running batch, then its own). None: no such traffic.
+
+        The reserve never caps batches below the size that keeps up with the arrival rate:
+        batches too small to carry the load grow a queue in which every budget, interactive
+        ones included, is missed. Under overload it stops binding and batches are sized for
+        throughput; what cannot be served is refused at admission.
+        """
         q = self._recent_interactive(now)
-        return max(min(b for _, b in q) / 2.0 - self._settings.margin, 0.0) if q else None
+        if not q:
+            return None
+        protect = max(min(b for _, b in q) / 2.0 - self._settings.margin, 0.0)
+        return max(protect, self.keep_up_time(now))
+
+    def keep_up_time(self, now: float) -> float:
+        """Predicted time of the smallest batch whose throughput covers the recent arrival
+        rate at KEEP_UP_UTILISATION (that of max_batch_size when none does)."""
+        s, rate = self._settings, self.arrival_rate(now)
+        tokens = max(1, round(self._typical_cost))
+        t = 0.0
+        for n in range(1, s.max_batch_size + 1):
+            t = self.cost.predict(n, n * tokens)
+            if n >= rate * t / KEEP_UP_UTILISATION:
+                return t
+        return t
 
     def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
         q = self._interactive_budgets
@@ -161,6 +184,7 @@ class QueueingBatcher:
             item.future = loop.create_future()
             self.queue.push(item)
             self._arrivals.append(now)
+            self._typical_cost += 0.05 * (item.cost - self._typical_cost)
         if priority is Priority.INTERACTIVE and budget is not None:
             self._interactive_budgets.append((now, budget))
         self._publish_depth()

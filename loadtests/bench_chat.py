@@ -7,7 +7,7 @@
 Open-loop Poisson arrivals of streaming chat requests whose max_tokens is uniform in
 4..64 (greedy). Reports generated tokens/s and p50/p99 time to first token.
 
-    python -m loadtests.bench_chat [--rates 8,24] [--duration 20]
+    python -m loadtests.bench_chat [--rates 8,24] [--duration 20] [--max-running 128]
 """
 from __future__ import annotations
 
@@ -104,6 +104,8 @@ def main() -> None:
     p.add_argument("--rates", default="8,24")
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--skip-transformers", action="store_true")
+    p.add_argument("--max-running", type=int, default=128,
+                   help="Ferry's --max-running (transformers serve sizes its batch from its KV blocks)")
     p.add_argument("--servers", default="continuous,static,transformers",
                    help="comma-separated subset of continuous,static,transformers")
     a = p.parse_args()
@@ -112,7 +114,8 @@ def main() -> None:
         servers.discard("transformers")
     rates = [float(r) for r in a.rates.split(",")]
     # Admission groups of up to 16 prompts in both modes: static runs each group to its end.
-    common = ["--embedding-model", "none", "--max-batch-size", "16", "--max-wait-ms", "5"]
+    common = ["--embedding-model", "none", "--max-batch-size", "16", "--max-wait-ms", "5",
+              "--max-running", str(a.max_running)]
     results = []
     if "continuous" in servers:
         print("Ferry, continuous batching:")

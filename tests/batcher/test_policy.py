@@ -201,3 +201,23 @@ def test_adaptive_dispatches_at_once_at_low_load_and_waits_to_fill_at_high_load(
     assert isinstance(wait, WaitUntil) and wait.t == pytest.approx(0.008)  # 8 more at 1000/s
     assert adaptive(_queue(0.0, [(0.0, 10.0)] * 10), 0.0, s, COST, rate=1000.0).reason.value == "adaptive"
     assert adaptive(q, 0.020, s, COST, rate=1000.0).reason.value == "max_wait"  # never past max_wait
+
+
+def test_reserve_never_caps_batches_below_what_keeps_up_with_arrivals():
+    """Cost 10 ms + 2 ms/item. A 50 ms interactive budget asks for batches of at most
+    25 - 5 = 20 ms (5 items, 250 items/s). At 50 arrivals/s that protects interactive work
+    at no cost; at 300/s batches that small would grow the queue without bound, so the
+    reserve rises to the smallest batch that keeps up at 90% utilisation (10 items, 30 ms:
+    333/s); beyond what any batch can carry (2,000/s) it stops binding."""
+
+    async def reserve_at(rate: float) -> float:
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000)
+        b = r.batcher
+        b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
+        for i in range(int(rate) - 1):  # one second of arrivals, all at t=0
+            b.submit(i + 1, budget=10.0, priority=Priority.BATCH)
+        return b.reserve(r.clock.now())
+
+    assert run(reserve_at(50)) == pytest.approx(0.050 / 2 - 0.005)
+    assert run(reserve_at(300)) == pytest.approx(0.010 + 0.002 * 10)
+    assert run(reserve_at(2000)) == pytest.approx(0.010 + 0.002 * 32)
