@@ -87,7 +87,7 @@ class Metrics:
         self.prompt_tokens = Counter("ferry_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=r)
         self.running = Gauge("ferry_running_sequences", "Sequences in the running batch.", ["model"], registry=r)
         self.waiting = Gauge("ferry_waiting_sequences", "Sequences waiting to be admitted.", ["model"], registry=r)
-        self.kv_tokens = Gauge("ferry_kv_cache_tokens", "Token slots held by the KV cache (rows x length, padding included).", ["model"], registry=r)
+        self.kv_tokens = Gauge("ferry_kv_cache_tokens", "KV-cache token positions the running rows attend over (rows x longest row, padding included).", ["model"], registry=r)
         # SLO
         self.slo = Counter("ferry_slo_total", "Finished items within their latency budget (status=met) or not (missed).", ["model", "class", "status"], registry=r)
         # Knobs
