@@ -103,15 +103,18 @@ class QueueingBatcher:
 
     def keep_up_time(self, now: float) -> float:
         """Predicted time of the smallest batch whose throughput covers the recent arrival
-        rate at KEEP_UP_UTILISATION (that of max_batch_size when none does)."""
+        rate at KEEP_UP_UTILISATION (that of max_batch_size when none does), in the
+        pessimistic units of CostModel.slowdown."""
         s, rate = self._settings, self.arrival_rate(now)
         tokens = max(1, round(self._typical_cost))
         t = 0.0
         for n in range(1, s.max_batch_size + 1):
             t = self.cost.predict(n, n * tokens)
             if n >= rate * t / KEEP_UP_UTILISATION:
-                return t
-        return t
+                break
+        # Scaled like the reserve checks that read it (policy.deadline_cap), so the
+        # keep-up size itself passes them.
+        return t * self.cost.slowdown
 
     def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
         q = self._interactive_budgets

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+SLOWDOWN_QUANTILE = 0.9
+
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
@@ -33,10 +35,19 @@ class CostModel:
         self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
+        self._ratios: deque[float] = deque(maxlen=window)  # observed / predicted
+        self._slowdown = 1.0
 
     @property
     def params(self) -> LinearCost:
         return self._fit
+
+    @property
+    def slowdown(self) -> float:
+        """How much slower than predicted 9 batches in 10 ran lately (>= 1): the fit drops
+        contention outliers to stay a good mean, so decisions that protect a deadline scale
+        their predictions by this instead (SLOWDOWN_QUANTILE of observed/predicted)."""
+        return self._slowdown
 
     @property
     def observations(self) -> int:
@@ -49,6 +60,8 @@ class CostModel:
         """Record one batch; returns the relative error of the prediction made before it."""
         predicted = self.predict(items, tokens)
         self._obs.append((items, tokens, seconds))
+        if predicted > 0:
+            self._ratios.append(seconds / predicted)
         self._since_fit += 1
         if self._since_fit >= self._refit_every:
             self.refit()
@@ -64,6 +77,8 @@ class CostModel:
         contention only ever makes batches slower), then refit.
         """
         self._since_fit = 0
+        if len(self._ratios) >= 8:
+            self._slowdown = max(1.0, float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE)))
         if len(self._obs) < 3:
             return
         data = np.asarray(self._obs, dtype=np.float64)

@@ -42,7 +42,7 @@ def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
 
 
 def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel,
-                 reserve: float | None = None) -> int:
+                 reserve: float | None = None, floor: float = 0.0) -> int:
     """How many of `items` (in queue order) to send now.
 
     Interactive items constrain the batch: it may not grow past the point where one of them
@@ -51,21 +51,25 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     batch-class item does not shrink a batch for everyone, and under overload batches stay
     large. `reserve` caps the predicted batch time so that an interactive request arriving
     while the batch runs can still make its budget (the engine cannot be preempted).
-    Items that would miss even alone constrain nothing: they run best-effort.
+    Items that would miss even alone constrain nothing: they run best-effort. A batch no
+    longer than `floor` (the time of the smallest batch that keeps up with arrivals) is not
+    cut for an interactive deadline either: smaller batches would grow the queue until every
+    deadline is missed; admission refuses interactive work that cannot make it instead.
     """
     best_k, best_rate = 1, -1.0
+    slow = cost.slowdown  # deadline checks use a pessimistic time; goodput the mean
     longest = 0
     finished_in_time: list[float] = []  # sorted deadlines of the items taken so far
     tightest_interactive = INF
     for k, item in enumerate(items, start=1):
         longest = max(longest, item.cost)
         t = cost.predict(k, longest * k)
-        if k > 1 and reserve is not None and t > reserve:
+        if k > 1 and reserve is not None and t * slow > reserve:
             break
         d = item.deadline if item.deadline is not None else INF
-        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) + s.margin <= d:
+        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) * slow + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
-        if k > 1 and now + t + s.margin > tightest_interactive:
+        if k > 1 and t * slow > floor and now + t * slow + s.margin > tightest_interactive:
             break
         insort(finished_in_time, d)
         good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)
@@ -82,7 +86,7 @@ def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel
 
 
 def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-          reserve: float | None = None) -> Decision:
+          reserve: float | None = None, floor: float = 0.0) -> Decision:
     n = len(q)
     if n == 0:
         return WaitUntil(None)
@@ -95,12 +99,12 @@ def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rat
 
 
 def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None) -> Decision:
+             reserve: float | None = None, floor: float = 0.0) -> Decision:
     base = fixed(q, now, s, cost, rate)
     if len(q) == 0:
         return base
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve)
+    cap = deadline_cap(items, now, s, cost, reserve, floor)
     if isinstance(base, Dispatch):
         return Dispatch(min(base.size, cap), base.reason)
     start_by = latest_start(items[:cap], s, cost)
@@ -110,7 +114,7 @@ def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
 
 
 def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None) -> Decision:
+             reserve: float | None = None, floor: float = 0.0) -> Decision:
     """Wait only while waiting raises throughput, and never past a deadline or max_wait.
 
     With batch time a + b*n and arrivals at rate r, the throughput of a batch that waits w
@@ -123,7 +127,7 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if n == 0:
         return WaitUntil(None)
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve)
+    cap = deadline_cap(items, now, s, cost, reserve, floor)
     if n >= s.max_batch_size:
         return Dispatch(cap, DispatchReason.FULL)
     target = min(s.max_batch_size, max(1, math.ceil(rate * cost.params.fixed)))
