@@ -37,6 +37,7 @@ class CostModel:
         self._since_fit = 0
         self._ratios: deque[float] = deque(maxlen=window)  # observed / predicted
         self._slowdown = 1.0
+        self._fitted = False  # ratios against the prior (warm-up) would inflate slowdown
 
     @property
     def params(self) -> LinearCost:
@@ -60,7 +61,7 @@ class CostModel:
         """Record one batch; returns the relative error of the prediction made before it."""
         predicted = self.predict(items, tokens)
         self._obs.append((items, tokens, seconds))
-        if predicted > 0:
+        if predicted > 0 and self._fitted:
             self._ratios.append(seconds / predicted)
         self._since_fit += 1
         if self._since_fit >= self._refit_every:
@@ -81,6 +82,7 @@ class CostModel:
             self._slowdown = max(1.0, float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE)))
         if len(self._obs) < 3:
             return
+        self._fitted = True
         data = np.asarray(self._obs, dtype=np.float64)
         n, tok, t = data[:, 0], data[:, 1], data[:, 2]
         by_tokens = bool(np.all(tok > 0))

@@ -212,12 +212,11 @@ class GenerationScheduler(QueueingBatcher):
             del self.trace[: -self._keep_trace]
         self._publish_gen()
         started = self.clock.now()
-        call = self._start(self._run_engine, removals, requests, bool(decoding))
-        if pending is not None:
-            try:
+        try:
+            call = self._start(self._run_engine, removals, requests, bool(decoding))
+        finally:
+            if pending is not None:  # the last step's finished items live only in it
                 pending()
-            except Exception:  # a delivery bug must not leave the engine call unawaited
-                log.exception("delivering generated tokens failed", extra={"model": self.model})
         try:
             result: _IterationResult = await call
         except asyncio.CancelledError:
@@ -292,10 +291,19 @@ class GenerationScheduler(QueueingBatcher):
             m.prompt_tokens.labels(model).inc(real)
 
     def _deliver_all(self, outputs: list[Any], finished: dict[int, _Seq], now: float) -> None:
+        """Deliver one step's outputs. Finished sequences are no longer in the running set,
+        so a failure here must still end each item: it fails only the item it hit."""
         for out in outputs:
             seq = finished.get(out.seq_id) or self._running.get(out.seq_id)
-            if seq is not None:  # else cancelled while the step ran: its output is dropped
+            if seq is None:  # cancelled while the step ran: its output is dropped
+                continue
+            try:
                 self._deliver(seq, out, now)
+            except Exception as exc:
+                log.exception("delivering generated tokens failed", extra={"model": self.model})
+                if self._running.pop(out.seq_id, None) is not None:
+                    self._removals.append(out.seq_id)
+                self._finish(seq.item, Outcome.ERROR, EngineError(f"delivering the output failed: {exc}"))
 
     def _deliver(self, seq: _Seq, out: Any, now: float) -> None:
         item = seq.item

@@ -470,12 +470,15 @@ class _RunningBatch:
             raise AssertionError("caller must ensure capacity before moving columns")
         if new_start != self.start and rows:
             src, dst = slice(self.start, self.end), slice(new_start, new_start + width)
-            for layer in self.cache.layers:
-                layer.keys[:rows, :, dst] = layer.keys[:rows, :, src].clone()
-                layer.values[:rows, :, dst] = layer.values[:rows, :, src].clone()
-            moved = self.mask[:rows, src].clone()
+            # Every copy first (an OOM here changes nothing), then the writes, which do not
+            # allocate: a half-moved cache would give running rows misaligned keys.
+            moved = [(l.keys[:rows, :, src].clone(), l.values[:rows, :, src].clone()) for l in self.cache.layers]
+            mask = self.mask[:rows, src].clone()
+            for layer, (keys, values) in zip(self.cache.layers, moved):
+                layer.keys[:rows, :, dst] = keys
+                layer.values[:rows, :, dst] = values
             self.mask[:rows].zero_()
-            self.mask[:rows, dst] = moved
+            self.mask[:rows, dst] = mask
         self.start, self.end = new_start, new_start + width
 
 

@@ -258,8 +258,13 @@ async def _stream(served: Any, body: Any, p: Plan, triples: list, items: list[Wo
     # Deltas and item endings share one queue. An item's future resolves only after its
     # last delta was queued, and done-callbacks run later still, so an ending always comes
     # after the item's deltas; an ending without a final delta is an error or expiry.
+    def ended(fut: asyncio.Future, item: WorkItem) -> None:
+        if not fut.cancelled():
+            fut.exception()  # retrieved here: after a disconnect nobody reads the queue
+        deltas.put_nowait(item)
+
     for item in items:
-        item.future.add_done_callback(lambda _f, item=item: deltas.put_nowait(item))
+        item.future.add_done_callback(lambda f, item=item: ended(f, item))
     while open_items:
         events = [await deltas.get()]
         while not deltas.empty():  # whatever else is already here goes out in one write

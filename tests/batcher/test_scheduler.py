@@ -193,3 +193,30 @@ def test_admission_refuses_at_once_when_no_slot_can_free_in_time():
         await r.sched.stop()
 
     run(scenario())
+
+
+def test_a_delivery_failure_ends_only_the_item_it_hit():
+    """Tokens are delivered after the next step is handed to the engine, when finished
+    sequences are no longer in the running set: a callback that raises must still end its
+    own item (with an error) and no other."""
+
+    async def scenario():
+        r = GenRig(max_running=4, max_batch_size=4, max_wait_ms=0)
+        await r.sched.start()
+        good = r.submit(3)
+        bad = r.submit(3)
+
+        def explode(delta):
+            if delta.finish_reason is not None:
+                raise RuntimeError("client callback bug")
+
+        bad.on_delta = explode
+        await r.clock.run_until_idle()
+        await r.sched.stop()
+        return good, bad
+
+    good, bad = run(scenario())
+    assert good.outcome is Outcome.RESULT and good.future.result().completion_tokens == 3
+    assert bad.outcome is Outcome.ERROR
+    with pytest.raises(EngineError, match="delivering the output failed"):
+        bad.future.result()
