@@ -26,7 +26,7 @@ def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel
     """The batch size the policies will form: max_batch_size, or less under the reserve."""
     size = s.max_batch_size
     if reserve is not None and s.policy != "fixed":
-        while size > 1 and cost.predict(size, size * tokens) * cost.slowdown > reserve:
+        while size > 1 and cost.predict(size, size * tokens) > reserve:
             size -= 1
     return size
 

@@ -103,8 +103,7 @@ class QueueingBatcher:
 
     def keep_up_time(self, now: float) -> float:
         """Predicted time of the smallest batch whose throughput covers the recent arrival
-        rate at KEEP_UP_UTILISATION (that of max_batch_size when none does), in the
-        pessimistic units of CostModel.slowdown."""
+        rate at KEEP_UP_UTILISATION (that of max_batch_size when none does)."""
         s, rate = self._settings, self.arrival_rate(now)
         tokens = max(1, round(self._typical_cost))
         t = 0.0
@@ -112,9 +111,7 @@ class QueueingBatcher:
             t = self.cost.predict(n, n * tokens)
             if n >= rate * t / KEEP_UP_UTILISATION:
                 break
-        # Scaled like the reserve checks that read it (policy.deadline_cap), so the
-        # keep-up size itself passes them.
-        return t * self.cost.slowdown
+        return t
 
     def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
         q = self._interactive_budgets

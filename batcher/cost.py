@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SLOWDOWN_QUANTILE = 0.9
-
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
@@ -35,20 +33,10 @@ class CostModel:
         self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._refit_every = refit_every
         self._since_fit = 0
-        self._ratios: deque[float] = deque(maxlen=window)  # observed / predicted
-        self._slowdown = 1.0
-        self._fitted = False  # ratios against the prior (warm-up) would inflate slowdown
 
     @property
     def params(self) -> LinearCost:
         return self._fit
-
-    @property
-    def slowdown(self) -> float:
-        """How much slower than predicted 9 batches in 10 ran lately (>= 1): the fit drops
-        contention outliers to stay a good mean, so decisions that protect a deadline scale
-        their predictions by this instead (SLOWDOWN_QUANTILE of observed/predicted)."""
-        return self._slowdown
 
     @property
     def observations(self) -> int:
@@ -61,8 +49,6 @@ class CostModel:
         """Record one batch; returns the relative error of the prediction made before it."""
         predicted = self.predict(items, tokens)
         self._obs.append((items, tokens, seconds))
-        if predicted > 0 and self._fitted:
-            self._ratios.append(seconds / predicted)
         self._since_fit += 1
         if self._since_fit >= self._refit_every:
             self.refit()
@@ -78,11 +64,8 @@ class CostModel:
         contention only ever makes batches slower), then refit.
         """
         self._since_fit = 0
-        if len(self._ratios) >= 8:
-            self._slowdown = max(1.0, float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE)))
         if len(self._obs) < 3:
             return
-        self._fitted = True
         data = np.asarray(self._obs, dtype=np.float64)
         n, tok, t = data[:, 0], data[:, 1], data[:, 2]
         by_tokens = bool(np.all(tok > 0))

@@ -57,19 +57,18 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     deadline is missed; admission refuses interactive work that cannot make it instead.
     """
     best_k, best_rate = 1, -1.0
-    slow = cost.slowdown  # deadline checks use a pessimistic time; goodput the mean
     longest = 0
     finished_in_time: list[float] = []  # sorted deadlines of the items taken so far
     tightest_interactive = INF
     for k, item in enumerate(items, start=1):
         longest = max(longest, item.cost)
         t = cost.predict(k, longest * k)
-        if k > 1 and reserve is not None and t * slow > reserve:
+        if k > 1 and reserve is not None and t > reserve:
             break
         d = item.deadline if item.deadline is not None else INF
-        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) * slow + s.margin <= d:
+        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
-        if k > 1 and t * slow > floor and now + t * slow + s.margin > tightest_interactive:
+        if k > 1 and t > floor and now + t + s.margin > tightest_interactive:
             break
         insort(finished_in_time, d)
         good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)

@@ -237,14 +237,3 @@ def test_an_interactive_deadline_does_not_cut_a_batch_below_the_keep_up_size():
     items = q.peek(32, 0.0)
     assert deadline_cap(items, 0.0, s, COST) == 2
     assert deadline_cap(items, 0.0, s, COST, floor=0.030) == 10
-
-
-def test_cost_model_slowdown_is_the_90th_percentile_of_observed_over_predicted():
-    model = CostModel(LinearCost(0.010, 0.002, 0.0), refit_every=4)
-    for n in range(1, 21):
-        model.observe(n, 0, 0.010 + 0.002 * n)  # exactly on the line
-    assert model.slowdown == pytest.approx(1.0)
-    for i in range(40):  # a busy neighbour: one batch in four runs 1.5x slower
-        n = 8
-        model.observe(n, 0, (0.010 + 0.002 * n) * (1.5 if i % 4 == 0 else 1.0))
-    assert 1.4 <= model.slowdown <= 1.5
