@@ -42,7 +42,7 @@ def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
 
 
 def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel,
-                 reserve: float | None = None, floor: float = 0.0) -> int:
+                 reserve: float | None = None) -> int:
     """How many of `items` (in queue order) to send now.
 
     Interactive items constrain the batch: it may not grow past the point where one of them
@@ -51,10 +51,7 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     batch-class item does not shrink a batch for everyone, and under overload batches stay
     large. `reserve` caps the predicted batch time so that an interactive request arriving
     while the batch runs can still make its budget (the engine cannot be preempted).
-    Items that would miss even alone constrain nothing: they run best-effort. A batch no
-    longer than `floor` (the time of the smallest batch that keeps up with arrivals) is not
-    cut for an interactive deadline either: smaller batches would grow the queue until every
-    deadline is missed; admission refuses interactive work that cannot make it instead.
+    Items that would miss even alone constrain nothing: they run best-effort.
     """
     best_k, best_rate = 1, -1.0
     longest = 0
@@ -68,7 +65,7 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
         d = item.deadline if item.deadline is not None else INF
         if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
-        if k > 1 and t > floor and now + t + s.margin > tightest_interactive:
+        if k > 1 and now + t + s.margin > tightest_interactive:
             break
         insort(finished_in_time, d)
         good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)
@@ -85,7 +82,7 @@ def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel
 
 
 def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-          reserve: float | None = None, floor: float = 0.0) -> Decision:
+          reserve: float | None = None) -> Decision:
     n = len(q)
     if n == 0:
         return WaitUntil(None)
@@ -98,12 +95,12 @@ def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rat
 
 
 def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None, floor: float = 0.0) -> Decision:
+             reserve: float | None = None) -> Decision:
     base = fixed(q, now, s, cost, rate)
     if len(q) == 0:
         return base
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve, floor)
+    cap = deadline_cap(items, now, s, cost, reserve)
     if isinstance(base, Dispatch):
         return Dispatch(min(base.size, cap), base.reason)
     start_by = latest_start(items[:cap], s, cost)
@@ -113,7 +110,7 @@ def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
 
 
 def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None, floor: float = 0.0) -> Decision:
+             reserve: float | None = None) -> Decision:
     """Wait only while waiting raises throughput, and never past a deadline or max_wait.
 
     With batch time a + b*n and arrivals at rate r, the throughput of a batch that waits w
@@ -126,7 +123,7 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if n == 0:
         return WaitUntil(None)
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve, floor)
+    cap = deadline_cap(items, now, s, cost, reserve)
     if n >= s.max_batch_size:
         return Dispatch(cap, DispatchReason.FULL)
     target = min(s.max_batch_size, max(1, math.ceil(rate * cost.params.fixed)))

@@ -221,19 +221,3 @@ def test_reserve_never_caps_batches_below_what_keeps_up_with_arrivals():
     assert run(reserve_at(50)) == pytest.approx(0.050 / 2 - 0.005)
     assert run(reserve_at(300)) == pytest.approx(0.010 + 0.002 * 8)
     assert run(reserve_at(2000)) == pytest.approx(0.010 + 0.002 * 32)
-
-
-def test_an_interactive_deadline_does_not_cut_a_batch_below_the_keep_up_size():
-    """With a 20 ms interactive deadline (5 ms margin) only 2 items fit (14 ms); when the
-    smallest batch that keeps up with arrivals takes 30 ms (10 items), cutting below it
-    would grow the queue, so the batch keeps 10."""
-    from batcher.policy import deadline_cap
-
-    s = BatchingSettings(policy="adaptive", max_batch_size=32, deadline_margin_ms=5)
-    q = RequestQueue(aging=10)
-    q.push(WorkItem(payload=None, arrival=0.0, deadline=0.020, priority=Priority.INTERACTIVE))
-    for _ in range(19):
-        q.push(WorkItem(payload=None, arrival=0.0, deadline=10.0, priority=Priority.BATCH))
-    items = q.peek(32, 0.0)
-    assert deadline_cap(items, 0.0, s, COST) == 2
-    assert deadline_cap(items, 0.0, s, COST, floor=0.030) == 10
