@@ -424,10 +424,10 @@ class _RunningBatch:
     def _allocate(self, layers: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
         from transformers.cache_utils import Cache
 
-        def buffer(like: torch.Tensor) -> torch.Tensor:
-            return like.new_zeros((self.slots, like.shape[1], capacity, like.shape[3]))
-
-        slot_layers = [_SlotLayer(self, buffer(k), buffer(v)) for k, v in layers]
+        slot_layers = [
+            _SlotLayer(self, _slot_buffer(k, self.slots, capacity), _slot_buffer(v, self.slots, capacity))
+            for k, v in layers
+        ]
         self.mask = torch.zeros((self.slots, capacity), dtype=dtype, device=layers[0][0].device)
         self.cache = Cache(layers=slot_layers)
 
@@ -449,14 +449,13 @@ class _RunningBatch:
         width, cols = self.width, slice(self.start, self.end)
         grown_mask = self.mask.new_zeros((self.slots, capacity))
         grown_mask[:, :width] = self.mask[:, cols]
-        grown = []
-        for layer in self.cache.layers:
-            pair = []
-            for old in (layer.keys, layer.values):
-                new = old.new_zeros((self.slots, old.shape[1], capacity, old.shape[3]))
-                new[:, :, :width] = old[:, :, cols]
-                pair.append(new)
-            grown.append(pair)
+
+        def regrown(old: torch.Tensor) -> torch.Tensor:
+            new = _slot_buffer(old, self.slots, capacity)
+            new[:, :, :width] = old[:, :, cols]
+            return new
+
+        grown = [(regrown(layer.keys), regrown(layer.values)) for layer in self.cache.layers]
         # Allocated and copied first: an OOM above leaves the batch as it was.
         for layer, (keys, values) in zip(self.cache.layers, grown):
             layer.keys, layer.values = keys, values
@@ -561,6 +560,11 @@ def _left_pad_prompts(prompts: Sequence[list[int]], device: torch.device) -> tup
         ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
+
+
+def _slot_buffer(like: torch.Tensor, slots: int, capacity: int) -> torch.Tensor:
+    """Zeroed [slots, kv_heads, capacity, head_dim] buffer shaped after `like` ([rows, kv_heads, seq, head_dim])."""
+    return like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:
