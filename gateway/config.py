@@ -19,6 +19,7 @@ class ServerConfig:
     device: str = "auto"
     dtype: str = "auto"
     torch_threads: int = 1
+    torchscript: bool = True
     max_batch_size: int = 32
     max_wait_ms: float = 5.0
     max_queue: int = 1024
@@ -78,6 +79,8 @@ HELP = {
     "device": "cpu, cuda, cuda:N or auto (cuda when available)",
     "dtype": "float32, float16, bfloat16 or auto (float16 on cuda, float32 on cpu)",
     "torch_threads": "intra-op torch threads (default 1: two threads on two shared cores collapse under contention)",
+    "torchscript": "run the embeddings model as a TorchScript graph when it traces faithfully (checked at load; "
+                   "else eager): a busy event loop then cannot slow its forward (--no-torchscript: always eager)",
     "max_batch_size": "most items per batch (embeddings) or per admission (chat)",
     "max_wait_ms": "longest the oldest queued item waits for batch mates",
     "max_queue": "queued items per model before 429 queue_full",

@@ -49,7 +49,8 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
             from engine.embeddings import HFEmbeddingEngine
 
             path = None if cfg.embedding_model == "default" else cfg.embedding_model
-            return HFEmbeddingEngine(path, device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads)
+            return HFEmbeddingEngine(path, device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads,
+                                     torchscript=cfg.torchscript)
 
         specs.append(ModelSpec(EMBEDDING, load_embeddings))
     if cfg.chat_model != "none":

@@ -1,0 +1,82 @@
+"""The embeddings engine: the traced graph must be the model, and anything that does not
+trace faithfully must run eager."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+TEXTS = ["a ferry", "a much longer sentence about ferries crossing a wide grey river at dawn", "queues",
+         "latency budgets decide when a batch must go, not a timer alone"]
+
+
+@pytest.fixture(scope="module")
+def traced():
+    from engine.embeddings import HFEmbeddingEngine
+
+    return HFEmbeddingEngine(torch_threads=1)
+
+
+def eager_vectors(engine, texts: list[str]) -> np.ndarray:
+    """Each text alone through the eager model: no padding, no graph."""
+    import torch
+
+    out = []
+    for ids in engine.tokenize(texts):
+        with torch.inference_mode():
+            hidden = engine.model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        v = torch.nn.functional.normalize(hidden.last_hidden_state.mean(1), dim=1)
+        out.append(v[0].numpy())
+    return np.stack(out)
+
+
+def test_default_model_runs_as_a_graph_that_matches_the_eager_model(traced):
+    assert traced.graph == "torchscript"
+    for batch in (TEXTS, TEXTS[:1], TEXTS[::-1] * 3):  # padded, single, shapes never traced
+        got = np.stack([r.vector for r in traced.embed(traced.tokenize(batch))])
+        np.testing.assert_allclose(got, eager_vectors(traced, batch), atol=1e-5)
+
+
+def test_a_model_that_refuses_tracing_runs_eager(monkeypatch):
+    import torch
+
+    from engine.embeddings import HFEmbeddingEngine
+
+    def refuse(*a, **kw):
+        raise RuntimeError("this model cannot be traced")
+
+    monkeypatch.setattr(torch.jit, "trace", refuse)
+    engine = HFEmbeddingEngine(torch_threads=1)
+    assert engine.graph == "eager"
+    got = np.stack([r.vector for r in engine.embed(engine.tokenize(TEXTS))])
+    np.testing.assert_allclose(got, eager_vectors(engine, TEXTS), atol=1e-5)
+
+
+def test_a_graph_that_differs_from_the_model_is_not_used(monkeypatch):
+    """A forward that branches in Python on its input traces one branch only; the check at
+    load sees the other shapes answer differently and keeps the model eager."""
+    import torch
+
+    import engine.embeddings as emb
+
+    real = emb._last_hidden
+
+    class DataDependent(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.inner = real(model)
+
+        def forward(self, input_ids, attention_mask):
+            hidden = self.inner(input_ids, attention_mask)
+            if bool(attention_mask.all()):  # baked in as whichever branch the example took
+                return hidden
+            return hidden * 2.0
+
+    monkeypatch.setattr(emb, "_last_hidden", DataDependent)
+    engine = emb.HFEmbeddingEngine(torch_threads=1)
+    assert engine.graph == "eager"
+
+
+def test_torchscript_can_be_turned_off():
+    from engine.embeddings import HFEmbeddingEngine
+
+    assert HFEmbeddingEngine(torch_threads=1, torchscript=False).graph == "eager"
