@@ -33,11 +33,15 @@ def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel
 
 def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings,
                          cost: CostModel, siblings: int = 0, service_rate: float = 0.0,
-                         reserve: float | None = None, interactive_rate: float = 0.0) -> float:
+                         reserve: float | None = None, interactive_rate: float = 0.0, floor: int = 1) -> float:
     ahead = items_ahead(q, item) + siblings
     tokens = max(item.cost, 1)
     size = batch_size_under(reserve, s, cost, tokens)
     full, rest = divmod(ahead + 1, size)
+    if rest and item.priority is Priority.INTERACTIVE and s.policy != "fixed":
+        # Its batch is filled from the work queued behind it up to the floor: interactive
+        # deadlines do not cut batches below what keeps up with the load.
+        rest = max(rest, min(floor, size, len(q) + siblings + 1 - full * size))
     per_batch = cost.predict(size, size * tokens)
     if len(q) >= size and service_rate > 0:
         # Saturated: batches may be smaller than max_batch_size (deadline caps, the
@@ -54,7 +58,7 @@ def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until
 
 def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings, cost: CostModel,
           siblings: int = 0, service_rate: float = 0.0, reserve: float | None = None,
-          interactive_rate: float = 0.0) -> bool:
+          interactive_rate: float = 0.0, floor: int = 1) -> bool:
     """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
 
     `siblings` counts the other items of the same request, admitted all or none: they are
@@ -66,7 +70,8 @@ def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: Bat
         raise QueueFull(f"queue is full ({s.max_queue} items waiting)", retry_after=max(1, math.ceil(wait)))
     if item.deadline is None:
         return False
-    done = predicted_completion(q, item, now, busy_until, s, cost, siblings, service_rate, reserve, interactive_rate)
+    done = predicted_completion(q, item, now, busy_until, s, cost, siblings, service_rate, reserve, interactive_rate,
+                                floor)
     if done + s.margin <= item.deadline:
         return False
     if s.on_infeasible == "serve":

@@ -81,37 +81,55 @@ class QueueingBatcher:
 
     # -- arrival rate -------------------------------------------------------------
     def arrival_rate(self, now: float) -> float:
+        """Items offered per second lately, admitted or refused."""
         while self._arrivals and self._arrivals[0] < now - RATE_HORIZON:
             self._arrivals.popleft()
         return len(self._arrivals) / RATE_HORIZON
 
-    def reserve(self, now: float) -> float | None:
-        """Longest batch the policies may form so that an interactive request arriving while
-        it runs can still be served within the tightest interactive budget seen lately
-        (half of it: the wait for the running batch, then its own). None: no such traffic.
+    def shaping(self, now: float) -> tuple[float | None, int]:
+        """(reserve, floor): the longest batch the policies may form, and the fewest items an
+        interactive deadline may cut a batch to.
 
-        The reserve never caps batches below the size that keeps up with the arrival rate:
-        batches too small to carry the load grow a queue in which every budget, interactive
-        ones included, is missed. Under overload it stops binding and batches are sized for
-        throughput; what cannot be served is refused at admission.
+        The reserve protects interactive requests: one arriving just as a batch starts waits
+        for it, then runs in a batch of its own, and both must fit in the tightest
+        interactive budget seen lately, each prediction keeping the margin. Its own batch
+        takes at least one typical item alone, and at least the floor. None: no interactive
+        traffic lately.
+
+        The floor is the smallest batch that keeps up with the offered load and drains the
+        backlog: batches smaller than that grow a queue in which every budget, interactive
+        ones included, is missed. Neither the reserve nor interactive deadlines cut batches
+        below it; admission predicts with it, so under overload an interactive request that
+        cannot be served alongside the batches the load needs is refused at once instead.
         """
+        floor, keep_up = self.keep_up(now)
         q = self._recent_interactive(now)
         if not q:
-            return None
-        protect = max(min(b for _, b in q) / 2.0 - self._settings.margin, 0.0)
-        return max(protect, self.keep_up_time(now))
+            return None, floor
+        s = self._settings
+        alone = self.cost.predict(1, max(1, round(self._typical_cost)))
+        protect = max(min(b for _, b in q) - max(alone, keep_up) - 2.0 * s.margin, 0.0)
+        return max(protect, keep_up), floor
 
-    def keep_up_time(self, now: float) -> float:
-        """Predicted time of the smallest batch whose throughput covers the recent arrival
-        rate at KEEP_UP_UTILISATION (that of max_batch_size when none does)."""
-        s, rate = self._settings, self.arrival_rate(now)
+    def reserve(self, now: float) -> float | None:
+        return self.shaping(now)[0]
+
+    def keep_up(self, now: float) -> tuple[int, float]:
+        """(items, predicted seconds) of the smallest batch whose throughput covers the
+        offered arrival rate plus draining what is queued within RATE_HORIZON, at
+        KEEP_UP_UTILISATION (max_batch_size when none does). Offered, not admitted: under
+        overload admission refuses what small batches cannot carry, and sizing batches by
+        what was admitted would lock in the small batches.
+        """
+        s = self._settings
+        rate = self.arrival_rate(now) + len(self.queue) / RATE_HORIZON
         tokens = max(1, round(self._typical_cost))
-        t = 0.0
+        n, t = 1, 0.0
         for n in range(1, s.max_batch_size + 1):
             t = self.cost.predict(n, n * tokens)
             if n >= rate * t / KEEP_UP_UTILISATION:
                 break
-        return t
+        return n, t
 
     def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
         q = self._interactive_budgets
@@ -172,20 +190,22 @@ class QueueingBatcher:
                      prompt_index=i, on_delta=on_delta)
             for i, p in enumerate(payloads)
         ]
+        reserve, floor = self.shaping(now)
         try:
             best_effort = admission.check(self.queue, items[-1], now, self.busy_until(now), s, self.cost,
                                           siblings=len(items) - 1, service_rate=self.service_rate(now),
-                                          reserve=self.reserve(now), interactive_rate=self.interactive_rate(now))
+                                          reserve=reserve, interactive_rate=self.interactive_rate(now), floor=floor)
         except Exception as exc:
             if count_rejection:
                 self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
             raise
+        finally:
+            self._arrivals.extend([now] * len(items))  # offered load: admitted or refused
         loop = asyncio.get_running_loop()
         for item in items:
             item.best_effort = best_effort
             item.future = loop.create_future()
             self.queue.push(item)
-            self._arrivals.append(now)
             self._typical_cost += 0.05 * (item.cost - self._typical_cost)
         if priority is Priority.INTERACTIVE and budget is not None:
             self._interactive_budgets.append((now, budget))

@@ -42,7 +42,7 @@ def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
 
 
 def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel,
-                 reserve: float | None = None) -> int:
+                 reserve: float | None = None, floor: int = 1) -> int:
     """How many of `items` (in queue order) to send now.
 
     Interactive items constrain the batch: it may not grow past the point where one of them
@@ -51,7 +51,9 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     batch-class item does not shrink a batch for everyone, and under overload batches stay
     large. `reserve` caps the predicted batch time so that an interactive request arriving
     while the batch runs can still make its budget (the engine cannot be preempted).
-    Items that would miss even alone constrain nothing: they run best-effort.
+    Items that would miss even alone constrain nothing: they run best-effort. Neither cuts
+    the batch below `floor` items, the smallest batch that keeps up with the load
+    (admission has refused the interactive requests that cannot be served that way).
     """
     best_k, best_rate = 1, -1.0
     longest = 0
@@ -60,12 +62,12 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     for k, item in enumerate(items, start=1):
         longest = max(longest, item.cost)
         t = cost.predict(k, longest * k)
-        if k > 1 and reserve is not None and t > reserve:
+        if k > floor and reserve is not None and t > reserve:
             break
         d = item.deadline if item.deadline is not None else INF
         if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
-        if k > 1 and now + t + s.margin > tightest_interactive:
+        if k > floor and now + t + s.margin > tightest_interactive:
             break
         insort(finished_in_time, d)
         good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)
@@ -82,7 +84,7 @@ def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel
 
 
 def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-          reserve: float | None = None) -> Decision:
+          reserve: float | None = None, floor: int = 1) -> Decision:
     n = len(q)
     if n == 0:
         return WaitUntil(None)
@@ -95,12 +97,12 @@ def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rat
 
 
 def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None) -> Decision:
+             reserve: float | None = None, floor: int = 1) -> Decision:
     base = fixed(q, now, s, cost, rate)
     if len(q) == 0:
         return base
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve)
+    cap = deadline_cap(items, now, s, cost, reserve, floor)
     if isinstance(base, Dispatch):
         return Dispatch(min(base.size, cap), base.reason)
     start_by = latest_start(items[:cap], s, cost)
@@ -110,7 +112,7 @@ def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
 
 
 def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None) -> Decision:
+             reserve: float | None = None, floor: int = 1) -> Decision:
     """Wait only while waiting raises throughput, and never past a deadline or max_wait.
 
     With batch time a + b*n and arrivals at rate r, the throughput of a batch that waits w
@@ -123,7 +125,7 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if n == 0:
         return WaitUntil(None)
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve)
+    cap = deadline_cap(items, now, s, cost, reserve, floor)
     if n >= s.max_batch_size:
         return Dispatch(cap, DispatchReason.FULL)
     target = min(s.max_batch_size, max(1, math.ceil(rate * cost.params.fixed)))

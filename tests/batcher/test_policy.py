@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from batcher import admission
 from batcher.cost import CostModel, LinearCost
-from batcher.errors import FerryError
+from batcher.errors import FerryError, QueueFull
 from batcher.policy import Dispatch, WaitUntil, adaptive, deadline, fixed
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
@@ -51,8 +51,9 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
             probe = WorkItem(payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio, id=10**9)
             predicted = admission.predicted_completion(b.queue, probe, r.clock.now(), b.busy_until(r.clock.now()),
                                                        b.settings, b.cost, service_rate=b.service_rate(r.clock.now()),
-                                                       reserve=b.reserve(r.clock.now()),
-                                                       interactive_rate=b.interactive_rate(r.clock.now()))
+                                                       reserve=b.shaping(r.clock.now())[0],
+                                                       interactive_rate=b.interactive_rate(r.clock.now()),
+                                                       floor=b.shaping(r.clock.now())[1])
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)
@@ -192,6 +193,31 @@ def test_reserve_caps_batch_time_for_interactive_arrivals():
     assert adaptive(q, 0.0, s, COST, rate=0.0, reserve=0.020).size == 5  # 10 + 5*2 = 20 ms
 
 
+def test_interactive_deadlines_do_not_cut_batches_below_the_keep_up_floor():
+    """_queue makes interactive items: the first one's 16.5 ms deadline alone allows 3
+    items (16 ms); when the load needs batches of 6, the batch keeps 6."""
+    s = BatchingSettings(policy="adaptive", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
+    q = _queue(0.0, [(0.0, 0.0165)] + [(0.0, 1.0)] * 7)
+    assert adaptive(q, 0.0, s, COST, rate=0.0).size == 3
+    assert adaptive(q, 0.0, s, COST, rate=0.0, floor=6).size == 6
+    assert adaptive(q, 0.0, s, COST, rate=0.0, reserve=0.012, floor=6).size == 6  # nor does the reserve
+
+
+def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
+    """Behind an interactive request wait 9 batch-class items. Alone it would finish in
+    12 ms; in the 6-item batch the load needs, in 22 ms: a 20 ms budget is refused."""
+    s = BatchingSettings(policy="adaptive", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
+    q = RequestQueue(aging=10)
+    for _ in range(9):
+        q.push(WorkItem(payload=None, arrival=0.0, deadline=10.0, priority=Priority.BATCH))
+    item = WorkItem(payload=None, arrival=0.0, deadline=0.020, priority=Priority.INTERACTIVE)
+    assert admission.predicted_completion(q, item, 0.0, 0.0, s, COST) == pytest.approx(0.012)
+    assert admission.predicted_completion(q, item, 0.0, 0.0, s, COST, floor=6) == pytest.approx(0.022)
+    admission.check(q, item, 0.0, 0.0, s, COST)
+    with pytest.raises(FerryError):
+        admission.check(q, item, 0.0, 0.0, s, COST, floor=6)
+
+
 def test_adaptive_dispatches_at_once_at_low_load_and_waits_to_fill_at_high_load():
     s = BatchingSettings(policy="adaptive", max_batch_size=32, max_wait_ms=20)
     q = _queue(0.0, [(0.0, 10.0)])
@@ -203,21 +229,51 @@ def test_adaptive_dispatches_at_once_at_low_load_and_waits_to_fill_at_high_load(
     assert adaptive(q, 0.020, s, COST, rate=1000.0).reason.value == "max_wait"  # never past max_wait
 
 
-def test_reserve_never_caps_batches_below_what_keeps_up_with_arrivals():
-    """Cost 10 ms + 2 ms/item. A 50 ms interactive budget asks for batches of at most
-    25 - 5 = 20 ms (5 items, 250 items/s). At 50 arrivals/s that protects interactive work
-    at no cost; at 300/s batches that small would grow the queue without bound, so the
-    reserve rises to the smallest batch that keeps up (8 items, 26 ms: 308/s); beyond what
-    any batch can carry (2,000/s) it stops binding."""
+def test_reserve_never_caps_batches_below_what_keeps_up_with_offered_load_and_backlog():
+    """Cost 10 ms + 2 ms/item. A 50 ms interactive budget must cover the batch running when
+    an interactive request arrives, then that request's own batch (at least 12 ms alone, and
+    at least the smallest batch that keeps up), with the 5 ms margin on each. At 50
+    arrivals/s: batches of at most 50 - 12 - 10 = 28 ms. At 200/s the keep-up batch is 4
+    items (18 ms): at most 22 ms. At 400/s batches that small would grow the queue without
+    bound, so the reserve rises to the smallest batch that keeps up (21 items, 52 ms). A
+    backlog counts as load to drain within a second; beyond what any batch can carry the
+    reserve stops binding."""
 
-    async def reserve_at(rate: float) -> float:
+    async def reserve_at(offered: int, keep_queued: bool = False) -> float:
         r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000)
         b = r.batcher
         b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
-        for i in range(int(rate) - 1):  # one second of arrivals, all at t=0
-            b.submit(i + 1, budget=10.0, priority=Priority.BATCH)
+        for i in range(offered - 1):  # one second of arrivals, all at t=0
+            item = b.submit(i + 1, budget=10.0, priority=Priority.BATCH)
+            if not keep_queued:
+                b.cancel(item)  # offered and gone: only the arrival rate remains
+                item.future.exception()
         return b.reserve(r.clock.now())
 
-    assert run(reserve_at(50)) == pytest.approx(0.050 / 2 - 0.005)
-    assert run(reserve_at(300)) == pytest.approx(0.010 + 0.002 * 8)
+    assert run(reserve_at(50)) == pytest.approx(0.050 - 0.012 - 2 * 0.005)
+    assert run(reserve_at(400)) == pytest.approx(0.010 + 0.002 * 21)
+    # 200/s is carried by 4-item batches; 200 more queued to drain need 20-item batches.
+    assert run(reserve_at(200)) == pytest.approx(0.050 - (0.010 + 0.002 * 4) - 2 * 0.005)
+    assert run(reserve_at(200, keep_queued=True)) == pytest.approx(0.010 + 0.002 * 20)
     assert run(reserve_at(2000)) == pytest.approx(0.010 + 0.002 * 32)
+
+
+def test_refused_requests_count_as_offered_load():
+    """Under overload admission refuses what small batches cannot carry; sizing batches by
+    the admitted rate alone would keep them small. 400 offered with 10 admitted: the
+    reserve is what 410 items/s need (23 items, 56 ms)."""
+
+    async def scenario() -> float:
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10)
+        b = r.batcher
+        b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
+        refused = 0
+        for i in range(399):
+            try:
+                b.submit(i + 1, budget=10.0, priority=Priority.BATCH)
+            except QueueFull:
+                refused += 1
+        assert refused == 390
+        return b.reserve(r.clock.now())
+
+    assert run(scenario()) == pytest.approx(0.010 + 0.002 * 23)
