@@ -53,7 +53,11 @@ def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until
         # capacity they leave, a share of 1 - rho (priority queueing).
         rho = interactive_rate * per_batch / size
         wait = wait / (1.0 - rho) if rho < 0.95 else INF
-    return max(now, busy_until) + wait
+    done = max(now, busy_until) + wait
+    if item.priority is Priority.INTERACTIVE and s.policy != "fixed":
+        # Promise what the policies promise: interactive deadlines allow for the slowdown.
+        done = now + (done - now) * cost.slowdown
+    return done
 
 
 def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings, cost: CostModel,

@@ -108,7 +108,9 @@ class QueueingBatcher:
             return None, floor
         s = self._settings
         alone = self.cost.predict(1, max(1, round(self._typical_cost)))
-        protect = max(min(b for _, b in q) - max(alone, keep_up) - 2.0 * s.margin, 0.0)
+        # Both batches may run `slowdown` times slower than predicted.
+        usable = (min(b for _, b in q) - 2.0 * s.margin) / self.cost.slowdown
+        protect = max(usable - max(alone, keep_up), 0.0)
         return max(protect, keep_up), floor
 
     def reserve(self, now: float) -> float | None:

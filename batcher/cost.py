@@ -3,11 +3,17 @@
 time = a + b * items + c * tokens, fitted by least squares over a sliding window of
 observed batches, one fit per phase (embed, prefill, decode). Seeded by a warm-up profile
 at startup so the first admission decisions are already informed.
+
+The fit is a mean; `slowdown` says how much slower than predicted batches run on a bad
+stretch (a busy neighbour on a shared CPU): interactive deadlines are checked against it.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+
+SLOWDOWN_QUANTILE = 0.9  # of observed / predicted batch time, over the window
+MAX_SLOWDOWN = 1.5  # bounded: a pessimism that shrinks batches must not feed on itself
 
 import numpy as np
 
@@ -31,6 +37,8 @@ class CostModel:
         self._prior = prior or LinearCost(0.010, 0.002, 0.0)
         self._fit = self._prior
         self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
+        self._ratios: deque[float] = deque(maxlen=window)  # observed / predicted
+        self._slowdown = 1.0
         self._refit_every = refit_every
         self._since_fit = 0
 
@@ -45,10 +53,27 @@ class CostModel:
     def predict(self, items: int, tokens: int = 0) -> float:
         return self._fit.predict(items, tokens)
 
+    @property
+    def slowdown(self) -> float:
+        """The 90th percentile of observed / predicted batch time lately, within [1, 1.5].
+
+        Interactive deadlines multiply predictions by it, so a request is promised only what
+        nine batches in ten deliver; bounded, because batches cut smaller by it miss the fit
+        by more. Batch sizes that the load needs (the keep-up floor) never use it."""
+        return self._slowdown
+
+    def seed(self, profile: list[tuple[int, int, float]]) -> None:
+        """Fit to a warm-up profile of (items, tokens, seconds). The predictions it replaces
+        were the prior's guesses, so their errors say nothing about the slowdown."""
+        self._obs.extend(profile)
+        self.refit()
+
     def observe(self, items: int, tokens: int, seconds: float) -> float:
         """Record one batch; returns the relative error of the prediction made before it."""
         predicted = self.predict(items, tokens)
         self._obs.append((items, tokens, seconds))
+        if predicted > 0:
+            self._ratios.append(seconds / predicted)
         self._since_fit += 1
         if self._since_fit >= self._refit_every:
             self.refit()
@@ -64,6 +89,9 @@ class CostModel:
         contention only ever makes batches slower), then refit.
         """
         self._since_fit = 0
+        if self._ratios:
+            slow = float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE))
+            self._slowdown = min(max(slow, 1.0), MAX_SLOWDOWN)
         if len(self._obs) < 3:
             return
         data = np.asarray(self._obs, dtype=np.float64)

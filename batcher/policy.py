@@ -56,6 +56,7 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     (admission has refused the interactive requests that cannot be served that way).
     """
     best_k, best_rate = 1, -1.0
+    slow = cost.slowdown  # interactive deadlines are promised what nine batches in ten deliver
     longest = 0
     finished_in_time: list[float] = []  # sorted deadlines of the items taken so far
     tightest_interactive = INF
@@ -65,9 +66,9 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
         if k > floor and reserve is not None and t > reserve:
             break
         d = item.deadline if item.deadline is not None else INF
-        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) + s.margin <= d:
+        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) * slow + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
-        if k > floor and now + t + s.margin > tightest_interactive:
+        if k > floor and now + t * slow + s.margin > tightest_interactive:
             break
         insort(finished_in_time, d)
         good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)

@@ -382,10 +382,9 @@ class GenerationScheduler(QueueingBatcher):
                 self.engine.remove(ids)
             return obs
 
-        for phase, n, tokens, secs in await self.runner(profile):
-            (self.prefill_cost if phase == "prefill" else self.decode_cost).observe(n, tokens, secs)
-        self.prefill_cost.refit()
-        self.decode_cost.refit()
+        obs = await self.runner(profile)
+        self.prefill_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "prefill"])
+        self.decode_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "decode"])
 
 
 def _max_tokens(item: WorkItem) -> int:

@@ -118,9 +118,7 @@ async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> S
     if spec.kind == EMBEDDING:
         cost = CostModel()
         if cfg.warmup and hasattr(engine, "warmup"):
-            for items, tokens, seconds in await runner(engine.warmup):
-                cost.observe(items, tokens, seconds)
-            cost.refit()
+            cost.seed(await runner(engine.warmup))
         from engine.device import is_oom
 
         async def execute(payloads: list[Any]) -> list[Any]:

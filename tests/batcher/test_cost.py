@@ -40,3 +40,29 @@ def test_coefficients_stay_non_negative():
     for n in range(1, 20):
         m.observe(n, 0, 0.05 - 0.001 * n)  # nonsense: bigger batches faster
     assert m.params.fixed >= 0 and m.params.per_item >= 0
+
+
+def test_slowdown_is_the_90th_percentile_of_observed_over_predicted_and_bounded():
+    m = CostModel(LinearCost(0.010, 0.0, 0.0), refit_every=10**9)
+    assert m.slowdown == 1.0
+    for i in range(100):  # 80 batches on time, 20 taking 1.3x what was predicted
+        m.observe(1, 0, 0.013 if i % 5 == 0 else 0.010)
+    m.refit()  # the fit moves with the slow batches too; the slowdown was measured before it
+    assert m.slowdown == pytest.approx(1.3)
+    faster = CostModel(LinearCost(0.010, 0.0, 0.0), refit_every=10**9)
+    for _ in range(10):
+        faster.observe(1, 0, 0.005)
+    faster.refit()
+    assert faster.slowdown == 1.0  # never below 1: batches that run fast promise nothing more
+    stalled = CostModel(LinearCost(0.010, 0.0, 0.0), refit_every=10**9)
+    for _ in range(10):
+        stalled.observe(1, 0, 0.100)
+    stalled.refit()
+    assert stalled.slowdown == 1.5  # bounded
+
+
+def test_a_warm_up_seed_fits_without_judging_the_prior():
+    m = CostModel(LinearCost(0.001, 0.0, 0.0))  # a prior ten times too fast
+    m.seed([(1, 10, 0.012), (4, 40, 0.018), (16, 160, 0.042)])
+    assert m.predict(4, 40) == pytest.approx(0.018, rel=0.01)
+    assert m.slowdown == 1.0

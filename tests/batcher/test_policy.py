@@ -218,6 +218,22 @@ def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
         admission.check(q, item, 0.0, 0.0, s, COST, floor=6)
 
 
+def test_interactive_deadlines_allow_for_the_slowdown():
+    """The 25.1 ms deadline fits 7 items (24 ms) by the fit; when one batch in five has
+    lately run 1.25x slower than predicted, 5 (20 ms, 25 ms slowed)."""
+    s = BatchingSettings(policy="adaptive", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
+    q = _queue(0.0, [(0.0, 0.0251)] + [(0.0, 1.0)] * 7)
+    cost = CostModel(LinearCost(0.010, 0.002, 0.0), refit_every=10**9)
+    assert adaptive(q, 0.0, s, cost).size == 7
+    for i in range(50):
+        n = 1 + i % 6
+        cost.observe(n, 0, (0.010 + 0.002 * n) * (1.25 if i % 5 == 0 else 1.0))
+    cost.refit()
+    assert cost.predict(7) == pytest.approx(0.024)  # the slow tail is not the mean
+    assert cost.slowdown == pytest.approx(1.25)
+    assert adaptive(q, 0.0, s, cost).size == 5
+
+
 def test_adaptive_dispatches_at_once_at_low_load_and_waits_to_fill_at_high_load():
     s = BatchingSettings(policy="adaptive", max_batch_size=32, max_wait_ms=20)
     q = _queue(0.0, [(0.0, 10.0)])
