@@ -28,7 +28,7 @@ class BatchingSettings:
     # Safety margin the deadline-aware policies keep between prediction and deadline: it
     # covers what the server's clock does not see (reading the request, writing the answer,
     # the client's own queueing) and the noise of a shared CPU.
-    deadline_margin_ms: float = 5.0
+    deadline_margin_ms: float = 10.0
     # Batch-class work waits at most this long behind interactive work before it is
     # ordered as if it were interactive.
     aging_ms: float = 2_000.0

@@ -256,7 +256,7 @@ def test_reserve_never_caps_batches_below_what_keeps_up_with_offered_load_and_ba
     reserve stops binding."""
 
     async def reserve_at(offered: int, keep_queued: bool = False) -> float:
-        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000)
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, deadline_margin_ms=5)
         b = r.batcher
         b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
         for i in range(offered - 1):  # one second of arrivals, all at t=0
