@@ -79,6 +79,7 @@ class Metrics:
         self.batch_seconds = Histogram("ferry_batch_execution_seconds", "Engine time per call.", ["model", "phase"], buckets=EXECUTION_BUCKETS, registry=r)
         self.padding = Histogram("ferry_batch_padding_ratio", "Padded tokens over total tokens per batch.", ["model", "phase"], buckets=RATIO_BUCKETS, registry=r)
         self.cost_error = Histogram("ferry_cost_model_error_ratio", "Relative error of the cost model's prediction per batch.", ["model", "phase"], buckets=ERROR_BUCKETS, registry=r)
+        self.slowdown = Gauge("ferry_cost_model_slowdown", "90th percentile of observed / predicted batch time lately, within 1-1.5: what interactive deadlines and admission allow for.", ["model", "phase"], registry=r)
         self.engine_errors = Counter("ferry_engine_errors_total", "Engine calls or items that failed.", ["model", "phase"], registry=r)
         # Generation
         self.ttft = Histogram("ferry_time_to_first_token_seconds", "Arrival to first generated token.", ["model"], buckets=LATENCY_BUCKETS, registry=r)

@@ -132,6 +132,7 @@ class MicroBatcher(QueueingBatcher):
             else:
                 self._finish(item, Outcome.RESULT, result)
         m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), padded, elapsed))
+        m.slowdown.labels(model, phase).set(self.cost.slowdown)
 
     def _fail_running(self, exc: Exception) -> int:
         if self._inflight is None:

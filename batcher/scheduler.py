@@ -288,6 +288,7 @@ class GenerationScheduler(QueueingBatcher):
             m.padding.labels(model, "prefill").observe(1.0 - real / padded)
             m.batch_seconds.labels(model, "prefill").observe(r.prefill_seconds)
             m.cost_error.labels(model, "prefill").observe(self.prefill_cost.observe(len(requests), padded, r.prefill_seconds))
+            m.slowdown.labels(model, "prefill").set(self.prefill_cost.slowdown)
             m.prompt_tokens.labels(model).inc(real)
 
     def _deliver_all(self, outputs: list[Any], finished: dict[int, _Seq], now: float) -> None:

@@ -92,6 +92,7 @@ def test_micro_batcher_metrics_after_a_known_sequence():
     count, total = v.hist("ferry_batch_execution_seconds", model="m", phase="embed")
     assert count == 3 and total == pytest.approx(0.018 + 0.014 + 0.012)
     assert v("ferry_cost_model_error_ratio_count", model="m", phase="embed") == 3
+    assert v("ferry_cost_model_slowdown", model="m", phase="embed") == 1.0  # runs exactly as the prior predicts
     # Queue waits: a..bad 0 ms, e 10 ms, f 6 ms; j (batch class) 10 ms.
     count, total = v.hist("ferry_queue_wait_seconds", model="m", **{"class": "interactive"})
     assert count == 6 and total == pytest.approx(0.016)
