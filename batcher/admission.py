@@ -33,36 +33,36 @@ def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel
 
 def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings,
                          cost: CostModel, siblings: int = 0, service_rate: float = 0.0,
-                         reserve: float | None = None, interactive_rate: float = 0.0, floor: int = 1) -> float:
+                         reserve: float | None = None, interactive_rate: float = 0.0, floor: int = 1,
+                         slowdown: float = 1.0) -> float:
     ahead = items_ahead(q, item) + siblings
     tokens = max(item.cost, 1)
     size = batch_size_under(reserve, s, cost, tokens)
     full, rest = divmod(ahead + 1, size)
+    # Promise interactive work what the policies promise: predictions allow for the slowdown.
+    slow = slowdown if item.priority is Priority.INTERACTIVE and s.policy != "fixed" else 1.0
     if rest and item.priority is Priority.INTERACTIVE and s.policy != "fixed":
         # Its batch is filled from the work queued behind it up to the floor: interactive
         # deadlines do not cut batches below what keeps up with the load.
         rest = max(rest, min(floor, size, len(q) + siblings + 1 - full * size))
-    per_batch = cost.predict(size, size * tokens)
+    per_batch = cost.predict(size, size * tokens) * slow
     if len(q) >= size and service_rate > 0:
         # Saturated: batches may be smaller than max_batch_size (deadline caps, the
-        # interactive reserve), so trust the rate items actually finish at when it is slower.
+        # interactive reserve), so trust the rate items actually finish at when it is slower
+        # (a measured rate: the slowdown is in it already).
         per_batch = max(per_batch, size / service_rate)
-    wait = full * per_batch + (cost.predict(rest, rest * tokens) if rest else 0.0)
+    wait = full * per_batch + (cost.predict(rest, rest * tokens) * slow if rest else 0.0)
     if item.priority is not Priority.INTERACTIVE and interactive_rate > 0:
         # Interactive arrivals keep going ahead of batch-class work: it only gets the
         # capacity they leave, a share of 1 - rho (priority queueing).
         rho = interactive_rate * per_batch / size
         wait = wait / (1.0 - rho) if rho < 0.95 else INF
-    done = max(now, busy_until) + wait
-    if item.priority is Priority.INTERACTIVE and s.policy != "fixed":
-        # Promise what the policies promise: interactive deadlines allow for the slowdown.
-        done = now + (done - now) * cost.slowdown
-    return done
+    return now + max(busy_until - now, 0.0) * slow + wait
 
 
 def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings, cost: CostModel,
           siblings: int = 0, service_rate: float = 0.0, reserve: float | None = None,
-          interactive_rate: float = 0.0, floor: int = 1) -> bool:
+          interactive_rate: float = 0.0, floor: int = 1, slowdown: float = 1.0) -> bool:
     """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
 
     `siblings` counts the other items of the same request, admitted all or none: they are
@@ -75,7 +75,7 @@ def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: Bat
     if item.deadline is None:
         return False
     done = predicted_completion(q, item, now, busy_until, s, cost, siblings, service_rate, reserve, interactive_rate,
-                                floor)
+                                floor, slowdown)
     if done + s.margin <= item.deadline:
         return False
     if s.on_infeasible == "serve":

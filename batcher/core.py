@@ -24,6 +24,9 @@ from .types import Outcome, Priority, Stage, WorkItem
 log = logging.getLogger("ferry.batcher")
 
 RATE_HORIZON = 1.0  # seconds of arrivals used to estimate the arrival rate
+# Work with a longer budget is background work (batch jobs): it fills the capacity urgent
+# work leaves and does not size batches; it does once its deadline comes within RATE_HORIZON.
+URGENT_BUDGET = 60.0
 RESERVE_HORIZON = 2.0  # seconds an interactive budget keeps shaping batch sizes
 SERVICE_HORIZON = 2.0  # seconds of completions used to estimate the service rate
 # The busiest the engine may be with reserve-sized batches. 1.0: the smallest batch that
@@ -81,7 +84,8 @@ class QueueingBatcher:
 
     # -- arrival rate -------------------------------------------------------------
     def arrival_rate(self, now: float) -> float:
-        """Items offered per second lately, admitted or refused."""
+        """Urgent items (budget up to URGENT_BUDGET) offered per second lately, admitted or
+        refused; a refusal its caller retries (count_rejection=False) counts once, admitted."""
         while self._arrivals and self._arrivals[0] < now - RATE_HORIZON:
             self._arrivals.popleft()
         return len(self._arrivals) / RATE_HORIZON
@@ -116,15 +120,19 @@ class QueueingBatcher:
     def reserve(self, now: float) -> float | None:
         return self.shaping(now)[0]
 
+    def admission_slowdown(self) -> float:
+        """What admission multiplies interactive predictions by (the policies do the same)."""
+        return self.cost.slowdown
+
     def keep_up(self, now: float) -> tuple[int, float]:
         """(items, predicted seconds) of the smallest batch whose throughput covers the
-        offered arrival rate plus draining what is queued within RATE_HORIZON, at
-        KEEP_UP_UTILISATION (max_batch_size when none does). Offered, not admitted: under
-        overload admission refuses what small batches cannot carry, and sizing batches by
-        what was admitted would lock in the small batches.
+        offered arrival rate of urgent work plus draining the queued work due within
+        RATE_HORIZON, at KEEP_UP_UTILISATION (max_batch_size when none does). Offered, not
+        admitted: under overload admission refuses what small batches cannot carry, and
+        sizing batches by what was admitted would lock in the small batches.
         """
         s = self._settings
-        rate = self.arrival_rate(now) + len(self.queue) / RATE_HORIZON
+        rate = self.arrival_rate(now) + self.queue.due_within(now + RATE_HORIZON) / RATE_HORIZON
         tokens = max(1, round(self._typical_cost))
         n, t = 1, 0.0
         for n in range(1, s.max_batch_size + 1):
@@ -193,16 +201,20 @@ class QueueingBatcher:
             for i, p in enumerate(payloads)
         ]
         reserve, floor = self.shaping(now)
+        urgent = budget is not None and budget <= URGENT_BUDGET
         try:
             best_effort = admission.check(self.queue, items[-1], now, self.busy_until(now), s, self.cost,
                                           siblings=len(items) - 1, service_rate=self.service_rate(now),
-                                          reserve=reserve, interactive_rate=self.interactive_rate(now), floor=floor)
+                                          reserve=reserve, interactive_rate=self.interactive_rate(now), floor=floor,
+                                          slowdown=self.admission_slowdown())
         except Exception as exc:
             if count_rejection:
                 self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
+                if urgent:  # offered load, refused; a caller that retries would count each try
+                    self._arrivals.extend([now] * len(items))
             raise
-        finally:
-            self._arrivals.extend([now] * len(items))  # offered load: admitted or refused
+        if urgent:
+            self._arrivals.extend([now] * len(items))
         loop = asyncio.get_running_loop()
         for item in items:
             item.best_effort = best_effort

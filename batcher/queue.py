@@ -65,6 +65,10 @@ class RequestQueue:
             return item.arrival
         return None
 
+    def due_within(self, t: float) -> int:
+        """Queued items whose deadline is at or before t."""
+        return sum(bisect_right(edf, (t, INF)) for edf in self._edf.values())
+
     @property
     def min_deadline(self) -> float:
         heads = [edf[0][0] for edf in self._edf.values() if edf]

@@ -107,9 +107,16 @@ class GenerationScheduler(QueueingBatcher):
     def busy(self) -> bool:
         return len(self.queue) > 0 or bool(self._running)
 
-    def reserve(self, now: float) -> float | None:
-        """Generation needs no batch-time reserve: new prompts join at the next step."""
-        return None
+    def shaping(self, now: float) -> tuple[float | None, int]:
+        """Generation needs no batch-time reserve nor keep-up floor: new prompts join the
+        running batch at the next step, and one step's cost does not grow with a prefill
+        the way a one-shot batch does."""
+        return None, 1
+
+    def admission_slowdown(self) -> float:
+        """Admission predicts from decode steps and prefill together; the prefill fit's
+        slowdown says nothing about the steps ahead."""
+        return 1.0
 
     def busy_until(self, now: float) -> float:
         """When a newcomer can be prefilled: the next iteration boundary, or, when every slot

@@ -16,7 +16,7 @@ import warnings
 from typing import Any, Sequence
 
 from .base import EmbeddingResult
-from .device import configure_threads, resolve_device, resolve_dtype
+from .device import configure_threads, is_oom, resolve_device, resolve_dtype
 
 log = logging.getLogger("ferry.engine")
 
@@ -109,8 +109,18 @@ class HFEmbeddingEngine:
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
         with torch.inference_mode():
-            hidden = self._forward(input_ids.to(self.device), mask.to(self.device)).float()
-            m = mask.to(self.device).unsqueeze(-1).to(hidden.dtype)
+            ids, mask_dev = input_ids.to(self.device), mask.to(self.device)
+            try:
+                hidden = self._forward(ids, mask_dev).float()
+            except Exception as exc:
+                if self._forward == self._eager or is_oom(exc):
+                    raise  # out-of-memory is split and retried by the batcher
+                # A shape the load-time check did not try broke the graph: eager is always right.
+                log.error("embeddings model %s: TorchScript graph failed (%s: %s); running eager from now on",
+                          self.name, type(exc).__name__, exc)
+                self._forward, self.graph = self._eager, "eager"
+                hidden = self._eager(ids, mask_dev).float()
+            m = mask_dev.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
             vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
         return [EmbeddingResult(vectors[i], len(ids)) for i, ids in enumerate(batch)]

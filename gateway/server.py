@@ -57,6 +57,7 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 def serve(cfg: ServerConfig) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(cfg)
+    app.state.ferry.freeze_gc = True
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=cfg.drain_timeout + 5)
     server = DrainingServer(config, app.state.ferry)

@@ -28,17 +28,21 @@ class Ferry:
     streams: int = 0
     last_request_at: float = 0.0  # time.monotonic() of the latest request, for the drain linger
     jobs: Any = None  # gateway.jobs.JobRunner, set by create_app
+    freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
 
     async def load(self) -> None:
         try:
             for spec in self.specs:
                 served = await start_model(spec, self.config, self.metrics)
                 self.models[served.name] = served
-            # Libraries, models and warm-up leave ~400,000 long-lived objects; a full
-            # collection scanning them stalled every request for ~180 ms (bench_latency:
-            # one ~200 ms burst of slow answers per run). Move them out of the collector.
-            gc.collect()
-            gc.freeze()
+            if self.freeze_gc:
+                # Libraries, models and warm-up leave ~400,000 long-lived objects; a full
+                # collection scanning them stalled every request for ~180 ms (bench_latency:
+                # one ~200 ms burst of slow answers per run). Move them out of the collector.
+                # Only where the process is the server's own (`ferry serve`): frozen objects
+                # that later become garbage cycles are never freed.
+                gc.collect()
+                gc.freeze()
             self.ready = True
             log.info("ready: %s", ", ".join(self.models))
         except Exception as exc:  # surfaced on /readyz; the process keeps answering health checks

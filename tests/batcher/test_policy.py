@@ -53,7 +53,8 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
                                                        b.settings, b.cost, service_rate=b.service_rate(r.clock.now()),
                                                        reserve=b.shaping(r.clock.now())[0],
                                                        interactive_rate=b.interactive_rate(r.clock.now()),
-                                                       floor=b.shaping(r.clock.now())[1])
+                                                       floor=b.shaping(r.clock.now())[1],
+                                                       slowdown=b.admission_slowdown())
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)
@@ -193,6 +194,35 @@ def test_reserve_caps_batch_time_for_interactive_arrivals():
     assert adaptive(q, 0.0, s, COST, rate=0.0, reserve=0.020).size == 5  # 10 + 5*2 = 20 ms
 
 
+def test_background_work_does_not_size_batches_until_it_is_due():
+    """A batch job fills spare capacity: 400 items with an hour's budget, arrived and queued,
+    leave the reserve where interactive traffic alone puts it (28 ms, 9 items). Its items
+    retried after a refusal (count_rejection=False) do not count either. Urgent work that
+    is queued and due within a second does count."""
+
+    async def scenario() -> tuple[float, float, float]:
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, deadline_margin_ms=5)
+        b = r.batcher
+        b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
+        b.submit_many(list(range(400)), budget=3600.0, priority=Priority.BATCH, count_rejection=False)
+        background = b.reserve(r.clock.now())
+        r.batcher.update(max_queue=401)
+        for _ in range(50):
+            with pytest.raises(QueueFull):
+                b.submit(0, budget=0.5, priority=Priority.BATCH, count_rejection=False)
+        retried = b.reserve(r.clock.now())
+        b.update(max_queue=10_000)
+        b.submit_many(list(range(200)), budget=0.95, priority=Priority.BATCH)
+        return background, retried, b.reserve(r.clock.now())
+
+    background, retried, urgent = run(scenario())
+    assert background == pytest.approx(0.028)
+    assert retried == pytest.approx(0.028)
+    # 201 urgent offered (with the interactive one) and 201 due within the second:
+    # 402 items/s need 21-item batches.
+    assert urgent == pytest.approx(0.010 + 0.002 * 21)
+
+
 def test_interactive_deadlines_do_not_cut_batches_below_the_keep_up_floor():
     """_queue makes interactive items: the first one's 16.5 ms deadline alone allows 3
     items (16 ms); when the load needs batches of 6, the batch keeps 6."""
@@ -252,15 +282,15 @@ def test_reserve_never_caps_batches_below_what_keeps_up_with_offered_load_and_ba
     arrivals/s: batches of at most 50 - 12 - 10 = 28 ms. At 200/s the keep-up batch is 4
     items (18 ms): at most 22 ms. At 400/s batches that small would grow the queue without
     bound, so the reserve rises to the smallest batch that keeps up (21 items, 52 ms). A
-    backlog counts as load to drain within a second; beyond what any batch can carry the
-    reserve stops binding."""
+    backlog due within a second counts as load to drain in it; beyond what any batch can
+    carry the reserve stops binding."""
 
     async def reserve_at(offered: int, keep_queued: bool = False) -> float:
         r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, deadline_margin_ms=5)
         b = r.batcher
         b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
         for i in range(offered - 1):  # one second of arrivals, all at t=0
-            item = b.submit(i + 1, budget=10.0, priority=Priority.BATCH)
+            item = b.submit(i + 1, budget=0.9, priority=Priority.BATCH)
             if not keep_queued:
                 b.cancel(item)  # offered and gone: only the arrival rate remains
                 item.future.exception()
@@ -286,7 +316,7 @@ def test_refused_requests_count_as_offered_load():
         refused = 0
         for i in range(399):
             try:
-                b.submit(i + 1, budget=10.0, priority=Priority.BATCH)
+                b.submit(i + 1, budget=0.9, priority=Priority.BATCH)
             except QueueFull:
                 refused += 1
         assert refused == 390

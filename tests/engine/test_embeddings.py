@@ -80,3 +80,34 @@ def test_torchscript_can_be_turned_off():
     from engine.embeddings import HFEmbeddingEngine
 
     assert HFEmbeddingEngine(torch_threads=1, torchscript=False).graph == "eager"
+
+
+def test_a_graph_that_fails_at_run_time_falls_back_to_eager_for_good():
+    from engine.embeddings import HFEmbeddingEngine
+
+    engine = HFEmbeddingEngine(torch_threads=1)
+    assert engine.graph == "torchscript"
+
+    def broken(ids, mask):
+        raise RuntimeError("shape the trace did not foresee")
+
+    engine._forward = broken
+    got = np.stack([r.vector for r in engine.embed(engine.tokenize(TEXTS))])
+    np.testing.assert_allclose(got, eager_vectors(engine, TEXTS), atol=1e-5)
+    assert engine.graph == "eager"
+
+
+def test_out_of_memory_in_the_graph_is_left_to_the_batcher_to_split():
+    import torch
+
+    from engine.embeddings import HFEmbeddingEngine
+
+    engine = HFEmbeddingEngine(torch_threads=1)
+
+    def oom(ids, mask):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    engine._forward = oom
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.embed(engine.tokenize(TEXTS))
+    assert engine.graph == "torchscript"
