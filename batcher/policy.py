@@ -66,10 +66,7 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
         if k > floor and reserve is not None and t > reserve:
             break
         d = item.deadline if item.deadline is not None else INF
-        # Whether it can still make its deadline alone is judged by the plain fit: one that can
-        # only without the slowdown still limits the batch (to the floor) rather than riding a
-        # large one best-effort.
-        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) + s.margin <= d:
+        if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) * slow + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
         if k > floor and now + t * slow + s.margin > tightest_interactive:
             break
