@@ -39,9 +39,10 @@ def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until
     tokens = max(item.cost, 1)
     size = batch_size_under(reserve, s, cost, tokens)
     full, rest = divmod(ahead + 1, size)
+    shaped = item.priority is Priority.INTERACTIVE and s.policy != "fixed"
     # Promise interactive work what the policies promise: predictions allow for the slowdown.
-    slow = slowdown if item.priority is Priority.INTERACTIVE and s.policy != "fixed" else 1.0
-    if rest and item.priority is Priority.INTERACTIVE and s.policy != "fixed":
+    slow = slowdown if shaped else 1.0
+    if rest and shaped:
         # Its batch is filled from the work queued behind it up to the floor: interactive
         # deadlines do not cut batches below what keeps up with the load.
         rest = max(rest, min(floor, size, len(q) + siblings + 1 - full * size))

@@ -111,7 +111,7 @@ class QueueingBatcher:
         if not q:
             return None, floor
         s = self._settings
-        alone = self.cost.predict(1, max(1, round(self._typical_cost)))
+        alone = self.cost.predict(1, self._typical_tokens)
         # Both batches may run `slowdown` times slower than predicted.
         usable = (min(b for _, b in q) - 2.0 * s.margin) / self.cost.slowdown
         protect = max(usable - max(alone, keep_up), 0.0)
@@ -133,13 +133,17 @@ class QueueingBatcher:
         """
         s = self._settings
         rate = self.arrival_rate(now) + self.queue.due_within(now + RATE_HORIZON) / RATE_HORIZON
-        tokens = max(1, round(self._typical_cost))
+        tokens = self._typical_tokens
         n, t = 1, 0.0
         for n in range(1, s.max_batch_size + 1):
             t = self.cost.predict(n, n * tokens)
             if n >= rate * t / KEEP_UP_UTILISATION:
                 break
         return n, t
+
+    @property
+    def _typical_tokens(self) -> int:
+        return max(1, round(self._typical_cost))
 
     def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
         q = self._interactive_budgets

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
+
 SLOWDOWN_QUANTILE = 0.9  # of observed / predicted batch time, over the window
 MAX_SLOWDOWN = 1.5  # bounded: a pessimism that shrinks batches must not feed on itself
-
-import numpy as np
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,6 +50,7 @@ class HFEmbeddingEngine:
         self.dim = int(self.model.config.hidden_size)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._torch = torch
+        self._eager = _last_hidden(self.model)
         self._forward = self._eager
         self.graph = "eager"
         if torchscript:
@@ -58,9 +59,6 @@ class HFEmbeddingEngine:
                 self._forward, self.graph = traced, "torchscript"
         log.info("loaded embeddings model %s on %s (max_length=%d, dim=%d, %s)", self.name, self.device,
                  self.max_length, self.dim, self.graph)
-
-    def _eager(self, input_ids: Any, mask: Any) -> Any:
-        return self.model(input_ids=input_ids, attention_mask=mask).last_hidden_state
 
     def _trace(self) -> Any | None:
         """The encoder as a TorchScript graph, or None when tracing fails or the graph does not
@@ -81,7 +79,7 @@ class HFEmbeddingEngine:
         try:
             with torch.inference_mode(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                traced = torch.jit.trace(_last_hidden(self.model), example(3, 12, True), check_trace=False, strict=False)
+                traced = torch.jit.trace(self._eager, example(3, 12, True), check_trace=False, strict=False)
                 tol = 1e-4 if self.model.dtype == torch.float32 else 2e-2
                 for rows, length, pad in ((1, 5, False), (4, 23, True), (2, 40, False), (5, 9, True), (3, 12, True)):
                     ids, mask = example(rows, length, pad)
@@ -109,18 +107,18 @@ class HFEmbeddingEngine:
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
         with torch.inference_mode():
-            ids, mask_dev = input_ids.to(self.device), mask.to(self.device)
+            input_ids, mask = input_ids.to(self.device), mask.to(self.device)
             try:
-                hidden = self._forward(ids, mask_dev).float()
+                hidden = self._forward(input_ids, mask).float()
             except Exception as exc:
-                if self._forward == self._eager or is_oom(exc):
+                if self._forward is self._eager or is_oom(exc):
                     raise  # out-of-memory is split and retried by the batcher
                 # A shape the load-time check did not try broke the graph: eager is always right.
                 log.error("embeddings model %s: TorchScript graph failed (%s: %s); running eager from now on",
                           self.name, type(exc).__name__, exc)
                 self._forward, self.graph = self._eager, "eager"
-                hidden = self._eager(ids, mask_dev).float()
-            m = mask_dev.unsqueeze(-1).to(hidden.dtype)
+                hidden = self._eager(input_ids, mask).float()
+            m = mask.unsqueeze(-1).to(hidden.dtype)
             pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
             vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
         return [EmbeddingResult(vectors[i], len(ids)) for i, ids in enumerate(batch)]
