@@ -11,6 +11,12 @@ from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 
+class ChatTemplateError(ValueError):
+    """The model's chat template refuses a conversation (a role it does not know, a broken
+    alternation rule, no template at all). The caller's fault, never the engine's: the
+    message is the template's own words."""
+
+
 @dataclass(slots=True)
 class EmbeddingResult:
     vector: "object"  # numpy float32 array, shape [dim], L2-normalised
@@ -67,7 +73,8 @@ class GenerationEngine(Protocol):
     max_context: int  # prompt + completion tokens
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Apply the chat template (with the generation prompt) and tokenize."""
+        """Apply the chat template (with the generation prompt) and tokenize; raises
+        ChatTemplateError for a conversation the template refuses."""
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a plain completion prompt."""

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .base import EmbeddingResult
+from .base import ChatTemplateError, EmbeddingResult
 
 
 class FakeOOM(RuntimeError):
@@ -102,8 +102,9 @@ class FakeGenerationEngine:
     """
 
     def __init__(self, name: str = "fake-chat", max_context: int = 512, step_delay: float = 0.0,
-                 fail_prompts: set[int] | None = None):
+                 fail_prompts: set[int] | None = None, roles: Sequence[str] = ("system", "user", "assistant")):
         self.name, self.max_context, self.step_delay = name, max_context, step_delay
+        self.roles = frozenset(roles)
         self.fail_prompts = fail_prompts or set()
         self.calls: list[tuple[str, list[int]]] = []
         self._seqs: dict[int, dict] = {}
@@ -118,6 +119,11 @@ class FakeGenerationEngine:
         return longest * len(self._seqs)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The same refusal as the built-in tiny model's template, so tests over fake engines
+        # meet what a real template does to roles it does not know.
+        for m in messages:
+            if m["role"] not in self.roles:
+                raise ChatTemplateError(f"Unsupported role: {m['role']}")
         text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>"
         return self.encode_prompt(text)
 

@@ -16,10 +16,11 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+import jinja2
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .base import SamplingParams, SequenceRequest, StepOutput
+from .base import ChatTemplateError, SamplingParams, SequenceRequest, StepOutput
 from .device import configure_threads, resolve_device, resolve_dtype
 from .sampling import SequenceSampler, sample_next_tokens
 
@@ -108,10 +109,13 @@ class HFGenerationEngine:
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         if not self.tokenizer.chat_template:
-            raise ValueError(f"model {self.name!r} has no chat template")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+            raise ChatTemplateError(f"model {self.name!r} has no chat template")
+        try:
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined name it needs
+            raise ChatTemplateError(exc.message or type(exc).__name__) from None
         return list(ids)
 
     def encode_prompt(self, text: str) -> list[int]:

@@ -20,7 +20,7 @@ from starlette.responses import StreamingResponse
 from batcher.errors import FerryError
 from batcher.scheduler import Delta, GenRequest
 from batcher.types import WorkItem
-from engine.base import SamplingParams
+from engine.base import ChatTemplateError, SamplingParams
 
 from ..endpoint import Ctx, finish
 from ..errors import APIError, error_body
@@ -138,10 +138,21 @@ def make_plan(body: ChatCompletionRequest | CompletionRequest, served: Any, cfg:
         raise APIError(422, f"request has {len(texts)} prompts; at most {cfg.max_prompts} are allowed",
                        code="too_many_prompts", param="messages" if chat else "prompt")
     if chat:
-        prompts = [served.engine.encode_chat([{"role": m.role, "content": m.text()} for m in conv]) for conv in texts]
+        nested = texts is body.messages
+        prompts = [encode_chat(served, conv, i, nested) for i, conv in enumerate(texts)]
     else:
         prompts = [served.engine.encode_prompt(t) for t in texts]
     return plan(body, prompts, served, cfg, None if chat else 16)
+
+
+def encode_chat(served: Any, conversation: list, index: int, nested: bool) -> list[int]:
+    """A conversation the model's chat template refuses is the client's error (422 naming the
+    prompt and quoting the template), found before anything is queued."""
+    try:
+        return served.engine.encode_chat([{"role": m.role, "content": m.text()} for m in conversation])
+    except ChatTemplateError as exc:
+        raise APIError(422, f"prompt {index}: the chat template of {served.name} refuses this conversation: {exc}",
+                       code="chat_template_error", param=f"messages.{index}" if nested else "messages") from None
 
 
 def completion_body(p: Plan, results: list[Any], model: str, chat: bool) -> dict[str, Any]:

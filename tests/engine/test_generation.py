@@ -10,7 +10,7 @@ from typing import Sequence
 import pytest
 import torch
 
-from engine.base import SamplingParams, SequenceRequest, StepOutput
+from engine.base import ChatTemplateError, SamplingParams, SequenceRequest, StepOutput
 from engine.generation import _IncrementalDetokenizer, _RunningBatch, _StopStringFilter
 from engine.sampling import SequenceSampler, make_generator, sample_next_tokens
 
@@ -225,7 +225,7 @@ def test_chat_template_and_prompt_encoding(engine):
     assert ids[0] == tok.bos_token_id
     assert tok.decode(ids).endswith("<|assistant|>\n")
     assert engine.encode_prompt("hi")[0] == tok.bos_token_id
-    with pytest.raises(Exception, match="role"):
+    with pytest.raises(ChatTemplateError, match="Unsupported role: wizard"):
         engine.encode_chat([{"role": "wizard", "content": "hi"}])
 
 

@@ -71,3 +71,12 @@ def test_seeded_sampling_reproduces_whatever_the_batch_mates(real_server):
     mates = {**body, "messages": [body["messages"], [{"role": "user", "content": "other"}]], "seed": [1234, 5]}
     together = httpx.post(url, json=mates, timeout=60).json()["choices"][0]["message"]["content"]
     assert together == alone
+
+
+def test_a_role_the_template_refuses_is_a_422_before_the_engine(real_server):
+    r = httpx.post(real_server.url + "/v1/chat/completions", timeout=60,
+                   json={"model": MODEL, "messages": [{"role": "tool", "content": "x"}]})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert (err["code"], err["param"]) == ("chat_template_error", "messages")
+    assert err["message"].endswith("Unsupported role: tool")  # the template's own words

@@ -36,6 +36,10 @@ CASES = [
     (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stop": [""]}', 422, "invalid_value", "stop"),
     (E, b'{"model": "fake-embed", "input": "x", "latency_budget_ms": 0}', 422, "invalid_value", "latency_budget_ms"),
     (E, b'{"model": "fake-embed", "input": "x", "priority": "vip"}', 422, "invalid_value", "priority"),
+    # The chat template refuses the role (issue 15: this was a 500 from inside make_plan).
+    (C, b'{"model": "fake-chat", "messages": [{"role": "tool", "content": "x"}]}', 422, "chat_template_error", "messages"),
+    (C, b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "x"}], [{"role": "developer", "content": "x"}]]}',
+     422, "chat_template_error", "messages.1"),
     (E, b'{"model": "ghost", "input": "x"}', 404, "model_not_found", "model"),
     (C, b'{"model": "ghost", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found", "model"),
     (P, b'{"model": "fake-embed", "prompt": "x"}', 404, "model_not_found", "model"),
@@ -83,6 +87,14 @@ def test_each_limit_has_its_own_clear_error(server, route, body, status, code):
     assert r.status_code == status, r.text
     assert r.json()["error"]["code"] == code
     assert r.json()["error"]["message"]
+
+
+def test_a_refused_conversation_names_its_prompt_and_the_templates_words(server):
+    convs = [[{"role": "user", "content": "a"}], [{"role": "tool", "content": "b"}]]
+    r = httpx.post(server.url + C, json={"model": "fake-chat", "messages": convs, "stream": True})
+    assert r.status_code == 422, r.text
+    assert r.json()["error"]["message"] == ("prompt 1: the chat template of fake-chat refuses this conversation: "
+                                            "Unsupported role: tool")
 
 
 def test_unknown_route_and_method_answer_in_the_same_shape(server):
