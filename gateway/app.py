@@ -12,7 +12,7 @@ from starlette.routing import Route
 from batcher.metrics import Metrics
 
 from .config import ServerConfig
-from .endpoint import endpoint
+from .endpoint import endpoint, route
 from .errors import APIError
 from . import openapi
 from .models import ModelSpec, default_specs
@@ -37,8 +37,8 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", endpoint("/v1/chat/completions", chat.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("/v1/completions", chat.completions), methods=["POST"]),
         *batches.routes(),
-        Route("/admin/models/{model:path}/batching", endpoint("/admin/batching", admin.get_batching, public=True), methods=["GET"]),
-        Route("/admin/models/{model:path}/batching", endpoint("/admin/batching", admin.patch_batching, public=True), methods=["PATCH"]),
+        route("/admin/models/{model:path}/batching", get=endpoint("/admin/batching", admin.get_batching, public=True),
+              patch=endpoint("/admin/batching", admin.patch_batching, public=True)),
     ]
 
 

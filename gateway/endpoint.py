@@ -11,6 +11,7 @@ from typing import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
 
 from .errors import APIError
 from .http import ClientGone
@@ -88,3 +89,17 @@ def finish(ferry, ctx: Ctx, status: int, start: float) -> None:
     if log.isEnabledFor(logging.INFO):
         log.info("request", extra={"request_id": ctx.request_id, "route": ctx.route, "model": ctx.model,
                                    "status": status, "latency_ms": round(elapsed * 1000.0, 3), **ctx.extra})
+
+
+def route(path: str, **handlers: Callable[[Request], Awaitable[Response]]) -> Route:
+    """One Route per path, whatever its methods (`route(p, get=..., patch=...)`). Starlette
+    answers 405 from the first route whose path matches, with that route's methods in
+    `Allow`; one route per method would leave the others out."""
+    by_method = {m.upper(): h for m, h in handlers.items()}
+    if len(by_method) == 1:
+        return Route(path, *by_method.values(), methods=list(by_method))
+
+    async def dispatch(request: Request) -> Response:
+        return await by_method["GET" if request.method == "HEAD" else request.method](request)
+
+    return Route(path, dispatch, methods=list(by_method))

@@ -138,14 +138,13 @@ async def list_batches(request: Request, ctx: Ctx) -> Response:
 def routes() -> list:
     from starlette.routing import Route  # noqa: PLC0415
 
-    from ..endpoint import endpoint  # noqa: PLC0415
+    from ..endpoint import endpoint, route  # noqa: PLC0415
 
     return [
         Route("/v1/files", endpoint("/v1/files", create_file), methods=["POST"]),
         Route("/v1/files/{file_id}", endpoint("/v1/files/{id}", get_file), methods=["GET"]),
         Route("/v1/files/{file_id}/content", endpoint("/v1/files/{id}/content", file_content), methods=["GET"]),
-        Route("/v1/batches", endpoint("/v1/batches", create_batch), methods=["POST"]),
-        Route("/v1/batches", endpoint("/v1/batches", list_batches), methods=["GET"]),
+        route("/v1/batches", post=endpoint("/v1/batches", create_batch), get=endpoint("/v1/batches", list_batches)),
         Route("/v1/batches/{batch_id}", endpoint("/v1/batches/{id}", get_batch), methods=["GET"]),
         Route("/v1/batches/{batch_id}/cancel", endpoint("/v1/batches/{id}/cancel", cancel_batch), methods=["POST"]),
     ]

@@ -102,3 +102,14 @@ def test_unknown_route_and_method_answer_in_the_same_shape(server):
     assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
     r = httpx.delete(server.url + "/v1/embeddings")
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
+@pytest.mark.parametrize("path, allow", [
+    ("/v1/batches", {"GET", "HEAD", "POST"}),
+    ("/admin/models/fake-chat/batching", {"GET", "HEAD", "PATCH"}),
+    ("/v1/embeddings", {"POST"}),
+])
+def test_405_allow_lists_every_method_of_the_path(server, path, allow):
+    r = httpx.request("OPTIONS", server.url + path)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+    assert {m.strip() for m in r.headers["allow"].split(",")} == allow
