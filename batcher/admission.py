@@ -1,19 +1,26 @@
 """Admission control: say no at once rather than queue work that cannot be served.
 
 `check` is the first half of a check-then-act pair: it raises if the item must be refused
-and otherwise returns whether it is admitted best-effort. It predicts when the new item
-would finish (the running batch, then the work ordered ahead of it, then its own batch)
-using the cost model, and compares that with the item's deadline.
+and otherwise returns whether it is admitted best-effort. A predictor says when the new item
+would be done (`predicted_completion` for one-shot batches: the running batch, the work
+ordered ahead of it, then its own batch; `predicted_first_token` for generation: a free
+slot, then its prefill), from the cost model and the load snapshot only, and `check`
+compares that with the item's deadline.
 """
 from __future__ import annotations
 
+import heapq
 import math
+from typing import Callable
 
 from .cost import CostModel
 from .errors import DeadlineInfeasible, QueueFull
+from .load import Load
 from .queue import INF, RequestQueue
 from .settings import BatchingSettings
 from .types import Priority, WorkItem
+
+Predictor = Callable[[RequestQueue, WorkItem, float, BatchingSettings, CostModel, Load, int], float]
 
 
 def items_ahead(q: RequestQueue, item: WorkItem) -> int:
@@ -31,39 +38,59 @@ def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel
     return size
 
 
-def predicted_completion(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings,
-                         cost: CostModel, siblings: int = 0, service_rate: float = 0.0,
-                         reserve: float | None = None, interactive_rate: float = 0.0, floor: int = 1,
-                         slowdown: float = 1.0) -> float:
+def _shaped(item: WorkItem, s: BatchingSettings) -> bool:
+    """Interactive work under a deadline-aware policy is promised what the policies promise:
+    predictions allow for the slowdown, and its batch is not cut below the floor."""
+    return item.priority is Priority.INTERACTIVE and s.policy != "fixed"
+
+
+def predicted_completion(q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel,
+                         load: Load, siblings: int = 0) -> float:
+    """One-shot batches: the batch running now, then the items ahead in batches of the size
+    the policies will form, then the item's own batch."""
     ahead = items_ahead(q, item) + siblings
     tokens = max(item.cost, 1)
-    size = batch_size_under(reserve, s, cost, tokens)
+    size = batch_size_under(load.reserve, s, cost, tokens)
     full, rest = divmod(ahead + 1, size)
-    shaped = item.priority is Priority.INTERACTIVE and s.policy != "fixed"
-    # Promise interactive work what the policies promise: predictions allow for the slowdown.
-    slow = slowdown if shaped else 1.0
+    shaped = _shaped(item, s)
+    slow = load.slowdown if shaped else 1.0
     if rest and shaped:
         # Its batch is filled from the work queued behind it up to the floor: interactive
         # deadlines do not cut batches below what keeps up with the load.
-        rest = max(rest, min(floor, size, len(q) + siblings + 1 - full * size))
-    per_batch = cost.predict(size, size * tokens) * slow
-    if len(q) >= size and service_rate > 0:
-        # Saturated: batches may be smaller than max_batch_size (deadline caps, the
-        # interactive reserve), so trust the rate items actually finish at when it is slower
-        # (a measured rate: the slowdown is in it already).
-        per_batch = max(per_batch, size / service_rate)
-    wait = full * per_batch + (cost.predict(rest, rest * tokens) * slow if rest else 0.0)
-    if item.priority is not Priority.INTERACTIVE and interactive_rate > 0:
+        rest = max(rest, min(load.floor, size, len(q) + siblings + 1 - full * size))
+    per_batch = cost.predict(size, size * tokens)
+    wait = full * per_batch + (cost.predict(rest, rest * tokens) if rest else 0.0)
+    if item.priority is not Priority.INTERACTIVE and load.interactive_rate > 0:
         # Interactive arrivals keep going ahead of batch-class work: it only gets the
         # capacity they leave, a share of 1 - rho (priority queueing).
-        rho = interactive_rate * per_batch / size
+        rho = load.interactive_rate * per_batch / size
         wait = wait / (1.0 - rho) if rho < 0.95 else INF
-    return now + max(busy_until - now, 0.0) * slow + wait
+    return now + (max(load.busy_until - now, 0.0) + wait) * slow
 
 
-def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: BatchingSettings, cost: CostModel,
-          siblings: int = 0, service_rate: float = 0.0, reserve: float | None = None,
-          interactive_rate: float = 0.0, floor: int = 1, slowdown: float = 1.0) -> bool:
+def predicted_first_token(q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel,
+                          load: Load, siblings: int = 0) -> float:
+    """Generation: when the item's first token comes. It needs a slot: a free one at the
+    next iteration boundary, else the one a running sequence frees at its token limit (an
+    upper bound: EOS or a stop string ends it sooner). The prompts ahead take slots first,
+    each holding it for a typical sequence's time; batch-class prompts also leave
+    `interactive_slots` free. Then its prefill, in a group of at most max_batch_size."""
+    ahead = items_ahead(q, item) + siblings
+    if item.priority is not Priority.INTERACTIVE:
+        ahead += load.interactive_slots
+    slots = [load.busy_until] * load.free_slots + list(load.slots_free_at)
+    if not slots:
+        return INF
+    heapq.heapify(slots)
+    for _ in range(ahead):
+        heapq.heappush(slots, heapq.heappop(slots) + load.sequence_seconds)
+    group = min(ahead + 1, s.max_batch_size)
+    tokens = max(item.cost, 1)
+    return max(slots[0], now) + cost.predict(group, group * tokens)
+
+
+def check(q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load,
+          siblings: int = 0, predict: Predictor = predicted_completion) -> bool:
     """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
 
     `siblings` counts the other items of the same request, admitted all or none: they are
@@ -71,12 +98,11 @@ def check(q: RequestQueue, item: WorkItem, now: float, busy_until: float, s: Bat
     """
     if len(q) + siblings >= s.max_queue:
         # Time for the queue to drain by one batch is an honest lower bound to retry after.
-        wait = max(busy_until - now, 0.0) + cost.predict(s.max_batch_size, s.max_batch_size * max(item.cost, 1))
+        wait = max(load.busy_until - now, 0.0) + cost.predict(s.max_batch_size, s.max_batch_size * max(item.cost, 1))
         raise QueueFull(f"queue is full ({s.max_queue} items waiting)", retry_after=max(1, math.ceil(wait)))
     if item.deadline is None:
         return False
-    done = predicted_completion(q, item, now, busy_until, s, cost, siblings, service_rate, reserve, interactive_rate,
-                                floor, slowdown)
+    done = predict(q, item, now, s, cost, load, siblings)
     if done + s.margin <= item.deadline:
         return False
     if s.on_infeasible == "serve":

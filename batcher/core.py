@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections import deque
 from typing import Any, Callable
 
 from . import admission
+from .admission import Predictor
 from .clock import Clock, MonotonicClock
 from .cost import CostModel
 from .errors import Cancelled, DeadlineExceeded, EngineError, RequestTooLarge, ShuttingDown
+from .load import Load, LoadTracker
 from .metrics import Metrics
 from .queue import RequestQueue
 from .settings import BatchingSettings
@@ -23,19 +24,9 @@ from .types import Outcome, Priority, Stage, WorkItem
 
 log = logging.getLogger("ferry.batcher")
 
-RATE_HORIZON = 1.0  # seconds of arrivals used to estimate the arrival rate
-# Work with a longer budget is background work (batch jobs): it fills the capacity urgent
-# work leaves and does not size batches; it does once its deadline comes within RATE_HORIZON.
-URGENT_BUDGET = 60.0
-RESERVE_HORIZON = 2.0  # seconds an interactive budget keeps shaping batch sizes
-SERVICE_HORIZON = 2.0  # seconds of completions used to estimate the service rate
-# The busiest the engine may be with reserve-sized batches. 1.0: the smallest batch that
-# keeps up (bench_latency: 0.9 still cost interactive attainment at 80% load, 95.5%).
-KEEP_UP_UTILISATION = 1.0
-
-
 class QueueingBatcher:
     phase = "embed"
+    predict: Predictor = staticmethod(admission.predicted_completion)
 
     def __init__(
         self,
@@ -53,10 +44,7 @@ class QueueingBatcher:
         self._settings = settings
         self.queue = RequestQueue(aging=settings.aging_ms / 1000.0)
         self._wake = asyncio.Event()
-        self._arrivals: deque[float] = deque()
-        self._interactive_budgets: deque[tuple[float, float]] = deque()  # (arrival, budget)
-        self._completions: deque[float] = deque()
-        self._typical_cost = 1.0  # moving average of item cost (tokens), for keep_up_time
+        self.tracker = LoadTracker()
         self._task: asyncio.Task | None = None
         self._closing = False
         self.failed: str | None = None  # set if the loop crashed; the model then answers 503
@@ -82,84 +70,10 @@ class QueueingBatcher:
         self._wake.set()
         return new
 
-    # -- arrival rate -------------------------------------------------------------
-    def arrival_rate(self, now: float) -> float:
-        """Urgent items (budget up to URGENT_BUDGET) offered per second lately, admitted or
-        refused; a refusal its caller retries (count_rejection=False) counts once, admitted."""
-        while self._arrivals and self._arrivals[0] < now - RATE_HORIZON:
-            self._arrivals.popleft()
-        return len(self._arrivals) / RATE_HORIZON
-
-    def shaping(self, now: float) -> tuple[float | None, int]:
-        """(reserve, floor): the longest batch the policies may form, and the fewest items an
-        interactive deadline may cut a batch to.
-
-        The reserve protects interactive requests: one arriving just as a batch starts waits
-        for it, then runs in a batch of its own, and both must fit in the tightest
-        interactive budget seen lately, each prediction keeping the margin. Its own batch
-        takes at least one typical item alone, and at least the floor. None: no interactive
-        traffic lately.
-
-        The floor is the smallest batch that keeps up with the offered load and drains the
-        backlog: batches smaller than that grow a queue in which every budget, interactive
-        ones included, is missed. Neither the reserve nor interactive deadlines cut batches
-        below it; admission predicts with it, so under overload an interactive request that
-        cannot be served alongside the batches the load needs is refused at once instead.
-        """
-        floor, keep_up = self.keep_up(now)
-        q = self._recent_interactive(now)
-        if not q:
-            return None, floor
-        s = self._settings
-        alone = self.cost.predict(1, self._typical_tokens)
-        # Both batches may run `slowdown` times slower than predicted.
-        usable = (min(b for _, b in q) - 2.0 * s.margin) / self.cost.slowdown
-        protect = max(usable - max(alone, keep_up), 0.0)
-        return max(protect, keep_up), floor
-
-    def reserve(self, now: float) -> float | None:
-        return self.shaping(now)[0]
-
-    def admission_slowdown(self) -> float:
-        """What admission multiplies interactive predictions by (the policies do the same)."""
-        return self.cost.slowdown
-
-    def keep_up(self, now: float) -> tuple[int, float]:
-        """(items, predicted seconds) of the smallest batch whose throughput covers the
-        offered arrival rate of urgent work plus draining the queued work due within
-        RATE_HORIZON, at KEEP_UP_UTILISATION (max_batch_size when none does). Offered, not
-        admitted: under overload admission refuses what small batches cannot carry, and
-        sizing batches by what was admitted would lock in the small batches.
-        """
-        s = self._settings
-        rate = self.arrival_rate(now) + self.queue.due_within(now + RATE_HORIZON) / RATE_HORIZON
-        tokens = self._typical_tokens
-        n, t = 1, 0.0
-        for n in range(1, s.max_batch_size + 1):
-            t = self.cost.predict(n, n * tokens)
-            if n >= rate * t / KEEP_UP_UTILISATION:
-                break
-        return n, t
-
-    @property
-    def _typical_tokens(self) -> int:
-        return max(1, round(self._typical_cost))
-
-    def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
-        q = self._interactive_budgets
-        while q and q[0][0] < now - RESERVE_HORIZON:
-            q.popleft()
-        return q
-
-    def interactive_rate(self, now: float) -> float:
-        return len(self._recent_interactive(now)) / RESERVE_HORIZON
-
-    def service_rate(self, now: float) -> float:
-        """Items finished per second lately (the saturated service rate when the queue is long)."""
-        c = self._completions
-        while c and c[0] < now - SERVICE_HORIZON:
-            c.popleft()
-        return len(c) / SERVICE_HORIZON
+    # -- load ---------------------------------------------------------------------
+    def load(self, now: float) -> Load:
+        """The snapshot the next decision (dispatch or admission) reads."""
+        return self.tracker.snapshot(now, self.queue, self._settings, self.cost, self.busy_until(now))
 
     # -- submit / cancel ----------------------------------------------------------
     def busy_until(self, now: float) -> float:
@@ -204,29 +118,22 @@ class QueueingBatcher:
                      prompt_index=i, on_delta=on_delta)
             for i, p in enumerate(payloads)
         ]
-        reserve, floor = self.shaping(now)
-        urgent = budget is not None and budget <= URGENT_BUDGET
         try:
-            best_effort = admission.check(self.queue, items[-1], now, self.busy_until(now), s, self.cost,
-                                          siblings=len(items) - 1, service_rate=self.service_rate(now),
-                                          reserve=reserve, interactive_rate=self.interactive_rate(now), floor=floor,
-                                          slowdown=self.admission_slowdown())
+            best_effort = admission.check(self.queue, items[-1], now, s, self.cost, self.load(now),
+                                          siblings=len(items) - 1, predict=self.predict)
         except Exception as exc:
             if count_rejection:
                 self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
-                if urgent:  # offered load, refused; a caller that retries would count each try
-                    self._arrivals.extend([now] * len(items))
+                # Offered load, refused; a caller that retries would count each try.
+                self.tracker.offered(now, len(items), budget, priority)
             raise
-        if urgent:
-            self._arrivals.extend([now] * len(items))
+        self.tracker.offered(now, len(items), budget, priority)
+        self.tracker.admitted([i.cost for i in items])
         loop = asyncio.get_running_loop()
         for item in items:
             item.best_effort = best_effort
             item.future = loop.create_future()
             self.queue.push(item)
-            self._typical_cost += 0.05 * (item.cost - self._typical_cost)
-        if priority is Priority.INTERACTIVE and budget is not None:
-            self._interactive_budgets.append((now, budget))
         self._publish_depth()
         self._wake.set()
         return items
@@ -257,8 +164,6 @@ class QueueingBatcher:
         if not item.finish(outcome, value):
             return False
         self.outcomes[outcome] += 1
-        if outcome is Outcome.RESULT:
-            self._completions.append(self.clock.now())
         self.metrics.items.labels(self.model, outcome.name.lower()).inc()
         if outcome in (Outcome.RESULT, Outcome.EXPIRED):
             self._record_slo(item, outcome is Outcome.RESULT)

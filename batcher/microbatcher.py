@@ -64,8 +64,7 @@ class MicroBatcher(QueueingBatcher):
         s = self.settings
         if self._closing and len(self.queue):
             return Dispatch(min(len(self.queue), s.max_batch_size), DispatchReason.DRAIN)
-        reserve, floor = self.shaping(now)
-        return get_policy(s.policy)(self.queue, now, s, self.cost, self.arrival_rate(now), reserve, floor)
+        return get_policy(s.policy)(self.queue, now, s, self.cost, self.load(now))
 
     def _dispatch(self, decision: Dispatch, now: float) -> None:
         items = self._take(decision.size, now)

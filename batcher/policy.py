@@ -1,8 +1,9 @@
-"""Dispatch policies: pure functions of (queue, now, settings, cost model).
+"""Dispatch policies: pure functions of (queue, now, settings, cost model, load snapshot).
 
 Each returns `Dispatch(size, reason)` ("send the first `size` items in queue order now")
 or `WaitUntil(t)` ("nothing to do before t; None = until something arrives"). Only the
-batcher's loop awaits; these functions never do.
+batcher's loop awaits; these functions never do. `POLICIES` decide one-shot batches;
+`GENERATION_POLICIES` decide which waiting prompts join a running generation batch.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .cost import CostModel
+from .load import IDLE, Load
 from .queue import RequestQueue
 from .settings import BatchingSettings
 from .types import DispatchReason, Priority, WorkItem
@@ -31,7 +33,7 @@ class WaitUntil:
 
 
 Decision = Dispatch | WaitUntil
-Policy = Callable[..., Decision]
+Policy = Callable[[RequestQueue, float, BatchingSettings, CostModel, Load], Decision]
 
 
 def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
@@ -41,8 +43,7 @@ def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
     return cost.predict(len(items), max(i.cost for i in items) * len(items))
 
 
-def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel,
-                 reserve: float | None = None, floor: int = 1) -> int:
+def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> int:
     """How many of `items` (in queue order) to send now.
 
     Interactive items constrain the batch: it may not grow past the point where one of them
@@ -56,7 +57,8 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     (admission has refused the interactive requests that cannot be served that way).
     """
     best_k, best_rate = 1, -1.0
-    slow = cost.slowdown  # interactive deadlines are promised what nine batches in ten deliver
+    reserve, floor = load.reserve, load.floor
+    slow = load.slowdown  # interactive deadlines are promised what nine batches in ten deliver
     longest = 0
     finished_in_time: list[float] = []  # sorted deadlines of the items taken so far
     tightest_interactive = INF
@@ -84,8 +86,7 @@ def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel
     return deadline - batch_cost(cost, items) - s.margin
 
 
-def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-          reserve: float | None = None, floor: int = 1) -> Decision:
+def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> Decision:
     n = len(q)
     if n == 0:
         return WaitUntil(None)
@@ -97,13 +98,12 @@ def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rat
     return WaitUntil(due)
 
 
-def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None, floor: int = 1) -> Decision:
-    base = fixed(q, now, s, cost, rate)
+def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> Decision:
+    base = fixed(q, now, s, cost, load)
     if len(q) == 0:
         return base
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve, floor)
+    cap = deadline_cap(items, now, s, cost, load)
     if isinstance(base, Dispatch):
         return Dispatch(min(base.size, cap), base.reason)
     start_by = latest_start(items[:cap], s, cost)
@@ -112,8 +112,7 @@ def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     return WaitUntil(min(base.t, start_by))
 
 
-def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, rate: float = 0.0,
-             reserve: float | None = None, floor: int = 1) -> Decision:
+def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> Decision:
     """Wait only while waiting raises throughput, and never past a deadline or max_wait.
 
     With batch time a + b*n and arrivals at rate r, the throughput of a batch that waits w
@@ -126,10 +125,11 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if n == 0:
         return WaitUntil(None)
     items = q.peek(s.max_batch_size, now)
-    cap = deadline_cap(items, now, s, cost, reserve, floor)
+    cap = deadline_cap(items, now, s, cost, load)
     if n >= s.max_batch_size:
         return Dispatch(cap, DispatchReason.FULL)
-    target = min(s.max_batch_size, max(1, math.ceil(rate * cost.params.fixed)))
+    rate = load.offered_rate
+    target = fill_target(rate, s, cost)
     if n >= target or cap < n:  # big enough, or a deadline/reserve already binds: waiting cannot help
         return Dispatch(cap, DispatchReason.ADAPTIVE)
     start_by = latest_start(items[:cap], s, cost)
@@ -142,8 +142,103 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     return WaitUntil(min(fill_at, start_by, due))
 
 
+def fill_target(rate: float, s: BatchingSettings, cost: CostModel) -> int:
+    """What arrives during one batch's fixed overhead: the size `adaptive` waits for."""
+    return min(s.max_batch_size, max(1, math.ceil(rate * cost.params.fixed)))
+
+
 POLICIES: dict[str, Policy] = {"fixed": fixed, "deadline": deadline, "adaptive": adaptive}
 
 
 def get_policy(name: str) -> Policy:
     return POLICIES[name]
+
+
+# -- generation: when waiting prompts join the running batch, and which ------------------
+# The same three rules, applied to admission into a running batch. `cost` is the prefill
+# cost model; `load.free_slots` and `load.slots_free_at` say what runs. A Dispatch's size
+# counts prompts from the head of the queue, as for one-shot batches.
+def prompt_group(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load) -> list[WorkItem]:
+    """The prompts that may join at the next iteration, in queue order: at most the free
+    slots and `max_batch_size`; at most `prefill_token_budget` prompt tokens (one prompt
+    always fits); a predicted prefill within the reserve while interactive work arrives
+    (it delays that work's first token as a one-shot batch would); and, interactive first,
+    batch-class prompts only into slots beyond `load.interactive_slots`, unless aged."""
+    limit = min(load.free_slots, s.max_batch_size)
+    batch_room = load.free_slots - load.interactive_slots
+    group: list[WorkItem] = []
+    tokens = longest = 0
+    for item in q.peek(limit, now):
+        k = len(group) + 1
+        longest = max(longest, item.cost)
+        if group and tokens + item.cost > s.prefill_token_budget:
+            break
+        if group and load.reserve is not None and cost.predict(k, k * longest) > load.reserve:
+            break
+        if item.priority is Priority.BATCH and item.arrival + q.aging > now and k > batch_room:
+            break
+        group.append(item)
+        tokens += item.cost
+    return group
+
+
+def _admit(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load,
+           target: int) -> tuple[Decision, list[WorkItem]]:
+    """The rules all three share: join at once when nothing runs (waiting can only add
+    latency), when the group cannot grow (`full`), or when the oldest has waited
+    `max_wait_ms`; and the group to send. `target`: a group this large goes at once."""
+    group = prompt_group(q, now, s, cost, load)
+    k = len(group)
+    if not k:
+        return WaitUntil(None), group  # woken when a slot frees or work arrives
+    if not load.slots_free_at:
+        return Dispatch(k, DispatchReason.ADAPTIVE), group
+    if k == min(load.free_slots, s.max_batch_size) or k < len(q):
+        return Dispatch(k, DispatchReason.FULL), group
+    if now >= q.oldest_arrival + s.max_wait:
+        return Dispatch(k, DispatchReason.MAX_WAIT), group
+    if k >= target:
+        return Dispatch(k, DispatchReason.ADAPTIVE), group
+    return WaitUntil(q.oldest_arrival + s.max_wait), group
+
+
+def _by_first_token_deadline(decision: Decision, group: list[WorkItem], now: float, s: BatchingSettings,
+                             cost: CostModel, load: Load) -> Decision:
+    """Join early (`deadline`) when the group's prefill, allowing for the slowdown, would
+    otherwise miss the tightest first-token deadline in it."""
+    if not isinstance(decision, WaitUntil) or not group:
+        return decision
+    tightest = min((i.deadline for i in group if i.deadline is not None), default=INF)
+    start_by = tightest - batch_cost(cost, group) * load.slowdown - s.margin
+    if now >= start_by:
+        return Dispatch(len(group), DispatchReason.DEADLINE)
+    return WaitUntil(start_by if decision.t is None else min(decision.t, start_by))
+
+
+def admit_fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load) -> Decision:
+    """Join when `max_batch_size` prompts wait or the oldest has waited `max_wait_ms`."""
+    return _admit(q, now, s, cost, load, target=s.max_batch_size)[0]
+
+
+def admit_deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load) -> Decision:
+    """`admit_fixed`, plus join early for the tightest first-token deadline."""
+    decision, group = _admit(q, now, s, cost, load, target=s.max_batch_size)
+    return _by_first_token_deadline(decision, group, now, s, cost, load)
+
+
+def admit_adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load) -> Decision:
+    """Wait for company only while it pays: a prefill group costs a + b*tokens, so as for
+    one-shot batches the group worth waiting for is what arrives during one prefill's fixed
+    overhead; at low load a prompt joins at the next iteration."""
+    rate = load.offered_rate
+    target = fill_target(rate, s, cost)
+    decision, group = _admit(q, now, s, cost, load, target=target)
+    decision = _by_first_token_deadline(decision, group, now, s, cost, load)
+    if isinstance(decision, WaitUntil) and group and rate > 0:
+        fill_at = now + (target - len(group)) / rate
+        decision = WaitUntil(fill_at if decision.t is None else min(decision.t, fill_at))
+    return decision
+
+
+GENERATION_POLICIES: dict[str, Policy] = {"fixed": admit_fixed, "deadline": admit_deadline,
+                                          "adaptive": admit_adaptive}

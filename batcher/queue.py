@@ -65,9 +65,9 @@ class RequestQueue:
             return item.arrival
         return None
 
-    def due_within(self, t: float) -> int:
-        """Queued items whose deadline is at or before t."""
-        return sum(bisect_right(edf, (t, INF)) for edf in self._edf.values())
+    def due_within(self, t: float, priority: Priority | None = None) -> int:
+        """Queued items (of one class, or of all) whose deadline is at or before t."""
+        return sum(bisect_right(edf, (t, INF)) for p, edf in self._edf.items() if priority is None or p is priority)
 
     @property
     def min_deadline(self) -> float:

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable, Sequence
 
+from . import admission
 from .core import QueueingBatcher, seconds_until
 from .cost import CostModel, LinearCost
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
+from .load import Load
+from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
 from .types import DispatchReason, Outcome, WorkItem
 
 log = logging.getLogger("ferry.batcher")
@@ -90,6 +94,7 @@ class GenerationScheduler(QueueingBatcher):
         self._make_request = make_request or _default_request
         self._running: dict[int, _Seq] = {}
         self._removals: list[int] = []
+        self._typical_steps = 16.0  # moving average of max_tokens, for how long a slot is held
         self.iterations = 0
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
         self._keep_trace = 1024
@@ -107,74 +112,72 @@ class GenerationScheduler(QueueingBatcher):
     def busy(self) -> bool:
         return len(self.queue) > 0 or bool(self._running)
 
-    def shaping(self, now: float) -> tuple[float | None, int]:
-        """Generation needs no batch-time reserve nor keep-up floor: new prompts join the
-        running batch at the next step, and one step's cost does not grow with a prefill
-        the way a one-shot batch does."""
-        return None, 1
-
-    def admission_slowdown(self) -> float:
-        """Admission predicts from decode steps and prefill together; the prefill fit's
-        slowdown says nothing about the steps ahead."""
-        return 1.0
+    # -- load and admission ----------------------------------------------------------
+    predict = staticmethod(admission.predicted_first_token)
 
     def busy_until(self, now: float) -> float:
-        """When a newcomer can be prefilled: the next iteration boundary, or, when every slot
-        is taken, when the running sequence closest to its token limit must have finished
-        (it may finish sooner on EOS or a stop string, so this is an upper bound)."""
-        if not self._running:
-            return now
-        step = self.decode_cost.predict(len(self._running))
-        if self._capacity() > 0:
-            return now + step
-        left = min(max(1, _max_tokens(seq.item) - seq.tokens) for seq in self._running.values())
-        return now + left * step
+        """The next iteration boundary: when a free slot can take a newcomer."""
+        return now + self.decode_cost.predict(len(self._running)) if self._running else now
 
-    # -- admission ----------------------------------------------------------------
-    def _capacity(self) -> int:
+    def submit_many(self, payloads: list[Any], **kw: Any) -> list[WorkItem]:
+        items = super().submit_many(payloads, **kw)
+        for item in items:
+            self._typical_steps += 0.05 * (_max_tokens(item) - self._typical_steps)
+        return items
+
+    def load(self, now: float) -> Load:
+        """The tracker's snapshot plus what runs: free slots, when each running sequence's
+        slot frees at its token limit, and how long a typical sequence holds one. Decode
+        steps are predicted at the occupancy the queue will bring (at most every slot).
+        Interactive first: while interactive requests arrive, batch-class prompts leave
+        free the slots interactive ones need by Little's law (their arrival rate times a
+        typical sequence's time), plus one."""
         s = self.settings
-        if s.mode == "static" and self._running:
-            return 0
-        # The engine's own slot count bounds a live PATCH of max_running.
+        base = self.tracker.snapshot(now, self.queue, s, self.prefill_cost, self.busy_until(now), shape=False)
+        slots = self._slot_limit()
+        step = self.decode_cost.predict(max(1, min(slots, len(self._running) + len(self.queue))))
+        frees = tuple(sorted(now + max(1, _max_tokens(q.item) - q.tokens) * step for q in self._running.values()))
+        held = self._typical_steps * step
+        reserved = 0
+        if s.interactive_first and base.interactive_rate > 0:
+            reserved = min(slots - 1, math.ceil(base.interactive_rate * held) + 1)
+        return replace(base, free_slots=self._capacity(), interactive_slots=reserved, slots_free_at=frees,
+                       sequence_seconds=held)
+
+    def _slot_limit(self) -> int:
+        """Most sequences that may run at once: max_running, the engine's own slot count (it
+        bounds a live PATCH of max_running), and what keeps a decode step under max_itl_ms."""
+        s = self.settings
         cap = min(s.max_running, getattr(self.engine, "max_running", s.max_running))
         if s.max_itl_ms is not None:
             limit = s.max_itl_ms / 1000.0
             while cap > 1 and self.decode_cost.predict(cap) > limit:
                 cap -= 1
-        return max(0, min(cap, s.max_running) - len(self._running))
+        return cap
+
+    def _capacity(self) -> int:
+        """Slots free now (none in static mode while a group runs)."""
+        if self.settings.mode == "static" and self._running:
+            return 0
+        return max(0, self._slot_limit() - len(self._running))
 
     def _admission(self, now: float) -> tuple[list[WorkItem], float | None]:
         """Items to admit now (in queue order) and, if none, when to look again."""
         s = self.settings
-        n = len(self.queue)
-        capacity = self._capacity()
-        if n == 0 or capacity == 0:
+        if not len(self.queue) or self._capacity() == 0:
             return [], None
+        load = self.load(now)
         if self._closing:
-            reason = DispatchReason.DRAIN
-        elif not self._running:
-            reason = DispatchReason.ADAPTIVE  # engine idle: waiting could only add latency
-        elif n >= s.max_batch_size:
-            reason = DispatchReason.FULL
-        elif now >= self.queue.oldest_arrival + s.max_wait:
-            reason = DispatchReason.MAX_WAIT
-        elif s.policy != "fixed" and now + self.prefill_cost.predict(n, n * 32) + s.margin >= self.queue.min_deadline:
-            reason = DispatchReason.DEADLINE
+            group = prompt_group(self.queue, now, s, self.prefill_cost, load)
+            decision: Decision = Dispatch(len(group), DispatchReason.DRAIN) if group else WaitUntil(None)
         else:
-            return [], self.queue.oldest_arrival + s.max_wait
-        limit = min(capacity, s.max_batch_size)
-        chosen, tokens = [], 0
-        for item in self.queue.peek(limit, now):
-            if chosen and tokens + item.cost > s.prefill_token_budget:
-                break
-            chosen.append(item)
-            tokens += item.cost
+            decision = GENERATION_POLICIES[s.policy](self.queue, now, s, self.prefill_cost, load)
+        if isinstance(decision, WaitUntil):
+            return [], decision.t
+        chosen = self._take(decision.size, now)
         for item in chosen:
-            self.queue.remove(item)
-            self.metrics.queue_wait.labels(self.model, item.priority.label).observe(now - item.arrival)
-            item.dispatched_at, item.batch_size, item.reason = now, len(chosen), reason
-        self._publish_depth()
-        self.metrics.batches.labels(self.model, reason.value).inc()
+            item.dispatched_at, item.batch_size, item.reason = now, len(chosen), decision.reason
+        self.metrics.batches.labels(self.model, decision.reason.value).inc()
         return chosen, None
 
     # -- the loop -----------------------------------------------------------------

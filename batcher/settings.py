@@ -33,6 +33,10 @@ class BatchingSettings:
     # ordered as if it were interactive.
     aging_ms: float = 2_000.0
     on_infeasible: str = "reject"
+    # Interactive first: while interactive requests arrive, batches are sized for their
+    # budgets and batch-class work absorbs the shortfall (waits, is refused, or expires by
+    # its own budget). False: every urgent item sizes batches (total throughput first).
+    interactive_first: bool = True
     # Generation only.
     budget_scope: str = "ttft"
     max_itl_ms: float | None = None
@@ -55,6 +59,8 @@ class BatchingSettings:
                 not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value < 3.6e6)
             ):
                 raise SettingsError(name, "must be null or a number of milliseconds above 0")
+        if not isinstance(self.interactive_first, bool):
+            raise SettingsError("interactive_first", "must be true or false")
         _choice(self, "policy", POLICIES)
         _choice(self, "on_infeasible", INFEASIBLE_ACTIONS)
         _choice(self, "budget_scope", BUDGET_SCOPES)

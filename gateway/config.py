@@ -26,6 +26,7 @@ class ServerConfig:
     policy: str = "adaptive"
     default_budget_ms: float = 10_000.0
     on_infeasible: str = "reject"
+    interactive_first: bool = True
     batching: str = "continuous"
     max_running: int = 64
     max_itl_ms: float | None = None
@@ -49,7 +50,7 @@ class ServerConfig:
         values = dict(
             max_batch_size=self.max_batch_size, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
             policy=self.policy, default_budget_ms=self.default_budget_ms, on_infeasible=self.on_infeasible,
-            mode=self.batching, max_running=self.max_running, max_itl_ms=self.max_itl_ms,
+            interactive_first=self.interactive_first, mode=self.batching, max_running=self.max_running, max_itl_ms=self.max_itl_ms,
             prefill_token_budget=self.prefill_token_budget,
         )
         values.update(overrides)
@@ -87,6 +88,9 @@ HELP = {
     "policy": f"dispatch policy: {', '.join(POLICIES)}",
     "default_budget_ms": "latency budget of requests that name none",
     "on_infeasible": "reject (429 deadline_infeasible) or serve best-effort",
+    "interactive_first": "while interactive requests arrive, size batches for their budgets and let batch-class "
+                         "work wait, be refused or expire (--no-interactive-first: every urgent request sizes "
+                         "batches, total throughput first)",
     "batching": f"generation batching: {', '.join(BATCHING_MODES)}",
     "max_running": "most sequences decoding at once",
     "max_itl_ms": "inter-token latency target that limits running sequences",

@@ -133,6 +133,7 @@ class BatchingPatch(Strict):
     max_running: int | None = Field(None, ge=1, le=1_000_000)
     on_infeasible: Literal["reject", "serve"] | None = None
     aging_ms: float | None = Field(None, ge=0, lt=3_600_000)
+    interactive_first: bool | None = None
 
 
 def is_finite(x: float) -> bool:
@@ -224,6 +225,7 @@ class BatchingSettingsOut(BaseModel):
     deadline_margin_ms: float
     aging_ms: float
     on_infeasible: str
+    interactive_first: bool
     budget_scope: str
     max_itl_ms: float | None
     max_running: int

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from batcher import admission
 from batcher.cost import CostModel, LinearCost
 from batcher.errors import FerryError, QueueFull
+from batcher.load import IDLE, Load
 from batcher.policy import Dispatch, WaitUntil, adaptive, deadline, fixed
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
@@ -49,12 +50,8 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
         b = r.batcher
         if check_admission and budget is not None:
             probe = WorkItem(payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio, id=10**9)
-            predicted = admission.predicted_completion(b.queue, probe, r.clock.now(), b.busy_until(r.clock.now()),
-                                                       b.settings, b.cost, service_rate=b.service_rate(r.clock.now()),
-                                                       reserve=b.shaping(r.clock.now())[0],
-                                                       interactive_rate=b.interactive_rate(r.clock.now()),
-                                                       floor=b.shaping(r.clock.now())[1],
-                                                       slowdown=b.admission_slowdown())
+            predicted = admission.predicted_completion(b.queue, probe, r.clock.now(), b.settings, b.cost,
+                                                       b.load(r.clock.now()))
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)
@@ -190,30 +187,32 @@ def test_goodput_cap_does_not_shrink_a_batch_for_one_late_batch_item():
 def test_reserve_caps_batch_time_for_interactive_arrivals():
     s = BatchingSettings(policy="adaptive", max_batch_size=32, max_wait_ms=0)
     q = _queue(0.0, [(0.0, 10.0)] * 20)
-    assert adaptive(q, 0.0, s, COST, rate=0.0).size == 20
-    assert adaptive(q, 0.0, s, COST, rate=0.0, reserve=0.020).size == 5  # 10 + 5*2 = 20 ms
+    assert adaptive(q, 0.0, s, COST).size == 20
+    assert adaptive(q, 0.0, s, COST, Load(reserve=0.020)).size == 5  # 10 + 5*2 = 20 ms
 
 
 def test_background_work_does_not_size_batches_until_it_is_due():
     """A batch job fills spare capacity: 400 items with an hour's budget, arrived and queued,
     leave the reserve where interactive traffic alone puts it (28 ms, 9 items). Its items
     retried after a refusal (count_rejection=False) do not count either. Urgent work that
-    is queued and due within a second does count."""
+    is queued and due within a second does count (total throughput first:
+    interactive_first=False; interactive first, only interactive work sizes batches)."""
 
     async def scenario() -> tuple[float, float, float]:
-        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, deadline_margin_ms=5)
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, deadline_margin_ms=5,
+                      interactive_first=False)
         b = r.batcher
         b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
         b.submit_many(list(range(400)), budget=3600.0, priority=Priority.BATCH, count_rejection=False)
-        background = b.reserve(r.clock.now())
+        background = b.load(r.clock.now()).reserve
         r.batcher.update(max_queue=401)
         for _ in range(50):
             with pytest.raises(QueueFull):
                 b.submit(0, budget=0.5, priority=Priority.BATCH, count_rejection=False)
-        retried = b.reserve(r.clock.now())
+        retried = b.load(r.clock.now()).reserve
         b.update(max_queue=10_000)
         b.submit_many(list(range(200)), budget=0.95, priority=Priority.BATCH)
-        return background, retried, b.reserve(r.clock.now())
+        return background, retried, b.load(r.clock.now()).reserve
 
     background, retried, urgent = run(scenario())
     assert background == pytest.approx(0.028)
@@ -228,9 +227,9 @@ def test_interactive_deadlines_do_not_cut_batches_below_the_keep_up_floor():
     items (16 ms); when the load needs batches of 6, the batch keeps 6."""
     s = BatchingSettings(policy="adaptive", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
     q = _queue(0.0, [(0.0, 0.0165)] + [(0.0, 1.0)] * 7)
-    assert adaptive(q, 0.0, s, COST, rate=0.0).size == 3
-    assert adaptive(q, 0.0, s, COST, rate=0.0, floor=6).size == 6
-    assert adaptive(q, 0.0, s, COST, rate=0.0, reserve=0.012, floor=6).size == 6  # nor does the reserve
+    assert adaptive(q, 0.0, s, COST).size == 3
+    assert adaptive(q, 0.0, s, COST, Load(floor=6)).size == 6
+    assert adaptive(q, 0.0, s, COST, Load(reserve=0.012, floor=6)).size == 6  # nor does the reserve
 
 
 def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
@@ -241,11 +240,11 @@ def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
     for _ in range(9):
         q.push(WorkItem(payload=None, arrival=0.0, deadline=10.0, priority=Priority.BATCH))
     item = WorkItem(payload=None, arrival=0.0, deadline=0.020, priority=Priority.INTERACTIVE)
-    assert admission.predicted_completion(q, item, 0.0, 0.0, s, COST) == pytest.approx(0.012)
-    assert admission.predicted_completion(q, item, 0.0, 0.0, s, COST, floor=6) == pytest.approx(0.022)
-    admission.check(q, item, 0.0, 0.0, s, COST)
+    assert admission.predicted_completion(q, item, 0.0, s, COST, IDLE) == pytest.approx(0.012)
+    assert admission.predicted_completion(q, item, 0.0, s, COST, Load(floor=6)) == pytest.approx(0.022)
+    admission.check(q, item, 0.0, s, COST, IDLE)
     with pytest.raises(FerryError):
-        admission.check(q, item, 0.0, 0.0, s, COST, floor=6)
+        admission.check(q, item, 0.0, s, COST, Load(floor=6))
 
 
 def test_interactive_deadlines_allow_for_the_slowdown():
@@ -261,22 +260,22 @@ def test_interactive_deadlines_allow_for_the_slowdown():
     cost.refit()
     assert cost.predict(7) == pytest.approx(0.024)  # the slow tail is not the mean
     assert cost.slowdown == pytest.approx(1.25)
-    assert adaptive(q, 0.0, s, cost).size == 5
+    assert adaptive(q, 0.0, s, cost, Load(slowdown=cost.slowdown)).size == 5
 
 
 def test_adaptive_dispatches_at_once_at_low_load_and_waits_to_fill_at_high_load():
     s = BatchingSettings(policy="adaptive", max_batch_size=32, max_wait_ms=20)
     q = _queue(0.0, [(0.0, 10.0)])
-    assert adaptive(q, 0.0, s, COST, rate=5.0).reason.value == "adaptive"  # r*a = 0.05 < 1 item
+    assert adaptive(q, 0.0, s, COST, Load(offered_rate=5.0)).reason.value == "adaptive"  # r*a = 0.05 < 1 item
     q = _queue(0.0, [(0.0, 10.0)] * 2)
-    wait = adaptive(q, 0.0, s, COST, rate=1000.0)  # r*a = 10 items arrive per fixed overhead
+    wait = adaptive(q, 0.0, s, COST, Load(offered_rate=1000.0))  # r*a = 10 items arrive per fixed overhead
     assert isinstance(wait, WaitUntil) and wait.t == pytest.approx(0.008)  # 8 more at 1000/s
-    assert adaptive(_queue(0.0, [(0.0, 10.0)] * 10), 0.0, s, COST, rate=1000.0).reason.value == "adaptive"
-    assert adaptive(q, 0.020, s, COST, rate=1000.0).reason.value == "max_wait"  # never past max_wait
+    assert adaptive(_queue(0.0, [(0.0, 10.0)] * 10), 0.0, s, COST, Load(offered_rate=1000.0)).reason.value == "adaptive"
+    assert adaptive(q, 0.020, s, COST, Load(offered_rate=1000.0)).reason.value == "max_wait"  # never past max_wait
 
 
 def test_reserve_never_caps_batches_below_what_keeps_up_with_offered_load_and_backlog():
-    """Cost 10 ms + 2 ms/item. A 50 ms interactive budget must cover the batch running when
+    """Total throughput first (interactive_first=False). Cost 10 ms + 2 ms/item. A 50 ms interactive budget must cover the batch running when
     an interactive request arrives, then that request's own batch (at least 12 ms alone, and
     at least the smallest batch that keeps up), with the 5 ms margin on each. At 50
     arrivals/s: batches of at most 50 - 12 - 10 = 28 ms. At 200/s the keep-up batch is 4
@@ -286,7 +285,8 @@ def test_reserve_never_caps_batches_below_what_keeps_up_with_offered_load_and_ba
     carry the reserve stops binding."""
 
     async def reserve_at(offered: int, keep_queued: bool = False) -> float:
-        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, deadline_margin_ms=5)
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, deadline_margin_ms=5,
+                      interactive_first=False)
         b = r.batcher
         b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
         for i in range(offered - 1):  # one second of arrivals, all at t=0
@@ -294,7 +294,7 @@ def test_reserve_never_caps_batches_below_what_keeps_up_with_offered_load_and_ba
             if not keep_queued:
                 b.cancel(item)  # offered and gone: only the arrival rate remains
                 item.future.exception()
-        return b.reserve(r.clock.now())
+        return b.load(r.clock.now()).reserve
 
     assert run(reserve_at(50)) == pytest.approx(0.050 - 0.012 - 2 * 0.005)
     assert run(reserve_at(400)) == pytest.approx(0.010 + 0.002 * 21)
@@ -310,7 +310,7 @@ def test_refused_requests_count_as_offered_load():
     reserve is what 410 items/s need (23 items, 56 ms)."""
 
     async def scenario() -> float:
-        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10)
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10, interactive_first=False)
         b = r.batcher
         b.submit(0, budget=0.050, priority=Priority.INTERACTIVE)
         refused = 0
@@ -320,6 +320,6 @@ def test_refused_requests_count_as_offered_load():
             except QueueFull:
                 refused += 1
         assert refused == 390
-        return b.reserve(r.clock.now())
+        return b.load(r.clock.now()).reserve
 
     assert run(scenario()) == pytest.approx(0.010 + 0.002 * 23)

@@ -116,9 +116,9 @@ def test_cancellation_frees_a_slot_that_a_waiting_request_takes():
     run(scenario())
 
 
-def test_waiting_prompts_are_admitted_together_by_size_or_max_wait():
+def test_fixed_admits_waiting_prompts_together_by_size_or_max_wait():
     async def scenario():
-        r = GenRig(max_running=16, max_batch_size=3, max_wait_ms=30)
+        r = GenRig(policy="fixed", max_running=16, max_batch_size=3, max_wait_ms=30)
         await r.sched.start()
         first = r.submit(40)
         await r.clock.advance(0.001)

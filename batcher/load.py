@@ -1,0 +1,152 @@
+"""Load estimation: the one home of what a batcher knows about its load.
+
+`LoadTracker` records what was offered (arrivals, admitted or refused, per class), the
+interactive budgets seen lately and the typical cost of an item; `snapshot` turns that,
+the queue, the settings and the cost model into one frozen `Load` per decision, which the
+policies and admission read and never change.
+
+Capacity comes only from the cost model, which is fitted on the time batches actually ran.
+Never from items completed per wall-clock second: after a quiet spell that rate measures how
+little work arrived, not how fast the engine can go (a burst after idle was refused with
+predictions of 20-30 s while the engine served it in under a second).
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .cost import CostModel
+from .queue import RequestQueue
+from .settings import BatchingSettings
+from .types import Priority
+
+RATE_HORIZON = 1.0  # seconds of arrivals used to estimate an arrival rate
+# Work with a longer budget is background work (batch jobs): it fills the capacity urgent
+# work leaves and does not size batches; it does once its deadline comes within RATE_HORIZON.
+URGENT_BUDGET = 60.0
+RESERVE_HORIZON = 2.0  # seconds an interactive arrival keeps shaping batches
+# The busiest the engine may be with reserve-sized batches. 1.0: the smallest batch that
+# keeps up (bench_latency: 0.9 still cost interactive attainment at 80% load, 95.5%).
+KEEP_UP_UTILISATION = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What one decision knows about the load. The defaults describe an idle engine and no
+    traffic, which is what a policy called without a snapshot assumes."""
+
+    busy_until: float = 0.0  # when the engine is predicted free of the work already dispatched
+    offered_rate: float = 0.0  # urgent items offered per second lately, admitted or refused
+    interactive_rate: float = 0.0  # interactive items offered per second lately
+    typical_tokens: int = 1
+    # The fewest items the reserve or an interactive deadline may cut a batch to: the
+    # smallest batch that keeps up with the load that sizes batches (see LoadTracker.floor).
+    floor: int = 1
+    # The longest predicted batch time while interactive work arrives; None: none lately.
+    reserve: float | None = None
+    # What promises to interactive work multiply predictions by (CostModel.slowdown).
+    slowdown: float = 1.0
+    # Generation: slots free now, slots batch-class prompts must leave free for interactive
+    # ones, when each running sequence's slot is predicted to free (sorted), and how long a
+    # typical sequence holds a slot.
+    free_slots: int = 0
+    interactive_slots: int = 0
+    slots_free_at: tuple[float, ...] = ()
+    sequence_seconds: float = 0.0
+
+
+IDLE = Load()
+
+
+class LoadTracker:
+    """Arrivals and interactive budgets over sliding windows, and a moving typical cost."""
+
+    def __init__(self) -> None:
+        self._arrivals: dict[Priority, deque[float]] = {p: deque() for p in Priority}
+        self._interactive_budgets: deque[tuple[float, float]] = deque()  # (arrival, budget)
+        self._typical_cost = 1.0
+
+    # -- recording ----------------------------------------------------------------
+    def offered(self, now: float, n: int, budget: float | None, priority: Priority) -> None:
+        """`n` items of one request were offered (admitted, or refused for good)."""
+        if budget is None:
+            return
+        if budget <= URGENT_BUDGET:
+            self._arrivals[priority].extend([now] * n)
+        if priority is Priority.INTERACTIVE:
+            self._interactive_budgets.append((now, budget))
+
+    def admitted(self, costs: list[int]) -> None:
+        for c in costs:
+            self._typical_cost += 0.05 * (c - self._typical_cost)
+
+    # -- reading --------------------------------------------------------------------
+    @property
+    def typical_tokens(self) -> int:
+        return max(1, round(self._typical_cost))
+
+    def offered_rate(self, now: float, priority: Priority | None = None) -> float:
+        """Urgent items (budget up to URGENT_BUDGET) offered per second over RATE_HORIZON."""
+        total = 0
+        for p, q in self._arrivals.items():
+            while q and q[0] < now - RATE_HORIZON:
+                q.popleft()
+            if priority is None or p is priority:
+                total += len(q)
+        return total / RATE_HORIZON
+
+    def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
+        q = self._interactive_budgets
+        while q and q[0][0] < now - RESERVE_HORIZON:
+            q.popleft()
+        return q
+
+    def interactive_rate(self, now: float) -> float:
+        return len(self._recent_interactive(now)) / RESERVE_HORIZON
+
+    def floor(self, now: float, queue: RequestQueue, s: BatchingSettings, cost: CostModel) -> tuple[int, float]:
+        """(items, predicted seconds) of the smallest batch whose throughput covers the load
+        that sizes batches, at KEEP_UP_UTILISATION (max_batch_size when none does).
+
+        That load is the offered arrival rate plus draining the queued work due within
+        RATE_HORIZON. Offered, not admitted: under overload admission refuses what small
+        batches cannot carry, and sizing by what was admitted would lock in small batches.
+        With `interactive_first` (the default) only interactive work counts: batch-class
+        work absorbs the shortfall and never makes batches too long for an interactive
+        budget. Without it, every urgent item counts (total throughput first).
+        """
+        cls = Priority.INTERACTIVE if s.interactive_first else None
+        rate = self.offered_rate(now, cls) + queue.due_within(now + RATE_HORIZON, cls) / RATE_HORIZON
+        tokens = self.typical_tokens
+        n, t = 1, 0.0
+        for n in range(1, s.max_batch_size + 1):
+            t = cost.predict(n, n * tokens)
+            if n >= rate * t / KEEP_UP_UTILISATION:
+                break
+        return n, t
+
+    def reserve(self, now: float, s: BatchingSettings, cost: CostModel, keep_up: float) -> float | None:
+        """The longest batch the policies may form while interactive requests arrive.
+
+        One arriving just as a batch starts waits for it, then runs in a batch of its own,
+        and both must fit in the tightest interactive budget seen lately, each prediction
+        keeping the margin and allowing for the slowdown. Its own batch takes at least one
+        typical item alone, and at least the keep-up batch; the reserve never cuts below
+        the keep-up batch. None: no interactive traffic lately.
+        """
+        q = self._recent_interactive(now)
+        if not q:
+            return None
+        alone = cost.predict(1, self.typical_tokens)
+        usable = (min(b for _, b in q) - 2.0 * s.margin) / cost.slowdown
+        protect = max(usable - max(alone, keep_up), 0.0)
+        return max(protect, keep_up)
+
+    def snapshot(self, now: float, queue: RequestQueue, s: BatchingSettings, cost: CostModel,
+                 busy_until: float, *, shape: bool = True) -> Load:
+        """One frozen view for one decision. `shape=False` (generation) leaves out the floor;
+        its reserve then caps a prefill group, not a whole batch."""
+        floor, keep_up = self.floor(now, queue, s, cost) if shape else (1, 0.0)
+        return Load(busy_until=busy_until, offered_rate=self.offered_rate(now),
+                    interactive_rate=self.interactive_rate(now), typical_tokens=self.typical_tokens,
+                    floor=floor, reserve=self.reserve(now, s, cost, keep_up), slowdown=cost.slowdown)
