@@ -18,6 +18,10 @@ from .errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
 
+# Error types raised by the request models' limit validators (gateway/schemas.py) that keep
+# their own error code.
+LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_strings"})
+
 BUDGET_HEADER = "x-ferry-latency-budget-ms"
 PRIORITY_HEADER = "x-ferry-priority"
 
@@ -65,7 +69,8 @@ def validation_error(exc: ValidationError) -> APIError:
     msg = err["msg"]
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
-    return APIError(422, f"{param}: {msg}" if param else msg, code="invalid_value", param=param)
+    code = err["type"] if err["type"] in LIMIT_CODES else "invalid_value"
+    return APIError(422, f"{param}: {msg}" if param else msg, code=code, param=param)
 
 
 def _is_type_tag(p: Any) -> bool:

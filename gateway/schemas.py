@@ -2,10 +2,13 @@
 generate /openapi.json, so documentation cannot drift from behaviour."""
 from __future__ import annotations
 
+import functools
 import math
-from typing import Annotated, Any, Literal, Union
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic_core import PydanticCustomError
 
 Budget = Annotated[float, Field(gt=0, le=3_600_000, description="Latency budget in milliseconds.")]
 PriorityName = Literal["interactive", "batch"]
@@ -123,17 +126,30 @@ class CompletionRequest(GenerationParams):
 
 
 # -- admin ------------------------------------------------------------------------
+def _absent(schema: dict) -> None:
+    schema.pop("default", None)
+
+
+def Optional(**constraints: Any) -> Any:
+    """A field that may be left out but not sent as null: absent means "unchanged", and the
+    schema has no `default: null` that would suggest null is accepted."""
+    return Field(None, json_schema_extra=_absent, **constraints)
+
+
 class BatchingPatch(Strict):
-    max_batch_size: int | None = Field(None, ge=1, le=1_000_000)
-    max_wait_ms: float | None = Field(None, ge=0, lt=3_600_000)
-    policy: Literal["fixed", "deadline", "adaptive"] | None = None
-    max_queue: int | None = Field(None, ge=1, le=1_000_000)
+    """Only the fields sent change. `default_budget_ms` and `max_itl_ms` may be null (no
+    default budget, no inter-token limit); the others may not."""
+
+    max_batch_size: int = Optional(ge=1, le=1_000_000)
+    max_wait_ms: float = Optional(ge=0, lt=3_600_000)
+    policy: Literal["fixed", "deadline", "adaptive"] = Optional()
+    max_queue: int = Optional(ge=1, le=1_000_000)
     default_budget_ms: float | None = Field(None, gt=0, lt=3_600_000)
     max_itl_ms: float | None = Field(None, gt=0, lt=3_600_000)
-    max_running: int | None = Field(None, ge=1, le=1_000_000)
-    on_infeasible: Literal["reject", "serve"] | None = None
-    aging_ms: float | None = Field(None, ge=0, lt=3_600_000)
-    interactive_first: bool | None = None
+    max_running: int = Optional(ge=1, le=1_000_000)
+    on_infeasible: Literal["reject", "serve"] = Optional()
+    aging_ms: float = Optional(ge=0, lt=3_600_000)
+    interactive_first: StrictBool = Optional()
 
 
 def is_finite(x: float) -> bool:
@@ -232,3 +248,162 @@ class BatchingSettingsOut(BaseModel):
     prefill_token_budget: int
     mode: str
     cost_model: dict[str, Any] | None = None
+
+
+# -- the server's own limits, in the models it validates with ------------------------------
+# `--max-prompts` and its peers are server settings, not constants, so the request models a
+# server validates with are subclasses made for its limits: each limit is checked by a
+# validator that keeps its historical error code (too_many_prompts, ...) and written into
+# the JSON schema of the same class, so /openapi.json promises exactly what is accepted.
+@dataclass(frozen=True)
+class Limits:
+    max_prompts: int
+    max_inputs: int
+    max_completion_tokens: int
+    max_stop_strings: int
+
+    @classmethod
+    def of(cls, cfg: Any) -> "Limits":
+        return cls(cfg.max_prompts, cfg.max_inputs, cfg.max_completion_tokens, cfg.max_stop_strings)
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    embeddings: type[EmbeddingsRequest]
+    chat: type[ChatCompletionRequest]
+    completions: type[CompletionRequest]
+
+
+def request_models(cfg: Any) -> RequestModels:
+    return _bounded(Limits.of(cfg))
+
+
+def _walk(node: Any, visit: Callable[[dict], None]) -> None:
+    if isinstance(node, dict):
+        visit(node)
+        for v in node.values():
+            _walk(v, visit)
+    elif isinstance(node, list):
+        for v in node:
+            _walk(v, visit)
+
+
+def _cap_tokens(prop: dict, limit: int) -> None:
+    _walk(prop, lambda n: n.update(maximum=limit) if n.get("type") == "integer" else None)
+
+
+def _cap_stops(prop: dict, limit: int) -> None:
+    """A string, or a list of at most `limit` strings, for every prompt; or a per-prompt list
+    (told apart from the shared list by holding at least one non-string: a list of strings
+    always means "for every prompt"). Stop strings are never empty."""
+    def visit(n: dict) -> None:
+        if n.get("type") == "string":
+            n["minLength"] = 1
+        elif n.get("type") == "array" and n.get("items", {}).get("type") == "string":
+            n["maxItems"] = limit
+    _walk(prop, visit)
+    for branch in prop["anyOf"]:
+        if branch.get("type") == "array" and "anyOf" in branch.get("items", {}):
+            branch["contains"] = {"not": {"type": "string"}}
+
+
+@functools.cache
+def _bounded(lim: Limits) -> RequestModels:
+    P, I, T, S = lim.max_prompts, lim.max_inputs, lim.max_completion_tokens, lim.max_stop_strings
+
+    def check_tokens(v: Any) -> Any:
+        for x in (v if isinstance(v, list) else [v]):
+            if x is not None and x > T:
+                raise PydanticCustomError("invalid_value", "{x} exceeds the limit of {limit}", {"x": x, "limit": T})
+        return v
+
+    def check_stops(v: Any) -> Any:
+        if v is None:
+            return v
+        shared = isinstance(v, str) or all(isinstance(x, str) for x in v)
+        groups = [[v] if isinstance(v, str) else v] if shared else [[x] if isinstance(x, str) else (x or []) for x in v]
+        for i, stops in enumerate(groups):
+            if len(stops) > S:
+                raise PydanticCustomError("too_many_stop_strings", "prompt {i} has {n} stop strings; at most {limit} are allowed",
+                                          {"i": i, "n": len(stops), "limit": S})
+            if any(not s for s in stops):
+                raise PydanticCustomError("invalid_value", "stop strings must not be empty")
+        return v
+
+    def patch_generation(schema: dict) -> None:
+        props = schema["properties"]
+        for name in ("max_tokens", "max_completion_tokens"):
+            if name in props:
+                _cap_tokens(props[name], T)
+        _cap_stops(props["stop"], S)
+
+    def chat_schema(schema: dict) -> None:
+        patch_generation(schema)
+        schema["properties"]["messages"]["anyOf"][0]["maxItems"] = P
+
+    def completions_schema(schema: dict) -> None:
+        patch_generation(schema)
+        schema["properties"]["prompt"]["anyOf"][1]["maxItems"] = P
+
+    def embeddings_schema(schema: dict) -> None:
+        schema["properties"]["input"]["anyOf"][1]["maxItems"] = I
+
+    class Chat(ChatCompletionRequest):
+        __qualname__ = "ChatCompletionRequest"  # its name in /openapi.json
+        model_config = ConfigDict(json_schema_extra=chat_schema)
+
+        @field_validator("messages")
+        @classmethod
+        def _prompts(cls, v: Any) -> Any:
+            n = len(v) if isinstance(v[0], list) else 1
+            if n > P:
+                raise PydanticCustomError("too_many_prompts", "request has {n} prompts; at most {limit} are allowed",
+                                          {"n": n, "limit": P})
+            return v
+
+        @field_validator("max_tokens", "max_completion_tokens")
+        @classmethod
+        def _tokens(cls, v: Any) -> Any:
+            return check_tokens(v)
+
+        @field_validator("stop")
+        @classmethod
+        def _stops(cls, v: Any) -> Any:
+            return check_stops(v)
+
+    class Completions(CompletionRequest):
+        __qualname__ = "CompletionRequest"  # its name in /openapi.json
+        model_config = ConfigDict(json_schema_extra=completions_schema)
+
+        @field_validator("prompt")
+        @classmethod
+        def _prompts(cls, v: Any) -> Any:
+            n = 1 if isinstance(v, str) else len(v)
+            if n > P:
+                raise PydanticCustomError("too_many_prompts", "request has {n} prompts; at most {limit} are allowed",
+                                          {"n": n, "limit": P})
+            return v
+
+        @field_validator("max_tokens")
+        @classmethod
+        def _tokens(cls, v: Any) -> Any:
+            return check_tokens(v)
+
+        @field_validator("stop")
+        @classmethod
+        def _stops(cls, v: Any) -> Any:
+            return check_stops(v)
+
+    class Embeddings(EmbeddingsRequest):
+        __qualname__ = "EmbeddingsRequest"  # its name in /openapi.json
+        model_config = ConfigDict(json_schema_extra=embeddings_schema)
+
+        @field_validator("input")
+        @classmethod
+        def _inputs(cls, v: Any) -> Any:
+            if isinstance(v, list) and len(v) > I:
+                raise PydanticCustomError("too_many_inputs", "input has {n} items; at most {limit} are allowed per request",
+                                          {"n": len(v), "limit": I})
+            return v
+
+    return RequestModels(Embeddings, Chat, Completions)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Annotated, Any, Callable, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -31,31 +31,37 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ..errors import APIError
 from ..http import validation_error
 from ..models import CHAT, EMBEDDING
-from ..schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
+from ..schemas import request_models
 
 CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
-ROUTES: dict[str, tuple[type[BaseModel], str]] = {
-    CHAT_URL: (ChatCompletionRequest, CHAT),
-    COMPLETIONS_URL: (CompletionRequest, CHAT),
-    EMBEDDINGS_URL: (EmbeddingsRequest, EMBEDDING),
-}
+ROUTES: dict[str, str] = {CHAT_URL: CHAT, COMPLETIONS_URL: CHAT, EMBEDDINGS_URL: EMBEDDING}  # url -> model kind
 ANY_ENDPOINT = "*"  # Ferry extension: lines may use any of ROUTES
 
 MAX_FILE_BYTES = 100 * 1024 * 1024
 MAX_LINES = 50_000
 MAX_CUSTOM_ID = 512
 MAX_REPORTED = 100  # line errors listed in a 422 (all are counted)
-WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([hms])$")
 MAX_WINDOW_S = 7 * 24 * 3600
+# 1..168 hours, 1..10080 minutes or 1..604800 seconds (at most 7 days), spelled out so that
+# the pattern in /openapi.json accepts exactly the windows the server accepts.
+WINDOW_PATTERN = (r"^(?:(?:[1-9]|[1-9][0-9]|1[0-5][0-9]|16[0-8])h"
+                  r"|(?:[1-9][0-9]{0,3}|100[0-7][0-9]|10080)m"
+                  r"|(?:[1-9][0-9]{0,4}|[1-5][0-9]{5}|60[0-3][0-9]{3}|604[0-7][0-9]{2}|604800)s)$")
+WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([hms])$")
+
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
 
 
 class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=256)
-    endpoint: str = Field(description="/v1/chat/completions, /v1/completions, /v1/embeddings, or '*' (any of them).")
-    completion_window: str = Field("24h", description="Nh, Nm or Ns; lines not run by then are not run.")
-    metadata: dict[str, str] | None = Field(None, max_length=16)
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "*"] = Field(
+        description="The route of every line, or '*' (a Ferry extension: lines may use any of them).")
+    completion_window: str = Field("24h", pattern=WINDOW_PATTERN,
+                                   description="Nh, Nm or Ns, at most 7 days; lines not run by then are not run.")
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     output_expires_after: dict[str, Any] | None = None  # accepted for compatibility, ignored
 
 
@@ -71,13 +77,7 @@ def parse_window(value: str) -> float:
 
 
 def check_create(body: BatchCreate) -> float:
-    if body.endpoint not in ROUTES and body.endpoint != ANY_ENDPOINT:
-        raise APIError(422, f"endpoint must be one of {', '.join(ROUTES)} or '*', got {body.endpoint!r}",
-                       code="invalid_value", param="endpoint")
-    for k, v in (body.metadata or {}).items():
-        if len(k) > 64 or len(v) > 512:
-            raise APIError(422, "metadata keys are at most 64 characters and values at most 512", code="invalid_value",
-                           param="metadata")
+    """Seconds of the batch's window (its form and bounds were checked by BatchCreate)."""
     return parse_window(body.completion_window)
 
 
@@ -161,7 +161,7 @@ def _check_line(ferry: Any, n: int, raw: str, endpoint: str, seen: dict[str, int
     if not isinstance(body, dict):
         raise _Bad("body must be a JSON object", param="body")
     try:
-        parsed = parse_body(url, body)
+        parsed = parse_body(ferry, url, body)
         check_body(ferry, url, parsed)
     except APIError as exc:
         if exc.status >= 500:  # not ready / draining: the whole request fails, not this line
@@ -171,8 +171,10 @@ def _check_line(ferry: Any, n: int, raw: str, endpoint: str, seen: dict[str, int
     return ValidLine(n, cid, url, orjson.dumps(body).decode())
 
 
-def parse_body(url: str, body: dict) -> BaseModel:
-    schema, _ = ROUTES[url]
+def parse_body(ferry: Any, url: str, body: dict) -> BaseModel:
+    """The route's own request model, with this server's limits."""
+    models = request_models(ferry.config)
+    schema = {CHAT_URL: models.chat, COMPLETIONS_URL: models.completions, EMBEDDINGS_URL: models.embeddings}[url]
     try:
         parsed = schema.model_validate(body)
     except ValidationError as exc:
@@ -183,8 +185,7 @@ def parse_body(url: str, body: dict) -> BaseModel:
 
 
 def _served(ferry: Any, url: str, body: Any) -> Any:
-    _, kind = ROUTES[url]
-    return ferry.model(body.model, kind)  # 404 model_not_found (or 503 while not ready / draining)
+    return ferry.model(body.model, ROUTES[url])  # 404 model_not_found (or 503 while not ready / draining)
 
 
 def check_body(ferry: Any, url: str, body: Any) -> None:
@@ -199,10 +200,6 @@ def check_body(ferry: Any, url: str, body: Any) -> None:
         check_inputs(texts, served, body, cfg)
         return
     n = len(body.conversations if url == CHAT_URL else body.prompts)
-    param = "messages" if url == CHAT_URL else "prompt"
-    if n > cfg.max_prompts:
-        raise APIError(422, f"request has {n} prompts; at most {cfg.max_prompts} are allowed", code="too_many_prompts",
-                       param=param)
     # One-token stand-in prompts: every check of plan() except prompt length, which needs the tokenizer.
     plan(body, [[0]] * n, served, cfg, None if url == CHAT_URL else 16)
 
@@ -224,7 +221,7 @@ def prepare(ferry: Any, url: str, body_json: str) -> Work:
     from ..routes.chat import completion_body, make_plan  # noqa: PLC0415
     from ..routes.embeddings import embeddings_body, tokenize_inputs  # noqa: PLC0415
 
-    body = parse_body(url, orjson.loads(body_json))
+    body = parse_body(ferry, url, orjson.loads(body_json))
     served = _served(ferry, url, body)
     cfg = ferry.config
     if url == EMBEDDINGS_URL:

@@ -56,9 +56,6 @@ async def patch_batching(request: Request, ctx: Ctx) -> Response:
     ctx.model = served.name
     patch = await parse(request, BatchingPatch, 64 * 1024)
     changes = patch.model_dump(exclude_unset=True)
-    nulls = [k for k, v in changes.items() if v is None and k not in ("default_budget_ms", "max_itl_ms")]
-    if nulls:
-        raise APIError(422, f"{nulls[0]}: may not be null", code="invalid_value", param=nulls[0])
     try:
         new = served.batcher.update(**changes)
     except SettingsError as exc:

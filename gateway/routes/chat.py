@@ -27,7 +27,7 @@ from ..errors import APIError, error_body
 from ..http import cancel_all, parse, scheduling, submit, timing_headers, wait_items
 from ..models import CHAT
 from ..responses import dumps, json_response
-from ..schemas import ChatCompletionRequest, CompletionRequest
+from ..schemas import ChatCompletionRequest, CompletionRequest, request_models
 
 
 @dataclass
@@ -55,34 +55,28 @@ def per_prompt(name: str, value: Any, n: int, default: Any) -> list[Any]:
     if isinstance(value, list):
         if len(value) != n:
             raise APIError(422, f"{name} is a list of {len(value)} values but the request has {n} prompts; "
-                                f"give one value per prompt or a single value for all", code="invalid_value", param=name)
+                                f"give one value per prompt or a single value for all", code="prompt_count_mismatch",
+                       param=name)
         return list(value)
     return [value] * n
 
 
-def stops_per_prompt(value: Any, n: int, limit: int) -> list[list[str]]:
+def stops_per_prompt(value: Any, n: int) -> list[list[str]]:
+    """Counts and empty strings were checked by the request model (gateway/schemas.py)."""
     if value is None:
-        out = [[] for _ in range(n)]
-    elif isinstance(value, str):
-        out = [[value] for _ in range(n)]
-    elif all(isinstance(v, str) for v in value):
-        out = [list(value) for _ in range(n)]  # a list of strings applies to every prompt (OpenAI)
-    else:
-        out = [[] if v is None else ([v] if isinstance(v, str) else list(v)) for v in per_prompt("stop", value, n, None)]
-    for i, stops in enumerate(out):
-        if len(stops) > limit:
-            raise APIError(422, f"stop: prompt {i} has {len(stops)} stop strings; at most {limit} are allowed",
-                           code="too_many_stop_strings", param="stop")
-        if any(not s for s in stops):
-            raise APIError(422, "stop: stop strings must not be empty", code="invalid_value", param="stop")
-    return out
+        return [[] for _ in range(n)]
+    if isinstance(value, str):
+        return [[value] for _ in range(n)]
+    if all(isinstance(v, str) for v in value):
+        return [list(value) for _ in range(n)]  # a list of strings applies to every prompt (OpenAI)
+    return [[] if v is None else ([v] if isinstance(v, str) else list(v)) for v in per_prompt("stop", value, n, None)]
 
 
 def plan(body: Any, prompts: list[list[int]], served: Any, cfg: Any, default_max: int | None) -> Plan:
+    """Per-prompt parameters. The body was validated by the server's request models
+    (counts, limits, stop strings); what is left needs the prompts: list lengths against
+    the number of prompts, and prompt lengths against the context."""
     n = len(prompts)
-    if n > cfg.max_prompts:
-        raise APIError(422, f"request has {n} prompts; at most {cfg.max_prompts} are allowed", code="too_many_prompts",
-                       param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
     raw_max = getattr(body, "max_completion_tokens", None)
     max_name = "max_completion_tokens" if raw_max is not None else "max_tokens"
     if raw_max is None:
@@ -91,7 +85,7 @@ def plan(body: Any, prompts: list[list[int]], served: Any, cfg: Any, default_max
     temps = per_prompt("temperature", body.temperature, n, 1.0)
     top_ps = per_prompt("top_p", body.top_p, n, 1.0)
     seeds = per_prompt("seed", body.seed, n, None)
-    stops = stops_per_prompt(body.stop, n, cfg.max_stop_strings)
+    stops = stops_per_prompt(body.stop, n)
     context = served.engine.max_context
     limit_prompt = min(context - 1, cfg.max_prompt_tokens or context)
     params = []
@@ -102,9 +96,6 @@ def plan(body: Any, prompts: list[list[int]], served: Any, cfg: Any, default_max
                            param="messages" if isinstance(body, ChatCompletionRequest) else "prompt")
         room = context - len(ids)
         mt = max_tokens[i]
-        if mt is not None and mt > cfg.max_completion_tokens:
-            raise APIError(422, f"{max_name}: {mt} exceeds the limit of {cfg.max_completion_tokens}", code="invalid_value",
-                           param=max_name)
         mt = min(mt if mt is not None else (default_max or cfg.max_completion_tokens), room)
         params.append(SamplingParams(max_tokens=mt, temperature=temps[i], top_p=top_ps[i], seed=seeds[i], stop=stops[i]))
     return Plan(prompts, params, body.n)
@@ -112,7 +103,7 @@ def plan(body: Any, prompts: list[list[int]], served: Any, cfg: Any, default_max
 
 async def chat_completions(request: Request, ctx: Ctx):
     ferry = request.app.state.ferry
-    body = await parse(request, ChatCompletionRequest, ferry.config.max_body_bytes)
+    body = await parse(request, request_models(ferry.config).chat, ferry.config.max_body_bytes)
     served = ferry.model(body.model, CHAT)
     ctx.model = served.name
     if ferry.config.log_prompts:
@@ -122,7 +113,7 @@ async def chat_completions(request: Request, ctx: Ctx):
 
 async def completions(request: Request, ctx: Ctx):
     ferry = request.app.state.ferry
-    body = await parse(request, CompletionRequest, ferry.config.max_body_bytes)
+    body = await parse(request, request_models(ferry.config).completions, ferry.config.max_body_bytes)
     served = ferry.model(body.model, CHAT)
     ctx.model = served.name
     if ferry.config.log_prompts:
@@ -134,9 +125,6 @@ def make_plan(body: ChatCompletionRequest | CompletionRequest, served: Any, cfg:
     """Count, tokenize and validate the prompts of a chat or completions request."""
     chat = isinstance(body, ChatCompletionRequest)
     texts = body.conversations if chat else body.prompts
-    if len(texts) > cfg.max_prompts:
-        raise APIError(422, f"request has {len(texts)} prompts; at most {cfg.max_prompts} are allowed",
-                       code="too_many_prompts", param="messages" if chat else "prompt")
     if chat:
         nested = texts is body.messages
         prompts = [encode_chat(served, conv, i, nested) for i, conv in enumerate(texts)]

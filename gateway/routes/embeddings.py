@@ -12,13 +12,13 @@ from ..errors import APIError
 from ..http import parse, scheduling, submit, timing_headers, wait_items
 from ..models import EMBEDDING
 from ..responses import json_response
-from ..schemas import EmbeddingsRequest
+from ..schemas import EmbeddingsRequest, request_models
 
 
 async def create_embeddings(request: Request, ctx: Ctx):
     ferry = request.app.state.ferry
     cfg = ferry.config
-    body = await parse(request, EmbeddingsRequest, cfg.max_body_bytes)
+    body = await parse(request, request_models(cfg).embeddings, cfg.max_body_bytes)
     served = ferry.model(body.model, EMBEDDING)
     ctx.model = served.name
     texts = [body.input] if isinstance(body.input, str) else body.input
@@ -34,10 +34,8 @@ async def create_embeddings(request: Request, ctx: Ctx):
 
 
 def check_inputs(texts: list[str], served, body: EmbeddingsRequest, cfg) -> None:
-    """The checks that need no tokenizer (batch jobs run them when a file is validated)."""
-    if len(texts) > cfg.max_inputs:
-        raise APIError(422, f"input has {len(texts)} items; at most {cfg.max_inputs} are allowed per request",
-                       code="too_many_inputs", param="input")
+    """The checks that need the served model but no tokenizer (batch jobs run them when a
+    file is validated); the request model checked the input count."""
     dim = served.engine.dim
     if body.dimensions is not None and body.dimensions != dim:
         raise APIError(422, f"dimensions: {served.name} produces {dim}-dimensional embeddings; other sizes are not supported",

@@ -96,7 +96,7 @@ def test_wrong_length_list_raises_typed_422_naming_the_field(server, client):
         client.chat(CHAT, [CONV_A, CONV_B], max_completion_tokens=[4, 5, 6])
     err = info.value
     assert isinstance(err, FerryError)
-    assert (err.status, err.code, err.param) == (422, "invalid_value", "max_completion_tokens")
+    assert (err.status, err.code, err.param) == (422, "prompt_count_mismatch", "max_completion_tokens")
     assert "3 values" in err.message and err.request_id
     assert server.ferry.models[CHAT].engine.calls == []  # nothing was queued
 
