@@ -7,6 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
+from batcher.cost import CostModel, LinearCost
 from batcher.metrics import Metrics
 from batcher.microbatcher import MicroBatcher
 from batcher.settings import BatchingSettings
@@ -35,6 +36,16 @@ class Rig:
     @property
     def batches(self) -> list[list[Any]]:
         return [payloads for _, payloads in self.engine.runs]
+
+
+FIXED, PER_ITEM = 0.010, 0.002
+
+
+def exact_rig(**kw: Any) -> Rig:
+    """A rig whose cost model knows the simulated engine exactly and never refits."""
+    r = Rig(fixed=FIXED, per_item=PER_ITEM, **kw)
+    r.batcher.cost = CostModel(LinearCost(FIXED, PER_ITEM, 0.0), refit_every=10**9)
+    return r
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -11,21 +12,13 @@ from batcher import admission
 from batcher.cost import CostModel, LinearCost
 from batcher.errors import FerryError, QueueFull
 from batcher.load import IDLE, Load
-from batcher.policy import Dispatch, WaitUntil, adaptive, deadline, fixed
+from batcher.policy import (Dispatch, WaitUntil, adaptive, admit_adaptive, admit_deadline, admit_fixed, deadline,
+                            fixed, prompt_group)
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
-from batcher.types import Outcome, Priority, WorkItem
+from batcher.types import DispatchReason, Outcome, Priority, WorkItem
 
-from .conftest import Rig, run
-
-FIXED, PER_ITEM = 0.010, 0.002
-
-
-def exact_rig(**kw) -> Rig:
-    """A rig whose cost model knows the simulated engine exactly and never refits."""
-    r = Rig(fixed=FIXED, per_item=PER_ITEM, **kw)
-    r.batcher.cost = CostModel(LinearCost(FIXED, PER_ITEM, 0.0), refit_every=10**9)
-    return r
+from .conftest import FIXED, PER_ITEM, Rig, exact_rig, run
 
 
 arrivals = st.lists(
@@ -323,3 +316,75 @@ def test_refused_requests_count_as_offered_load():
         return b.load(r.clock.now()).reserve
 
     assert run(scenario()) == pytest.approx(0.010 + 0.002 * 23)
+
+
+# -- generation admission as pure functions ----------------------------------------------
+def _gen_queue(specs) -> RequestQueue:
+    """specs: (arrival, deadline, priority, prompt tokens)."""
+    q = RequestQueue(aging=10)
+    for arrival, dl, prio, tokens in specs:
+        q.push(WorkItem(payload=None, arrival=arrival, deadline=dl, priority=prio, cost=tokens))
+    return q
+
+
+RUNNING = Load(free_slots=8, slots_free_at=(0.5,))  # one sequence runs, eight slots free
+
+
+def test_generation_policies_join_at_once_when_nothing_runs():
+    s = BatchingSettings(max_batch_size=4, max_wait_ms=50)
+    q = _gen_queue([(0.0, 10.0, Priority.INTERACTIVE, 30)] * 2)
+    for policy in (admit_fixed, admit_deadline, admit_adaptive):
+        d = policy(q, 0.0, s, COST, Load(free_slots=8))
+        assert d == Dispatch(2, DispatchReason.ADAPTIVE)
+
+
+def test_generation_fixed_waits_for_size_or_max_wait_while_something_runs():
+    s = BatchingSettings(policy="fixed", max_batch_size=4, max_wait_ms=50)
+    q = _gen_queue([(0.0, 10.0, Priority.INTERACTIVE, 30)] * 2)
+    assert admit_fixed(q, 0.0, s, COST, RUNNING) == WaitUntil(0.050)
+    assert admit_fixed(q, 0.050, s, COST, RUNNING) == Dispatch(2, DispatchReason.MAX_WAIT)
+    q4 = _gen_queue([(0.0, 10.0, Priority.INTERACTIVE, 30)] * 5)
+    assert admit_fixed(q4, 0.0, s, COST, RUNNING) == Dispatch(4, DispatchReason.FULL)
+    # Two free slots: the group cannot grow past them, so waiting cannot help.
+    assert admit_fixed(q4, 0.0, s, COST, Load(free_slots=2, slots_free_at=(0.5,))) == Dispatch(2, DispatchReason.FULL)
+
+
+def test_generation_group_respects_the_prefill_token_budget():
+    s = BatchingSettings(policy="fixed", max_batch_size=8, max_wait_ms=0, prefill_token_budget=100)
+    q = _gen_queue([(0.0, 10.0, Priority.INTERACTIVE, 40)] * 4)
+    assert prompt_group(q, 0.0, s, COST, RUNNING) == q.peek(2, 0.0)  # 80 tokens; a third would be 120
+    big = _gen_queue([(0.0, 10.0, Priority.INTERACTIVE, 500)])
+    assert len(prompt_group(big, 0.0, s, COST, RUNNING)) == 1  # one prompt always fits
+
+
+def test_generation_deadline_joins_early_for_a_first_token_deadline():
+    """Prefill of 2 prompts of 30 tokens: 10 + 2*2 = 14 ms by COST (no per-token term);
+    the 40 ms first-token deadline with a 1 ms margin must start by 25 ms."""
+    s = BatchingSettings(policy="deadline", max_batch_size=4, max_wait_ms=50, deadline_margin_ms=1)
+    q = _gen_queue([(0.0, 0.040, Priority.INTERACTIVE, 30), (0.0, 10.0, Priority.INTERACTIVE, 30)])
+    assert admit_deadline(q, 0.0, s, COST, RUNNING) == WaitUntil(pytest.approx(0.025))
+    assert admit_deadline(q, 0.025, s, COST, RUNNING) == Dispatch(2, DispatchReason.DEADLINE)
+    assert admit_fixed(q, 0.025, s, COST, RUNNING) == WaitUntil(0.050)  # fixed ignores deadlines
+
+
+def test_generation_adaptive_waits_only_while_company_is_coming():
+    """Prefill's fixed cost is 10 ms: at 5 prompts/s nobody joins during it, so a prompt
+    joins the running batch at the next iteration; at 400/s four arrive, worth waiting for."""
+    s = BatchingSettings(policy="adaptive", max_batch_size=8, max_wait_ms=50)
+    q = _gen_queue([(0.0, 10.0, Priority.INTERACTIVE, 30)])
+    assert admit_adaptive(q, 0.0, s, COST, replace(RUNNING, offered_rate=5.0)) == Dispatch(1, DispatchReason.ADAPTIVE)
+    wait = admit_adaptive(q, 0.0, s, COST, replace(RUNNING, offered_rate=400.0))
+    assert isinstance(wait, WaitUntil) and wait.t == pytest.approx(3 / 400)
+
+
+def test_generation_batch_class_prompts_leave_slots_to_interactive_ones():
+    """Four free slots, two kept for interactive work: batch-class prompts take two, an
+    interactive one any; a batch-class prompt that has aged past aging_ms is not held back."""
+    s = BatchingSettings(policy="fixed", max_batch_size=8, max_wait_ms=0)
+    load = Load(free_slots=4, interactive_slots=2, slots_free_at=(0.5,))
+    batch = _gen_queue([(0.0, 10.0, Priority.BATCH, 30)] * 4)
+    assert len(prompt_group(batch, 0.0, s, COST, load)) == 2
+    mixed = _gen_queue([(0.0, 10.0, Priority.INTERACTIVE, 30)] + [(0.0, 10.0, Priority.BATCH, 30)] * 4)
+    assert len(prompt_group(mixed, 0.0, s, COST, load)) == 2  # the interactive one, then one batch
+    assert len(prompt_group(batch, 11.0, s, COST, load)) == 4  # aged: ordered as interactive
+    assert len(prompt_group(batch, 0.0, s, COST, replace(load, interactive_slots=4))) == 0

@@ -220,3 +220,52 @@ def test_a_delivery_failure_ends_only_the_item_it_hit():
     assert bad.outcome is Outcome.ERROR
     with pytest.raises(EngineError, match="delivering the output failed"):
         bad.future.result()
+
+
+def test_a_chat_burst_after_a_quiet_spell_is_admitted_in_full():
+    """Three requests one after another, a quiet second, then 100 at once (32 tokens, 10 s
+    budget): every slot's end is predicted from the decode cost, so the burst is admitted
+    (64 now, 36 as slots free) instead of refused for the few completions lately."""
+
+    async def scenario():
+        r = GenRig(max_running=64, max_batch_size=32, max_wait_ms=5, default_budget_ms=10_000, per_row=0.0002)
+        r.sched.decode_cost._fit = LinearCost(0.010, 0.0002, 0.0)  # as a warm-up profile would seed it
+        await r.sched.start()
+        for _ in range(3):
+            one = r.submit(32)
+            await r.clock.run_until_idle()
+            assert one.future.result().completion_tokens == 32
+        await r.clock.advance(1.0)
+        burst = [r.submit(32) for _ in range(100)]  # raises DeadlineInfeasible if refused
+        await r.clock.run_until_idle()
+        assert all(i.future.result().completion_tokens == 32 for i in burst)
+        assert all(i.dispatched_at <= i.deadline for i in burst)
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_chat_batch_class_prompts_leave_slots_to_interactive_ones():
+    """Interactive first for generation: with interactive requests arriving, batch-class
+    prompts do not take the slots they need, so an interactive request admitted while
+    batch work waits gets a slot at the next iteration."""
+
+    async def scenario():
+        from batcher.types import Priority
+
+        r = GenRig(max_running=8, max_batch_size=8, max_wait_ms=0, default_budget_ms=None)
+        r.sched.decode_cost._fit = LinearCost(0.010, 0.0, 0.0)
+        await r.sched.start()
+        first = r.submit(50, budget=5.0)  # interactive: from now on interactive work is arriving
+        jobs = [r.submit(50, budget=60.0, priority=Priority.BATCH) for _ in range(20)]
+        await r.clock.advance(0.05)
+        assert r.sched.running < 8  # batch-class work left slots free
+        late = r.submit(5, budget=0.1)
+        await r.clock.advance(0.05)
+        assert late.dispatched_at is not None and late.dispatched_at <= late.arrival + 0.02
+        await r.clock.run_until_idle()
+        assert first.future.result().completion_tokens == 50 and late.future.result().completion_tokens == 5
+        assert all(j.finished for j in jobs)
+        await r.sched.stop()
+
+    run(scenario())

@@ -104,3 +104,34 @@ def test_admin_get_and_patch_apply_live_and_show_in_metrics(fake_server_factory)
     assert 'ferry_config_changes_total{model="fake-embed"} 1.0' in metrics
     r = httpx.post(s.url + "/v1/embeddings", json={"model": "fake-embed", "input": ["a"] * 10})
     assert r.status_code == 200 and int(r.headers["X-Ferry-Batch-Size"]) <= 4
+
+
+async def _one_by_one_then_burst(url: str, path: str, body: dict, singles: int, burst: int) -> list[int]:
+    limits = httpx.Limits(max_connections=burst + 10)
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as c:
+        for _ in range(singles):
+            assert (await c.post(path, json=body)).status_code == 200
+        await asyncio.sleep(1.0)  # a quiet spell
+        replies = await asyncio.gather(*(c.post(path, json=body) for _ in range(burst)))
+        return [r.status_code for r in replies]
+
+
+def test_an_embeddings_burst_after_a_quiet_spell_is_served_in_full(fake_server_factory):
+    """A few single requests, a quiet second, then 40 at once (max_batch_size 16,
+    max_wait_ms 20, the 10 s default budget): none is refused (was: 23 of 40, with
+    predictions of ~32 s from the few completions of the quiet spell)."""
+    engine = FakeEmbeddingEngine(fixed=0.05, per_item=0.001)  # slow enough for a queue to form
+    s = fake_server_factory(embed=engine, max_batch_size=16, max_wait_ms=20)
+    statuses = asyncio.run(_one_by_one_then_burst(s.url, "/v1/embeddings", EMB, 3, 40))
+    assert statuses == [200] * 40
+
+
+def test_a_chat_burst_after_a_quiet_spell_is_served_in_full(fake_server_factory):
+    """Three chat requests one after another, a quiet second, then 100 at once
+    (max_tokens 32, no budget: the 10 s default): none is refused (was: 67 of 100)."""
+    from engine.fake import FakeGenerationEngine
+
+    s = fake_server_factory(chat=FakeGenerationEngine(step_delay=0.02))
+    body = {"model": "fake-chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 32}
+    statuses = asyncio.run(_one_by_one_then_burst(s.url, "/v1/chat/completions", body, 3, 100))
+    assert statuses == [200] * 100
