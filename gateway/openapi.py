@@ -1,5 +1,7 @@
-"""GET /openapi.json: an OpenAPI 3 description of every public route, generated from the
-same pydantic models that validate requests, so it cannot drift from behaviour."""
+"""GET /openapi.json: an OpenAPI 3.1 description of every public route, generated from the
+same pydantic models that validate requests (made for this server's limits), so it cannot
+drift from behaviour. Once the models are loaded it also names what only the server knows:
+the served models of each route and the embedding sizes they produce."""
 from __future__ import annotations
 
 from typing import Any
@@ -9,6 +11,8 @@ from pydantic.json_schema import models_json_schema
 from starlette.requests import Request
 
 from . import schemas as s
+from .config import ServerConfig
+from .models import CHAT, EMBEDDING
 from .responses import json_response
 
 REF = "#/components/schemas/{model}"
@@ -23,62 +27,74 @@ ERRORS = {
     "503": "Loading or draining (see Retry-After)",
     "504": "Latency budget exceeded while queued",
 }
-
-# (path, method, summary, request model, 200 model, stream?, tags, extra parameters)
-OPERATIONS: list[tuple[str, str, str, type[BaseModel] | None, type[BaseModel] | None, bool, str]] = [
-    ("/v1/embeddings", "post", "Create embeddings; each input is its own work item", s.EmbeddingsRequest, s.EmbeddingsResponse, False, "v1"),
-    ("/v1/chat/completions", "post", "Chat completions for one or several conversations", s.ChatCompletionRequest, s.ChatCompletionResponse, True, "v1"),
-    ("/v1/completions", "post", "Completions for one or several prompts", s.CompletionRequest, s.CompletionResponse, True, "v1"),
-    ("/v1/models", "get", "List served models", None, s.ModelList, False, "v1"),
-    ("/v1/models/{model}", "get", "One served model", None, s.ModelCard, False, "v1"),
-    ("/healthz", "get", "Liveness", None, s.Status, False, "ops"),
-    ("/readyz", "get", "Readiness: models loaded and warmed up", None, s.Status, False, "ops"),
-    ("/admin/models/{model}/batching", "get", "Current batching settings", None, s.BatchingSettingsOut, False, "admin"),
-    ("/admin/models/{model}/batching", "patch", "Change batching settings live", s.BatchingPatch, s.BatchingSettingsOut, False, "admin"),
-]
-
-_extra_paths: dict[str, dict[str, Any]] = {}
-_extra_models: list[type[BaseModel]] = []
+# One server-sent event (Open API 3.1: the schema of a stream describes each event).
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "description": "With stream=true: one chunk per event, then `data: [DONE]`",
+             "properties": {"data": {"type": "string", "description": "A chunk as JSON, or [DONE]"},
+                            "event": {"type": "string"}}}
+BATCH_ERRORS = ("400", "401", "404", "413", "422", "503")
 
 
-def register(path: str, method: str, operation: dict[str, Any], models: list[type[BaseModel]] = ()) -> None:
-    """Other route modules (batch jobs) add their operations here."""
-    _extra_paths.setdefault(path, {})[method] = operation
-    _extra_models.extend(models)
+def _operations(req: s.RequestModels) -> list[tuple]:
+    # (path, method, summary, request model, 200 model, stream?, tag)
+    return [
+        ("/v1/embeddings", "post", "Create embeddings; each input is its own work item", req.embeddings, s.EmbeddingsResponse, False, "v1"),
+        ("/v1/chat/completions", "post", "Chat completions for one or several conversations", req.chat, s.ChatCompletionResponse, True, "v1"),
+        ("/v1/completions", "post", "Completions for one or several prompts", req.completions, s.CompletionResponse, True, "v1"),
+        ("/v1/models", "get", "List served models", None, s.ModelList, False, "v1"),
+        ("/v1/models/{model}", "get", "One served model", None, s.ModelCard, False, "v1"),
+        ("/healthz", "get", "Liveness", None, s.Status, False, "ops"),
+        ("/readyz", "get", "Readiness: models loaded and warmed up", None, s.Status, False, "ops"),
+        ("/admin/models/{model}/batching", "get", "Current batching settings", None, s.BatchingSettingsOut, False, "admin"),
+        ("/admin/models/{model}/batching", "patch", "Change batching settings live", s.BatchingPatch, s.BatchingSettingsOut, False, "admin"),
+    ]
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
 
-def build() -> dict[str, Any]:
-    models = {m for op in OPERATIONS for m in (op[3], op[4]) if m is not None} | {s.ErrorResponse, *_extra_models}
-    ordered = sorted(models, key=lambda m: m.__name__)
+def _json(model: type[BaseModel]) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def build(cfg: ServerConfig | None = None, models: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The description for a server with this config; `models` (name -> ServedModel), once
+    loaded, add the served model names and embedding sizes."""
+    req = s.request_models(cfg or ServerConfig())
+    ops = _operations(req)
+    batch_models = [s.FileObject, s.BatchObject, s.BatchList]
+    from .jobs.validate import BatchCreate  # noqa: PLC0415 - jobs import the routes, which import this
+
+    wanted = {m for op in ops for m in (op[3], op[4]) if m is not None} | {s.ErrorResponse, BatchCreate, *batch_models}
+    ordered = sorted(wanted, key=lambda m: m.__name__)
     _, defs = models_json_schema([(m, "validation") for m in ordered], ref_template=REF)
+    components = defs.get("$defs", {})
+    if models:
+        _served_facts(components, models)
     paths: dict[str, dict[str, Any]] = {}
-    for path, method, summary, req, resp, stream, tag in OPERATIONS:
-        op: dict[str, Any] = {"summary": summary, "tags": [tag], "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}"}
+    for path, method, summary, body, resp, stream, tag in ops:
+        op: dict[str, Any] = {"summary": summary, "tags": [tag],
+                              "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}"}
         if "{model}" in path:
             op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
-        if req is not None:
-            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(req)}}}
-        content: dict[str, Any] = {"application/json": {"schema": _ref(resp)}} if resp is not None else {}
+        if body is not None:
+            op["requestBody"] = {"required": True, "content": _json(body)}
+        content: dict[str, Any] = _json(resp)
         if stream:
-            content["text/event-stream"] = {"schema": {"type": "string", "description": "SSE chunks when stream=true"}}
+            content["text/event-stream"] = {"schema": SSE_EVENT}
         responses: dict[str, Any] = {"200": {"description": "OK", "content": content}}
         if path == "/readyz":
-            responses["503"] = {"description": "Loading or draining", "content": {"application/json": {"schema": _ref(s.Status)}}}
+            responses["503"] = {"description": "Loading or draining", "content": _json(s.Status)}
         elif tag != "ops":
             for code, text in ERRORS.items():
-                responses[code] = {"description": text, "content": {"application/json": {"schema": _ref(s.ErrorResponse)}}}
+                responses[code] = {"description": text, "content": _json(s.ErrorResponse)}
         op["responses"] = responses
         if tag == "admin":
             op["security"] = [{"adminToken": []}]
         elif tag == "v1":
             op["security"] = [{"apiKey": []}, {}]
         paths.setdefault(path, {})[method] = op
-    for path, ops in _extra_paths.items():
-        paths.setdefault(path, {}).update(ops)
     _batch_jobs(paths)
     paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "tags": ["ops"], "operationId": "get_metrics",
                                  "responses": {"200": {"description": "Prometheus text format",
@@ -89,48 +105,100 @@ def build() -> dict[str, Any]:
                  "description": "Latency-aware dynamic micro-batching gateway (OpenAI-compatible)."},
         "paths": paths,
         "components": {
-            "schemas": defs.get("$defs", {}),
+            "schemas": components,
             "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"},
                                 "adminToken": {"type": "http", "scheme": "bearer"}},
         },
     }
 
 
+def _served_facts(components: dict[str, Any], models: dict[str, Any]) -> None:
+    """What the request models cannot know: which models each route serves (another name is
+    a 404) and the size each embedding model produces (`dimensions` is only that size)."""
+    names = {kind: sorted(n for n, m in models.items() if m.kind == kind) for kind in (EMBEDDING, CHAT)}
+    for schema_name, kind in (("EmbeddingsRequest", EMBEDDING), ("ChatCompletionRequest", CHAT), ("CompletionRequest", CHAT)):
+        if names[kind]:
+            components[schema_name]["properties"]["model"]["enum"] = names[kind]
+    dims = sorted({m.engine.dim for m in models.values() if m.kind == EMBEDDING})
+    if dims:
+        components["EmbeddingsRequest"]["properties"]["dimensions"] = {
+            "anyOf": [{"type": "integer", "enum": dims}, {"type": "null"}], "default": None,
+            "description": "The size the model produces (the only one it supports)."}
+
+
 def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
-    """The OpenAI batch API (gateway/routes/batches.py): request schema from BatchCreate;
-    file and batch objects follow OpenAI's shapes and are documented as objects."""
-    from .jobs.validate import BatchCreate
+    """The OpenAI batch API (gateway/routes/batches.py), with links from the operations that
+    create files and batches to those that use their ids, so a stateful fuzzer (or a
+    reader) follows real ids from one to the next."""
+    errors = {code: {"description": ERRORS[code], "content": _json(s.ErrorResponse)} for code in BATCH_ERRORS}
 
-    obj = {"type": "object"}
-    errors = {code: {"description": text, "content": {"application/json": {"schema": _ref(s.ErrorResponse)}}}
-              for code, text in ERRORS.items() if code in ("400", "401", "404", "413", "422", "503")}
-
-    def op(op_id: str, summary: str, content: dict[str, Any], param: str | None = None, body: dict | None = None) -> dict:
+    def op(op_id: str, summary: str, content: dict[str, Any], param: str | None = None, body: dict | None = None,
+           links: dict[str, Any] | None = None, query: list[dict] | None = None) -> dict:
+        ok: dict[str, Any] = {"description": "OK", "content": content}
+        if links:
+            ok["links"] = links
         out: dict[str, Any] = {"summary": summary, "tags": ["batch"], "operationId": op_id, "security": [{"apiKey": []}, {}],
-                               "responses": {"200": {"description": "OK", "content": content}, **errors}}
-        if param:
-            out["parameters"] = [{"name": param, "in": "path", "required": True, "schema": {"type": "string"}}]
+                               "responses": {"200": ok, **errors}}
+        params = [{"name": param, "in": "path", "required": True, "schema": {"type": "string"}}] if param else []
+        params += query or []
+        if params:
+            out["parameters"] = params
         if body:
             out["requestBody"] = body
         return out
 
+    def link(op_id: str, expr: str, param: str | None = None, body_field: str | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"operationId": op_id}
+        if param:
+            out["parameters"] = {param: expr}
+        if body_field:
+            out["requestBody"] = {body_field: expr}
+        return out
+
+    file_links = {"GetFile": link("get_file", "$response.body#/id", "file_id"),
+                  "GetFileContent": link("get_file_content", "$response.body#/id", "file_id"),
+                  "CreateBatch": link("post_batches", "$response.body#/id", body_field="input_file_id")}
+    batch_links = {"GetBatch": link("get_batch", "$response.body#/id", "batch_id"),
+                   "CancelBatch": link("cancel_batch", "$response.body#/id", "batch_id"),
+                   "GetInputFile": link("get_file", "$response.body#/input_file_id", "file_id"),
+                   "GetOutputContent": link("get_file_content", "$response.body#/output_file_id", "file_id"),
+                   "GetErrorContent": link("get_file_content", "$response.body#/error_file_id", "file_id")}
+    # Empty files are accepted (a batch made from one is refused: the file has no requests);
+    # multipart fields other than these two are refused, and the schema says so.
     upload = {"required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object", "required": ["purpose", "file"],
+        "type": "object", "required": ["purpose", "file"], "additionalProperties": False,
         "properties": {"purpose": {"type": "string", "enum": ["batch"]}, "file": {"type": "string", "format": "binary"}}}}}}
-    create = {"required": True, "content": {"application/json": {"schema": BatchCreate.model_json_schema(ref_template=REF)}}}
-    j = {"application/json": {"schema": obj}}
-    paths["/v1/files"] = {"post": op("post_files", "Upload a JSONL batch input file", j, body=upload)}
-    paths["/v1/files/{file_id}"] = {"get": op("get_file", "A file object", j, "file_id")}
-    paths["/v1/files/{file_id}/content"] = {"get": op("get_file_content", "A file's content (JSONL)",
-                                                      {"application/jsonl": {"schema": {"type": "string"}}}, "file_id")}
-    paths["/v1/batches"] = {"post": op("post_batches", "Create a batch job from an uploaded file", j, body=create),
-                            "get": op("list_batches", "List batch jobs (paginated with after and limit)", j)}
-    paths["/v1/batches/{batch_id}"] = {"get": op("get_batch", "A batch job: status and request counts", j, "batch_id")}
-    paths["/v1/batches/{batch_id}/cancel"] = {"post": op("cancel_batch", "Cancel a batch job", j, "batch_id")}
+    from .jobs.validate import BatchCreate  # noqa: PLC0415
+
+    create = {"required": True, "content": _json(BatchCreate)}
+    page = [{"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
+             "description": "A batch id: list the batches created before it"},
+            {"name": "limit", "in": "query", "required": False,
+             "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}}]
+    jsonl = {"application/jsonl": {"schema": {"type": "string"}}}
+    paths["/v1/files"] = {"post": op("post_files", "Upload a JSONL batch input file", _json(s.FileObject), body=upload,
+                                     links=file_links)}
+    paths["/v1/files/{file_id}"] = {"get": op("get_file", "A file object", _json(s.FileObject), "file_id",
+                                              links={"GetFileContent": file_links["GetFileContent"]})}
+    paths["/v1/files/{file_id}/content"] = {"get": op("get_file_content", "A file's content (JSONL)", jsonl, "file_id")}
+    paths["/v1/batches"] = {
+        "post": op("post_batches", "Create a batch job from an uploaded file", _json(s.BatchObject), body=create,
+                   links=batch_links),
+        "get": op("list_batches", "List batch jobs, newest first (paginated with after and limit)", _json(s.BatchList),
+                  query=page, links={"GetFirstBatch": link("get_batch", "$response.body#/first_id", "batch_id")}),
+    }
+    paths["/v1/batches/{batch_id}"] = {"get": op("get_batch", "A batch job: status and request counts", _json(s.BatchObject),
+                                                 "batch_id", links=batch_links)}
+    paths["/v1/batches/{batch_id}/cancel"] = {"post": op("cancel_batch", "Cancel a batch job", _json(s.BatchObject),
+                                                         "batch_id", links={"GetBatch": batch_links["GetBatch"]})}
 
 
 async def openapi(request: Request):
-    app = request.app
-    if getattr(app.state, "openapi", None) is None:
-        app.state.openapi = build()
-    return json_response(app.state.openapi)
+    ferry = request.app.state.ferry
+    cached = getattr(request.app.state, "openapi", None)
+    if cached is not None:
+        return json_response(cached)
+    description = build(ferry.config, ferry.models if ferry.ready else None)
+    if ferry.ready:  # before that it lacks the served models; build again next time
+        request.app.state.openapi = description
+    return json_response(description)

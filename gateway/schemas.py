@@ -7,16 +7,26 @@ import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
 
+def _integral(v: Any) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+# JSON Schema's "integer" includes 2.0 and excludes true; the request models are strict (no
+# true for 1, no "5" for 5) but take a float with no fraction as the integer it is. It goes
+# after the constraints: before them, pydantic would write them as unknown keywords (ge, le).
+Integral = BeforeValidator(_integral)
 Budget = Annotated[float, Field(gt=0, le=3_600_000, description="Latency budget in milliseconds.")]
 PriorityName = Literal["interactive", "batch"]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    # strict: JSON true is not the integer 1, nor "5" the number 5; the schema says
+    # "integer" and "number", and the server means it.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 class Scheduling(Strict):
@@ -31,7 +41,7 @@ class EmbeddingsRequest(Scheduling):
     input: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(min_length=1)]] = Field(
         description="A string or a list of strings; each becomes its own work item.")
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = Field(None, ge=1)
+    dimensions: Annotated[int, Field(ge=1), Integral] | None = None
 
 
 class EmbeddingData(BaseModel):
@@ -75,8 +85,8 @@ class ChatMessage(Strict):
 Conversation = Annotated[list[ChatMessage], Field(min_length=1)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
-MaxTokens = Annotated[int, Field(ge=1, le=1_000_000)]
-Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
+MaxTokens = Annotated[int, Field(ge=1, le=1_000_000), Integral]
+Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Integral]
 StopList = Annotated[list[str], Field(max_length=16)]
 
 
@@ -94,7 +104,7 @@ class GenerationParams(Scheduling):
     seed: Union[Seed, list[Seed], None] = None
     stop: Union[str, StopList, list[Union[str, StopList, None]], None] = Field(
         None, description="A string or list of strings for every prompt, or a per-prompt list of lists.")
-    n: int = Field(1, ge=1, le=16)
+    n: Annotated[int, Field(ge=1, le=16), Integral] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
@@ -140,13 +150,13 @@ class BatchingPatch(Strict):
     """Only the fields sent change. `default_budget_ms` and `max_itl_ms` may be null (no
     default budget, no inter-token limit); the others may not."""
 
-    max_batch_size: int = Optional(ge=1, le=1_000_000)
+    max_batch_size: Annotated[int, Field(ge=1, le=1_000_000), Integral] = Optional()
     max_wait_ms: float = Optional(ge=0, lt=3_600_000)
     policy: Literal["fixed", "deadline", "adaptive"] = Optional()
-    max_queue: int = Optional(ge=1, le=1_000_000)
+    max_queue: Annotated[int, Field(ge=1, le=1_000_000), Integral] = Optional()
     default_budget_ms: float | None = Field(None, gt=0, lt=3_600_000)
     max_itl_ms: float | None = Field(None, gt=0, lt=3_600_000)
-    max_running: int = Optional(ge=1, le=1_000_000)
+    max_running: Annotated[int, Field(ge=1, le=1_000_000), Integral] = Optional()
     on_infeasible: Literal["reject", "serve"] = Optional()
     aging_ms: float = Optional(ge=0, lt=3_600_000)
     interactive_first: StrictBool = Optional()
@@ -248,6 +258,56 @@ class BatchingSettingsOut(BaseModel):
     prefill_token_budget: int
     mode: str
     cost_model: dict[str, Any] | None = None
+
+
+# -- batch API objects (OpenAI's shapes; gateway/routes/batches.py builds them) -------------
+class FileObject(BaseModel):
+    id: str
+    object: Literal["file"]
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str
+    expires_at: int | None
+    status_details: str | None
+
+
+class BatchRequestCounts(BaseModel):
+    total: int
+    completed: int
+    failed: int
+
+
+class BatchObject(BaseModel):
+    id: str
+    object: Literal["batch"]
+    endpoint: str
+    errors: dict[str, Any] | None
+    input_file_id: str
+    completion_window: str
+    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: int
+    in_progress_at: int | None
+    expires_at: int | None
+    finalizing_at: int | None
+    completed_at: int | None
+    failed_at: int | None
+    expired_at: int | None
+    cancelling_at: int | None
+    cancelled_at: int | None
+    request_counts: BatchRequestCounts
+    metadata: dict[str, str] | None
+
+
+class BatchList(BaseModel):
+    object: Literal["list"]
+    data: list[BatchObject]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
 
 
 # -- the server's own limits, in the models it validates with ------------------------------
@@ -406,4 +466,6 @@ def _bounded(lim: Limits) -> RequestModels:
                                           {"n": len(v), "limit": I})
             return v
 
+    for model in (Chat, Completions, Embeddings):
+        model.__name__ = model.__qualname__
     return RequestModels(Embeddings, Chat, Completions)

@@ -48,7 +48,8 @@ def _jobs(request: Request):
 # -- files ---------------------------------------------------------------------------------
 async def create_file(request: Request, ctx: Ctx) -> Response:
     """multipart/form-data with `purpose` and `file` (what the openai client sends), or,
-    for curl convenience, the raw JSONL as the body with `?purpose=batch&filename=...`."""
+    for curl convenience, the raw JSONL as the body with `?purpose=batch&filename=...`.
+    An empty file is stored like any other; a batch made from it is refused (no requests)."""
     ctype = request.headers.get("content-type", "")
     if ctype.startswith("multipart/form-data"):
         content, filename, purpose = await _multipart(request)
@@ -57,13 +58,14 @@ async def create_file(request: Request, ctx: Ctx) -> Response:
                        param="file")
     else:
         content = await read_body(request, MAX_FILE_BYTES)
+        if not content:  # no multipart and no body: nothing was sent (an empty multipart file is fine)
+            raise APIError(422, "upload the file as multipart/form-data with fields 'purpose' and 'file'",
+                           code="invalid_value", param="file")
         filename = request.query_params.get("filename") or "upload.jsonl"
         purpose = request.query_params.get("purpose", "batch")
     if purpose not in PURPOSES:
         raise APIError(422, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", code="invalid_value",
                        param="purpose")
-    if not content:
-        raise APIError(422, "the file is empty", code="invalid_value", param="file")
     if len(content) > MAX_FILE_BYTES:
         raise APIError(413, f"the file exceeds the limit of {MAX_FILE_BYTES} bytes", code="body_too_large")
     row = await _jobs(request).upload(content, filename[:256], purpose)
@@ -89,6 +91,9 @@ async def _multipart(request: Request) -> tuple[bytes, str, str]:
     except MultiPartException as exc:
         raise APIError(400, f"invalid multipart upload: {exc.message}", code="invalid_request") from None
     try:
+        unknown = sorted(set(form.keys()) - {"file", "purpose"})
+        if unknown:
+            raise APIError(422, f"{unknown[0]}: unknown form field", code="invalid_value", param=unknown[0])
         upload = form.get("file")
         purpose = form.get("purpose")
         if not isinstance(upload, UploadFile):
