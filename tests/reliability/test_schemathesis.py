@@ -1,25 +1,33 @@
-"""schemathesis against /openapi.json: generated requests on every route never get a 5xx
-and every response matches the documented schema (fake engines, real socket).
+"""schemathesis against /openapi.json, the whole CLI run (docs/reliability.md, "API description"):
+every check (`--checks all`), positive and negative data, the coverage, fuzzing and stateful
+phases (the stateful one follows the OpenAPI links from uploaded files to batches), against
+a real uvicorn with fake engines.
 
-Driven through schemathesis' hypothesis strategies (bounded examples per operation)
-rather than its pytest plugin, which does not load under this pytest version."""
+Fixed seed and case count in CI; a long local run:
+    FERRY_FUZZ_EXAMPLES=1000 FERRY_FUZZ_SEED=random .venv/bin/python -m pytest -q -s tests/reliability/test_schemathesis.py
+
+`positive_data_acceptance` runs through tests/reliability/fuzz_hooks.py, which exempts only
+the 422 codes whose rule JSON Schema cannot state."""
 from __future__ import annotations
 
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-import schemathesis
-from schemathesis.checks import (content_type_conformance, not_a_server_error, response_headers_conformance,
-                                 response_schema_conformance, status_code_conformance)
-from hypothesis import HealthCheck, given, settings
 
 from ..conftest import fake_app
 from ..live import live
 
-AUTH = {"Authorization": "Bearer admin-secret"}
-# Positive-data acceptance is left out on purpose: limits such as max_completion_tokens or
-# max_prompts are server settings, not schema constants, so schema-valid requests over a
-# limit are rightly refused with 422.
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance]
+ROOT = Path(__file__).resolve().parents[2]
+# 50 cases per operation: at 40, seed 1 already found every problem of issue 15 (the
+# refused tool role, null in the admin PATCH, the free-form batch endpoint, dimensions,
+# the Allow headers, the upload's extra fields); about 25 s here.
+EXAMPLES = int(os.environ.get("FERRY_FUZZ_EXAMPLES", "50"))
+SEED = os.environ.get("FERRY_FUZZ_SEED", "15")
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +37,21 @@ def api(tmp_path_factory):
         yield server
 
 
-def operations(url: str):
-    schema = schemathesis.openapi.from_url(url + "/openapi.json")
-    return [result.ok() for result in schema.get_all_operations()]
-
-
-def test_every_operation_conforms_to_its_schema(api):
-    ops = operations(api.url)
-    assert {f"{op.method.upper()} {op.path}" for op in ops} >= {
-        "POST /v1/embeddings", "POST /v1/chat/completions", "POST /v1/completions", "GET /v1/models",
-        "GET /readyz", "PATCH /admin/models/{model}/batching"}
-    for op in ops:
-        @given(case=op.as_strategy())
-        @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        def check(case):
-            response = case.call(timeout=30, headers=AUTH)
-            assert response.status_code < 500, (op.path, response.status_code, response.text[:500])
-            case.validate_response(response, checks=CHECKS)
-
-        check()
+@pytest.mark.timeout(600)
+def test_the_api_contract_holds_under_fuzzing(api, tmp_path):
+    seed = str(random.randrange(2**31)) if SEED == "random" else SEED
+    cmd = [sys.executable, "-m", "schemathesis.cli", "run", api.url + "/openapi.json",
+           "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--mode", "all",
+           "--phases", "examples,coverage,fuzzing,stateful", "--max-examples", str(EXAMPLES), "--seed", seed,
+           "-H", "Authorization: Bearer admin-secret", "--generation-database", "none", "--no-color",
+           "--workers", "1", "--report", "junit", "--report-dir", str(tmp_path)]
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.reliability.fuzz_hooks",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=540)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, f"schemathesis (seed {seed}) found problems:\n{out[-20000:]}"
+    ops = re.search(r"Operations:\s+(\d+) selected", out)
+    assert ops and int(ops.group(1)) >= 17, out[-3000:]  # every operation, batch API included
+    cases = re.search(r"(\d+) generated, \1 passed", out)
+    assert cases and int(cases.group(1)) > 1000, out[-3000:]
+    print(f"\nschemathesis: seed {seed}, {EXAMPLES} examples per operation, {cases.group(1)} cases passed")
