@@ -1,11 +1,18 @@
-"""Latency-aware scheduling benchmark, one run, one gateway, settings switched live:
+"""Latency-aware scheduling benchmark, one run, settings switched live. Three kinds of cell:
 
-open-loop Poisson arrivals of single-input embeddings at 25/50/80/100/150% of measured
-capacity; 30% interactive requests with a 100 ms budget, 70% batch-class with 1,000 ms.
-Compares a grid of `fixed` settings with `deadline` and `adaptive` (untuned defaults):
-goodput (requests finished within their budget, per second), p99 per class, rejections.
+- latency: open-loop Poisson arrivals of single-input embeddings at 25/50/80/100/150% of
+  measured capacity; 30% interactive requests with a 100 ms budget, 70% batch-class with
+  1,000 ms. Compares a grid of `fixed` settings with `deadline` and `adaptive` (untuned
+  defaults): goodput (requests finished within their budget, per second), p99 per class,
+  rejections.
+- burst: after 30 s idle, 4 x max_batch_size requests at once with a 1 s budget, for the
+  embeddings model and for chat (max_tokens 8; the budget covers the first token).
+  Target: no refusal, no expiry.
+- priority: interactive embeddings at 10% of capacity (100 ms budget) plus batch-class at
+  50/100/150/200% (1 s budget), with `interactive_first` on (the default) and off, side by
+  side. Target: >= 99% of interactive requests on time in every cell with it on.
 
-    python -m loadtests.bench_latency [--duration 6] [--out results/latency.json]
+    python -m loadtests.bench_latency [--cells latency,burst,priority] [--duration 6] [--out f.json]
 """
 from __future__ import annotations
 
@@ -18,17 +25,20 @@ import time
 import httpx
 
 from .bench_embeddings import MODEL, sentence
-from .openloop import Gateway, Sample, open_loop, pct
+from .openloop import Gateway, Sample, burst, open_loop, pct
 
 TOKEN = "bench-admin"
 INTERACTIVE_MS, BATCH_MS = 100.0, 1000.0
+CHAT_MODEL = "ferry-tiny-chat"
+BURST_IDLE_S, BURST_BUDGET_MS, CHAT_BURST_TOKENS = 30.0, 1000.0, 8
+PRIORITY_INTERACTIVE, PRIORITY_BATCH_LOADS = 0.10, (0.5, 1.0, 1.5, 2.0)
 FIXED_GRID = [(8, 0.0), (8, 10.0), (32, 0.0), (32, 10.0)]
 DEFAULTS = {"max_batch_size": 32, "max_wait_ms": 5.0}
 
 
-def make_send(seed: int):
+def make_send(seed: int, interactive_share: float = 0.3):
     rng = random.Random(seed)
-    classes = ["interactive" if rng.random() < 0.3 else "batch" for _ in range(200_000)]
+    classes = ["interactive" if rng.random() < interactive_share else "batch" for _ in range(200_000)]
 
     async def send(session, i: int) -> Sample:
         cls = classes[i]
@@ -54,6 +64,9 @@ def summarise(samples: list[Sample], duration: float) -> dict:
         good += len(within)
         out[cls] = {"sent": len(mine), "ok": len(ok), "within": len(within),
                     "attainment": len(within) / len(mine) if mine else float("nan"),
+                    "goodput": len(within) / span,
+                    "rejected": sum(1 for s in mine if s.status == 429),
+                    "expired": sum(1 for s in mine if s.status == 504),
                     "p99_ms": pct([s.latency * 1000 for s in ok], 99)}
     rejected = [s for s in samples if s.status == 429]
     out["goodput"] = good / span
@@ -87,31 +100,112 @@ async def _saturating_send(session, i):
         return Sample(0.0, 0.0, r.status)
 
 
+def burst_cell(url: str, model: str, size: int) -> dict:
+    """Idle, then 4 x max_batch_size requests at once with a 1 s budget."""
+    time.sleep(BURST_IDLE_S)
+    samples = asyncio.run(burst(4 * size, _burst_send(model), url))
+    ok = [s for s in samples if s.status == 200]
+    return {"model": model, "sent": len(samples), "ok": len(ok),
+            "within": sum(1 for s in ok if s.latency * 1000 <= BURST_BUDGET_MS),
+            "rejected": sum(1 for s in samples if s.status == 429),
+            "expired": sum(1 for s in samples if s.status == 504),
+            "errors": sum(1 for s in samples if s.status not in (200, 429, 504)),
+            "p50_ms": pct([s.latency * 1000 for s in ok], 50), "p99_ms": pct([s.latency * 1000 for s in ok], 99)}
+
+
+def _burst_send(model: str):
+    import orjson
+
+    async def send(session, i):
+        if model == CHAT_MODEL:
+            body = {"model": model, "messages": [{"role": "user", "content": sentence(i)}],
+                    "max_tokens": CHAT_BURST_TOKENS, "latency_budget_ms": BURST_BUDGET_MS}
+            path = "/v1/chat/completions"
+        else:
+            body = {"model": model, "input": sentence(i), "latency_budget_ms": BURST_BUDGET_MS}
+            path = "/v1/embeddings"
+        async with session.post(path, data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            return Sample(0.0, 0.0, r.status)
+
+    return send
+
+
+def run_bursts(duration: float) -> list[dict]:
+    rows = []
+    with Gateway("--admin-token", TOKEN) as gw:  # both default models
+        for model in (MODEL, CHAT_MODEL):
+            row = burst_cell(gw.url, model, DEFAULTS["max_batch_size"])
+            rows.append(row)
+            print(f"  burst after {BURST_IDLE_S:.0f} s idle, {row['sent']} x {model}: ok {row['ok']}"
+                  f" (within 1 s {row['within']})  429 {row['rejected']}  504 {row['expired']}  errors {row['errors']}"
+                  f"  p50 {row['p50_ms']:.0f} ms  p99 {row['p99_ms']:.0f} ms", flush=True)
+    return rows
+
+
+def run_priority(url: str, cap: float, duration: float) -> list[dict]:
+    rows = []
+    for batch_load in PRIORITY_BATCH_LOADS:
+        rate = (PRIORITY_INTERACTIVE + batch_load) * cap
+        share = PRIORITY_INTERACTIVE / (PRIORITY_INTERACTIVE + batch_load)
+        for first in (True, False):
+            configure(url, policy="adaptive", interactive_first=first, **DEFAULTS)
+            time.sleep(0.3)
+            seed = int(batch_load * 100)
+            samples = asyncio.run(open_loop(rate, duration, make_send(seed, share), url, seed=seed))
+            row = {"batch_load": batch_load, "interactive_first": first, "rate": rate, **summarise(samples, duration)}
+            rows.append(row)
+            i, b = row["interactive"], row["batch"]
+            print(f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  interactive_first={str(first):5s}"
+                  f"  interactive on time {i['attainment']:6.1%} (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
+                  f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%} (429 {b['rejected']}, 504 {b['expired']})",
+                  flush=True)
+    configure(url, interactive_first=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--duration", type=float, default=6.0)
     p.add_argument("--loads", default="0.25,0.5,0.8,1.0,1.5")
+    p.add_argument("--cells", default="latency,burst,priority")
     p.add_argument("--out", default="")
     a = p.parse_args()
+    cells = set(a.cells.split(","))
+    out: dict = {}
+    if "burst" in cells:
+        out["burst"] = run_bursts(a.duration)
+    if cells & {"latency", "priority"}:
+        with Gateway("--chat-model", "none", "--admin-token", TOKEN) as gw:
+            cap = capacity(gw.url, a.duration)
+            out["capacity"] = cap
+            print(f"measured capacity: {cap:.1f} req/s (adaptive, saturated)")
+            if "priority" in cells:
+                out["priority"] = run_priority(gw.url, cap, a.duration)
+            if "latency" in cells:
+                out["results"] = run_latency(gw.url, cap, a)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+def run_latency(url: str, cap: float, a) -> list[dict]:
     loads = [float(x) for x in a.loads.split(",")]
     configs = [(f"fixed b={b} w={w:g}", {"policy": "fixed", "max_batch_size": b, "max_wait_ms": w}) for b, w in FIXED_GRID]
     configs += [("deadline (defaults)", {"policy": "deadline", **DEFAULTS}), ("adaptive (defaults)", {"policy": "adaptive", **DEFAULTS})]
     results = []
-    with Gateway("--chat-model", "none", "--admin-token", TOKEN) as gw:
-        cap = capacity(gw.url, a.duration)
-        print(f"measured capacity: {cap:.1f} req/s (adaptive, saturated)")
-        for load in loads:
-            rate = load * cap
-            for name, settings in configs:
-                configure(gw.url, **settings)
-                time.sleep(0.3)
-                samples = asyncio.run(open_loop(rate, a.duration, make_send(int(load * 100)), gw.url, seed=int(load * 100)))
-                row = {"load": load, "rate": rate, "config": name, **summarise(samples, a.duration)}
-                results.append(row)
-                print(f"  {load:4.0%} {rate:6.1f}/s {name:20s} goodput {row['goodput']:6.1f}/s"
-                      f"  interactive {row['interactive']['attainment']:6.1%} p99 {row['interactive']['p99_ms']:7.1f} ms"
-                      f"  batch {row['batch']['attainment']:6.1%} p99 {row['batch']['p99_ms']:7.1f} ms"
-                      f"  429 {row['rejected']:4d} (p99 {row['p99_429_ms']:5.1f} ms)  504 {row['expired']:4d}", flush=True)
+    for load in loads:
+        rate = load * cap
+        for name, settings in configs:
+            configure(url, **settings)
+            time.sleep(0.3)
+            samples = asyncio.run(open_loop(rate, a.duration, make_send(int(load * 100)), url, seed=int(load * 100)))
+            row = {"load": load, "rate": rate, "config": name, **summarise(samples, a.duration)}
+            results.append(row)
+            print(f"  {load:4.0%} {rate:6.1f}/s {name:20s} goodput {row['goodput']:6.1f}/s"
+                  f"  interactive {row['interactive']['attainment']:6.1%} p99 {row['interactive']['p99_ms']:7.1f} ms"
+                  f"  batch {row['batch']['attainment']:6.1%} p99 {row['batch']['p99_ms']:7.1f} ms"
+                  f"  429 {row['rejected']:4d} (p99 {row['p99_429_ms']:5.1f} ms)  504 {row['expired']:4d}", flush=True)
     print("\nsummary: adaptive vs best fixed goodput, per load")
     for load in loads:
         rows = [r for r in results if r["load"] == load]
@@ -119,9 +213,7 @@ def main() -> None:
         ada = next(r for r in rows if r["config"].startswith("adaptive"))
         print(f"  {load:4.0%}: adaptive {ada['goodput']:6.1f}/s vs best fixed {best['goodput']:6.1f}/s ({best['config']})"
               f" = {ada['goodput'] / best['goodput']:.2f}x; interactive attainment {ada['interactive']['attainment']:.1%}")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"capacity": cap, "results": results}, f, indent=1)
+    return results
 
 
 if __name__ == "__main__":

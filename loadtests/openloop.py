@@ -110,6 +110,16 @@ async def open_loop(rate: float, duration: float, send: Callable[[Any, int], Any
     return samples
 
 
+async def burst(n: int, send: Callable[[Any, int], Any], url: str) -> list[Sample]:
+    """Send `n` requests at once (one connection each) and wait for every answer."""
+    samples: list[Sample] = []
+    connector = aiohttp.TCPConnector(limit=n)
+    async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+        start = time.perf_counter()
+        await asyncio.gather(*(_timed(send, session, i, start, samples) for i in range(n)))
+    return samples
+
+
 LAST_RUN: dict[str, float] = {}  # CPU share of one core the load generator itself used
 
 
