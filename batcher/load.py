@@ -111,9 +111,9 @@ class LoadTracker:
         That load is the offered arrival rate plus draining the queued work due within
         RATE_HORIZON. Offered, not admitted: under overload admission refuses what small
         batches cannot carry, and sizing by what was admitted would lock in small batches.
-        With `interactive_first` (the default) only interactive work counts: batch-class
-        work absorbs the shortfall and never makes batches too long for an interactive
-        budget. Without it, every urgent item counts (total throughput first).
+        With `interactive_first` only interactive work counts: batch-class work absorbs the
+        shortfall and never makes batches too long for an interactive budget. Without it
+        (the default), every urgent item counts (total throughput first).
         """
         cls = Priority.INTERACTIVE if s.interactive_first else None
         rate = self.offered_rate(now, cls) + queue.due_within(now + RATE_HORIZON, cls) / RATE_HORIZON

@@ -35,8 +35,10 @@ class BatchingSettings:
     on_infeasible: str = "reject"
     # Interactive first: while interactive requests arrive, batches are sized for their
     # budgets and batch-class work absorbs the shortfall (waits, is refused, or expires by
-    # its own budget). False: every urgent item sizes batches (total throughput first).
-    interactive_first: bool = True
+    # its own budget). False (the default for now): every urgent item sizes batches, total
+    # throughput first. Off by default because with 30% interactive traffic at 100-150% load
+    # it halved goodput (docs/benchmarks.md, "Admission and priority").
+    interactive_first: bool = False
     # Generation only.
     budget_scope: str = "ttft"
     max_itl_ms: float | None = None

@@ -157,7 +157,8 @@ def test_interactive_first_no_interactive_request_is_refused_or_late_whatever_ba
     rate. Batch-class work absorbs the shortfall: it waits, is refused or expires by its own
     budget; every interactive request is admitted and finishes within its budget."""
     assert max(gaps) < RESERVE_HORIZON
-    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=10_000, default_budget_ms=None)
+    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=10_000, default_budget_ms=None,
+                  interactive_first=True)
     interactive, refused, batch_items, batch_refused = run(mixed(r, gaps, waves, budget))
     assert refused == 0, "an interactive request was refused while batch-class work was served"
     done_at = {}

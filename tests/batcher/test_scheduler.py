@@ -253,7 +253,7 @@ def test_chat_batch_class_prompts_leave_slots_to_interactive_ones():
     async def scenario():
         from batcher.types import Priority
 
-        r = GenRig(max_running=8, max_batch_size=8, max_wait_ms=0, default_budget_ms=None)
+        r = GenRig(max_running=8, max_batch_size=8, max_wait_ms=0, default_budget_ms=None, interactive_first=True)
         r.sched.decode_cost._fit = LinearCost(0.010, 0.0, 0.0)
         await r.sched.start()
         first = r.submit(50, budget=5.0)  # interactive: from now on interactive work is arriving
