@@ -160,7 +160,7 @@ def run_priority(url: str, cap: float, duration: float) -> list[dict]:
                   f"  interactive on time {i['attainment']:6.1%} (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
                   f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%} (429 {b['rejected']}, 504 {b['expired']})",
                   flush=True)
-    configure(url, interactive_first=True)
+    configure(url, interactive_first=False)  # the default again
     return rows
 
 
