@@ -371,6 +371,12 @@ def _cap_stops(prop: dict, limit: int) -> None:
 def _bounded(lim: Limits) -> RequestModels:
     P, I, T, S = lim.max_prompts, lim.max_inputs, lim.max_completion_tokens, lim.max_stop_strings
 
+    def check_prompts(n: int, v: Any) -> Any:
+        if n > P:
+            raise PydanticCustomError("too_many_prompts", "request has {n} prompts; at most {limit} are allowed",
+                                      {"n": n, "limit": P})
+        return v
+
     def check_tokens(v: Any) -> Any:
         for x in (v if isinstance(v, list) else [v]):
             if x is not None and x > T:
@@ -415,11 +421,7 @@ def _bounded(lim: Limits) -> RequestModels:
         @field_validator("messages")
         @classmethod
         def _prompts(cls, v: Any) -> Any:
-            n = len(v) if isinstance(v[0], list) else 1
-            if n > P:
-                raise PydanticCustomError("too_many_prompts", "request has {n} prompts; at most {limit} are allowed",
-                                          {"n": n, "limit": P})
-            return v
+            return check_prompts(len(v) if isinstance(v[0], list) else 1, v)
 
         @field_validator("max_tokens", "max_completion_tokens")
         @classmethod
@@ -438,11 +440,7 @@ def _bounded(lim: Limits) -> RequestModels:
         @field_validator("prompt")
         @classmethod
         def _prompts(cls, v: Any) -> Any:
-            n = 1 if isinstance(v, str) else len(v)
-            if n > P:
-                raise PydanticCustomError("too_many_prompts", "request has {n} prompts; at most {limit} are allowed",
-                                          {"n": n, "limit": P})
-            return v
+            return check_prompts(1 if isinstance(v, str) else len(v), v)
 
         @field_validator("max_tokens")
         @classmethod
