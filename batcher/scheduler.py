@@ -79,7 +79,7 @@ class GenerationScheduler(QueueingBatcher):
     phase = "decode"
 
     def __init__(self, model: str, engine: Any, runner: Runner, settings, *,
-                 make_request: Callable[[int, list[int], Any], Any] | None = None, **kw):
+                 make_request: Callable[[int, list[int], Any], Any], **kw):
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
         # Children looked up once: these are touched for every generated token.
@@ -91,7 +91,9 @@ class GenerationScheduler(QueueingBatcher):
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
         self.decode_cost = CostModel(LinearCost(0.010, 0.0005, 0.0))
         self.cost = self.prefill_cost  # admission predicts time to first token from prefill
-        self._make_request = make_request or _default_request
+        # Builds the engine's request for one sequence; params None (the warm-up) means the
+        # engine's defaults. Passed in: the batcher does not import the engine.
+        self._make_request = make_request
         self._running: dict[int, _Seq] = {}
         self._removals: list[int] = []
         self._typical_steps = 16.0  # moving average of max_tokens, for how long a slot is held
@@ -410,12 +412,6 @@ def _apportion(r: _IterationResult, total: float) -> None:
     if not r.decoded_rows:
         share = 0.0
     r.decode_seconds, r.prefill_seconds = total * share, total * (1.0 - share)
-
-
-def _default_request(seq_id: int, prompt_ids: list[int], params: Any) -> Any:
-    from engine.base import SamplingParams, SequenceRequest  # engine.base is torch-free
-
-    return SequenceRequest(seq_id, list(prompt_ids), params if params is not None else SamplingParams(max_tokens=8, temperature=0.0))
 
 
 class SimulatedRunner:

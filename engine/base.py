@@ -52,6 +52,12 @@ class SequenceRequest:
     params: SamplingParams
 
 
+def sequence_request(seq_id: int, prompt_ids: list[int], params: SamplingParams | None) -> SequenceRequest:
+    """What the generation scheduler hands the engine for one sequence (its `make_request`);
+    no params (the scheduler's warm-up) means 8 greedy tokens."""
+    return SequenceRequest(seq_id, list(prompt_ids), params if params is not None else SamplingParams(max_tokens=8, temperature=0.0))
+
+
 @dataclass(slots=True)
 class StepOutput:
     """What one sequence produced in one engine call.

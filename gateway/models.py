@@ -128,8 +128,10 @@ async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> S
                                                 metrics=metrics, phase="embed")
     else:
         from batcher.scheduler import GenerationScheduler
+        from engine.base import sequence_request
 
-        batcher = GenerationScheduler(engine.name, engine, runner, settings, metrics=metrics)
+        batcher = GenerationScheduler(engine.name, engine, runner, settings, make_request=sequence_request,
+                                      metrics=metrics)
         if cfg.warmup:
             await batcher.warmup()
     await batcher.start()

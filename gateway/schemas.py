@@ -377,6 +377,13 @@ def _bounded(lim: Limits) -> RequestModels:
                                       {"n": n, "limit": P})
         return v
 
+    # Shared by the chat and completions models (pydantic reuses a validator function).
+    def limit_tokens(cls: type, v: Any) -> Any:
+        return check_tokens(v)
+
+    def limit_stops(cls: type, v: Any) -> Any:
+        return check_stops(v)
+
     def check_tokens(v: Any) -> Any:
         for x in (v if isinstance(v, list) else [v]):
             if x is not None and x > T:
@@ -423,15 +430,8 @@ def _bounded(lim: Limits) -> RequestModels:
         def _prompts(cls, v: Any) -> Any:
             return check_prompts(len(v) if isinstance(v[0], list) else 1, v)
 
-        @field_validator("max_tokens", "max_completion_tokens")
-        @classmethod
-        def _tokens(cls, v: Any) -> Any:
-            return check_tokens(v)
-
-        @field_validator("stop")
-        @classmethod
-        def _stops(cls, v: Any) -> Any:
-            return check_stops(v)
+        _tokens = field_validator("max_tokens", "max_completion_tokens")(limit_tokens)
+        _stops = field_validator("stop")(limit_stops)
 
     class Completions(CompletionRequest):
         __qualname__ = "CompletionRequest"  # its name in /openapi.json
@@ -442,15 +442,8 @@ def _bounded(lim: Limits) -> RequestModels:
         def _prompts(cls, v: Any) -> Any:
             return check_prompts(1 if isinstance(v, str) else len(v), v)
 
-        @field_validator("max_tokens")
-        @classmethod
-        def _tokens(cls, v: Any) -> Any:
-            return check_tokens(v)
-
-        @field_validator("stop")
-        @classmethod
-        def _stops(cls, v: Any) -> Any:
-            return check_stops(v)
+        _tokens = field_validator("max_tokens")(limit_tokens)
+        _stops = field_validator("stop")(limit_stops)
 
     class Embeddings(EmbeddingsRequest):
         __qualname__ = "EmbeddingsRequest"  # its name in /openapi.json

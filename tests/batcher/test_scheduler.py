@@ -13,7 +13,7 @@ from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler, GenRequest, SimulatedRunner
 from batcher.settings import BatchingSettings
 from batcher.types import Outcome
-from engine.base import SamplingParams
+from engine.base import SamplingParams, sequence_request
 from engine.fake import FakeGenerationEngine
 
 from .conftest import run
@@ -26,7 +26,8 @@ class GenRig:
         self.engine = FakeGenerationEngine(fail_prompts=fail_prompts)
         self.registry = CollectorRegistry()
         self.sched = GenerationScheduler("g", self.engine, SimulatedRunner(self.clock, self.engine, 0.010, per_row),
-                                         BatchingSettings(**settings), clock=self.clock, metrics=Metrics(self.registry))
+                                         BatchingSettings(**settings), make_request=sequence_request, clock=self.clock,
+                                         metrics=Metrics(self.registry))
 
     def submit(self, max_tokens: int, first_token: int = 1, **kw):
         payload = GenRequest([first_token, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0.0))

@@ -19,7 +19,7 @@ from batcher.microbatcher import MicroBatcher
 from batcher.scheduler import GenerationScheduler, GenRequest, SimulatedRunner
 from batcher.settings import BatchingSettings
 from batcher.types import Priority
-from engine.base import SamplingParams
+from engine.base import SamplingParams, sequence_request
 from engine.fake import FakeGenerationEngine, SimulatedExecutor
 
 
@@ -126,8 +126,8 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
         engine = FakeGenerationEngine()
         settings = BatchingSettings(max_running=2, max_batch_size=4, max_wait_ms=0, default_budget_ms=None,
                                     on_infeasible="serve")
-        s = GenerationScheduler("g", engine, SimulatedRunner(clock, engine, 0.010, 0.0), settings, clock=clock,
-                                metrics=Metrics(registry))
+        s = GenerationScheduler("g", engine, SimulatedRunner(clock, engine, 0.010, 0.0), settings,
+                                make_request=sequence_request, clock=clock, metrics=Metrics(registry))
         await s.start()
 
         def request(max_tokens: int, prompt: list[int]) -> GenRequest:
