@@ -16,16 +16,14 @@ from .endpoint import endpoint, route
 from .errors import APIError
 from . import openapi
 from .models import ModelSpec, default_specs
-from .routes import admin, embeddings, system
+from .jobs import JobRunner
+from .routes import admin, batches, chat, embeddings, system
 from .state import Ferry
 
 log = logging.getLogger("ferry.gateway")
 
 
 def routes() -> list[Route]:
-    from .routes import chat  # noqa: PLC0415 - chat imports nothing heavy, kept apart for clarity
-    from .routes import batches  # noqa: PLC0415
-
     return [
         Route("/healthz", system.healthz, methods=["GET"]),
         Route("/readyz", system.readyz, methods=["GET"]),
@@ -70,8 +68,6 @@ def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None
                 log.warning("drain timeout: %d accepted items ended with an error", failed)
             await ferry.jobs.close()
             await ferry.close()
-
-    from .jobs import JobRunner  # noqa: PLC0415
 
     ferry.jobs = JobRunner(ferry)
     app = Starlette(routes=routes(), lifespan=lifespan,

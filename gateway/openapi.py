@@ -12,6 +12,7 @@ from starlette.requests import Request
 
 from . import schemas as s
 from .config import ServerConfig
+from .jobs.validate import BatchCreate
 from .models import CHAT, EMBEDDING
 from .responses import json_response
 
@@ -64,8 +65,6 @@ def build(cfg: ServerConfig | None = None, models: dict[str, Any] | None = None)
     req = s.request_models(cfg or ServerConfig())
     ops = _operations(req)
     batch_models = [s.FileObject, s.BatchObject, s.BatchList]
-    from .jobs.validate import BatchCreate  # noqa: PLC0415 - jobs import the routes, which import this
-
     wanted = {m for op in ops for m in (op[3], op[4]) if m is not None} | {s.ErrorResponse, BatchCreate, *batch_models}
     ordered = sorted(wanted, key=lambda m: m.__name__)
     _, defs = models_json_schema([(m, "validation") for m in ordered], ref_template=REF)
@@ -168,8 +167,6 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
     upload = {"required": True, "content": {"multipart/form-data": {"schema": {
         "type": "object", "required": ["purpose", "file"], "additionalProperties": False,
         "properties": {"purpose": {"type": "string", "enum": ["batch"]}, "file": {"type": "string", "format": "binary"}}}}}}
-    from .jobs.validate import BatchCreate  # noqa: PLC0415
-
     create = {"required": True, "content": _json(BatchCreate)}
     page = [{"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
              "description": "A batch id: list the batches created before it"},

@@ -29,6 +29,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
+def one_or_many(value: str | list[str]) -> list[str]:
+    """`prompt` and `input` take one string or a list; everything past the request model sees a list."""
+    return [value] if isinstance(value, str) else value
+
+
+def as_conversations(messages: Any) -> list[list[ChatMessage]]:
+    """`messages` is one conversation or a list of them; everything past the request model sees a list."""
+    return messages if isinstance(messages[0], list) else [messages]
+
+
 class Scheduling(Strict):
     latency_budget_ms: Budget | None = Field(None, description="Overrides X-Ferry-Latency-Budget-Ms and the model default.")
     priority: PriorityName | None = Field(None, description="interactive (default) or batch.")
@@ -42,6 +52,10 @@ class EmbeddingsRequest(Scheduling):
         description="A string or a list of strings; each becomes its own work item.")
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1), Integral] | None = None
+
+    @property
+    def inputs(self) -> list[str]:
+        return one_or_many(self.input)
 
 
 class EmbeddingData(BaseModel):
@@ -88,6 +102,20 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000), Integral]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Integral]
 StopList = Annotated[list[str], Field(max_length=16)]
+Stop = Union[str, StopList, list[Union[str, StopList, None]], None]
+
+
+def stop_lists(stop: Stop) -> tuple[bool, list[list[str]]]:
+    """(shared, lists): a string or a list of strings applies to every prompt (OpenAI), so
+    it is one shared list; a list holding anything else (a list, null) has one entry per
+    prompt. No stop at all is one shared empty list."""
+    if stop is None:
+        return True, [[]]
+    if isinstance(stop, str):
+        return True, [[stop]]
+    if all(isinstance(s, str) for s in stop):
+        return True, [list(stop)]  # type: ignore[arg-type]
+    return False, [[s] if isinstance(s, str) else list(s or []) for s in stop]
 
 
 class StreamOptions(Strict):
@@ -102,7 +130,7 @@ class GenerationParams(Scheduling):
     top_p: Union[TopP, list[TopP], None] = None
     max_tokens: Union[MaxTokens, list[MaxTokens], None] = None
     seed: Union[Seed, list[Seed], None] = None
-    stop: Union[str, StopList, list[Union[str, StopList, None]], None] = Field(
+    stop: Stop = Field(
         None, description="A string or list of strings for every prompt, or a per-prompt list of lists.")
     n: Annotated[int, Field(ge=1, le=16), Integral] = 1
     stream: StrictBool = False
@@ -123,7 +151,7 @@ class ChatCompletionRequest(GenerationParams):
 
     @property
     def conversations(self) -> list[list[ChatMessage]]:
-        return self.messages if isinstance(self.messages[0], list) else [self.messages]  # type: ignore[list-item]
+        return as_conversations(self.messages)
 
 
 class CompletionRequest(GenerationParams):
@@ -132,7 +160,7 @@ class CompletionRequest(GenerationParams):
 
     @property
     def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+        return one_or_many(self.prompt)
 
 
 # -- admin ------------------------------------------------------------------------
@@ -391,10 +419,7 @@ def _bounded(lim: Limits) -> RequestModels:
         return v
 
     def check_stops(v: Any) -> Any:
-        if v is None:
-            return v
-        shared = isinstance(v, str) or all(isinstance(x, str) for x in v)
-        groups = [[v] if isinstance(v, str) else v] if shared else [[x] if isinstance(x, str) else (x or []) for x in v]
+        _, groups = stop_lists(v)
         for i, stops in enumerate(groups):
             if len(stops) > S:
                 raise PydanticCustomError("too_many_stop_strings", "prompt {i} has {n} stop strings; at most {limit} are allowed",
@@ -428,7 +453,7 @@ def _bounded(lim: Limits) -> RequestModels:
         @field_validator("messages")
         @classmethod
         def _prompts(cls, v: Any) -> Any:
-            return check_prompts(len(v) if isinstance(v[0], list) else 1, v)
+            return check_prompts(len(as_conversations(v)), v)
 
         _tokens = field_validator("max_tokens", "max_completion_tokens")(limit_tokens)
         _stops = field_validator("stop")(limit_stops)
@@ -440,7 +465,7 @@ def _bounded(lim: Limits) -> RequestModels:
         @field_validator("prompt")
         @classmethod
         def _prompts(cls, v: Any) -> Any:
-            return check_prompts(1 if isinstance(v, str) else len(v), v)
+            return check_prompts(len(one_or_many(v)), v)
 
         _tokens = field_validator("max_tokens")(limit_tokens)
         _stops = field_validator("stop")(limit_stops)
@@ -452,9 +477,10 @@ def _bounded(lim: Limits) -> RequestModels:
         @field_validator("input")
         @classmethod
         def _inputs(cls, v: Any) -> Any:
-            if isinstance(v, list) and len(v) > I:
+            n = len(one_or_many(v))
+            if n > I:
                 raise PydanticCustomError("too_many_inputs", "input has {n} items; at most {limit} are allowed per request",
-                                          {"n": len(v), "limit": I})
+                                          {"n": n, "limit": I})
             return v
 
     for model in (Chat, Completions, Embeddings):

@@ -1,8 +1,8 @@
 """The batch-job executor.
 
 One task per active job walks its pending lines in order and keeps at most
-`LINES_IN_FLIGHT` of them in flight. Each line is prepared like a direct request
-(tokenize, plan) and submitted with `submit_many(priority=Priority.BATCH)` to the same
+`LINES_IN_FLIGHT` of them in flight. Each line is translated like a direct request
+(gateway/translate/) and submitted with `submit_many(priority=Priority.BATCH)` to the same
 micro-batcher interactive requests use, so batch work fills the capacity interactive work
 leaves and never pushes interactive requests past their budgets. A refusal at admission
 (queue full, deadline infeasible) is not a failure: the line waits and tries again.
@@ -35,7 +35,7 @@ from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
 from ..models import CHAT
-from ..responses import dumps
+from ..responses import dumps, json_response
 from . import store as st
 from .metrics import JobMetrics
 from .validate import MAX_REPORTED, BatchCreate, LineError, check_create, prepare, validate_file
@@ -64,8 +64,6 @@ class InvalidFile(APIError):
         self.errors = errors
 
     def response(self, headers: dict[str, str] | None = None):
-        from ..responses import json_response  # noqa: PLC0415
-
         body = error_body(self.status, self.message, self.code, self.param)
         body["error"]["lines"] = [e.line for e in self.errors]
         body["error"]["errors"] = {"object": "list", "data": [e.to_dict() for e in self.errors[:MAX_REPORTED]]}
@@ -413,12 +411,11 @@ class JobRunner:
         """(status, output record), or None when the line did not run (it stays pending)."""
         rid = uuid.uuid4().hex
         try:
-            work = prepare(self.ferry, row["url"], row["body"])
+            served, work = prepare(self.ferry, row["url"], row["body"])
         except APIError as exc:
             if exc.status == 503:
                 return None
             return st.FAILED, self._record(job, row, rid, exc.status, error_body(exc.status, exc.message, exc.code, exc.param))
-        served = work.served
         batcher = run.batcher = served.batcher
         share = self.shares.setdefault(served.name, Share())
         n = len(work.payloads)
@@ -449,7 +446,7 @@ class JobRunner:
         finally:
             share.release(n)
         if exc is None:
-            return st.COMPLETED, self._record(job, row, rid, 200, work.respond(results))
+            return st.COMPLETED, self._record(job, row, rid, 200, work.response(results))
         if isinstance(exc, (Cancelled, ShuttingDown, DeadlineExceeded)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
         err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, f"{type(exc).__name__}: {exc}")

@@ -1,9 +1,9 @@
 """Checking a batch input file, and turning one of its lines into work items.
 
 `validate_file` runs when a batch is created, on a worker thread (it is pure Python:
-JSON, pydantic, the routes' own limit checks; no tokenizer, no engine). Every line is
-checked and every fault reported with its 1-based line number, so a file is accepted
-whole or not at all, before any of it runs:
+JSON, pydantic, the translation layer's tokenizer-free checks; no tokenizer, no engine).
+Every line is checked and every fault reported with its 1-based line number, so a file
+is accepted whole or not at all, before any of it runs:
 
 - not a JSON object, missing/invalid `custom_id`, `method` other than POST;
 - `url` not a batch route, or not the batch's `endpoint`;
@@ -16,14 +16,15 @@ whole or not at all, before any of it runs:
 Checks that need the tokenizer (prompt length against the context) run when the line
 runs; a line failing them fails alone, in the error file, like a direct request would.
 
-`prepare` does at run time what the routes do per request: tokenize, plan, and say how
-to turn results into the same response body a direct request would get.
+`prepare` does at run time what the routes do per request: translate the body into work
+(gateway/translate/), which also says how to turn results into the same response body a
+direct request would get.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -32,6 +33,9 @@ from ..errors import APIError
 from ..http import validation_error
 from ..models import CHAT, EMBEDDING
 from ..schemas import request_models
+from ..translate.chat import check_generation, generation_work
+from ..translate.embeddings import check_embeddings, embedding_work
+from ..translate.work import Work
 
 CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 ROUTES: dict[str, str] = {CHAT_URL: CHAT, COMPLETIONS_URL: CHAT, EMBEDDINGS_URL: EMBEDDING}  # url -> model kind
@@ -189,55 +193,19 @@ def _served(ferry: Any, url: str, body: Any) -> Any:
 
 
 def check_body(ferry: Any, url: str, body: Any) -> None:
-    """The routes' tokenizer-free checks (limits, per-prompt lists, known model)."""
-    from ..routes.chat import plan  # noqa: PLC0415
-    from ..routes.embeddings import check_inputs  # noqa: PLC0415
-
+    """The translation layer's tokenizer-free checks (limits, per-prompt lists, known model)."""
     served = _served(ferry, url, body)
-    cfg = ferry.config
     if url == EMBEDDINGS_URL:
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        check_inputs(texts, served, body, cfg)
-        return
-    n = len(body.conversations if url == CHAT_URL else body.prompts)
-    # One-token stand-in prompts: every check of plan() except prompt length, which needs the tokenizer.
-    plan(body, [[0]] * n, served, cfg, None if url == CHAT_URL else 16)
+        check_embeddings(body, served.engine)
+    else:
+        check_generation(body)
 
 
-@dataclass
-class Work:
-    """One line, ready to submit: payloads and costs for `submit_many`, and how to turn
-    the items' results (in order) into the response body."""
-
-    served: Any
-    payloads: list[Any]
-    costs: list[int]
-    respond: Callable[[list[Any]], dict] = field(repr=False)
-
-
-def prepare(ferry: Any, url: str, body_json: str) -> Work:
-    """Runs on the event loop, like the routes (tokenizers are not shared across threads).
+def prepare(ferry: Any, url: str, body_json: str) -> tuple[Any, Work]:
+    """The line's served model and its work, translated as the route would translate it.
+    Runs on the event loop, like the routes (tokenizers are not shared across threads).
     Raises APIError for a line that fails as a direct request would."""
-    from ..routes.chat import completion_body, make_plan  # noqa: PLC0415
-    from ..routes.embeddings import embeddings_body, tokenize_inputs  # noqa: PLC0415
-
     body = parse_body(ferry, url, orjson.loads(body_json))
     served = _served(ferry, url, body)
-    cfg = ferry.config
-    if url == EMBEDDINGS_URL:
-        texts = [body.input] if isinstance(body.input, str) else body.input
-        token_ids = tokenize_inputs(texts, served, body, cfg)
-
-        def respond_embed(results: list[Any]) -> dict:
-            return embeddings_body(results, served, body)
-
-        return Work(served, token_ids, [len(t) for t in token_ids], respond_embed)
-
-    chat = url == CHAT_URL
-    p = make_plan(body, served, cfg)
-    triples = p.items()
-
-    def respond_gen(results: list[Any]) -> dict:
-        return completion_body(p, results, served.name, chat)
-
-    return Work(served, [t[2] for t in triples], [len(t[2].prompt_ids) for t in triples], respond_gen)
+    translate = embedding_work if url == EMBEDDINGS_URL else generation_work
+    return served, translate(body, served.engine, ferry.config)

@@ -1,0 +1,12 @@
+"""Request translation: a validated request body becomes work for a batcher, and the
+results of that work become the response body. The HTTP routes and the batch-job runner
+both go through here, so a batch line and a direct request are checked, queued and
+answered alike.
+
+- `work`: what a translated request is (`Work`: payloads, costs, `response(results)`).
+- `chat`: chat and completions (prompts through the chat template, per-prompt sampling
+  parameters, stop strings, token limits; response bodies and stream chunks).
+- `embeddings`: embedding inputs (tokenization, limits, response body).
+
+Nothing here knows about HTTP: no requests, no headers, no SSE framing.
+"""

@@ -1,0 +1,224 @@
+"""Chat and completions requests: prompts and their sampling parameters in, response
+bodies and stream chunks out.
+
+Several prompts may share one request (`messages` as a list of conversations, `prompt`
+as a list of strings); every sampling field is a scalar or a per-prompt list. Each
+(prompt, candidate) pair is its own work item, so prompts of one request batch with
+prompts of others; choices come back in prompt order and stream chunks carry
+`prompt_index`.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from batcher.scheduler import GenRequest
+from engine.base import ChatTemplateError, SamplingParams
+
+from ..errors import APIError, error_body
+from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
+
+GenerationBody = ChatCompletionRequest | CompletionRequest
+
+# OpenAI's legacy completions stop after 16 tokens unless told otherwise; chat runs to
+# the server's --max-completion-tokens.
+COMPLETIONS_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class PromptParams:
+    """One prompt's sampling parameters as the request gives them. `max_tokens` is None
+    when not given: the default depends on the route and the prompt's length."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: list[str]
+
+
+@dataclass
+class GenerationWork:
+    """A chat or completions request as work: one item per (prompt, candidate), prompt-major."""
+
+    model: str
+    chat: bool  # chat.completion shapes, else text_completion
+    prompts: list[list[int]]  # token ids, in prompt order
+    params: list[SamplingParams]  # one per prompt
+    n: int  # candidates per prompt
+    payloads: list[GenRequest] = field(init=False, repr=False)
+    prompt_index: list[int] = field(init=False, repr=False)  # of each item
+
+    def __post_init__(self) -> None:
+        self.payloads, self.prompt_index = [], []
+        for p, (ids, sp) in enumerate(zip(self.prompts, self.params)):
+            for j in range(self.n):
+                # Candidates of one seeded prompt differ from each other, reproducibly.
+                seed = None if sp.seed is None else sp.seed + j
+                self.payloads.append(GenRequest(ids, SamplingParams(sp.max_tokens, sp.temperature, sp.top_p, seed, list(sp.stop))))
+                self.prompt_index.append(p)
+
+    @property
+    def costs(self) -> list[int]:
+        return [len(g.prompt_ids) for g in self.payloads]
+
+    def response(self, results: list[Any]) -> dict[str, Any]:
+        """The non-streaming body: one choice per item, in item order."""
+        choices = []
+        for k, (prompt_index, r) in enumerate(zip(self.prompt_index, results)):
+            choice: dict[str, Any] = {"index": k, "prompt_index": prompt_index}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": r.text}
+            else:
+                choice["text"] = r.text
+            choice.update(finish_reason=r.finish_reason, logprobs=None)
+            choices.append(choice)
+        return {"id": response_id(self.chat), "object": "chat.completion" if self.chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": choices,
+                "usage": self.usage(sum(r.completion_tokens for r in results))}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = sum(len(ids) for ids in self.prompts)  # once per prompt, whatever n is
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+
+
+class StreamChunks:
+    """The chunk objects of one streamed response (OpenAI's shapes plus `prompt_index`);
+    `k` is the item's index, the choice's `index`."""
+
+    def __init__(self, work: GenerationWork):
+        self.work = work
+        self.id, self.created = response_id(work.chat), int(time.time())
+        self.object = "chat.completion.chunk" if work.chat else "text_completion"
+        self._started: set[int] = set()  # chat choices whose first delta (the role) went out
+
+    def delta(self, k: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
+        return self._chunk(k, text, finish_reason)
+
+    def error(self, k: int, err: APIError) -> dict[str, Any]:
+        """The error rides on the item's own final chunk: a separate top-level error event
+        would make OpenAI clients abort the whole stream, and with it the other prompts'
+        answers."""
+        detail = error_body(err.status, err.message, err.code)["error"]
+        detail.update(status=err.status, prompt_index=self.work.prompt_index[k], index=k)
+        return self._chunk(k, None, "error", detail)
+
+    def usage(self, completion_tokens: int) -> dict[str, Any]:
+        return {**self._head(), "choices": [], "usage": self.work.usage(completion_tokens)}
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.work.model}
+
+    def _chunk(self, k: int, text: str | None, finish_reason: str | None, error: dict | None = None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": k, "prompt_index": self.work.prompt_index[k], "finish_reason": finish_reason,
+                                  "logprobs": None}
+        if error is not None:
+            choice["error"] = error
+        if self.work.chat:
+            delta: dict[str, Any] = {}
+            if k not in self._started:
+                delta["role"] = "assistant"
+                self._started.add(k)
+            if text:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return {**self._head(), "choices": [choice]}
+
+
+def response_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+# -- from request to work --------------------------------------------------------------------
+def generation_work(body: GenerationBody, engine: Any, cfg: Any) -> GenerationWork:
+    """Tokenize the prompts and settle each one's parameters. Every refusal
+    (chat_template_error, prompt_count_mismatch, context_length_exceeded) comes before
+    anything is queued."""
+    prompts = encode_prompts(body, engine)
+    chat = isinstance(body, ChatCompletionRequest)
+    return GenerationWork(engine.name, chat, prompts, sampling_params(body, prompts, engine, cfg), body.n)
+
+
+def check_generation(body: GenerationBody) -> None:
+    """What `generation_work` checks without the tokenizer (batch files are validated
+    with it): every per-prompt list against the number of prompts. The request model has
+    checked counts, limits and stop strings."""
+    prompt_params(body, len(body.conversations if isinstance(body, ChatCompletionRequest) else body.prompts))
+
+
+def template_messages(conversation: list[ChatMessage]) -> list[dict[str, str]]:
+    """A conversation as the chat template takes it (and as `--log-prompts` records it)."""
+    return [{"role": m.role, "content": m.text()} for m in conversation]
+
+
+def encode_prompts(body: GenerationBody, engine: Any) -> list[list[int]]:
+    """Token ids per prompt: conversations through the model's chat template, completion
+    prompts as they are. A conversation the template refuses is the client's error (422
+    naming the prompt and quoting the template)."""
+    if not isinstance(body, ChatCompletionRequest):
+        return [engine.encode_prompt(t) for t in body.prompts]
+    conversations = body.conversations
+    nested = conversations is body.messages  # a list of conversations, not one
+    prompts = []
+    for i, conv in enumerate(conversations):
+        try:
+            prompts.append(engine.encode_chat(template_messages(conv)))
+        except ChatTemplateError as exc:
+            raise APIError(422, f"prompt {i}: the chat template of {engine.name} refuses this conversation: {exc}",
+                           code="chat_template_error", param=f"messages.{i}" if nested else "messages") from None
+    return prompts
+
+
+def sampling_params(body: GenerationBody, prompts: list[list[int]], engine: Any, cfg: Any) -> list[SamplingParams]:
+    """Each prompt checked against the context, and its max tokens settled: the request's,
+    else the route's default, never more than the context leaves."""
+    requested = prompt_params(body, len(prompts))
+    chat = isinstance(body, ChatCompletionRequest)
+    default_max = cfg.max_completion_tokens if chat else COMPLETIONS_MAX_TOKENS
+    context = engine.max_context
+    limit_prompt = min(context - 1, cfg.max_prompt_tokens or context)
+    params = []
+    for i, (ids, req) in enumerate(zip(prompts, requested)):
+        if len(ids) > limit_prompt:
+            raise APIError(422, f"prompt {i} has {len(ids)} tokens; this model accepts at most {limit_prompt} prompt tokens "
+                                f"(context {context})", code="context_length_exceeded",
+                           param="messages" if chat else "prompt")
+        max_tokens = min(req.max_tokens if req.max_tokens is not None else default_max, context - len(ids))
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+                                     stop=req.stop))
+    return params
+
+
+def prompt_params(body: GenerationBody, n: int) -> list[PromptParams]:
+    """Each sampling field, a scalar or a per-prompt list, spread over the `n` prompts."""
+    max_tokens = getattr(body, "max_completion_tokens", None)
+    max_name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = body.max_tokens
+    columns = (per_prompt(max_name, max_tokens, n, None), per_prompt("temperature", body.temperature, n, 1.0),
+               per_prompt("top_p", body.top_p, n, 1.0), per_prompt("seed", body.seed, n, None), stops_per_prompt(body.stop, n))
+    return [PromptParams(*row) for row in zip(*columns)]
+
+
+def stops_per_prompt(stop: Any, n: int) -> list[list[str]]:
+    shared, lists = stop_lists(stop)
+    if shared:
+        return [list(lists[0]) for _ in range(n)]
+    return per_prompt("stop", lists, n, None)
+
+
+def per_prompt(name: str, value: Any, n: int, default: Any) -> list[Any]:
+    """A scalar applies to every prompt; a list must have one value per prompt."""
+    if value is None:
+        return [default] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise APIError(422, f"{name} is a list of {len(value)} values but the request has {n} prompts; "
+                                f"give one value per prompt or a single value for all", code="prompt_count_mismatch",
+                           param=name)
+        return list(value)
+    return [value] * n

@@ -1,0 +1,61 @@
+"""Embeddings requests: each input string is its own work item (its token ids), so inputs
+from many requests batch together."""
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import APIError
+from ..schemas import EmbeddingsRequest
+
+
+@dataclass
+class EmbeddingWork:
+    model: str
+    token_ids: list[list[int]]  # one per input, in input order
+    encoding_format: str
+
+    @property
+    def payloads(self) -> list[list[int]]:
+        return self.token_ids
+
+    @property
+    def costs(self) -> list[int]:
+        return [len(ids) for ids in self.token_ids]
+
+    def response(self, results: list[Any]) -> dict[str, Any]:
+        data = [{"object": "embedding", "index": i, "embedding": _encode(r.vector, self.encoding_format)}
+                for i, r in enumerate(results)]
+        tokens = sum(r.tokens for r in results)
+        return {"object": "list", "data": data, "model": self.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def check_embeddings(body: EmbeddingsRequest, engine: Any) -> None:
+    """The checks that need the model but no tokenizer (batch files are validated with
+    them); the request model has checked the number of inputs."""
+    dim = engine.dim
+    if body.dimensions is not None and body.dimensions != dim:
+        raise APIError(422, f"dimensions: {engine.name} produces {dim}-dimensional embeddings; other sizes are not supported",
+                       code="invalid_value", param="dimensions")
+
+
+def embedding_work(body: EmbeddingsRequest, engine: Any, cfg: Any) -> EmbeddingWork:
+    """Check and tokenize every input (the engine truncates to its own max length);
+    an input still over `--max-prompt-tokens` is refused."""
+    check_embeddings(body, engine)
+    token_ids = engine.tokenize(body.inputs)
+    if cfg.max_prompt_tokens is not None:
+        for i, ids in enumerate(token_ids):
+            if len(ids) > cfg.max_prompt_tokens:
+                raise APIError(422, f"input[{i}] has {len(ids)} tokens; the limit is {cfg.max_prompt_tokens}",
+                               code="too_many_tokens", param="input")
+    return EmbeddingWork(engine.name, token_ids, body.encoding_format)
+
+
+def _encode(vector: np.ndarray, fmt: str) -> Any:
+    if fmt == "base64":
+        return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+    return vector

@@ -1,0 +1,70 @@
+"""gateway/translate/embeddings.py without HTTP, over the fake embedding engine."""
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.fake import FakeEmbeddingEngine
+from gateway.config import ServerConfig
+from gateway.errors import APIError
+from gateway.schemas import request_models
+from gateway.translate.embeddings import check_embeddings, embedding_work
+
+CFG = ServerConfig()
+
+
+def body(**fields: Any):
+    return request_models(CFG).embeddings.model_validate({"model": "fake-embed", **fields})
+
+
+def refusal(call: Any) -> APIError:
+    with pytest.raises(APIError) as info:
+        call()
+    return info.value
+
+
+@pytest.mark.parametrize("given, inputs", [("one two", ["one two"]), (["a", "b c"], ["a", "b c"])])
+def test_one_string_or_a_list_is_one_item_per_input(given, inputs):
+    engine = FakeEmbeddingEngine()
+    b = body(input=given)
+    assert b.inputs == inputs
+    work = embedding_work(b, engine, CFG)
+    assert work.payloads == engine.tokenize(inputs)
+    assert work.costs == [len(ids) for ids in work.payloads]
+    assert work.model == "fake-embed"
+
+
+def test_dimensions_other_than_the_model_s_are_refused():
+    engine = FakeEmbeddingEngine(dim=8)
+    check_embeddings(body(input="a", dimensions=8), engine)
+    err = refusal(lambda: check_embeddings(body(input="a", dimensions=4), engine))
+    assert (err.status, err.code, err.param) == (422, "invalid_value", "dimensions")
+    assert err.message == "dimensions: fake-embed produces 8-dimensional embeddings; other sizes are not supported"
+    assert refusal(lambda: embedding_work(body(input="a", dimensions=4), engine, CFG)).message == err.message
+
+
+def test_an_input_over_max_prompt_tokens_is_refused_naming_it():
+    cfg = ServerConfig(max_prompt_tokens=3)
+    err = refusal(lambda: embedding_work(body(input=["a", "a b c"]), FakeEmbeddingEngine(), cfg))
+    assert (err.status, err.code, err.param) == (422, "too_many_tokens", "input")
+    assert err.message == "input[1] has 5 tokens; the limit is 3"
+
+
+def test_response_body_as_floats_and_as_base64():
+    engine = FakeEmbeddingEngine(dim=4)
+    work = embedding_work(body(input=["a", "b"]), engine, CFG)
+    results = engine.embed(work.payloads)
+    out = work.response(results)
+    assert list(out) == ["object", "data", "model", "usage"]
+    assert out["object"] == "list" and out["model"] == "fake-embed"
+    assert [(d["object"], d["index"]) for d in out["data"]] == [("embedding", 0), ("embedding", 1)]
+    assert np.allclose(out["data"][0]["embedding"], results[0].vector)
+    tokens = sum(r.tokens for r in results)
+    assert out["usage"] == {"prompt_tokens": tokens, "total_tokens": tokens}
+
+    packed = embedding_work(body(input=["a", "b"], encoding_format="base64"), engine, CFG).response(results)
+    decoded = np.frombuffer(base64.b64decode(packed["data"][1]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, results[1].vector)
