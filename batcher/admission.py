@@ -60,11 +60,19 @@ def predicted_completion(q: RequestQueue, item: WorkItem, now: float, s: Batchin
         rest = max(rest, min(load.floor, size, len(q) + siblings + 1 - full * size))
     per_batch = cost.predict(size, size * tokens)
     wait = full * per_batch + (cost.predict(rest, rest * tokens) if rest else 0.0)
-    if item.priority is not Priority.INTERACTIVE and load.interactive_rate > 0:
+    interactive = item.priority is Priority.INTERACTIVE
+    if not interactive and load.interactive_rate > 0:
         # Interactive arrivals keep going ahead of batch-class work: it only gets the
         # capacity they leave, a share of 1 - rho (priority queueing).
         rho = load.interactive_rate * per_batch / size
         wait = wait / (1.0 - rho) if rho < 0.95 else INF
+    if load.drain_rate is not None:
+        # Under sustained load the batches the policies really form (cut by the reserve and
+        # by interactive deadlines) may be smaller than the cost model's: the measured drain
+        # rate, less what interactive arrivals take ahead, bounds how fast this item's turn
+        # comes. Never more optimistic than the cost model.
+        share = load.drain_rate - (0.0 if interactive else load.interactive_rate)
+        wait = max(wait, (ahead + 1) / share if share > 0 else INF)
     return now + (max(load.busy_until - now, 0.0) + wait) * slow
 
 

@@ -63,6 +63,7 @@ class QueueingBatcher:
         new = self._settings.updated(**changes)
         old, self._settings = self._settings, new
         self.queue.aging = new.aging_ms / 1000.0
+        self.tracker.forget_drain()
         self.metrics.publish_settings(self.model, new)
         self.metrics.config_changes.labels(self.model).inc()
         diff = {k: (getattr(old, k), v) for k, v in new.to_dict().items() if getattr(old, k) != v}

@@ -28,6 +28,9 @@ RESERVE_HORIZON = 2.0  # seconds an interactive arrival keeps shaping batches
 # The busiest the engine may be with reserve-sized batches. 1.0: the smallest batch that
 # keeps up (bench_latency: 0.9 still cost interactive attainment at 80% load, 95.5%).
 KEEP_UP_UTILISATION = 1.0
+# Seconds of backlogged batches that measure how fast the queue drains under the policies'
+# own limits (the reserve, interactive deadlines); fewer than DRAIN_MIN_BATCHES: unknown.
+DRAIN_HORIZON, DRAIN_MIN_BATCHES = 2.0, 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,9 @@ class Load:
     reserve: float | None = None
     # What promises to interactive work multiply predictions by (CostModel.slowdown).
     slowdown: float = 1.0
+    # Items per second of engine time, measured on recent batches that left work queued
+    # behind them; None: no such batches lately (then the cost model alone predicts).
+    drain_rate: float | None = None
     # Generation: slots free now, slots batch-class prompts must leave free for interactive
     # ones, when each running sequence's slot is predicted to free (sorted), and how long a
     # typical sequence holds a slot.
@@ -65,6 +71,7 @@ class LoadTracker:
         self._arrivals: dict[Priority, deque[float]] = {p: deque() for p in Priority}
         self._interactive_budgets: deque[tuple[float, float]] = deque()  # (arrival, budget)
         self._typical_cost = 1.0
+        self._drained: deque[tuple[float, int, float]] = deque()  # (finished, items, seconds)
 
     # -- recording ----------------------------------------------------------------
     def offered(self, now: float, n: int, budget: float | None, priority: Priority) -> None:
@@ -79,6 +86,17 @@ class LoadTracker:
     def admitted(self, costs: list[int]) -> None:
         for c in costs:
             self._typical_cost += 0.05 * (c - self._typical_cost)
+
+    def served(self, now: float, n: int, seconds: float, backlogged: bool) -> None:
+        """A batch of `n` items ran for `seconds`. Backlogged (work was still queued when it
+        left): its size was the policies' choice, not the arrivals', so it measures how
+        fast the queue drains under their limits. Batches after a quiet spell never count."""
+        if backlogged and seconds > 0:
+            self._drained.append((now, n, seconds))
+
+    def forget_drain(self) -> None:
+        """Settings changed: batches formed under the old ones say nothing of the new."""
+        self._drained.clear()
 
     # -- reading --------------------------------------------------------------------
     @property
@@ -103,6 +121,15 @@ class LoadTracker:
 
     def interactive_rate(self, now: float) -> float:
         return len(self._recent_interactive(now)) / RESERVE_HORIZON
+
+    def drain_rate(self, now: float) -> float | None:
+        """Items per second of engine time over recent backlogged batches."""
+        q = self._drained
+        while q and q[0][0] < now - DRAIN_HORIZON:
+            q.popleft()
+        if len(q) < DRAIN_MIN_BATCHES:
+            return None
+        return sum(n for _, n, _ in q) / sum(t for _, _, t in q)
 
     def floor(self, now: float, queue: RequestQueue, s: BatchingSettings, cost: CostModel) -> tuple[int, float]:
         """(items, predicted seconds) of the smallest batch whose throughput covers the load
@@ -149,4 +176,5 @@ class LoadTracker:
         floor, keep_up = self.floor(now, queue, s, cost) if shape else (1, 0.0)
         return Load(busy_until=busy_until, offered_rate=self.offered_rate(now),
                     interactive_rate=self.interactive_rate(now), typical_tokens=self.typical_tokens,
-                    floor=floor, reserve=self.reserve(now, s, cost, keep_up), slowdown=cost.slowdown)
+                    floor=floor, reserve=self.reserve(now, s, cost, keep_up), slowdown=cost.slowdown,
+                    drain_rate=self.drain_rate(now))

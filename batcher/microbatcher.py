@@ -76,7 +76,9 @@ class MicroBatcher(QueueingBatcher):
             del self.batches[: -self._keep_batches]
         self._busy_until = now + batch_cost(self.cost, items)
         self.metrics.batches.labels(self.model, decision.reason.value).inc()
-        self._inflight = asyncio.create_task(self._run_batch(batch))
+        # Work left queued behind it: the policies, not the arrivals, chose this size.
+        backlogged = len(self.queue) > 0
+        self._inflight = asyncio.create_task(self._run_batch(batch, backlogged))
         self._inflight.add_done_callback(lambda task: self._batch_done(task, batch))
 
     def _batch_done(self, task: asyncio.Task, batch: Batch) -> None:
@@ -94,7 +96,7 @@ class MicroBatcher(QueueingBatcher):
         for item in batch.items:
             self._finish(item, Outcome.ERROR, exc)
 
-    async def _run_batch(self, batch: Batch) -> None:
+    async def _run_batch(self, batch: Batch, backlogged: bool = False) -> None:
         # A client may have left between dispatch and now; never compute for it.
         items = [i for i in batch.items if not i.finished]
         if not items:
@@ -131,6 +133,7 @@ class MicroBatcher(QueueingBatcher):
             else:
                 self._finish(item, Outcome.RESULT, result)
         m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), padded, elapsed))
+        self.tracker.served(self.clock.now(), len(items), elapsed, backlogged)
         m.slowdown.labels(model, phase).set(self.cost.slowdown)
 
     def _fail_running(self, exc: Exception) -> int:

@@ -33,12 +33,11 @@ class BatchingSettings:
     # ordered as if it were interactive.
     aging_ms: float = 2_000.0
     on_infeasible: str = "reject"
-    # Interactive first: while interactive requests arrive, batches are sized for their
-    # budgets and batch-class work absorbs the shortfall (waits, is refused, or expires by
-    # its own budget). False (the default for now): every urgent item sizes batches, total
-    # throughput first. Off by default because with 30% interactive traffic at 100-150% load
-    # it halved goodput (docs/benchmarks.md, "Admission and priority").
-    interactive_first: bool = False
+    # Interactive first (the default): while interactive requests arrive, batches are sized
+    # for their budgets and batch-class work absorbs the shortfall (waits, is refused, or
+    # expires by its own budget). False: every urgent item sizes batches, total throughput
+    # first (interactive work is then refused under batch-class overload).
+    interactive_first: bool = True
     # Generation only.
     budget_scope: str = "ttft"
     max_itl_ms: float | None = None

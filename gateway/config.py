@@ -26,7 +26,7 @@ class ServerConfig:
     policy: str = "adaptive"
     default_budget_ms: float = 10_000.0
     on_infeasible: str = "reject"
-    interactive_first: bool = False
+    interactive_first: bool = True
     batching: str = "continuous"
     max_running: int = 64
     max_itl_ms: float | None = None
@@ -89,8 +89,8 @@ HELP = {
     "default_budget_ms": "latency budget of requests that name none",
     "on_infeasible": "reject (429 deadline_infeasible) or serve best-effort",
     "interactive_first": "while interactive requests arrive, size batches for their budgets and let batch-class "
-                         "work wait, be refused or expire (default off: every urgent request sizes batches, "
-                         "total throughput first)",
+                         "work wait, be refused or expire (default on; --no-interactive-first: every urgent "
+                         "request sizes batches, total throughput first)",
     "batching": f"generation batching: {', '.join(BATCHING_MODES)}",
     "max_running": "most sequences decoding at once",
     "max_itl_ms": "inter-token latency target that limits running sequences",
