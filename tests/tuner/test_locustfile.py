@@ -8,7 +8,7 @@ import pytest
 
 from .conftest import ROOT, run
 
-LOCUSTFILE = str(ROOT / "loadtests" / "locustfile.py")
+LOCUSTFILE = str(ROOT / "tuner" / "locustfile.py")
 CLASSES = {  # class -> (its weight option, the entries it must produce)
     "interactive": ("--weight-interactive", ["chat (stream)", "TTFT chat"]),
     "batch": ("--weight-batch", ["batch chat"]),
@@ -86,7 +86,7 @@ def test_arrivals_that_find_every_user_busy_are_counted_not_dropped(fake_gateway
     """Coordinated omission, made visible: one user cannot keep up with 100 batch requests/s
     (each takes several engine steps), the arrivals it never got to are reported as offered
     load that was not served, and `ferry tune` counts them as errors."""
-    from loadtests import tune
+    from tuner.sweep import cell_figures
 
     proc, stats, summary = locust(fake_gateway.url, tmp_path, "--arrival-rate", "100", "--pool-size", "1",
                                   "--weight-interactive", "0", "--weight-embed", "0", "--ferry-slo-ms", "1000")
@@ -94,6 +94,6 @@ def test_arrivals_that_find_every_user_busy_are_counted_not_dropped(fake_gateway
     sent = int(stats["batch chat"]["Request Count"])
     assert summary["never_sent"] > 0
     assert summary["scheduled"] == sent + summary["never_sent"]
-    figures = tune.cell_figures(stats, summary, ["batch"], slo_ms=1000)
+    figures = cell_figures(stats, summary, ["batch"], slo_ms=1000)
     assert figures["unfinished"] == summary["never_sent"]
     assert figures["error_rate"] >= summary["never_sent"] / summary["scheduled"] - 1e-3
