@@ -87,10 +87,8 @@ class Call:
     numpy: bool = False
 
 
-
 class ClientBase:
     """What both clients share: settings, request construction, reading answers, the retry policy."""
-
 
     def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float | httpx.Timeout | None = 120.0,
                  retries: int = 0, max_retry_wait: float = 30.0, headers: dict[str, str] | None = None,

@@ -129,7 +129,6 @@ def group_choices(cls: type[Response], body: dict, headers: httpx.Headers | None
     return out
 
 
-
 def vectors(body: dict, single: bool, numpy: bool, n: int) -> Any:
     """The embeddings of a response in input order: lists of floats, or float32 numpy arrays."""
     data = sorted(body.get("data") or [], key=lambda d: d.get("index", 0))
