@@ -1,16 +1,17 @@
 """Ferry gateway. `from gateway import Ferry, FerryClient` (imported lazily, so importing
-the package stays cheap)."""
+the package stays cheap). The client itself lives in `ferry_client` (client/), which also
+installs on its own; it is re-exported here so one import gives both."""
 from __future__ import annotations
 
 from typing import Any
 
 _LAZY = {
     "Ferry": "gateway.embedded",
-    "FerryClient": "gateway.client",
-    "AsyncFerryClient": "gateway.client",
-    "gather_stream": "gateway.client",
-    "agather_stream": "gateway.client",
-    "FerryError": "gateway.client",
+    "FerryClient": "ferry_client",
+    "AsyncFerryClient": "ferry_client",
+    "gather_stream": "ferry_client",
+    "agather_stream": "ferry_client",
+    "FerryError": "ferry_client",
 }
 
 __all__ = list(_LAZY)

@@ -12,8 +12,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = sys.argv[1:] if argv is None else list(argv)
-    if args[:1] == ["tune"]:  # `ferry tune`: the load-test sweep (loadtests/, the `load` extra)
-        from loadtests.tune import main as tune_main
+    if args[:1] == ["tune"]:  # `ferry tune`: the sweep in tuner/ (needs the `load` extra)
+        from tuner.cli import main as tune_main
 
         return tune_main(args[1:])
     command, cfg = from_args(argv)

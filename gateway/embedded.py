@@ -27,8 +27,8 @@ import time
 from typing import Any, Iterable
 
 import httpx
+from ferry_client import AsyncFerryClient, FerryClient
 
-from .client import AsyncFerryClient, FerryClient
 from .config import ServerConfig
 from .models import CHAT, EMBEDDING
 

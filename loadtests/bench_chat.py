@@ -23,13 +23,15 @@ import time
 import httpx
 import orjson
 
-from .openloop import Gateway, Sample, free_port, open_loop, pct
+from tuner.percentile import percentile
+
+from .openloop import GatewayProcess, Sample, free_port, open_loop
 
 PROMPTS = ["Tell me about ferries.", "What is a harbour?", "Write a line about rivers.", "Explain latency.",
            "Name three boats.", "Why batch requests?", "Describe the sea at night.", "Count to five."]
 
 
-def make_send(model: str, seed: int):
+def make_chat_send(model: str, seed: int):
     rng = random.Random(seed)
     plan = [(PROMPTS[i % len(PROMPTS)], rng.randint(4, 64)) for i in range(100_000)]
 
@@ -63,14 +65,14 @@ def make_send(model: str, seed: int):
 
 def run_rates(label: str, url: str, model: str, rates: list[float], duration: float) -> list[dict]:
     rows = []
-    asyncio.run(open_loop(2, 2.0, make_send(model, 1), url, seed=1))  # warm-up
+    asyncio.run(open_loop(2, 2.0, make_chat_send(model, 1), url, seed=1))  # warm-up
     for rate in rates:
-        samples = asyncio.run(open_loop(rate, duration, make_send(model, int(rate)), url, seed=int(rate)))
+        samples = asyncio.run(open_loop(rate, duration, make_chat_send(model, int(rate)), url, seed=int(rate)))
         ok = [s for s in samples if s.status == 200]
         span = max(s.sent + s.latency for s in samples) - min(s.sent for s in samples)
         ttfts = [s.ttft * 1000 for s in ok if s.ttft is not None]
         row = {"label": label, "rate": rate, "ok": len(ok), "sent": len(samples), "tok_s": sum(s.tokens for s in ok) / span,
-               "ttft_p50": pct(ttfts, 50), "ttft_p99": pct(ttfts, 99)}
+               "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99)}
         rows.append(row)
         print(f"  {label:22s} {rate:5.1f} req/s: {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:8.1f} ms"
               f"  p99 {row['ttft_p99']:8.1f} ms  ok {row['ok']}/{row['sent']}", flush=True)
@@ -119,11 +121,11 @@ def main() -> None:
     results = []
     if "continuous" in servers:
         print("Ferry, continuous batching:")
-        with Gateway(*common) as gw:
+        with GatewayProcess(*common) as gw:
             results += run_rates("ferry continuous", gw.url, "ferry-tiny-chat", rates, a.duration)
     if "static" in servers:
         print("Ferry, static batching:")
-        with Gateway(*common, "--batching", "static") as gw:
+        with GatewayProcess(*common, "--batching", "static") as gw:
             results += run_rates("ferry static", gw.url, "ferry-tiny-chat", rates, a.duration)
     if "transformers" in servers:
         from engine.tiny_chat import ensure_tiny_chat

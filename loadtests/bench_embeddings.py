@@ -15,14 +15,11 @@ import asyncio
 import os
 import time
 
-from .openloop import Gateway, open_loop, post_json, summarise
+from tuner.traffic import sentence
+
+from .openloop import GatewayProcess, open_loop, post_json, summarise
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
-TOPICS = ["ferries", "rivers", "harbours", "timetables", "latency", "throughput", "queues", "tokens", "weather", "cargo"]
-
-
-def sentence(i: int) -> str:
-    return f"Request {i} asks a short question about {TOPICS[i % len(TOPICS)]} and {TOPICS[(i * 7) % len(TOPICS)]}."
 
 
 def engine_ceiling(sizes=(8, 16, 32, 64), seconds: float = 4.0) -> tuple[int, float]:
@@ -50,9 +47,9 @@ async def send(session, i):
     return await post_json(session, "/v1/embeddings", {"model": MODEL, "input": sentence(i)})
 
 
-def sweep(label: str, args: list[str], rates: list[float], duration: float) -> list[dict]:
+def measure_rates(label: str, args: list[str], rates: list[float], duration: float) -> list[dict]:
     rows = []
-    with Gateway("--chat-model", "none", *args) as gw:
+    with GatewayProcess("--chat-model", "none", *args) as gw:
         asyncio.run(open_loop(20, 2.0, send, gw.url, seed=99))  # warm connections and caches
         for rate in rates:
             s = summarise(asyncio.run(open_loop(rate, duration, send, gw.url, seed=int(rate))), duration)
@@ -75,9 +72,9 @@ def main() -> None:
     best_n, ceiling = engine_ceiling()
     print(f"  ceiling: {ceiling:.1f} sentences/s at batch {best_n}")
     print("Ferry, batched (defaults):")
-    batched = sweep("batched", a.ferry_args.split(), rates, a.duration)
+    batched = measure_rates("batched", a.ferry_args.split(), rates, a.duration)
     print("Ferry, --max-batch-size 1:")
-    single = sweep("unbatched", ["--max-batch-size", "1", "--max-wait-ms", "0"], rates, a.duration)
+    single = measure_rates("unbatched", ["--max-batch-size", "1", "--max-wait-ms", "0"], rates, a.duration)
     peak_b = max(r["throughput"] for r in batched)
     peak_s = max(r["throughput"] for r in single)
     print("\nsummary")

@@ -24,8 +24,11 @@ import time
 
 import httpx
 
-from .bench_embeddings import MODEL, sentence
-from .openloop import Gateway, Sample, burst, open_loop, pct
+from tuner.percentile import percentile
+from tuner.traffic import sentence
+
+from .bench_embeddings import MODEL
+from .openloop import GatewayProcess, Sample, burst, open_loop
 
 TOKEN = "bench-admin"
 INTERACTIVE_MS, BATCH_MS = 100.0, 1000.0
@@ -36,7 +39,7 @@ FIXED_GRID = [(8, 0.0), (8, 10.0), (32, 0.0), (32, 10.0)]
 DEFAULTS = {"max_batch_size": 32, "max_wait_ms": 5.0}
 
 
-def make_send(seed: int, interactive_share: float = 0.3):
+def make_embed_send(seed: int, interactive_share: float = 0.3):
     rng = random.Random(seed)
     classes = ["interactive" if rng.random() < interactive_share else "batch" for _ in range(200_000)]
 
@@ -53,7 +56,8 @@ def make_send(seed: int, interactive_share: float = 0.3):
     return send
 
 
-def summarise(samples: list[Sample], duration: float) -> dict:
+def summarise_classes(samples: list[Sample], duration: float) -> dict:
+    """Per class (interactive, batch): budgets met, goodput, refusals, p99."""
     out: dict = {"sent": len(samples)}
     span = max(duration, max(s.sent + s.latency for s in samples) - min(s.sent for s in samples))
     good = 0
@@ -67,13 +71,13 @@ def summarise(samples: list[Sample], duration: float) -> dict:
                     "goodput": len(within) / span,
                     "rejected": sum(1 for s in mine if s.status == 429),
                     "expired": sum(1 for s in mine if s.status == 504),
-                    "p99_ms": pct([s.latency * 1000 for s in ok], 99)}
+                    "p99_ms": percentile([s.latency * 1000 for s in ok], 99)}
     rejected = [s for s in samples if s.status == 429]
     out["goodput"] = good / span
     out["rejected"] = len(rejected)
     out["expired"] = sum(1 for s in samples if s.status == 504)
     out["errors"] = sum(1 for s in samples if s.status not in (200, 429, 504))
-    out["p99_429_ms"] = pct([s.latency * 1000 for s in rejected], 99)
+    out["p99_429_ms"] = percentile([s.latency * 1000 for s in rejected], 99)
     return out
 
 
@@ -110,7 +114,7 @@ def burst_cell(url: str, model: str, size: int) -> dict:
             "rejected": sum(1 for s in samples if s.status == 429),
             "expired": sum(1 for s in samples if s.status == 504),
             "errors": sum(1 for s in samples if s.status not in (200, 429, 504)),
-            "p50_ms": pct([s.latency * 1000 for s in ok], 50), "p99_ms": pct([s.latency * 1000 for s in ok], 99)}
+            "p50_ms": percentile([s.latency * 1000 for s in ok], 50), "p99_ms": percentile([s.latency * 1000 for s in ok], 99)}
 
 
 def _burst_send(model: str):
@@ -133,7 +137,7 @@ def _burst_send(model: str):
 
 def run_bursts(duration: float) -> list[dict]:
     rows = []
-    with Gateway("--admin-token", TOKEN) as gw:  # both default models
+    with GatewayProcess("--admin-token", TOKEN) as gw:  # both default models
         for model in (MODEL, CHAT_MODEL):
             row = burst_cell(gw.url, model, DEFAULTS["max_batch_size"])
             rows.append(row)
@@ -152,8 +156,8 @@ def run_priority(url: str, cap: float, duration: float) -> list[dict]:
             configure(url, policy="adaptive", interactive_first=first, **DEFAULTS)
             time.sleep(0.3)
             seed = int(batch_load * 100)
-            samples = asyncio.run(open_loop(rate, duration, make_send(seed, share), url, seed=seed))
-            row = {"batch_load": batch_load, "interactive_first": first, "rate": rate, **summarise(samples, duration)}
+            samples = asyncio.run(open_loop(rate, duration, make_embed_send(seed, share), url, seed=seed))
+            row = {"batch_load": batch_load, "interactive_first": first, "rate": rate, **summarise_classes(samples, duration)}
             rows.append(row)
             i, b = row["interactive"], row["batch"]
             print(f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  interactive_first={str(first):5s}"
@@ -176,7 +180,7 @@ def main() -> None:
     if "burst" in cells:
         out["burst"] = run_bursts(a.duration)
     if cells & {"latency", "priority"}:
-        with Gateway("--chat-model", "none", "--admin-token", TOKEN) as gw:
+        with GatewayProcess("--chat-model", "none", "--admin-token", TOKEN) as gw:
             cap = capacity(gw.url, a.duration)
             out["capacity"] = cap
             print(f"measured capacity: {cap:.1f} req/s (adaptive, saturated)")
@@ -202,8 +206,8 @@ def run_latency(url: str, cap: float, a) -> list[dict]:
         for name, settings in configs:
             configure(url, **settings)
             time.sleep(0.3)
-            samples = asyncio.run(open_loop(rate, a.duration, make_send(int(load * 100)), url, seed=int(load * 100)))
-            row = {"load": load, "rate": rate, "config": name, **summarise(samples, a.duration)}
+            samples = asyncio.run(open_loop(rate, a.duration, make_embed_send(int(load * 100)), url, seed=int(load * 100)))
+            row = {"load": load, "rate": rate, "config": name, **summarise_classes(samples, a.duration)}
             results.append(row)
             print(f"  {load:4.0%} {rate:6.1f}/s {name:20s} goodput {row['goodput']:6.1f}/s"
                   f"  interactive {row['interactive']['attainment']:6.1%} p99 {row['interactive']['p99_ms']:7.1f} ms"

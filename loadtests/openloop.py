@@ -1,6 +1,7 @@
-"""Open-loop load: Poisson arrivals that do not wait for responses (no coordinated
-omission), plus helpers to start a gateway subprocess and summarise latencies.
-Every loop is bounded in count and time; targets are 127.0.0.1 only."""
+"""Open-loop load for the benchmarks: Poisson arrivals that do not wait for responses (no
+coordinated omission), plus helpers to start a gateway subprocess and summarise latencies.
+Every loop is bounded in count and time; targets are 127.0.0.1 only. (`ferry tune` drives
+locust instead: tuner/locustfile.py.)"""
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,9 @@ from typing import Any, Callable
 
 import aiohttp
 import httpx
-import numpy as np
 import orjson
+
+from tuner.percentile import percentile
 
 
 @dataclass
@@ -38,7 +40,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Gateway:
+class GatewayProcess:
     """`ferry serve` in a subprocess on a free loopback port."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0):
@@ -70,7 +72,7 @@ class Gateway:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def __enter__(self) -> "Gateway":
+    def __enter__(self) -> "GatewayProcess":
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -153,10 +155,6 @@ async def post_json(session, path: str, body: dict, headers: dict | None = None)
         return r.status, dict(r.headers)
 
 
-def pct(values: list[float], q: float) -> float:
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
 def summarise(samples: list[Sample], duration: float) -> dict[str, float]:
     ok = [s for s in samples if s.status == 200]
     lat = [s.latency * 1000 for s in ok]
@@ -165,8 +163,8 @@ def summarise(samples: list[Sample], duration: float) -> dict[str, float]:
         "sent": len(samples),
         "ok": len(ok),
         "throughput": len(ok) / max(span, duration),
-        "p50_ms": pct(lat, 50),
-        "p99_ms": pct(lat, 99),
+        "p50_ms": percentile(lat, 50),
+        "p99_ms": percentile(lat, 99),
         "rejected": sum(1 for s in samples if s.status in (429, 503)),
         "expired": sum(1 for s in samples if s.status == 504),
         "errors": sum(1 for s in samples if s.status not in (200, 429, 503, 504)),

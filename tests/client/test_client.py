@@ -1,4 +1,4 @@
-"""gateway.client against a real gateway on 127.0.0.1 (fake engines: fast and deterministic)."""
+"""ferry_client against a real gateway on 127.0.0.1 (fake engines: fast and deterministic)."""
 from __future__ import annotations
 
 import time
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine, fake_vector
-from gateway.client import (AsyncFerryClient, AuthenticationError, ChatResponse, CompletionResponse, FerryClient,
-                            FerryError, NotFound, PayloadTooLarge, RateLimited, ServerError, StreamEvent,
-                            UnprocessableEntity, APIConnectionError, agather_stream, gather_stream)
+from ferry_client import (APIConnectionError, AsyncFerryClient, AuthenticationError, ChatResponse, CompletionResponse,
+                          FerryClient, FerryError, NotFound, PayloadTooLarge, RateLimited, ServerError, StreamEvent,
+                          UnprocessableEntity, agather_stream, gather_stream)
 
 CHAT = "fake-chat"
 EMBED = "fake-embed"

@@ -11,8 +11,8 @@ import threading
 import pytest
 
 from engine.fake import FakeGenerationEngine
+from ferry_client import AuthenticationError, FerryClient
 from gateway import Ferry
-from gateway.client import AuthenticationError, FerryClient
 from gateway.embedded import resolve_models
 
 from ..conftest import fake_specs

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import signal
 
-from loadtests.openloop import Gateway
+from loadtests.openloop import GatewayProcess
 
 
-class FakeGatewayProcess(Gateway):
+class FakeGatewayProcess(GatewayProcess):
     def __init__(self, *args: str, delay: float = 0.0):
         super().__init__(*args, env={"FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": str(delay)}, ready_timeout=60)
 

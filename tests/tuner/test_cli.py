@@ -1,16 +1,17 @@
-"""`ferry tune` on a 2 x 2 grid with short cells against a fake gateway, and its pure parts."""
+"""`ferry tune` end to end on a 2 x 2 grid with short cells against a fake gateway, and its
+argument checks."""
 from __future__ import annotations
 
+import ast
 import csv
 import json
-import math
 import re
 
 import pytest
 
-from loadtests import tune
+from tuner.cli import main, parse_mix
 
-from .conftest import ADMIN_TOKEN, run
+from .conftest import ADMIN_TOKEN, ROOT, run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SLO_MS = 500.0
@@ -77,60 +78,32 @@ def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_pa
     assert (got["max_batch_size"], got["max_wait_ms"], got["policy"]) == (32, 2.0, "adaptive")
 
 
-def _row(policy="fixed", size=8, wait=5.0, rate=40.0, tp=40.0, p99=100.0, er=0.0, **kw):
-    return {"policy": policy, "max_batch_size": size, "max_wait_ms": wait, "rate": rate, "throughput_rps": tp,
-            "p99_ms": p99, "error_rate": er, "ok": 100, "error": "", "goodput_rps": tp, **kw}
-
-
-def test_recommend_is_the_most_throughput_within_the_slo():
-    rows = [
-        _row(size=1, wait=0, rate=120, tp=60, p99=3000),        # overloaded: over the SLO
-        _row(size=32, wait=10, rate=120, tp=119, p99=150),
-        _row(size=8, wait=0, rate=120, tp=118, p99=90),         # within 2 % of the best: tie, lower p99 wins
-        _row(size=8, wait=0, rate=200, tp=190, p99=80, er=0.2),  # too many errors
-        _row(size=8, wait=0, rate=40, tp=40, p99=20),
-    ]
-    rec = tune.recommend(rows, slo_ms=200, max_error_rate=0.01, tolerance=0.02)
-    assert (rec["max_batch_size"], rec["rate"]) == (8, 120)
-    assert tune.recommend(rows, slo_ms=200, max_error_rate=0.01, tolerance=0.0)["max_batch_size"] == 32
-    assert tune.recommend(rows, slo_ms=10, max_error_rate=0.01) is None
-    # Without a latency cap the errors still count, the latency does not.
-    assert tune.recommend_throughput(rows, max_error_rate=0.01, tolerance=0.0)["max_batch_size"] == 32
-    assert tune.recommend_throughput(rows, max_error_rate=0.5)["rate"] == 200
-
-
-def test_cell_figures_count_unfinished_requests_as_errors():
-    stats = {"embeddings": {"Request Count": "90", "Failure Count": "0", "50%": "20", "95%": "40", "99%": "60",
-                            "Max Response Time": "70.2"}}
-    report = {"window_s": 3.0, "scheduled": 100, "entries": {"embeddings": {"within_slo": 85}}, "late_starts": 0}
-    f = tune.cell_figures(stats, report, ["embed"], slo_ms=50)
-    assert f["unfinished"] == 10 and math.isclose(f["error_rate"], 0.1)
-    assert f["throughput_rps"] == 30.0 and math.isclose(f["goodput_rps"], 85 / 3, rel_tol=1e-3)
-    assert f["p99_ms"] == 60.0
-    # Interactive chat: the SLO applies to time to first token; the worst class decides.
-    stats.update({"chat (stream)": {"Request Count": "10", "Failure Count": "1"},
-                  "TTFT chat": {"Request Count": "9", "Failure Count": "0", "50%": "30", "95%": "90", "99%": "95",
-                                "Max Response Time": "99"}})
-    report["scheduled"] = 100
-    f = tune.cell_figures(stats, report, ["embed", "interactive"], slo_ms=50)
-    assert f["sent"] == 100 and f["failures"] == 1 and f["p99_ms"] == 95.0
-
-
 @pytest.mark.parametrize("host", ["http://10.0.0.1:8000", "http://example.com", "ftp://127.0.0.1"])
 def test_tune_refuses_non_loopback_hosts(host):
     with pytest.raises(SystemExit, match="127.0.0.1 / localhost only"):
-        tune.main(["--host", host, "--admin-token", "x", "--dry-run"])
+        main(["--host", host, "--admin-token", "x", "--dry-run"])
 
 
 def test_grid_is_bounded():
     with pytest.raises(SystemExit, match="max-cells"):
-        tune.main(["--sizes", "1,2,3,4,5", "--waits", "0,1,2,3,4", "--rates", "1,2,3", "--max-cells", "50", "--dry-run"])
+        main(["--sizes", "1,2,3,4,5", "--waits", "0,1,2,3,4", "--rates", "1,2,3", "--max-cells", "50", "--dry-run"])
     with pytest.raises(SystemExit, match="max-minutes"):
-        tune.main(["--rates", "1,2,3", "--cell-seconds", "600", "--max-minutes", "5", "--dry-run"])
-    assert tune.main(["--sizes", "1,8", "--waits", "0", "--rates", "10", "--dry-run"]) == 0
+        main(["--rates", "1,2,3", "--cell-seconds", "600", "--max-minutes", "5", "--dry-run"])
+    assert main(["--sizes", "1,8", "--waits", "0", "--rates", "10", "--dry-run"]) == 0
 
 
 def test_parse_mix():
-    assert tune.parse_mix("embeddings=3,chat=1") == {"embed": 3.0, "interactive": 1.0}
+    assert parse_mix("embeddings=3,chat=1") == {"embed": 3.0, "interactive": 1.0}
     with pytest.raises(SystemExit):
-        tune.parse_mix("video=1")
+        parse_mix("video=1")
+
+
+def test_the_product_never_imports_the_benchmarks():
+    """loadtests/ holds benchmarks; what ships (the gateway, the tuner, the client) must work
+    without it."""
+    for package in ("gateway", "batcher", "engine", "tuner", "client"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+                assert not any(n.split(".")[0] == "loadtests" for n in names), f"{path} imports loadtests"

@@ -6,9 +6,10 @@ import json
 
 import pytest
 
-from .conftest import ROOT, run
+from tuner.sweep import LOCUSTFILE
 
-LOCUSTFILE = str(ROOT / "loadtests" / "locustfile.py")
+from .conftest import run
+
 CLASSES = {  # class -> (its weight option, the entries it must produce)
     "interactive": ("--weight-interactive", ["chat (stream)", "TTFT chat"]),
     "batch": ("--weight-batch", ["batch chat"]),
@@ -19,7 +20,7 @@ CLASSES = {  # class -> (its weight option, the entries it must produce)
 def locust(url: str, tmp_path, *extra: str, seconds: int = 2) -> tuple[object, dict, dict]:
     prefix = tmp_path / "run"
     report = tmp_path / "report.json"
-    proc = run(["-m", "locust", "-f", LOCUSTFILE, "--headless", "--host", url, "-t", f"{seconds}s",
+    proc = run(["-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url, "-t", f"{seconds}s",
                 "--stop-timeout", "10", "--only-summary", "--csv", str(prefix), "--ferry-report", str(report),
                 "--ferry-chat-model", "fake-chat", "--ferry-embed-model", "fake-embed", "--chat-max-tokens", "4",
                 "--batch-max-tokens", "4", "--batch-conversations", "3", *extra], timeout=60)
@@ -77,7 +78,7 @@ def test_stepped_rates_mix_of_all_classes(fake_gateway, tmp_path):
 
 
 def test_refuses_a_non_loopback_host(tmp_path):
-    proc = run(["-m", "locust", "-f", LOCUSTFILE, "--headless", "--host", "http://192.0.2.1:8000", "-t", "1s"], timeout=60)
+    proc = run(["-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", "http://192.0.2.1:8000", "-t", "1s"], timeout=60)
     assert proc.returncode != 0
     assert "127.0.0.1 / localhost only" in proc.stderr
 
@@ -86,7 +87,7 @@ def test_arrivals_that_find_every_user_busy_are_counted_not_dropped(fake_gateway
     """Coordinated omission, made visible: one user cannot keep up with 100 batch requests/s
     (each takes several engine steps), the arrivals it never got to are reported as offered
     load that was not served, and `ferry tune` counts them as errors."""
-    from loadtests import tune
+    from tuner.sweep import cell_figures
 
     proc, stats, summary = locust(fake_gateway.url, tmp_path, "--arrival-rate", "100", "--pool-size", "1",
                                   "--weight-interactive", "0", "--weight-embed", "0", "--ferry-slo-ms", "1000")
@@ -94,6 +95,6 @@ def test_arrivals_that_find_every_user_busy_are_counted_not_dropped(fake_gateway
     sent = int(stats["batch chat"]["Request Count"])
     assert summary["never_sent"] > 0
     assert summary["scheduled"] == sent + summary["never_sent"]
-    figures = tune.cell_figures(stats, summary, ["batch"], slo_ms=1000)
+    figures = cell_figures(stats, summary, ["batch"], slo_ms=1000)
     assert figures["unfinished"] == summary["never_sent"]
     assert figures["error_rate"] >= summary["never_sent"] / summary["scheduled"] - 1e-3

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtests.openloop import Gateway
+from loadtests.openloop import GatewayProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN_TOKEN = "tune-secret"
@@ -17,7 +17,7 @@ ADMIN_TOKEN = "tune-secret"
 @pytest.fixture(scope="session")
 def fake_gateway():
     env = {"FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": "0.004"}
-    with Gateway("--admin-token", ADMIN_TOKEN, "--max-wait-ms", "2", env=env, ready_timeout=60) as gw:
+    with GatewayProcess("--admin-token", ADMIN_TOKEN, "--max-wait-ms", "2", env=env, ready_timeout=60) as gw:
         yield gw
 
 

@@ -1,6 +1,6 @@
 """Locust users for Ferry: interactive chat, batch chat, embeddings.
 
-    locust -f loadtests/locustfile.py --headless --host http://127.0.0.1:8000 -t 30s \\
+    locust -f tuner/locustfile.py --headless --host http://127.0.0.1:8000 -t 30s \\
         --arrival-rate 20 --weight-interactive 1 --weight-batch 0 --weight-embed 3
 
 User classes (pick a mix with the --weight-* options, `--tags`, or by naming classes):
@@ -13,7 +13,7 @@ User classes (pick a mix with the --weight-* options, `--tags`, or by naming cla
 - `EmbeddingsUser` (tags embeddings, embed): one input (or --embed-inputs) per request.
   Entry `embeddings`.
 
-Arrivals are open-loop by default (loadtests/shapes.py): `--arrival-rate R` requests per
+Arrivals are open-loop by default (tuner/arrivals.py): `--arrival-rate R` requests per
 second in total, split across classes by weight, or `--rate-steps 20:10,60:10`. Latency
 (locust's response time) is measured from each request's *scheduled* arrival, so waiting
 for a free user counts, as queueing would. `--arrival-rate 0` gives locust's usual closed
@@ -37,43 +37,18 @@ from urllib.parse import urlsplit
 from locust import FastHttpUser, events, tag, task
 
 try:
-    from loadtests.shapes import LOAD, ArrivalRateShape, ArrivalSchedule, parse_steps  # noqa: F401 (the shape is picked up by locust)
-except ImportError:  # run from inside loadtests/ without the package installed
+    import tuner  # noqa: F401
+except ImportError:  # run from a checkout without the package installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from loadtests.shapes import LOAD, ArrivalRateShape, ArrivalSchedule, parse_steps  # noqa: F401
+from tuner.arrivals import LOAD, ArrivalRateShape, ArrivalSchedule, parse_steps  # noqa: F401 (the shape is picked up by locust)
+from tuner.percentile import percentile
+from tuner.traffic import (BATCH_ENTRY, EMBED_ENTRY, LOOPBACK, REQUEST_ENTRIES, SLO_ENTRIES, STREAM_ENTRY,
+                           TTFT_ENTRY, question, sentence)
 
 log = logging.getLogger("ferry.locust")
 
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-TTFT_ENTRY = "TTFT chat"
-STREAM_ENTRY = "chat (stream)"
-BATCH_ENTRY = "batch chat"
-EMBED_ENTRY = "embeddings"
-# The entry whose latency the SLO applies to, per class, and the entries that count as
-# completed requests (TTFT is a second look at the same requests).
-SLO_ENTRIES = {"interactive": TTFT_ENTRY, "batch": BATCH_ENTRY, "embed": EMBED_ENTRY}
-REQUEST_ENTRIES = {"interactive": STREAM_ENTRY, "batch": BATCH_ENTRY, "embed": EMBED_ENTRY}
 MAX_SSE_LINES = 100_000
 MAX_SAMPLES = 200_000
-
-TOPICS = ["ferries", "rivers", "harbours", "timetables", "latency", "throughput", "queues", "tokens", "weather", "cargo"]
-QUESTIONS = [
-    "Say hello politely.",
-    "Give me a fun fact about {a}.",
-    "Explain {a} to a child in two sentences.",
-    "List three things {a} and {b} have in common.",
-    "Write a haiku about {a}.",
-    "What is the difference between {a} and {b}?",
-]
-
-
-def sentence(i: int) -> str:
-    return f"Request {i} asks a short question about {TOPICS[i % len(TOPICS)]} and {TOPICS[(i * 7) % len(TOPICS)]}."
-
-
-def question(i: int) -> str:
-    return QUESTIONS[i % len(QUESTIONS)].format(a=TOPICS[i % len(TOPICS)], b=TOPICS[(i * 3 + 1) % len(TOPICS)])
-
 
 # --------------------------------------------------------------------------- options
 
@@ -122,7 +97,7 @@ class Options:
         return getattr(self.ns, name)
 
 
-OPTS = Options()
+OPTIONS = Options()
 
 # --------------------------------------------------------------------------- report
 
@@ -158,19 +133,16 @@ class Report:
     def summary(self) -> dict:
         out = {}
         for name, e in self.entries.items():
-            ms = sorted(e["ms"])
             out[name] = {k: e[k] for k in ("n", "failures", "within_slo")} | {
-                "p50_ms": _pct(ms, 50), "p99_ms": _pct(ms, 99), "max_ms": ms[-1] if ms else None}
-        lags = sorted(self.lags)
-        return {"entries": out, "late_starts": self.late, "lag_p99_ms": _pct(lags, 99),
-                "lag_max_ms": lags[-1] if lags else None, "last_done_s": round(self.last_done, 3)}
+                "p50_ms": _ms(e["ms"], 50), "p99_ms": _ms(e["ms"], 99), "max_ms": max(e["ms"], default=None)}
+        return {"entries": out, "late_starts": self.late, "lag_p99_ms": _ms(self.lags, 99),
+                "lag_max_ms": max(self.lags, default=None), "last_done_s": round(self.last_done, 3)}
 
 
-def _pct(sorted_ms: list[float], q: float):
-    if not sorted_ms:
-        return None
-    k = min(len(sorted_ms) - 1, max(0, math.ceil(q / 100 * len(sorted_ms)) - 1))
-    return round(sorted_ms[k], 3)
+def _ms(values: list[float], q: float) -> float | None:
+    """A percentile for the JSON report: rounded, None (null) without samples."""
+    p = percentile(values, q)
+    return None if math.isnan(p) else round(p, 3)
 
 
 REPORT = Report()
@@ -185,7 +157,7 @@ def _on_init(environment, **_kw) -> None:
     opts = environment.parsed_options
     if opts is None:  # used as a library: nothing to configure
         return
-    OPTS.ns = opts
+    OPTIONS.ns = opts
     host = environment.host or opts.host or ""
     if urlsplit(host).hostname not in LOOPBACK:
         log.error("refusing host %r: this locustfile targets 127.0.0.1 / localhost only", host)
@@ -235,7 +207,7 @@ def _on_spawned(user_count, **_kw) -> None:
 
 @events.request.add_listener
 def _on_request(name, response_time, exception, **_kw) -> None:
-    slo = OPTS.ferry_slo_ms if OPTS.ns is not None else 0.0
+    slo = OPTIONS.ferry_slo_ms if OPTIONS.ns is not None else 0.0
     REPORT.record(name, response_time, exception is not None, slo)
 
 
@@ -318,7 +290,7 @@ class FerryUser(FastHttpUser):
     def wait_time(self) -> float:
         sched = LOAD.schedule
         if not sched.open_loop:
-            return OPTS.think_time if OPTS.ns is not None else 0.0
+            return OPTIONS.think_time if OPTIONS.ns is not None else 0.0
         LOAD.started.wait()  # arrivals start once every user is spawned (killed here on stop)
         slot = LOAD.pacers[self.key].claim()
         if slot is None:  # arrivals are over: idle until the run stops
@@ -356,9 +328,9 @@ class InteractiveChatUser(FerryUser):
         start = self.arrival()
         if start is None:
             return
-        body = {"model": OPTS.ferry_chat_model, "messages": [{"role": "user", "content": question(self.next_index())}],
-                "max_tokens": OPTS.chat_max_tokens, "temperature": 0, "stream": True}
-        with self.client.post("/v1/chat/completions", json=body, headers=self.budget_headers(OPTS.interactive_budget_ms),
+        body = {"model": OPTIONS.ferry_chat_model, "messages": [{"role": "user", "content": question(self.next_index())}],
+                "max_tokens": OPTIONS.chat_max_tokens, "temperature": 0, "stream": True}
+        with self.client.post("/v1/chat/completions", json=body, headers=self.budget_headers(OPTIONS.interactive_budget_ms),
                               stream=True, catch_response=True, name=STREAM_ENTRY) as resp:
             ttft, problem, nbytes = None, None, 0
             if resp.status_code == 200:
@@ -435,12 +407,12 @@ class BatchChatUser(FerryUser):
         start = self.arrival()
         if start is None:
             return
-        k = max(1, OPTS.batch_conversations)
+        k = max(1, OPTIONS.batch_conversations)
         i = self.next_index()
-        body = {"model": OPTS.ferry_chat_model, "messages": [[{"role": "user", "content": question(i + j)}] for j in range(k)],
-                "max_tokens": OPTS.batch_max_tokens, "temperature": 0, "priority": "batch"}
-        if OPTS.batch_budget_ms > 0:
-            body["latency_budget_ms"] = OPTS.batch_budget_ms
+        body = {"model": OPTIONS.ferry_chat_model, "messages": [[{"role": "user", "content": question(i + j)}] for j in range(k)],
+                "max_tokens": OPTIONS.batch_max_tokens, "temperature": 0, "priority": "batch"}
+        if OPTIONS.batch_budget_ms > 0:
+            body["latency_budget_ms"] = OPTIONS.batch_budget_ms
         with self.client.post("/v1/chat/completions", json=body, catch_response=True, name=BATCH_ENTRY) as resp:
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
             if resp.status_code != 200:
@@ -467,10 +439,10 @@ class EmbeddingsUser(FerryUser):
         start = self.arrival()
         if start is None:
             return
-        n = max(1, OPTS.embed_inputs)
+        n = max(1, OPTIONS.embed_inputs)
         i = self.next_index()
-        body = {"model": OPTS.ferry_embed_model, "input": sentence(i) if n == 1 else [sentence(i + j) for j in range(n)]}
-        with self.client.post("/v1/embeddings", json=body, headers=self.budget_headers(OPTS.embed_budget_ms),
+        body = {"model": OPTIONS.ferry_embed_model, "input": sentence(i) if n == 1 else [sentence(i + j) for j in range(n)]}
+        with self.client.post("/v1/embeddings", json=body, headers=self.budget_headers(OPTIONS.embed_budget_ms),
                               catch_response=True, name=EMBED_ENTRY) as resp:
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
             if resp.status_code != 200:
