@@ -64,7 +64,9 @@ BATCHING_KNOBS = knobs(BatchingSettings)
 OPTIONS: dict[str, Knob] = {k.option: k for k in SERVER_KNOBS + BATCHING_KNOBS}
 
 
-class _ServerConfig:
+class _ServerConfigMethods:
+    """What ServerConfig (below) does beyond holding values."""
+
     def batching_settings(self, **overrides: Any) -> BatchingSettings:
         """The batching settings of a model: these options, then its own `overrides`."""
         values = {k.name: getattr(self, k.option) for k in BATCHING_KNOBS}
@@ -89,7 +91,7 @@ def _default(k: Knob) -> Any:
 # Every knob as a plain attribute, not validated until `validate()`: embedded mode builds one
 # with port 0 (pick a free port) and checks it with the port it will get.
 ServerConfig = make_dataclass("ServerConfig", [(name, k.annotation, _default(k)) for name, k in OPTIONS.items()],
-                              bases=(_ServerConfig,))
+                              bases=(_ServerConfigMethods,))
 ServerConfig.__module__ = __name__
 ServerConfig.__doc__ = "The values of every `ferry serve` knob, by option name (ServerSettings, BatchingSettings)."
 
@@ -138,7 +140,7 @@ def _from_env(k: Knob, value: str) -> Any:
         raise SystemExit(f"ferry: invalid {k.env}={value!r}: {k.requirement}") from None
 
 
-def from_args(argv: list[str] | None = None) -> tuple[str, Any]:
+def from_args(argv: list[str] | None = None) -> tuple[str, ServerConfig]:
     ns = parser().parse_args(argv)
     values = {f.name: getattr(ns, f.name) for f in fields(ServerConfig)}
     keys: list[str] = []
