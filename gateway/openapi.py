@@ -15,6 +15,7 @@ from .config import ServerConfig
 from .jobs.validate import BatchCreate
 from .models import CHAT, EMBEDDING
 from .responses import json_response
+from .routes import admin
 
 REF = "#/components/schemas/{model}"
 ERRORS = {
@@ -46,8 +47,8 @@ def _operations(req: s.RequestModels) -> list[tuple]:
         ("/v1/models/{model}", "get", "One served model", None, s.ModelCard, False, "v1"),
         ("/healthz", "get", "Liveness", None, s.Status, False, "ops"),
         ("/readyz", "get", "Readiness: models loaded and warmed up", None, s.Status, False, "ops"),
-        ("/admin/models/{model}/batching", "get", "Current batching settings", None, s.BatchingSettingsOut, False, "admin"),
-        ("/admin/models/{model}/batching", "patch", "Change batching settings live", s.BatchingPatch, s.BatchingSettingsOut, False, "admin"),
+        ("/admin/models/{model}/batching", "get", "Current batching settings", None, admin.BatchingSettingsOut, False, "admin"),
+        ("/admin/models/{model}/batching", "patch", "Change batching settings live", admin.BatchingPatch, admin.BatchingSettingsOut, False, "admin"),
     ]
 
 

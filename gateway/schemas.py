@@ -163,33 +163,6 @@ class CompletionRequest(GenerationParams):
         return one_or_many(self.prompt)
 
 
-# -- admin ------------------------------------------------------------------------
-def _absent(schema: dict) -> None:
-    schema.pop("default", None)
-
-
-def Optional(**constraints: Any) -> Any:
-    """A field that may be left out but not sent as null: absent means "unchanged", and the
-    schema has no `default: null` that would suggest null is accepted."""
-    return Field(None, json_schema_extra=_absent, **constraints)
-
-
-class BatchingPatch(Strict):
-    """Only the fields sent change. `default_budget_ms` and `max_itl_ms` may be null (no
-    default budget, no inter-token limit); the others may not."""
-
-    max_batch_size: Annotated[int, Field(ge=1, le=1_000_000), Integral] = Optional()
-    max_wait_ms: float = Optional(ge=0, lt=3_600_000)
-    policy: Literal["fixed", "deadline", "adaptive"] = Optional()
-    max_queue: Annotated[int, Field(ge=1, le=1_000_000), Integral] = Optional()
-    default_budget_ms: float | None = Field(None, gt=0, lt=3_600_000)
-    max_itl_ms: float | None = Field(None, gt=0, lt=3_600_000)
-    max_running: Annotated[int, Field(ge=1, le=1_000_000), Integral] = Optional()
-    on_infeasible: Literal["reject", "serve"] = Optional()
-    aging_ms: float = Optional(ge=0, lt=3_600_000)
-    interactive_first: StrictBool = Optional()
-
-
 def is_finite(x: float) -> bool:
     return not (math.isnan(x) or math.isinf(x))
 
@@ -268,24 +241,6 @@ class Status(BaseModel):
     status: str
     models: list[str] | None = None
     error: str | None = None
-
-
-class BatchingSettingsOut(BaseModel):
-    max_batch_size: int
-    max_wait_ms: float
-    max_queue: int
-    policy: str
-    default_budget_ms: float | None
-    deadline_margin_ms: float
-    aging_ms: float
-    on_infeasible: str
-    interactive_first: bool
-    budget_scope: str
-    max_itl_ms: float | None
-    max_running: int
-    prefill_token_budget: int
-    mode: str
-    cost_model: dict[str, Any] | None = None
 
 
 # -- batch API objects (OpenAI's shapes; gateway/routes/batches.py builds them) -------------

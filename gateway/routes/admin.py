@@ -1,24 +1,69 @@
 """Live tuning: GET and PATCH /admin/models/{model}/batching.
 
 Off (404) unless --admin-token is set; a wrong or missing token gets 401. A change applies
-from the next batch; queued work keeps its place.
+from the next batch; queued work keeps its place. Both bodies come from the declaration of
+the batching knobs (batcher/settings.py): GET answers every knob, PATCH takes the `live` ones.
 """
 from __future__ import annotations
 
 import logging
+from typing import Annotated, Any
 
+from pydantic import BaseModel, Field, create_model
 from starlette.requests import Request
 from starlette.responses import Response
 
-from batcher.settings import SettingsError
+from batcher.knobs import Knob, knobs
+from batcher.settings import BatchingSettings, SettingsError
 
 from ..endpoint import Ctx, check_key
 from ..errors import APIError
 from ..http import parse
 from ..responses import json_response
-from ..schemas import BatchingPatch
+from ..schemas import Integral, Strict
 
 log = logging.getLogger("ferry.admin")
+KNOBS = knobs(BatchingSettings)
+
+
+def _describe(k: Knob, with_live: bool) -> str:
+    text = k.help + (f", in {k.unit}" if k.unit else "")
+    if k.nullable and k.null:
+        text += f"; null: {k.null}"
+    if with_live and not k.live:
+        text += f". Set at start only ({k.flag}); PATCH refuses it"
+    return text + "."
+
+
+def _absent(schema: dict) -> None:
+    schema.pop("default", None)
+
+
+def _patch_field(k: Knob) -> tuple[Any, Any]:
+    """Absent means unchanged. A knob that may be null takes null; the others refuse it, and
+    their schema has no `default: null` that would suggest otherwise."""
+    annotation, bounds = k.annotation, k.bounds
+    if k.kind is int:  # 2.0 is the integer 2 (Integral goes after the bounds: gateway/schemas.py)
+        annotation, bounds = Annotated[int, Field(**k.bounds), Integral], {}
+        annotation = annotation | None if k.nullable else annotation
+    if k.nullable:
+        return annotation, Field(None, description=_describe(k, False), **bounds)
+    return annotation, Field(None, description=_describe(k, False), json_schema_extra=_absent, **bounds)
+
+
+_NULLABLE = [k for k in KNOBS if k.live and k.nullable]
+BatchingPatch = create_model(
+    "BatchingPatch", __base__=Strict, __module__=__name__,
+    __doc__="Only the fields sent change. " + " and ".join(f"`{k.name}`" for k in _NULLABLE)
+            + f" may be null ({', '.join(k.null or 'none' for k in _NULLABLE)}); the others may not.",
+    **{k.name: _patch_field(k) for k in KNOBS if k.live},
+)
+BatchingSettingsOut = create_model(
+    "BatchingSettingsOut", __base__=BaseModel, __module__=__name__,
+    __doc__="Every batching setting of the model; the GET also gives the fitted cost models.",
+    **{k.name: (k.annotation, Field(..., description=_describe(k, True))) for k in KNOBS},
+    cost_model=(dict[str, Any] | None, Field(None, description="The fitted cost model of each phase (GET only).")),
+)
 
 
 def _authorize(request: Request):
