@@ -24,38 +24,11 @@ from .cost import CostModel, LinearCost
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
-from .types import DispatchReason, Outcome, WorkItem
+from .types import Delta, DispatchReason, GenResult, Outcome, WorkItem
 
 log = logging.getLogger("ferry.batcher")
 
 Runner = Callable[..., Awaitable[Any]]
-
-
-@dataclass(slots=True)
-class GenRequest:
-    """Payload of a generation work item (engine-neutral: params is the engine's
-    SamplingParams, passed through untouched)."""
-
-    prompt_ids: list[int]
-    params: Any
-
-
-@dataclass(slots=True)
-class GenResult:
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(slots=True)
-class Delta:
-    """One streamed piece of one sequence, handed to `WorkItem.on_delta`."""
-
-    item: WorkItem
-    text: str
-    tokens: int
-    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -412,14 +385,3 @@ def _apportion(r: _IterationResult, total: float) -> None:
     if not r.decoded_rows:
         share = 0.0
     r.decode_seconds, r.prefill_seconds = total * share, total * (1.0 - share)
-
-
-class SimulatedRunner:
-    """A runner for tests: each engine call costs fixed + per_row * rows of simulated time."""
-
-    def __init__(self, clock: Any, engine: Any, fixed: float = 0.010, per_row: float = 0.001):
-        self.clock, self.engine, self.fixed, self.per_row = clock, engine, fixed, per_row
-
-    async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        await self.clock.sleep(self.fixed + self.per_row * max(1, self.engine.running))
-        return fn(*args)

@@ -1,4 +1,5 @@
-"""Shared vocabulary of the batcher: work items, batches, outcomes.
+"""Shared vocabulary of the batcher: work items, batches, outcomes, and the payloads
+of generation items (request in, streamed deltas and result out).
 
 Every module imports these; nobody redefines them.
 """
@@ -66,7 +67,7 @@ class WorkItem:
     request_id: str = ""
     prompt_index: int = 0
     # Generation items stream deltas through this callback (called on the event loop).
-    on_delta: Callable[[Any], None] | None = None
+    on_delta: Callable[[Delta], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     future: asyncio.Future | None = None
     outcome: Outcome = Outcome.PENDING
@@ -112,3 +113,32 @@ class Batch:
     @property
     def padded_tokens(self) -> int:
         return max((i.cost for i in self.items), default=0) * len(self.items)
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """Payload of a generation work item (engine-neutral: params is the engine's
+    SamplingParams, passed through untouched)."""
+
+    prompt_ids: list[int]
+    params: Any
+
+
+@dataclass(slots=True)
+class GenResult:
+    """What a generation work item resolves to once its sequence finishes."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Delta:
+    """One streamed piece of one sequence, handed to `WorkItem.on_delta`."""
+
+    item: WorkItem
+    text: str
+    tokens: int
+    finish_reason: str | None = None

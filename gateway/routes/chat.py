@@ -18,8 +18,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from batcher.errors import FerryError
-from batcher.scheduler import Delta, GenRequest
-from batcher.types import WorkItem
+from batcher.types import Delta, GenRequest, WorkItem
 from engine.base import ChatTemplateError, SamplingParams
 
 from ..endpoint import Ctx, finish
