@@ -9,7 +9,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 _ids = itertools.count(1)
 
@@ -106,13 +106,23 @@ class Batch:
     def __len__(self) -> int:
         return len(self.items)
 
-    @property
-    def tokens(self) -> int:
-        return sum(i.cost for i in self.items)
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    """The tokens of one engine call: the real ones, and what the call computes with every
+    input padded to the longest (what the cost model and the padding metric need)."""
+
+    real: int
+    padded: int
+
+    @classmethod
+    def of(cls, lengths: Sequence[int]) -> "TokenCount":
+        return cls(sum(lengths), max(lengths, default=0) * len(lengths))
 
     @property
-    def padded_tokens(self) -> int:
-        return max((i.cost for i in self.items), default=0) * len(self.items)
+    def padding_ratio(self) -> float:
+        """Padding over padded tokens; 0 for an empty call."""
+        return 1.0 - self.real / self.padded if self.padded else 0.0
 
 
 @dataclass(slots=True)

@@ -284,6 +284,12 @@ def test_tiny_chat_build_is_deterministic_and_cached(tiny_chat_dir, tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == ["again"], "staging directory left behind"
 
 
+def test_the_engine_is_what_the_batcher_asks_for(engine):
+    from batcher.protocols import GenerationEngine
+
+    assert isinstance(engine, GenerationEngine)
+
+
 def test_engine_package_does_not_import_the_server_layers():
     forbidden = {"starlette", "uvicorn", "gateway", "batcher"}
     for path in (Path(__file__).parents[2] / "engine").glob("*.py"):
