@@ -22,9 +22,9 @@ from . import admission
 from .core import QueueingBatcher, seconds_until
 from .cost import CostModel, LinearCost
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
+from .isolation import split_in_halves
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
-from .isolation import split_in_halves
 from .protocols import GenerationEngine, MakeRequest, Runner, SequenceRequest, StepOutput
 from .types import Delta, DispatchReason, GenResult, Outcome, TokenCount, WorkItem
 
