@@ -1,4 +1,5 @@
-"""Every Ferry metric, defined once.
+"""Every metric of the batching, defined once; the HTTP request metrics are the gateway's
+(gateway/metrics.py, whose `GatewayMetrics` adds them to these on one registry).
 
 Names follow `ferry_<thing>_<unit>`; counters end in `_total`; labels stay in
 {model, route, status, reason, phase, class}. Tests build a `Metrics` on a fresh
@@ -8,10 +9,8 @@ drawn by at least one panel (tests/observability/test_catalogue.py checks both w
 docs/operations.md explains each metric and panel to operators.
 
 Label values:
-- `route`: the route template (`/v1/embeddings`, `/v1/chat/completions`, ...).
-- `status`: the HTTP status code on `ferry_requests_total`; the item outcome
-  (`result`, `error`, `cancelled`, `expired`) on `ferry_items_total`; `met` / `missed` on
-  `ferry_slo_total`.
+- `status`: the item outcome (`result`, `error`, `cancelled`, `expired`) on
+  `ferry_items_total`; `met` / `missed` on `ferry_slo_total`.
 - `reason`: a dispatch reason (`full`, `max_wait`, `deadline`, `adaptive`, `drain`) or a
   rejection reason (`queue_full`, `deadline_infeasible`, `invalid`, `shutting_down`).
 - `phase`: the engine phase (`embed`, `prefill`, `decode`), or on
@@ -69,10 +68,6 @@ class Metrics:
         r = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.registry = r
         self._initialised: set[str] = set()
-        # Requests (HTTP level)
-        self.requests = Counter("ferry_requests_total", "HTTP requests by route, model and status code.", ["route", "model", "status"], registry=r)
-        self.request_latency = Histogram("ferry_request_duration_seconds", "End-to-end request latency.", ["route", "model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.in_flight = Gauge("ferry_requests_in_flight", "Requests being served now.", ["route"], registry=r)
         # Queue
         self.queue_depth = Gauge("ferry_queue_depth", "Items waiting in the queue.", ["model", "class"], registry=r)
         self.queue_wait = Histogram("ferry_queue_wait_seconds", "Time an item waited before dispatch.", ["model", "class"], buckets=LATENCY_BUCKETS, registry=r)

@@ -9,22 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-from typing import Any, Awaitable, Callable, Sequence
 
 from .core import QueueingBatcher, seconds_until
 from .errors import EngineError, ShuttingDown
 from .policy import Dispatch, batch_cost, get_policy
-from .types import Batch, DispatchReason, Outcome
+from .protocols import Execute
+from .types import Batch, DispatchReason, Outcome, TokenCount
 
 log = logging.getLogger("ferry.batcher")
 
-Execute = Callable[[list[Any]], Awaitable[Sequence[Any]]]
-
 
 class MicroBatcher(QueueingBatcher):
-    """`execute(payloads)` returns one result per payload, an Exception in place of a
-    result for an item that failed alone; if it raises, every item of that batch fails."""
+    """Runs each dispatched batch through `execute` (see batcher.protocols.Execute)."""
 
     def __init__(self, model: str, execute: Execute, settings, *, phase: str = "embed", **kw):
         super().__init__(model, settings, **kw)
@@ -102,11 +98,10 @@ class MicroBatcher(QueueingBatcher):
         if not items:
             return
         m, model, phase = self.metrics, self.model, self.phase
-        real = sum(i.cost for i in items)
-        padded = max(i.cost for i in items) * len(items)
+        tokens = TokenCount.of([i.cost for i in items])
         m.batch_size.labels(model, phase).observe(len(items))
-        m.batch_tokens.labels(model, phase).observe(real)
-        m.padding.labels(model, phase).observe(1.0 - real / padded if padded else 0.0)
+        m.batch_tokens.labels(model, phase).observe(tokens.real)
+        m.padding.labels(model, phase).observe(tokens.padding_ratio)
         start = self.clock.now()
         try:
             results = await self.execute([i.payload for i in items])
@@ -132,7 +127,7 @@ class MicroBatcher(QueueingBatcher):
                 self._finish(item, Outcome.ERROR, EngineError(f"model execution failed for this input: {result}"))
             else:
                 self._finish(item, Outcome.RESULT, result)
-        m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), padded, elapsed))
+        m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), tokens.padded, elapsed))
         self.tracker.served(self.clock.now(), len(items), elapsed, backlogged)
         m.slowdown.labels(model, phase).set(self.cost.slowdown)
 
@@ -142,21 +137,3 @@ class MicroBatcher(QueueingBatcher):
         running = sum(1 for i in self.batches[-1].items if not i.finished) if self.batches else 0
         self._inflight.cancel()  # its done-callback fails the batch's items
         return running
-
-
-def split_on_oom(run: Execute, is_oom: Callable[[BaseException], bool]) -> Execute:
-    """Wrap `run` so a batch that fails like out-of-memory is retried in halves until the
-    failing item is isolated; only that item fails."""
-
-    async def execute(payloads: list[Any]) -> list[Any]:
-        try:
-            return list(await run(payloads))
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
-            if len(payloads) == 1:
-                return [exc]
-            mid = math.ceil(len(payloads) / 2)
-            return (await execute(payloads[:mid])) + (await execute(payloads[mid:]))
-
-    return execute

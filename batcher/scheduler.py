@@ -16,46 +16,19 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable
 
 from . import admission
 from .core import QueueingBatcher, seconds_until
 from .cost import CostModel, LinearCost
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
+from .isolation import split_in_halves
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
-from .types import DispatchReason, Outcome, WorkItem
+from .protocols import GenerationEngine, MakeRequest, Runner, SequenceRequest, StepOutput
+from .types import Delta, DispatchReason, GenResult, Outcome, TokenCount, WorkItem
 
 log = logging.getLogger("ferry.batcher")
-
-Runner = Callable[..., Awaitable[Any]]
-
-
-@dataclass(slots=True)
-class GenRequest:
-    """Payload of a generation work item (engine-neutral: params is the engine's
-    SamplingParams, passed through untouched)."""
-
-    prompt_ids: list[int]
-    params: Any
-
-
-@dataclass(slots=True)
-class GenResult:
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(slots=True)
-class Delta:
-    """One streamed piece of one sequence, handed to `WorkItem.on_delta`."""
-
-    item: WorkItem
-    text: str
-    tokens: int
-    finish_reason: str | None = None
 
 
 @dataclass(slots=True)
@@ -68,7 +41,7 @@ class _Seq:
 
 @dataclass(slots=True)
 class _IterationResult:
-    outputs: list[Any]
+    outputs: list[StepOutput]
     failed: dict[int, Exception]
     prefill_seconds: float
     decode_seconds: float
@@ -78,8 +51,8 @@ class _IterationResult:
 class GenerationScheduler(QueueingBatcher):
     phase = "decode"
 
-    def __init__(self, model: str, engine: Any, runner: Runner, settings, *,
-                 make_request: Callable[[int, list[int], Any], Any], **kw):
+    def __init__(self, model: str, engine: GenerationEngine, runner: Runner, settings, *,
+                 make_request: MakeRequest, **kw):
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
         # Children looked up once: these are touched for every generated token.
@@ -91,8 +64,7 @@ class GenerationScheduler(QueueingBatcher):
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
         self.decode_cost = CostModel(LinearCost(0.010, 0.0005, 0.0))
         self.cost = self.prefill_cost  # admission predicts time to first token from prefill
-        # Builds the engine's request for one sequence; params None (the warm-up) means the
-        # engine's defaults. Passed in: the batcher does not import the engine.
+        # Passed in: the batcher does not import the engine (see batcher.protocols).
         self._make_request = make_request
         self._running: dict[int, _Seq] = {}
         self._removals: list[int] = []
@@ -260,7 +232,7 @@ class GenerationScheduler(QueueingBatcher):
         start = getattr(self.runner, "start", None)
         return start(fn, *args) if start is not None else self.runner(fn, *args)
 
-    def _run_engine(self, removals: list[int], requests: list[Any], decode: bool) -> _IterationResult:
+    def _run_engine(self, removals: list[int], requests: list[SequenceRequest], decode: bool) -> _IterationResult:
         """Runs on the worker thread: everything the engine does in one iteration."""
         engine = self.engine
         if removals:
@@ -271,39 +243,34 @@ class GenerationScheduler(QueueingBatcher):
         t1 = time.perf_counter()
         failed: dict[int, Exception] = {}
         if requests:
-            outputs.extend(self._add_isolating(requests, failed))
+            # A group that fails is retried by halves, so only the failing prompt fails; a
+            # failed call's sequences are removed first, whatever it left behind.
+            results = split_in_halves(engine.add, requests,
+                                      after_failure=lambda group: engine.remove([r.seq_id for r in group]))
+            for request, result in zip(requests, results):
+                if isinstance(result, Exception):
+                    failed[request.seq_id] = result
+                else:
+                    outputs.append(result)
         return _IterationResult(outputs, failed, time.perf_counter() - t1, t1 - t0, rows)
 
-    def _add_isolating(self, requests: Sequence[Any], failed: dict[int, Exception]) -> list[Any]:
-        """Prefill; if the group fails, retry in halves so only the failing prompt fails."""
-        try:
-            return list(self.engine.add(requests))
-        except Exception as exc:
-            self.engine.remove([r.seq_id for r in requests])
-            if len(requests) == 1:
-                failed[requests[0].seq_id] = exc
-                return []
-            mid = (len(requests) + 1) // 2
-            return self._add_isolating(requests[:mid], failed) + self._add_isolating(requests[mid:], failed)
-
-    def _observe(self, r: _IterationResult, requests: list[Any]) -> None:
+    def _observe(self, r: _IterationResult, requests: list[SequenceRequest]) -> None:
         m, model = self.metrics, self.model
         if r.decoded_rows:
             m.batch_size.labels(model, "decode").observe(r.decoded_rows)
             m.batch_seconds.labels(model, "decode").observe(r.decode_seconds)
             m.cost_error.labels(model, "decode").observe(self.decode_cost.observe(r.decoded_rows, 0, r.decode_seconds))
         if requests:
-            lengths = [len(q.prompt_ids) for q in requests]
-            real, padded = sum(lengths), max(lengths) * len(lengths)
+            tokens = TokenCount.of([len(q.prompt_ids) for q in requests])
             m.batch_size.labels(model, "prefill").observe(len(requests))
-            m.batch_tokens.labels(model, "prefill").observe(real)
-            m.padding.labels(model, "prefill").observe(1.0 - real / padded)
+            m.batch_tokens.labels(model, "prefill").observe(tokens.real)
+            m.padding.labels(model, "prefill").observe(tokens.padding_ratio)
             m.batch_seconds.labels(model, "prefill").observe(r.prefill_seconds)
-            m.cost_error.labels(model, "prefill").observe(self.prefill_cost.observe(len(requests), padded, r.prefill_seconds))
+            m.cost_error.labels(model, "prefill").observe(self.prefill_cost.observe(len(requests), tokens.padded, r.prefill_seconds))
             m.slowdown.labels(model, "prefill").set(self.prefill_cost.slowdown)
-            m.prompt_tokens.labels(model).inc(real)
+            m.prompt_tokens.labels(model).inc(tokens.real)
 
-    def _deliver_all(self, outputs: list[Any], finished: dict[int, _Seq], now: float) -> None:
+    def _deliver_all(self, outputs: list[StepOutput], finished: dict[int, _Seq], now: float) -> None:
         """Deliver one step's outputs. Finished sequences are no longer in the running set,
         so a failure here must still end each item: it fails only the item it hit."""
         for out in outputs:
@@ -318,7 +285,7 @@ class GenerationScheduler(QueueingBatcher):
                     self._removals.append(out.seq_id)
                 self._finish(seq.item, Outcome.ERROR, EngineError(f"delivering the output failed: {exc}"))
 
-    def _deliver(self, seq: _Seq, out: Any, now: float) -> None:
+    def _deliver(self, seq: _Seq, out: StepOutput, now: float) -> None:
         item = seq.item
         if item.finished:  # cancelled or expired after its last step ran
             return
@@ -369,9 +336,7 @@ class GenerationScheduler(QueueingBatcher):
         m = self.metrics
         m.running.labels(self.model).set(len(self._running))
         m.waiting.labels(self.model).set(len(self.queue))
-        kv = getattr(self.engine, "kv_tokens", None)
-        if isinstance(kv, int):
-            m.kv_tokens.labels(self.model).set(kv)
+        m.kv_tokens.labels(self.model).set(self.engine.kv_tokens)
 
     async def warmup(self) -> None:
         """Profile prefill and decode on the real engine to seed both cost models."""
@@ -412,14 +377,3 @@ def _apportion(r: _IterationResult, total: float) -> None:
     if not r.decoded_rows:
         share = 0.0
     r.decode_seconds, r.prefill_seconds = total * share, total * (1.0 - share)
-
-
-class SimulatedRunner:
-    """A runner for tests: each engine call costs fixed + per_row * rows of simulated time."""
-
-    def __init__(self, clock: Any, engine: Any, fixed: float = 0.010, per_row: float = 0.001):
-        self.clock, self.engine, self.fixed, self.per_row = clock, engine, fixed, per_row
-
-    async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        await self.clock.sleep(self.fixed + self.per_row * max(1, self.engine.running))
-        return fn(*args)

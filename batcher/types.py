@@ -1,4 +1,5 @@
-"""Shared vocabulary of the batcher: work items, batches, outcomes.
+"""Shared vocabulary of the batcher: work items, batches, outcomes, and the payloads
+of generation items (request in, streamed deltas and result out).
 
 Every module imports these; nobody redefines them.
 """
@@ -8,7 +9,7 @@ import asyncio
 import itertools
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 _ids = itertools.count(1)
 
@@ -66,7 +67,7 @@ class WorkItem:
     request_id: str = ""
     prompt_index: int = 0
     # Generation items stream deltas through this callback (called on the event loop).
-    on_delta: Callable[[Any], None] | None = None
+    on_delta: Callable[[Delta], None] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     future: asyncio.Future | None = None
     outcome: Outcome = Outcome.PENDING
@@ -105,10 +106,49 @@ class Batch:
     def __len__(self) -> int:
         return len(self.items)
 
-    @property
-    def tokens(self) -> int:
-        return sum(i.cost for i in self.items)
+
+@dataclass(frozen=True, slots=True)
+class TokenCount:
+    """The tokens of one engine call: the real ones, and what the call computes with every
+    input padded to the longest (what the cost model and the padding metric need)."""
+
+    real: int
+    padded: int
+
+    @classmethod
+    def of(cls, lengths: Sequence[int]) -> "TokenCount":
+        return cls(sum(lengths), max(lengths, default=0) * len(lengths))
 
     @property
-    def padded_tokens(self) -> int:
-        return max((i.cost for i in self.items), default=0) * len(self.items)
+    def padding_ratio(self) -> float:
+        """Padding over padded tokens; 0 for an empty call."""
+        return 1.0 - self.real / self.padded if self.padded else 0.0
+
+
+@dataclass(slots=True)
+class GenRequest:
+    """Payload of a generation work item (engine-neutral: params is the engine's
+    SamplingParams, passed through untouched)."""
+
+    prompt_ids: list[int]
+    params: Any
+
+
+@dataclass(slots=True)
+class GenResult:
+    """What a generation work item resolves to once its sequence finishes."""
+
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(slots=True)
+class Delta:
+    """One streamed piece of one sequence, handed to `WorkItem.on_delta`."""
+
+    item: WorkItem
+    text: str
+    tokens: int
+    finish_reason: str | None = None

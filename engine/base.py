@@ -1,4 +1,5 @@
-"""Engine protocols: what the batcher may ask of a model.
+"""Engine protocols: the whole contract of a model engine, as the gateway uses it. The
+batcher asks for less and says so itself (batcher/protocols.py), without importing this.
 
 Engines know nothing about deadlines, queues or HTTP. They are called from one worker
 thread at a time (the batcher owns that thread), so implementations need no locking.

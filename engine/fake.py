@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -90,6 +90,18 @@ class SimulatedExecutor:
         if index in self.fail_batches:
             raise RuntimeError(f"simulated failure of batch {index}")
         return [ValueError(f"bad item {p!r}") if p in self.fail_items else ("ok", p) for p in payloads]
+
+
+class SimulatedRunner:
+    """A runner for the generation scheduler in tests: each engine call costs
+    fixed + per_row * running rows of simulated time on `clock`, then runs inline."""
+
+    def __init__(self, clock: Any, engine: Any, fixed: float = 0.010, per_row: float = 0.001):
+        self.clock, self.engine, self.fixed, self.per_row = clock, engine, fixed, per_row
+
+    async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        await self.clock.sleep(self.fixed + self.per_row * max(1, self.engine.running))
+        return fn(*args)
 
 
 class FakeGenerationEngine:

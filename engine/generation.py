@@ -1,12 +1,14 @@
 """Continuous (iteration-level) batching over any Hugging Face causal LM.
 
-Running sequences share preallocated per-slot KV buffers (`_RunningBatch`), one row each,
+Running sequences share preallocated per-slot KV buffers (engine/kv.py), one row each,
 right-aligned at a shared write column and left-padded. `add()` prefills new prompts as
 their own batch (a DynamicCache) and copies their rows into free slots; `step()` decodes
 one token for every row, writing one cache column in place; finished or cancelled rows
-leave at once and their slots are reused. Because rows are left-padded and joined at different times, every forward gets
-an explicit 2D 0/1 attention mask and explicit position ids (real tokens before the
-fed one); transformers' defaults ignore padding and give silently wrong tokens.
+leave at once and their slots are reused. Because rows are left-padded and joined at
+different times, every forward gets an explicit 2D 0/1 attention mask and explicit
+position ids (real tokens before the fed one); transformers' defaults ignore padding and
+give silently wrong tokens. Token ids become text, stop strings included, in
+engine/detokenize.py.
 """
 from __future__ import annotations
 
@@ -18,24 +20,17 @@ from typing import Any, Sequence
 
 import jinja2
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from .base import ChatTemplateError, SamplingParams, SequenceRequest, StepOutput
+from .detokenize import IncrementalDetokenizer, StopStringFilter
 from .device import configure_threads, resolve_device, resolve_dtype
+from .kv import RunningBatch
 from .sampling import SequenceSampler, sample_next_tokens
 
 log = logging.getLogger("ferry.engine")
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
-
-# Prompt tokens decoded ahead of the completion so that tokenizers which drop or add a
-# leading space at the start of a decode (SentencePiece) render the first word right.
-_DETOKENIZE_CONTEXT = 5
-# A UTF-8 character is at most 4 bytes; past this many undecodable tokens the bytes are
-# genuinely invalid and are released as U+FFFD rather than held forever.
-_MAX_HELD_TOKENS = 6
-
 
 class HFGenerationEngine:
     """GenerationEngine for a local path or hub id loadable by AutoModelForCausalLM.
@@ -79,7 +74,7 @@ class HFGenerationEngine:
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._cache_kwarg = _cache_kwarg(self.model)
-        self._batch = _RunningBatch(max_running)
+        self._batch: RunningBatch[_Sequence] = RunningBatch(max_running)
         self._check_cache_layout()
         log.info(
             "loaded chat model %s on %s (max_context=%d, max_running=%d)",
@@ -149,7 +144,7 @@ class HFGenerationEngine:
         try:
             return self._decode_step()
         except BaseException:
-            self._batch = _RunningBatch(self.max_running)
+            self._batch = RunningBatch(self.max_running)
             raise
 
     def _decode_step(self) -> list[StepOutput]:
@@ -236,10 +231,8 @@ class HFGenerationEngine:
             params=params,
             prompt_len=len(request.prompt_ids),
             sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed),
-            detokenizer=_IncrementalDetokenizer(
-                self._detok, request.prompt_ids[-_DETOKENIZE_CONTEXT:]
-            ),
-            stops=_StopStringFilter(params.stop),
+            detokenizer=IncrementalDetokenizer(self._detok, request.prompt_ids),
+            stops=StopStringFilter(params.stop),
         )
 
     def _advance(self, seq: "_Sequence", token: int) -> StepOutput:
@@ -282,8 +275,8 @@ class _Sequence:
     params: SamplingParams
     prompt_len: int
     sampler: SequenceSampler
-    detokenizer: "_IncrementalDetokenizer"
-    stops: "_StopStringFilter"
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringFilter
     tokens: list[int] = field(default_factory=list)
 
     @property
@@ -296,265 +289,6 @@ class _Sequence:
         return self.prompt_len + len(self.tokens)
 
 
-class _SlotLayer(DynamicLayer):
-    """One attention layer's keys and values in preallocated per-slot buffers.
-
-    Buffers are [slots, kv_heads, capacity, head_dim]; running row i lives in slot i and
-    all rows share one write column (`owner.end`), so a decode step writes one column in
-    place and attends over a view of columns [start, end] instead of concatenating the
-    whole cache, as DynamicLayer does every step.
-    """
-
-    def __init__(self, owner: "_RunningBatch", keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__()
-        self.owner = owner
-        self.keys, self.values = keys, values
-        self.device = keys.device
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        raise AssertionError("slot buffers are allocated by the running batch")
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
-        rows, width = key_states.shape[0], key_states.shape[-2]
-        start, end = self.owner.start, self.owner.end
-        self.keys[:rows, :, end : end + width] = key_states
-        self.values[:rows, :, end : end + width] = value_states
-        return self.keys[:rows, :, start : end + width], self.values[:rows, :, start : end + width]
-
-    def get_seq_length(self) -> int:
-        return self.owner.end - self.owner.start
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-
-class _RunningBatch:
-    """Running sequences in preallocated KV slots.
-
-    Row i of every buffer belongs to `seqs[i]`; rows are kept dense (a leaving row's slot
-    is filled by the last row), so the forward sees rows [0, n). Columns [start, end) hold
-    the cached tokens, rows right-aligned at `end` and left-padded with mask 0. Joining
-    copies only the newcomers' prefill cache, leaving copies only the rows that move, and
-    the buffers are compacted to the left (or grown) when the write column reaches the
-    end: amortised, nothing is copied per step.
-    """
-
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-        self.seqs: list[_Sequence] = []
-        self.start = self.end = 0
-        self.mask: torch.Tensor | None = None  # [slots, capacity] int64, 1 = real token
-        self.cache: Any = None  # transformers Cache over _SlotLayer views
-
-    @property
-    def rows(self) -> int:
-        return len(self.seqs)
-
-    @property
-    def width(self) -> int:
-        return self.end - self.start
-
-    @property
-    def capacity(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[1]
-
-    def decode_mask(self) -> torch.Tensor:
-        """Open the next column for every row; the 2D mask for a one-token forward."""
-        self._ensure_room(self.width + 1)
-        self.mask[: self.rows, self.end] = 1
-        return self.mask[: self.rows, self.start : self.end + 1]
-
-    def advance(self) -> None:
-        """The forward wrote column `end` of every row."""
-        self.end += 1
-
-    def admit(self, cache: Any, mask: torch.Tensor, seqs: list[_Sequence], alive: list[int]) -> None:
-        """Copy the alive rows of a prefill (its own left-padded cache) into free slots."""
-        if len(alive) < len(seqs):
-            index = torch.tensor(alive, device=mask.device)
-            mask = mask.index_select(0, index)
-            layers = [(l.keys.index_select(0, index), l.values.index_select(0, index)) for l in cache.layers]
-        else:
-            layers = [(l.keys, l.values) for l in cache.layers]
-        seqs = [seqs[i] for i in alive]
-        width = mask.shape[1]
-        if self.mask is None:
-            self._allocate(layers, max(256, 2 * width), mask.dtype)
-        if not self.seqs:
-            self.start = self.end = 0
-        # Newcomers end at column `end` like everyone else: the span after joining is the
-        # wider of the two, plus one column for the next decode step.
-        span = max(self.width, width)
-        if span + 1 > self.capacity:
-            self._grow(span + 1)
-        if self.end < width or self.end + 1 > self.capacity:
-            self._move_columns(span - self.width)
-        lo, hi, first = self.end - width, self.end, self.rows
-        last = first + len(seqs)
-        self.mask[first:last].zero_()
-        self.mask[first:last, lo:hi] = mask
-        for layer, (keys, values) in zip(self.cache.layers, layers):
-            layer.keys[first:last, :, lo:hi] = keys
-            layer.values[first:last, :, lo:hi] = values
-        self.start = min(self.start, lo) if self.seqs else lo
-        self.seqs.extend(seqs)
-
-    def drop(self, leaving: set[int]) -> None:
-        """Remove the rows at indices `leaving`; later rows fill their slots."""
-        keep = self.rows - len(leaving)
-        holes = [i for i in sorted(leaving) if i < keep]
-        movers = [i for i in range(keep, self.rows) if i not in leaving]
-        if holes:
-            dst = torch.tensor(holes, device=self.mask.device)
-            src = torch.tensor(movers, device=self.mask.device)
-            cols = slice(self.start, self.end)
-            for layer in self.cache.layers:
-                layer.keys[dst, :, cols] = layer.keys[src, :, cols]
-                layer.values[dst, :, cols] = layer.values[src, :, cols]
-            self.mask[dst, cols] = self.mask[src, cols]
-            for hole, mover in zip(holes, movers):
-                self.seqs[hole] = self.seqs[mover]
-        del self.seqs[keep:]
-        if not self.seqs:
-            self.start = self.end = 0
-            return
-        # Padding columns nobody needs any more stop costing attention.
-        used = self.mask[:keep, self.start : self.end].any(dim=0)
-        self.start += int(used.int().argmax())
-
-    # -- buffers ---------------------------------------------------------------------
-
-    def _allocate(self, layers: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
-        from transformers.cache_utils import Cache
-
-        slot_layers = [
-            _SlotLayer(self, _slot_buffer(k, self.slots, capacity), _slot_buffer(v, self.slots, capacity))
-            for k, v in layers
-        ]
-        self.mask = torch.zeros((self.slots, capacity), dtype=dtype, device=layers[0][0].device)
-        self.cache = Cache(layers=slot_layers)
-
-    def _ensure_room(self, needed: int) -> None:
-        """Make columns [start, start + needed) fit: compact to the left, else grow.
-
-        Compaction only when it frees at least a quarter of the buffer, so its copy is
-        amortised over that many steps; otherwise double.
-        """
-        if self.start + needed <= self.capacity:
-            return
-        if needed <= self.capacity - self.capacity // 4:
-            self._move_columns(0)
-        else:
-            self._grow(needed)
-
-    def _grow(self, needed: int) -> None:
-        capacity = max(2 * self.capacity, needed + needed // 2)
-        width, cols = self.width, slice(self.start, self.end)
-        grown_mask = self.mask.new_zeros((self.slots, capacity))
-        grown_mask[:, :width] = self.mask[:, cols]
-
-        def regrown(old: torch.Tensor) -> torch.Tensor:
-            new = _slot_buffer(old, self.slots, capacity)
-            new[:, :, :width] = old[:, :, cols]
-            return new
-
-        grown = [(regrown(layer.keys), regrown(layer.values)) for layer in self.cache.layers]
-        # Allocated and copied first: an OOM above leaves the batch as it was.
-        for layer, (keys, values) in zip(self.cache.layers, grown):
-            layer.keys, layer.values = keys, values
-        self.mask = grown_mask
-        self.start, self.end = 0, width
-
-    def _move_columns(self, new_start: int) -> None:
-        """Shift the cached columns to begin at `new_start`, leaving one free column after."""
-        width, rows = self.width, self.rows
-        if new_start + width + 1 > self.capacity:
-            raise AssertionError("caller must ensure capacity before moving columns")
-        if new_start != self.start and rows:
-            src, dst = slice(self.start, self.end), slice(new_start, new_start + width)
-            # Every copy first (an OOM here changes nothing), then the writes, which do not
-            # allocate: a half-moved cache would give running rows misaligned keys.
-            moved = [(l.keys[:rows, :, src].clone(), l.values[:rows, :, src].clone()) for l in self.cache.layers]
-            mask = self.mask[:rows, src].clone()
-            for layer, (keys, values) in zip(self.cache.layers, moved):
-                layer.keys[:rows, :, dst] = keys
-                layer.values[:rows, :, dst] = values
-            self.mask[:rows].zero_()
-            self.mask[:rows, dst] = mask
-        self.start, self.end = new_start, new_start + width
-
-
-class _IncrementalDetokenizer:
-    """Turns a token stream into text deltas, holding back incomplete UTF-8 characters.
-
-    Decodes a short window (already-released context + new tokens) and emits the part
-    beyond the context, so byte-level and SentencePiece tokenizers both render spaces and
-    multi-byte characters split across tokens correctly.
-    """
-
-    def __init__(self, tokenizer: Any, context: Sequence[int]) -> None:
-        self._tokenizer = tokenizer
-        self._ids = list(context)
-        self._prefix = 0  # window start
-        self._read = len(self._ids)  # end of text already released
-
-    def push(self, token: int) -> str:
-        self._ids.append(token)
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        held = len(self._ids) - self._read
-        incomplete = len(text) <= len(prefix_text) or text.endswith("\ufffd")
-        if incomplete and held < _MAX_HELD_TOKENS:
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(prefix_text) :]
-
-    def flush(self) -> str:
-        """Everything not yet released, partial characters included."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        text = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
-        return text[len(prefix_text) :]
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
-
-
-class _StopStringFilter:
-    """OpenAI stop semantics over a text stream: output ends before the first stop
-    string, which is not included; text that may be the start of one is held back."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self._stops = [s for s in stops if s]
-        self._held = ""
-
-    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """(releasable text, whether a stop string was hit)."""
-        if not self._stops:
-            return text, False
-        buffer = self._held + text
-        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self._held = ""
-            return buffer[: min(hits)], True
-        hold = 0 if final else self._partial_stop_suffix(buffer)
-        self._held = buffer[len(buffer) - hold :] if hold else ""
-        return buffer[: len(buffer) - hold], False
-
-    def _partial_stop_suffix(self, buffer: str) -> int:
-        """Length of the longest suffix of `buffer` that is a proper prefix of a stop."""
-        longest = 0
-        for stop in self._stops:
-            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if buffer.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
-
-
 def _left_pad_prompts(prompts: Sequence[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(p) for p in prompts)
     # The pad id is never attended to; 0 is merely a valid embedding index.
@@ -564,11 +298,6 @@ def _left_pad_prompts(prompts: Sequence[list[int]], device: torch.device) -> tup
         ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[row, width - len(prompt) :] = 1
     return ids.to(device), mask.to(device)
-
-
-def _slot_buffer(like: torch.Tensor, slots: int, capacity: int) -> torch.Tensor:
-    """Zeroed [slots, kv_heads, capacity, head_dim] buffer shaped after `like` ([rows, kv_heads, seq, head_dim])."""
-    return like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:

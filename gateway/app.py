@@ -9,11 +9,10 @@ import logging
 from starlette.applications import Starlette
 from starlette.routing import Route
 
-from batcher.metrics import Metrics
-
 from .config import ServerConfig
 from .endpoint import endpoint, route
 from .errors import APIError
+from .metrics import GatewayMetrics
 from . import openapi
 from .models import ModelSpec, default_specs
 from .jobs import JobRunner
@@ -48,9 +47,9 @@ async def _http_error(request, exc):
 
 
 def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None = None,
-               metrics: Metrics | None = None) -> Starlette:
+               metrics: GatewayMetrics | None = None) -> Starlette:
     config = config or ServerConfig()
-    ferry = Ferry(config, metrics or Metrics(), specs if specs is not None else default_specs(config))
+    ferry = Ferry(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

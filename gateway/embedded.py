@@ -120,7 +120,7 @@ class Ferry:
     models: what to serve (see `resolve_models`; default: both built-in models).
     host, port: where to listen (default 127.0.0.1 and a free port).
     specs: a list of gateway.models.ModelSpec to serve instead of `models` (fake engines
-    in tests, or engines you built yourself). metrics: a batcher.metrics.Metrics (default:
+    in tests, or engines you built yourself). metrics: a gateway.metrics.GatewayMetrics (default:
     a fresh registry, so several Ferry instances can coexist).
     ready_timeout: seconds to wait for the models to load (raises RuntimeError beyond).
     log_level: level of uvicorn's own loggers (None leaves logging alone).
@@ -236,9 +236,8 @@ class Ferry:
         self._started = True
         import uvicorn  # noqa: PLC0415
 
-        from batcher.metrics import Metrics  # noqa: PLC0415
-
         from .app import create_app  # noqa: PLC0415
+        from .metrics import GatewayMetrics  # noqa: PLC0415
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._threads_before = set(threading.enumerate())
@@ -246,7 +245,7 @@ class Ferry:
         self.port = self._sock.getsockname()[1]
         self.config.port = self.port
         try:
-            self.app = create_app(self.config, self.specs, self.metrics or Metrics())
+            self.app = create_app(self.config, self.specs, self.metrics or GatewayMetrics())
             config = uvicorn.Config(self.app, host=self.host, port=self.port, log_config=None, log_level=self.log_level,
                                     access_log=False, lifespan="on", timeout_graceful_shutdown=5)
             self._server = uvicorn.Server(config)

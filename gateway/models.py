@@ -11,7 +11,8 @@ from typing import Any, Callable
 from batcher.core import QueueingBatcher
 from batcher.cost import CostModel
 from batcher.metrics import Metrics
-from batcher.microbatcher import MicroBatcher, split_on_oom
+from batcher.isolation import split_in_halves
+from batcher.microbatcher import MicroBatcher
 from batcher.runner import ThreadRunner
 
 from .config import ServerConfig
@@ -121,10 +122,15 @@ async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> S
             cost.seed(await runner(engine.warmup))
         from engine.device import is_oom
 
-        async def execute(payloads: list[Any]) -> list[Any]:
-            return await runner(engine.embed, payloads)
+        def embed(payloads: list[Any]) -> list[Any]:
+            # A batch that runs out of memory is retried by halves until the input that
+            # fails alone is found; only that input fails.
+            return split_in_halves(engine.embed, payloads, retry_if=is_oom)
 
-        batcher: QueueingBatcher = MicroBatcher(engine.name, split_on_oom(execute, is_oom), settings, cost=cost,
+        async def execute(payloads: list[Any]) -> list[Any]:
+            return await runner(embed, payloads)
+
+        batcher: QueueingBatcher = MicroBatcher(engine.name, execute, settings, cost=cost,
                                                 metrics=metrics, phase="embed")
     else:
         from batcher.scheduler import GenerationScheduler

@@ -7,10 +7,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from batcher.metrics import Metrics
 
 from .config import ServerConfig
 from .errors import APIError, not_found_model
+from .metrics import GatewayMetrics
 from .models import ModelSpec, ServedModel, start_model
 
 log = logging.getLogger("ferry.gateway")
@@ -19,7 +19,7 @@ log = logging.getLogger("ferry.gateway")
 @dataclass
 class Ferry:
     config: ServerConfig
-    metrics: Metrics
+    metrics: GatewayMetrics
     specs: list[ModelSpec]
     models: dict[str, ServedModel] = field(default_factory=dict)
     ready: bool = False

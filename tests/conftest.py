@@ -9,7 +9,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from batcher.metrics import Metrics  # noqa: E402
+from gateway.metrics import GatewayMetrics  # noqa: E402
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.config import ServerConfig  # noqa: E402
@@ -27,7 +27,7 @@ def fake_specs(embed: FakeEmbeddingEngine | None = None, chat: FakeGenerationEng
 def fake_app(embed=None, chat=None, **config):
     config.setdefault("warmup", False)
     cfg = ServerConfig(**config)
-    return create_app(cfg, fake_specs(embed, chat), Metrics(CollectorRegistry()))
+    return create_app(cfg, fake_specs(embed, chat), GatewayMetrics(CollectorRegistry()))
 
 
 @pytest.fixture
@@ -50,6 +50,6 @@ def fake_server_factory():
 def real_server():
     """The default models, loaded once per test session."""
     cfg = ServerConfig(admin_token="admin-secret", max_wait_ms=5.0)
-    app = create_app(cfg, metrics=Metrics(CollectorRegistry()))
+    app = create_app(cfg, metrics=GatewayMetrics(CollectorRegistry()))
     with live(app, ready_timeout=300) as server:
         yield server

@@ -11,8 +11,7 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
 from batcher.errors import FerryError
-from batcher.scheduler import Delta
-from batcher.types import WorkItem
+from batcher.types import Delta, WorkItem
 
 from ..endpoint import Ctx, finish
 from ..errors import APIError

@@ -14,7 +14,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from batcher.scheduler import GenRequest
+from batcher.types import GenRequest
 from engine.base import ChatTemplateError, SamplingParams
 
 from ..errors import APIError, error_body

@@ -10,11 +10,11 @@ from batcher.clock import FakeClock
 from batcher.cost import LinearCost
 from batcher.errors import EngineError
 from batcher.metrics import Metrics
-from batcher.scheduler import GenerationScheduler, GenRequest, SimulatedRunner
+from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
-from batcher.types import Outcome
+from batcher.types import GenRequest, Outcome
 from engine.base import SamplingParams, sequence_request
-from engine.fake import FakeGenerationEngine
+from engine.fake import FakeGenerationEngine, SimulatedRunner
 
 from .conftest import run
 

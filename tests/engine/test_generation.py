@@ -1,4 +1,6 @@
-"""HFGenerationEngine on the built-in tiny chat model: batch invariance, limits, stops."""
+"""HFGenerationEngine on the built-in tiny chat model: batch invariance, limits, stops.
+
+The KV buffers and the detokenizer alone: test_kv.py, test_detokenize.py."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from engine.base import ChatTemplateError, SamplingParams, SequenceRequest, StepOutput
-from engine.generation import _IncrementalDetokenizer, _RunningBatch, _StopStringFilter
+from engine.kv import RunningBatch
 from engine.sampling import SequenceSampler, make_generator, sample_next_tokens
 
 pytestmark = pytest.mark.model
@@ -229,33 +231,6 @@ def test_chat_template_and_prompt_encoding(engine):
         engine.encode_chat([{"role": "wizard", "content": "hi"}])
 
 
-def test_detokenizer_never_emits_partial_characters(engine):
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    tok = engine.tokenizer
-    byte_token = {b: tok.convert_tokens_to_ids(ch) for b, ch in bytes_to_unicode().items()}
-    text = "é東京😀 ok"
-    detok = _IncrementalDetokenizer(tok, [tok.bos_token_id])
-    pieces = [detok.push(byte_token[b]) for b in text.encode()]
-    assert all("\ufffd" not in p for p in pieces)
-    assert "".join(pieces) + detok.flush() == text
-
-    invalid = _IncrementalDetokenizer(tok, [])
-    assert invalid.push(byte_token[0x80]) == ""
-    assert invalid.flush() == "\ufffd"
-
-
-def test_stop_filter_holds_back_possible_stop_prefixes():
-    stops = _StopStringFilter(["World!", "xyz"])
-    assert stops.feed("Hello W") == ("Hello ", False)
-    assert stops.feed("orld") == ("", False)
-    assert stops.feed("?") == ("World?", False)
-    assert stops.feed("x") == ("", False)
-    assert stops.feed("y World!") == ("xy ", True)
-    assert _StopStringFilter([]).feed("abc") == ("abc", False)
-    assert _StopStringFilter(["bc"]).feed("ab", final=True) == ("ab", False)
-
-
 # -- sampling ---------------------------------------------------------------------------
 
 
@@ -309,6 +284,12 @@ def test_tiny_chat_build_is_deterministic_and_cached(tiny_chat_dir, tmp_path, mo
     assert [p.name for p in tmp_path.iterdir()] == ["again"], "staging directory left behind"
 
 
+def test_the_engine_is_what_the_batcher_asks_for(engine):
+    from batcher.protocols import GenerationEngine
+
+    assert isinstance(engine, GenerationEngine)
+
+
 def test_engine_package_does_not_import_the_server_layers():
     forbidden = {"starlette", "uvicorn", "gateway", "batcher"}
     for path in (Path(__file__).parents[2] / "engine").glob("*.py"):
@@ -341,7 +322,7 @@ def test_churn_through_compaction_and_growth_keeps_every_row_exact(engine, promp
 
     for prompt in pool + [wide]:
         expected(prompt, 1)
-    engine._batch = _RunningBatch(engine.max_running)  # fresh buffers, sized by short prompts
+    engine._batch = RunningBatch(engine.max_running)  # fresh buffers, sized by short prompts
     transcript, asked, cancelled = Transcript(), {}, set()
     capacities, starts, next_id = set(), set(), 1
     for step in range(420):

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from batcher.scheduler import GenResult
+from batcher.types import GenResult
 from engine.fake import FakeGenerationEngine
 from gateway.config import ServerConfig
 from gateway.errors import APIError

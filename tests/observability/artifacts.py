@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from batcher.metrics import Metrics
+from gateway.metrics import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"
@@ -94,9 +94,9 @@ def metric_names(expr: str) -> set[str]:
 
 
 def catalogue() -> dict[str, str]:
-    """Exposed name -> type for every metric the module defines (counters with `_total`)."""
+    """Exposed name -> type for every metric a gateway exports (counters with `_total`)."""
     out = {}
-    for family in Metrics(CollectorRegistry()).registry.collect():
+    for family in GatewayMetrics(CollectorRegistry()).registry.collect():
         name = family.name + "_total" if family.type == "counter" else family.name
         out[name] = family.type
     return out

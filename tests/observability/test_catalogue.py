@@ -1,5 +1,5 @@
 """The metric catalogue and grafana/ agree: every name a panel or alert uses exists in
-batcher/metrics.py, every metric there is drawn by a panel, and the names follow the
+batcher/metrics.py or gateway/metrics.py, every metric there is drawn by a panel, and the names follow the
 conventions. Also the static shape of the dashboard, provisioning and scrape config."""
 from __future__ import annotations
 
@@ -10,23 +10,24 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from batcher.metrics import Metrics
+from gateway.metrics import GatewayMetrics
 
 from .artifacts import (ALLOWED_LABELS, GRAFANA, PROMETHEUS_CONFIG, Query, alert_queries, all_panels, base_name,
                         catalogue, dashboard_queries, every_query, load_alerts, load_dashboard, metric_names,
                         panel_queries, sides_to_evaluate, split_comparison, substitute)
 
 
-def test_every_name_used_in_grafana_exists_in_the_metrics_module():
+def test_every_name_used_in_grafana_exists_in_the_metrics_modules():
     known = catalogue()
     unknown = {}
     for q in every_query():
         for name in metric_names(q.expr):
             if base_name(name, known) not in known:
                 unknown.setdefault(name, []).append(q.where)
-    assert not unknown, f"names used in grafana/ but not defined in batcher/metrics.py: {unknown}"
+    assert not unknown, f"names used in grafana/ but not defined in batcher/ or gateway/metrics.py: {unknown}"
 
 
-def test_every_metric_in_the_module_is_drawn_by_a_panel():
+def test_every_metric_in_the_modules_is_drawn_by_a_panel():
     known = catalogue()
     drawn = {base_name(n, known) for q in panel_queries(load_dashboard()) for n in metric_names(q.expr)}
     assert not set(known) - drawn, f"metrics no panel uses: {sorted(set(known) - drawn)}"
@@ -34,7 +35,7 @@ def test_every_metric_in_the_module_is_drawn_by_a_panel():
 
 def test_names_units_and_labels_follow_the_conventions():
     name = re.compile(r"^ferry_[a-z0-9_]+$")
-    for family in Metrics(CollectorRegistry()).registry.collect():
+    for family in GatewayMetrics(CollectorRegistry()).registry.collect():
         exposed = family.name + "_total" if family.type == "counter" else family.name
         assert name.match(exposed), exposed
         # Base units only: durations in seconds, never milliseconds.
@@ -45,11 +46,20 @@ def test_names_units_and_labels_follow_the_conventions():
             assert exposed.endswith("_total")
         else:
             assert not exposed.endswith("_total"), exposed
-    m = Metrics(CollectorRegistry())
+    m = GatewayMetrics(CollectorRegistry())
     for attr, metric in vars(m).items():
         labels = getattr(metric, "_labelnames", None)
         if labels is not None:
             assert set(labels) <= ALLOWED_LABELS, (attr, labels)
+
+
+def test_the_batcher_metrics_know_nothing_of_http():
+    batcher = Metrics(CollectorRegistry())
+    labels = {label for metric in vars(batcher).values() for label in getattr(metric, "_labelnames", ())}
+    assert "route" not in labels
+    http = {f.name for f in GatewayMetrics(CollectorRegistry()).registry.collect()} - \
+        {f.name for f in batcher.registry.collect()}
+    assert http == {"ferry_requests", "ferry_request_duration_seconds", "ferry_requests_in_flight"}
 
 
 def test_histogram_suffixes_map_to_their_histogram_only():

@@ -16,11 +16,11 @@ from batcher.clock import FakeClock
 from batcher.errors import DeadlineInfeasible, QueueFull, RequestTooLarge
 from batcher.metrics import Metrics
 from batcher.microbatcher import MicroBatcher
-from batcher.scheduler import GenerationScheduler, GenRequest, SimulatedRunner
+from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
-from batcher.types import Priority
+from batcher.types import GenRequest, Priority
 from engine.base import SamplingParams, sequence_request
-from engine.fake import FakeGenerationEngine, SimulatedExecutor
+from engine.fake import FakeGenerationEngine, SimulatedExecutor, SimulatedRunner
 
 
 class Reader:

@@ -1,0 +1,90 @@
+"""What the batcher asks of the code around it, as structural protocols.
+
+The batcher never imports the engine: engine/ classes satisfy these by their shape alone
+(`engine.generation.HFGenerationEngine` and `engine.fake.FakeGenerationEngine` are
+`GenerationEngine`s; gateway/models.py turns an embeddings engine into an `Execute`).
+Each protocol names only what the batcher uses; engine/base.py holds the engines' full
+contract, including what only the gateway needs (chat templates, tokenizers).
+"""
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+
+T = TypeVar("T")
+
+
+class Execute(Protocol):
+    """Runs one batch of a one-shot model (embeddings): one result per payload, in order,
+    an Exception in place of the result of a payload that failed alone. Raising fails
+    every item of the batch."""
+
+    def __call__(self, payloads: list[Any], /) -> Awaitable[Sequence[Any]]: ...
+
+
+class Runner(Protocol):
+    """Runs a blocking engine call off the event loop (batcher.runner.ThreadRunner, or a
+    simulated-time runner in tests). A runner that also has `start(fn, *args)`, which
+    begins the call at once and is awaited later, lets delivery overlap the next step."""
+
+    def __call__(self, fn: Callable[..., T], /, *args: Any) -> Awaitable[T]: ...
+
+
+class SequenceRequest(Protocol):
+    """One sequence to prefill, as the scheduler's `make_request` built it."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+
+class StepOutput(Protocol):
+    """What one sequence produced in one engine call. `text` is released text only; a
+    set `finish_reason` means the sequence has left the engine's running set."""
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def text(self) -> str: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+
+# Builds the engine's request for one sequence from (seq_id, prompt ids, the payload's
+# params); params None (the scheduler's warm-up) means the engine's defaults.
+MakeRequest = Callable[[int, list[int], Any], SequenceRequest]
+
+
+@runtime_checkable
+class GenerationEngine(Protocol):
+    """Runs a changing set of sequences one token at a time. Called from one worker thread.
+
+    An engine with a fixed number of KV slots also has `max_running: int`; the scheduler
+    never runs more sequences than that (engines without it have no such limit).
+    """
+
+    @property
+    def running(self) -> int:
+        """Sequences in the running set."""
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV-cache token positions the running rows attend over (for the metric)."""
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Tokenize a plain prompt (the warm-up's)."""
+
+    def add(self, requests: Sequence[Any]) -> Sequence[StepOutput]:
+        """Prefill new sequences together: one output per request, in request order."""
+
+    def step(self) -> Sequence[StepOutput]:
+        """One decode step of every running sequence."""
+
+    def remove(self, seq_ids: Sequence[int]) -> None:
+        """Drop sequences; unknown ids are ignored."""

@@ -1,0 +1,83 @@
+"""From generated token ids to the text a client may see: incremental detokenization
+that never releases half a character, and OpenAI stop strings over the text stream."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+# Prompt tokens decoded ahead of the completion so that tokenizers which drop or add a
+# leading space at the start of a decode (SentencePiece) render the first word right.
+DETOKENIZE_CONTEXT = 5
+# A UTF-8 character is at most 4 bytes; past this many undecodable tokens the bytes are
+# genuinely invalid and are released as U+FFFD rather than held forever.
+MAX_HELD_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns a token stream into text deltas, holding back incomplete UTF-8 characters.
+
+    Decodes a short window (already-released context + new tokens) and emits the part
+    beyond the context, so byte-level and SentencePiece tokenizers both render spaces and
+    multi-byte characters split across tokens correctly.
+    """
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[int]) -> None:
+        """`prompt`: the sequence's prompt ids, of which the last few are decoded as context."""
+        self._tokenizer = tokenizer
+        self._ids = list(prompt[len(prompt) - DETOKENIZE_CONTEXT :]) if prompt else []
+        self._prefix = 0  # window start
+        self._read = len(self._ids)  # end of text already released
+
+    def push(self, token: int) -> str:
+        self._ids.append(token)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        held = len(self._ids) - self._read
+        incomplete = len(text) <= len(prefix_text) or text.endswith("\ufffd")
+        if incomplete and held < MAX_HELD_TOKENS:
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Everything not yet released, partial characters included."""
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        self._prefix = self._read = len(self._ids)
+        return text[len(prefix_text) :]
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
+        )
+
+
+class StopStringFilter:
+    """OpenAI stop semantics over a text stream: output ends before the first stop
+    string, which is not included; text that may be the start of one is held back."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self._stops = [s for s in stops if s]
+        self._held = ""
+
+    def feed(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(releasable text, whether a stop string was hit)."""
+        if not self._stops:
+            return text, False
+        buffer = self._held + text
+        hits = [i for i in (buffer.find(s) for s in self._stops) if i >= 0]
+        if hits:
+            self._held = ""
+            return buffer[: min(hits)], True
+        hold = 0 if final else self._partial_stop_suffix(buffer)
+        self._held = buffer[len(buffer) - hold :] if hold else ""
+        return buffer[: len(buffer) - hold], False
+
+    def _partial_stop_suffix(self, buffer: str) -> int:
+        """Length of the longest suffix of `buffer` that is a proper prefix of a stop."""
+        longest = 0
+        for stop in self._stops:
+            for size in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

@@ -1,0 +1,208 @@
+"""Per-slot KV buffers for continuous batching: every running sequence owns one row.
+
+Buffers are preallocated [slots, kv_heads, capacity, head_dim] per attention layer. Rows
+are right-aligned at a shared write column and left-padded, so a decode step writes one
+column in place and attends over a view of the used columns; joining copies only the
+newcomers' prefill cache, leaving copies only the rows that move. A `RunningBatch`
+presents its buffers to transformers as an ordinary `Cache` of `SlotLayer`s.
+"""
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+Row = TypeVar("Row")  # what the engine keeps per running sequence; opaque here
+
+
+class SlotLayer(DynamicLayer):
+    """One attention layer's keys and values in preallocated per-slot buffers.
+
+    Running row i lives in slot i and all rows share one write column (`owner.end`), so a
+    decode step writes one column in place and attends over a view of columns
+    [start, end] instead of concatenating the whole cache, as DynamicLayer does every step.
+    """
+
+    def __init__(self, owner: "RunningBatch", keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.owner = owner
+        self.keys, self.values = keys, values
+        self.device = keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise AssertionError("slot buffers are allocated by the running batch")
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        rows, width = key_states.shape[0], key_states.shape[-2]
+        start, end = self.owner.start, self.owner.end
+        self.keys[:rows, :, end : end + width] = key_states
+        self.values[:rows, :, end : end + width] = value_states
+        return self.keys[:rows, :, start : end + width], self.values[:rows, :, start : end + width]
+
+    def get_seq_length(self) -> int:
+        return self.owner.end - self.owner.start
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+
+class RunningBatch(Generic[Row]):
+    """Running sequences in preallocated KV slots.
+
+    Row i of every buffer belongs to `seqs[i]`; rows are kept dense (a leaving row's slot
+    is filled by the last row), so the forward sees rows [0, n). Columns [start, end) hold
+    the cached tokens, rows right-aligned at `end` and left-padded with mask 0. The
+    buffers are compacted to the left (or grown) when the write column reaches the end:
+    amortised, nothing is copied per step.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.seqs: list[Row] = []
+        self.start = self.end = 0
+        self.mask: torch.Tensor | None = None  # [slots, capacity] int64, 1 = real token
+        self.cache: Any = None  # transformers Cache over SlotLayer views
+
+    @property
+    def rows(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def width(self) -> int:
+        return self.end - self.start
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.mask is None else self.mask.shape[1]
+
+    def decode_mask(self) -> torch.Tensor:
+        """Open the next column for every row; the 2D mask for a one-token forward."""
+        self._ensure_room(self.width + 1)
+        self.mask[: self.rows, self.end] = 1
+        return self.mask[: self.rows, self.start : self.end + 1]
+
+    def advance(self) -> None:
+        """The forward wrote column `end` of every row."""
+        self.end += 1
+
+    def admit(self, cache: Any, mask: torch.Tensor, seqs: list[Row], alive: list[int]) -> None:
+        """Copy the alive rows of a prefill (its own left-padded cache) into free slots."""
+        if len(alive) < len(seqs):
+            index = torch.tensor(alive, device=mask.device)
+            mask = mask.index_select(0, index)
+            layers = [(l.keys.index_select(0, index), l.values.index_select(0, index)) for l in cache.layers]
+        else:
+            layers = [(l.keys, l.values) for l in cache.layers]
+        seqs = [seqs[i] for i in alive]
+        width = mask.shape[1]
+        if self.mask is None:
+            self._allocate(layers, max(256, 2 * width), mask.dtype)
+        if not self.seqs:
+            self.start = self.end = 0
+        # Newcomers end at column `end` like everyone else: the span after joining is the
+        # wider of the two, plus one column for the next decode step.
+        span = max(self.width, width)
+        if span + 1 > self.capacity:
+            self._grow(span + 1)
+        if self.end < width or self.end + 1 > self.capacity:
+            self._move_columns(span - self.width)
+        lo, hi, first = self.end - width, self.end, self.rows
+        last = first + len(seqs)
+        self.mask[first:last].zero_()
+        self.mask[first:last, lo:hi] = mask
+        for layer, (keys, values) in zip(self.cache.layers, layers):
+            layer.keys[first:last, :, lo:hi] = keys
+            layer.values[first:last, :, lo:hi] = values
+        self.start = min(self.start, lo) if self.seqs else lo
+        self.seqs.extend(seqs)
+
+    def drop(self, leaving: set[int]) -> None:
+        """Remove the rows at indices `leaving`; later rows fill their slots."""
+        keep = self.rows - len(leaving)
+        holes = [i for i in sorted(leaving) if i < keep]
+        movers = [i for i in range(keep, self.rows) if i not in leaving]
+        if holes:
+            dst = torch.tensor(holes, device=self.mask.device)
+            src = torch.tensor(movers, device=self.mask.device)
+            cols = slice(self.start, self.end)
+            for layer in self.cache.layers:
+                layer.keys[dst, :, cols] = layer.keys[src, :, cols]
+                layer.values[dst, :, cols] = layer.values[src, :, cols]
+            self.mask[dst, cols] = self.mask[src, cols]
+            for hole, mover in zip(holes, movers):
+                self.seqs[hole] = self.seqs[mover]
+        del self.seqs[keep:]
+        if not self.seqs:
+            self.start = self.end = 0
+            return
+        # Padding columns nobody needs any more stop costing attention.
+        used = self.mask[:keep, self.start : self.end].any(dim=0)
+        self.start += int(used.int().argmax())
+
+    # -- buffers ---------------------------------------------------------------------
+
+    def _allocate(self, layers: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
+        from transformers.cache_utils import Cache
+
+        slot_layers = [
+            SlotLayer(self, slot_buffer(k, self.slots, capacity), slot_buffer(v, self.slots, capacity))
+            for k, v in layers
+        ]
+        self.mask = torch.zeros((self.slots, capacity), dtype=dtype, device=layers[0][0].device)
+        self.cache = Cache(layers=slot_layers)
+
+    def _ensure_room(self, needed: int) -> None:
+        """Make columns [start, start + needed) fit: compact to the left, else grow.
+
+        Compaction only when it frees at least a quarter of the buffer, so its copy is
+        amortised over that many steps; otherwise double.
+        """
+        if self.start + needed <= self.capacity:
+            return
+        if needed <= self.capacity - self.capacity // 4:
+            self._move_columns(0)
+        else:
+            self._grow(needed)
+
+    def _grow(self, needed: int) -> None:
+        capacity = max(2 * self.capacity, needed + needed // 2)
+        width, cols = self.width, slice(self.start, self.end)
+        grown_mask = self.mask.new_zeros((self.slots, capacity))
+        grown_mask[:, :width] = self.mask[:, cols]
+
+        def regrown(old: torch.Tensor) -> torch.Tensor:
+            new = slot_buffer(old, self.slots, capacity)
+            new[:, :, :width] = old[:, :, cols]
+            return new
+
+        grown = [(regrown(layer.keys), regrown(layer.values)) for layer in self.cache.layers]
+        # Allocated and copied first: an OOM above leaves the batch as it was.
+        for layer, (keys, values) in zip(self.cache.layers, grown):
+            layer.keys, layer.values = keys, values
+        self.mask = grown_mask
+        self.start, self.end = 0, width
+
+    def _move_columns(self, new_start: int) -> None:
+        """Shift the cached columns to begin at `new_start`, leaving one free column after."""
+        width, rows = self.width, self.rows
+        if new_start + width + 1 > self.capacity:
+            raise AssertionError("caller must ensure capacity before moving columns")
+        if new_start != self.start and rows:
+            src, dst = slice(self.start, self.end), slice(new_start, new_start + width)
+            # Every copy first (an OOM here changes nothing), then the writes, which do not
+            # allocate: a half-moved cache would give running rows misaligned keys.
+            moved = [(l.keys[:rows, :, src].clone(), l.values[:rows, :, src].clone()) for l in self.cache.layers]
+            mask = self.mask[:rows, src].clone()
+            for layer, (keys, values) in zip(self.cache.layers, moved):
+                layer.keys[:rows, :, dst] = keys
+                layer.values[:rows, :, dst] = values
+            self.mask[:rows].zero_()
+            self.mask[:rows, dst] = mask
+        self.start, self.end = new_start, new_start + width
+
+
+def slot_buffer(like: torch.Tensor, slots: int, capacity: int) -> torch.Tensor:
+    """Zeroed [slots, kv_heads, capacity, head_dim] buffer shaped after `like` ([rows, kv_heads, seq, head_dim])."""
+    return like.new_zeros((slots, like.shape[1], capacity, like.shape[3]))

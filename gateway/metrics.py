@@ -1,0 +1,27 @@
+"""The gateway's metrics: HTTP requests by route, status and latency.
+
+Everything else (queues, batches, generation, SLO, settings, batch jobs) is the batcher's,
+in batcher/metrics.py. `GatewayMetrics` is both on one registry, so that one /metrics
+scrape shows everything; the same conventions hold (see batcher/metrics.py), and
+tests/observability/test_catalogue.py checks both modules against grafana/.
+
+Label values:
+- `route`: the route template (`/v1/embeddings`, `/v1/chat/completions`, ...).
+- `status`: the HTTP status code.
+- `model`: empty when the request named no model (or its body could not be parsed);
+  `ferry_request_duration_seconds` is observed only for requests that named one.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from batcher.metrics import LATENCY_BUCKETS, Metrics
+
+
+class GatewayMetrics(Metrics):
+    def __init__(self, registry: CollectorRegistry | None = None):
+        super().__init__(registry)
+        r = self.registry
+        self.requests = Counter("ferry_requests_total", "HTTP requests by route, model and status code.", ["route", "model", "status"], registry=r)
+        self.request_latency = Histogram("ferry_request_duration_seconds", "End-to-end request latency.", ["route", "model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("ferry_requests_in_flight", "Requests being served now.", ["route"], registry=r)

@@ -1,0 +1,79 @@
+"""Token ids to released text: partial characters held back, stop strings cut."""
+from __future__ import annotations
+
+from typing import Sequence
+
+import pytest
+
+from engine.detokenize import DETOKENIZE_CONTEXT, MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringFilter
+
+
+class ByteTokenizer:
+    """Token i is byte i, so one character may take up to four tokens. Records the
+    windows it is asked to decode."""
+
+    def __init__(self) -> None:
+        self.windows: list[list[int]] = []
+
+    def decode(self, ids: Sequence[int], **_: object) -> str:
+        self.windows.append(list(ids))
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_prompt_context_is_decoded_but_never_released():
+    tok = ByteTokenizer()
+    prompt = list("a prompt far longer than the decode window".encode())
+    detok = IncrementalDetokenizer(tok, prompt)
+    pieces = [detok.push(b) for b in " ok, é".encode()]
+    assert "".join(pieces) + detok.flush() == " ok, é"
+    assert max(len(w) for w in tok.windows) <= DETOKENIZE_CONTEXT + 2  # context + a 2-byte é
+    assert IncrementalDetokenizer(ByteTokenizer(), []).push(ord("x")) == "x"
+
+
+def test_multibyte_characters_are_released_whole():
+    detok = IncrementalDetokenizer(ByteTokenizer(), [])
+    pieces = [detok.push(b) for b in "東😀".encode()]
+    assert pieces == ["", "", "東", "", "", "", "😀"]
+
+
+def test_invalid_bytes_are_released_as_replacement_characters_after_a_bound():
+    detok = IncrementalDetokenizer(ByteTokenizer(), [])
+    pieces = [detok.push(0x80) for _ in range(MAX_HELD_TOKENS)]
+    assert pieces[:-1] == [""] * (MAX_HELD_TOKENS - 1)
+    assert pieces[-1] == "\ufffd" * MAX_HELD_TOKENS
+    assert detok.flush() == ""
+
+
+@pytest.mark.model
+def test_detokenizer_never_emits_partial_characters(engine):
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = engine.tokenizer
+    byte_token = {b: tok.convert_tokens_to_ids(ch) for b, ch in bytes_to_unicode().items()}
+    text = "é東京😀 ok"
+    detok = IncrementalDetokenizer(tok, [tok.bos_token_id])
+    pieces = [detok.push(byte_token[b]) for b in text.encode()]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + detok.flush() == text
+
+    invalid = IncrementalDetokenizer(tok, [])
+    assert invalid.push(byte_token[0x80]) == ""
+    assert invalid.flush() == "\ufffd"
+
+
+def test_stop_filter_holds_back_possible_stop_prefixes():
+    stops = StopStringFilter(["World!", "xyz"])
+    assert stops.feed("Hello W") == ("Hello ", False)
+    assert stops.feed("orld") == ("", False)
+    assert stops.feed("?") == ("World?", False)
+    assert stops.feed("x") == ("", False)
+    assert stops.feed("y World!") == ("xy ", True)
+    assert StopStringFilter([]).feed("abc") == ("abc", False)
+    assert StopStringFilter(["bc"]).feed("ab", final=True) == ("ab", False)
+
+
+def test_stop_filter_cuts_at_the_earliest_of_several_stops():
+    stops = StopStringFilter(["", "it", "of"])  # an empty stop string never matches
+    assert stops.feed("the end o") == ("the end ", False)
+    assert stops.feed("f it") == ("", True)
+    assert StopStringFilter(["it", "of"]).feed("end of it") == ("end ", True)

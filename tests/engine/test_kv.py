@@ -1,0 +1,105 @@
+"""RunningBatch on plain tensors: each row keeps exactly its own keys and values through
+joins, leaves, compaction and growth. A token's key encodes (sequence, position), so a
+misaligned copy shows up as a wrong number."""
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import torch
+
+from engine.kv import RunningBatch
+
+LAYERS = 2
+
+
+def key(seq: int, pos: int, layer: int) -> float:
+    return seq * 10_000 + pos * 10 + layer
+
+
+def prefill(prompts: dict[int, int]) -> tuple[SimpleNamespace, torch.Tensor]:
+    """What a left-padded prefill of prompts {seq: length} leaves: its cache and mask."""
+    width = max(prompts.values())
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    layers = []
+    for layer in range(LAYERS):
+        keys = torch.full((len(prompts), 1, width, 1), -1.0)
+        for row, (seq, length) in enumerate(prompts.items()):
+            keys[row, 0, width - length :, 0] = torch.tensor([key(seq, p, layer) for p in range(length)])
+            mask[row, width - length :] = 1
+        layers.append(SimpleNamespace(keys=keys, values=-keys))
+    return SimpleNamespace(layers=layers), mask
+
+
+def decode(batch: RunningBatch[int], lengths: dict[int, int]) -> None:
+    """One step: what a forward does to the cache, then every row is one token longer."""
+    batch.decode_mask()
+    for layer_no, layer in enumerate(batch.cache.layers):
+        new = torch.tensor([key(seq, lengths[seq], layer_no) for seq in batch.seqs]).view(-1, 1, 1, 1)
+        layer.update(new, -new)
+    batch.advance()
+    for seq in batch.seqs:
+        lengths[seq] += 1
+
+
+def assert_rows_exact(batch: RunningBatch[int], lengths: dict[int, int]) -> None:
+    assert sorted(batch.seqs) == sorted(lengths)
+    if batch.mask is None:  # nothing admitted yet
+        return
+    cols = slice(batch.start, batch.end)
+    for row, seq in enumerate(batch.seqs):
+        real = batch.mask[row, cols].bool()
+        for layer_no, layer in enumerate(batch.cache.layers):
+            expected = [key(seq, p, layer_no) for p in range(lengths[seq])]
+            assert layer.keys[row, 0, cols, 0][real].tolist() == expected, (seq, layer_no)
+            assert (-layer.values[row, 0, cols, 0][real]).tolist() == expected, (seq, layer_no)
+    assert int(batch.mask[: batch.rows].sum()) == sum(lengths[s] for s in batch.seqs)  # nothing outside the span
+
+
+def test_admit_keeps_only_the_alive_rows_of_a_prefill():
+    batch: RunningBatch[int] = RunningBatch(slots=4)
+    cache, mask = prefill({1: 3, 2: 5, 3: 2})
+    batch.admit(cache, mask, [1, 2, 3], alive=[0, 2])
+    assert batch.seqs == [1, 3]
+    lengths = {1: 3, 3: 2}
+    assert_rows_exact(batch, lengths)
+    decode(batch, lengths)
+    assert_rows_exact(batch, lengths)
+
+
+def test_a_leaving_row_is_filled_by_the_last_and_unneeded_padding_stops_being_attended():
+    batch: RunningBatch[int] = RunningBatch(slots=4)
+    lengths = {1: 9, 2: 2, 3: 4}
+    batch.admit(*prefill(lengths), [1, 2, 3], alive=[0, 1, 2])
+    decode(batch, lengths)
+    batch.drop({0})
+    del lengths[1]
+    assert batch.seqs == [3, 2]
+    assert batch.width == max(lengths.values())  # the long row's padding columns are gone
+    assert_rows_exact(batch, lengths)
+
+
+def test_churn_through_compaction_and_growth_keeps_every_row_exact():
+    rng = random.Random(5)
+    batch: RunningBatch[int] = RunningBatch(slots=8)
+    lengths: dict[int, int] = {}
+    capacities, starts, next_seq = set(), set(), 1
+    for step in range(600):
+        free = batch.slots - batch.rows
+        if free and rng.random() < 0.3:
+            group = {next_seq + i: (400 if step == 450 else rng.randint(1, 30)) for i in range(rng.randint(1, free))}
+            next_seq += len(group)
+            batch.admit(*prefill(group), list(group), alive=list(range(len(group))))
+            lengths.update(group)
+        if batch.rows and rng.random() < 0.15:
+            leaving = {i for i in range(batch.rows) if rng.random() < 0.4}
+            for i in leaving:
+                del lengths[batch.seqs[i]]
+            batch.drop(leaving)
+        if batch.rows:
+            decode(batch, lengths)
+        assert_rows_exact(batch, lengths)
+        capacities.add(batch.capacity)
+        starts.add(batch.start)
+    assert len(capacities) > 1, "the 400-token prompt should have grown the buffers"
+    assert max(starts) > 0 and min(starts) == 0, "the write column should have wrapped by compaction"
