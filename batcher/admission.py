@@ -66,11 +66,12 @@ def predicted_completion(q: RequestQueue, item: WorkItem, now: float, s: Batchin
         # capacity they leave, a share of 1 - rho (priority queueing).
         rho = load.interactive_rate * per_batch / size
         wait = wait / (1.0 - rho) if rho < 0.95 else INF
-    if load.drain_rate is not None:
+    if load.drain_rate is not None and not shaped:
         # Under sustained load the batches the policies really form (cut by the reserve and
         # by interactive deadlines) may be smaller than the cost model's: the measured drain
         # rate, less what interactive arrivals take ahead, bounds how fast this item's turn
-        # comes. Never more optimistic than the cost model.
+        # comes. Never more optimistic than the cost model. Not for interactive work under a
+        # deadline-aware policy: its own batch is cut for it, whatever the average drain.
         share = load.drain_rate - (0.0 if interactive else load.interactive_rate)
         wait = max(wait, (ahead + 1) / share if share > 0 else INF)
     return now + (max(load.busy_until - now, 0.0) + wait) * slow
