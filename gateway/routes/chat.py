@@ -287,11 +287,12 @@ async def _stream(served: Any, body: Any, p: Plan, triples: list, items: list[Wo
             state.status = err.status if state.status == 200 else state.status
             # The error rides on the prompt's own final chunk: a separate top-level error
             # event would make OpenAI clients abort the whole stream, and with it the
-            # other prompts' answers.
+            # other prompts' answers. Its finish_reason is the one value OpenAI's chat and
+            # completion chunk types both allow that does not claim a whole answer.
             detail = error_body(err.status, err.message, err.code)["error"]
             k = index_of[ev.id]
             detail.update(status=err.status, prompt_index=triples[k][0], index=k)
-            out.append(chunk(k, None, "error", detail))
+            out.append(chunk(k, None, "content_filter", detail))
         yield b"".join(out)
     if body.stream_options is not None and body.stream_options.include_usage:
         prompt_tokens = sum(len(ids) for ids in p.prompts)
