@@ -31,7 +31,7 @@ NOT_IN_JSON_SCHEMA = frozenset({
     "invalid_batch_file",
 })
 # Refusals that depend on a resource's state, not on the request: cancelling a batch that has
-# already finished (as OpenAI does, a 400).
+# already finished (400 batch_not_cancellable, docs/batch-jobs.md).
 STATE_REFUSALS = frozenset({(400, "batch_not_cancellable")})
 
 
