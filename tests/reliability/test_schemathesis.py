@@ -108,10 +108,10 @@ def test_the_stateful_phase_reaches_real_batches(api, tmp_path):
     created = {b["id"] for m, p, s, b in steps if (m, p, s) == ("POST", "/v1/batches", 200)}
     got = {p for m, p, s, _ in steps if m == "GET" and s == 200 and p.removeprefix("/v1/batches/") in created}
     cancelled = {p for m, p, s, _ in steps
-                 if m == "POST" and s == 200 and p.removeprefix("/v1/batches/").removesuffix("/cancel") in created}
+                 if m == "POST" and s == 200 and p.endswith("/cancel") and p[len("/v1/batches/"):-len("/cancel")] in created}
     outputs = {b["output_file_id"] for _, p, s, b in steps if s == 200 and p.startswith("/v1/batches") and b.get("output_file_id")}
     read = {p for m, p, s, _ in steps
-            if m == "GET" and s == 200 and p.removeprefix("/v1/files/").removesuffix("/content") in outputs}
+            if m == "GET" and s == 200 and p.endswith("/content") and p[len("/v1/files/"):-len("/content")] in outputs}
     links = re.search(r"Scenarios:\s+(\d+)\s+API Links:\s+(\d+ covered / \d+ selected)", out)
     summary = (f"{links and links.group(1)} scenarios, links {links and links.group(2)}: {len(created)} batches "
                f"created, {len(got)} read, {len(cancelled)} cancelled, {len(read)} output files read (2xx, real ids)")
