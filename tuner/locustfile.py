@@ -384,7 +384,7 @@ def read_stream(resp, start: float) -> tuple[float | None, str | None, int]:
         if "error" in obj:
             return ttft, f"stream error {obj['error'].get('code') or ''}".strip(), nbytes
         for choice in obj.get("choices") or []:
-            if choice.get("finish_reason") == "error":
+            if choice.get("error") or choice.get("finish_reason") == "error":
                 return ttft, "stream error", nbytes
             if ttft is None and (choice.get("delta") or {}).get("content"):
                 ttft = time.perf_counter() - start

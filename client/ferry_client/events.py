@@ -126,7 +126,7 @@ class EventAssembler:
             ev = StreamEvent(p, text, c.get("finish_reason"), max(0, k - p * self.n))
             if ev.finish_reason is not None:
                 self.finished += 1
-                if ev.finish_reason == "error" and isinstance(c.get("error"), dict):
+                if isinstance(c.get("error"), dict):  # a failed prompt's final chunk
                     err = make_error(c["error"].get("status"), {"error": c["error"]}, request_id=self.request_id)
                     self._emit(out, StreamEvent(p, text, "error", ev.candidate, err))
                     continue

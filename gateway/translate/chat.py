@@ -100,10 +100,12 @@ class StreamChunks:
     def error(self, k: int, err: APIError) -> dict[str, Any]:
         """The error rides on the item's own final chunk: a separate top-level error event
         would make OpenAI clients abort the whole stream, and with it the other prompts'
-        answers."""
+        answers. Its finish_reason is the one value OpenAI's chat and completion chunk
+        types both allow that does not claim a whole answer; the `error` field tells a
+        failure from a real content filter."""
         detail = error_body(err.status, err.message, err.code)["error"]
         detail.update(status=err.status, prompt_index=self.work.prompt_index[k], index=k)
-        return self._chunk(k, None, "error", detail)
+        return self._chunk(k, None, "content_filter", detail)
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         return {**self._head(), "choices": [], "usage": self.work.usage(completion_tokens)}

@@ -188,7 +188,7 @@ def test_an_error_rides_on_the_item_s_own_final_chunk():
     work = generation_work(completion_body(prompt=["a", "b"], n=2), FakeGenerationEngine(), CFG)
     chunk = StreamChunks(work).error(3, APIError(504, "too late", code="deadline_exceeded"))
     (choice,) = chunk["choices"]
-    assert (choice["index"], choice["prompt_index"], choice["finish_reason"]) == (3, 1, "error")
+    assert (choice["index"], choice["prompt_index"], choice["finish_reason"]) == (3, 1, "content_filter")
     assert choice["error"] == {"message": "too late", "type": "timeout_error", "param": None, "code": "deadline_exceeded",
                                "status": 504, "prompt_index": 1, "index": 3}
 

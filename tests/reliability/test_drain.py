@@ -82,5 +82,5 @@ def test_work_left_at_the_drain_timeout_ends_with_a_clear_error():
     finally:
         gw.kill()
     assert first.startswith(b"data: ")
-    assert b'"finish_reason":"error"' in rest and b'"code":"shutting_down"' in rest
+    assert b'"finish_reason":"content_filter"' in rest and b'"code":"shutting_down"' in rest
     assert rest.rstrip().endswith(b"data: [DONE]")

@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from typing import List, Literal, Optional
 
-from openai.types import Batch, Completion, CreateEmbeddingResponse, FileObject, Model
+from openai.types import Batch, Completion, CreateEmbeddingResponse, ErrorObject, FileObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import CompletionChoice
+
+from engine.fake import FakeGenerationEngine
 
 from ..conftest import fake_app
 from ..live import live
@@ -111,3 +113,26 @@ def test_files_and_batches(api):
         strict(Batch, r.json())
     else:  # it finished first
         assert (r.status_code, r.json()["error"]["code"]) == (400, "batch_not_cancellable")
+
+
+def test_an_errored_prompt_ends_with_a_chunk_of_openai_type(tmp_path):
+    # The fake engine fails the prefill of prompts whose first token is listed: "Z..."
+    # completion prompts, and every chat prompt (a conversation starts with "<").
+    failing = FakeGenerationEngine(fail_prompts={ord("Z"), ord("<")})
+    with live(fake_app(chat=failing, data_dir=str(tmp_path))) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        chat = events(c.post("/v1/chat/completions", json={"model": "fake-chat", "messages": CONVS, "max_tokens": 3, "stream": True}))
+        completions = events(c.post("/v1/completions", json={"model": "fake-chat", "prompt": ["Zap", "ok"], "max_tokens": 3,
+                                                              "stream": True, "stream_options": {"include_usage": True}}))
+    for chunk in chat:
+        strict(ChatCompletionChunk, chunk)
+    for chunk in completions:
+        strict(CompletionChunk, chunk)
+    errored = [ch for chunk in chat + completions for ch in chunk["choices"] if "error" in ch]
+    assert [(ch["prompt_index"], ch["finish_reason"]) for ch in errored] == [(0, "content_filter"), (1, "content_filter"),
+                                                                            (0, "content_filter")]
+    for ch in errored:  # OpenAI's error object, plus where it belongs
+        err = strict(ErrorObject, ch["error"])
+        assert (err.code, ch["error"]["status"], ch["error"]["prompt_index"], ch["error"]["index"]) == \
+            ("engine_error", 500, ch["prompt_index"], ch["index"])
+    finished = {ch["prompt_index"]: ch["finish_reason"] for chunk in completions for ch in chunk["choices"] if ch["finish_reason"]}
+    assert finished == {0: "content_filter", 1: "length"}  # the other prompt carried on
