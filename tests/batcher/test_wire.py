@@ -1,0 +1,88 @@
+"""The front end / engine core messages: every one survives encoding unchanged, arrays
+travel as raw bytes, each side decodes only its own messages, errors keep their class."""
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from batcher import errors, wire
+from batcher.types import Outcome, Priority
+
+token_ids = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=64)
+finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
+sampling = st.builds(wire.Sampling, max_tokens=st.integers(1, 4096), temperature=st.floats(0, 2),
+                     top_p=st.floats(0.01, 1), seed=st.none() | st.integers(0, 2**63 - 1),
+                     stop=st.lists(st.text(max_size=8), max_size=4))
+
+
+@given(token_ids)
+def test_token_ids_round_trip_as_raw_int32(values):
+    raw = wire.ids(values)
+    assert len(raw) == 4 * len(values)
+    assert wire.ids_of(raw) == values
+
+
+@given(st.lists(finite, max_size=64))
+def test_vectors_round_trip_as_raw_float32_from_lists_and_numpy(values):
+    assert wire.floats_of(wire.floats(values)).tolist() == values
+    assert wire.floats(np.array(values, dtype=np.float64)) == wire.floats(values)
+
+
+@given(st.integers(0, 2**62), st.lists(token_ids, min_size=1, max_size=4), st.none() | st.floats(0, 1e9),
+       st.sampled_from(list(Priority)), st.booleans(), st.none() | st.lists(sampling, min_size=1, max_size=4))
+def test_submit_round_trips(req, prompts, deadline, priority, stream, params):
+    m = wire.Submit(req, "m", [wire.ids(p) for p in prompts], [len(p) for p in prompts], deadline, int(priority),
+                    "req-1", stream, params)
+    back = wire.decode_to_core(wire.encode(m))
+    assert back == m
+    assert [wire.ids_of(p) for p in back.payloads] == prompts
+
+
+@given(st.integers(0, 2**62), st.integers(0, 63), st.sampled_from([o for o in Outcome if o is not Outcome.PENDING]),
+       st.none() | st.binary(max_size=64), st.none() | st.text(max_size=32),
+       st.none() | st.sampled_from(["stop", "length"]))
+def test_results_and_deltas_round_trip(req, index, outcome, vector, text, finish):
+    timing = wire.Timing(12.5, 12.6, 8, "full", False)
+    r = wire.Result(req, index, int(outcome), timing, vector, text, finish, 3, 4, None, None, None)
+    assert wire.decode_to_front_end(wire.encode(r)) == r
+    assert wire.outcome_of(r) is outcome
+    d = wire.Delta(req, index, wire.ids([1, 2, 3]), "abc", finish)
+    assert wire.decode_to_front_end(wire.encode(d)) == d
+
+
+def test_each_side_decodes_only_its_own_messages():
+    to_core = wire.encode(wire.Cancel(7))
+    to_front = wire.encode(wire.Admitted(7))
+    assert wire.decode_to_core(to_core) == wire.Cancel(7, True)
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode_to_front_end(to_core)
+    with pytest.raises(msgspec.ValidationError):
+        wire.decode_to_core(to_front)
+    with pytest.raises(msgspec.DecodeError):
+        wire.decode_to_core(b"\xc1 not msgpack")
+
+
+def test_settings_round_trip_with_nulls():
+    m = wire.SettingsChange(3, "m", {"max_wait_ms": 2.5, "default_budget_ms": None})
+    assert wire.decode_to_core(wire.encode(m)) == m
+    a = wire.SettingsAnswer(3, None, None, "max_wait_ms", "must be at least 0")
+    assert wire.decode_to_front_end(wire.encode(a)) == a
+
+
+@pytest.mark.parametrize("cls", [errors.QueueFull, errors.DeadlineInfeasible, errors.RequestTooLarge,
+                                 errors.DeadlineExceeded, errors.Cancelled, errors.EngineError, errors.ShuttingDown])
+def test_errors_cross_as_code_message_retry_after_and_keep_their_class(cls):
+    refused = wire.decode_to_front_end(wire.encode(wire.refusal(5, cls("no room", retry_after=2))))
+    exc = wire.error_of(refused.code, refused.message, refused.retry_after)
+    assert type(exc) is cls and exc.message == "no room" and exc.retry_after == 2
+
+
+def test_an_unknown_error_code_is_an_engine_error_that_keeps_its_message():
+    exc = wire.error_of("brand_new_code", "the core knows more than this front end")
+    assert isinstance(exc, errors.EngineError) and "knows more" in exc.message
+    assert math.isclose(wire.floats_of(wire.floats([0.5]))[0], 0.5)
