@@ -11,7 +11,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from batcher.core import QueueingBatcher
-from batcher.errors import FerryError
+from batcher.errors import BatchingError
 from batcher.types import Priority, WorkItem
 
 from .errors import APIError
@@ -101,8 +101,8 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
 def submit(batcher: QueueingBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
     try:
         return batcher.submit_many(payloads, **kw)
-    except FerryError as exc:
-        raise APIError.from_ferry(exc) from None
+    except BatchingError as exc:
+        raise APIError.from_batching(exc) from None
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -131,9 +131,9 @@ async def wait_items(request: Request, batcher: QueueingBatcher, items: list[Wor
         raise ClientGone()
     try:
         return gathered.result()
-    except FerryError as exc:
+    except BatchingError as exc:
         cancel_all(batcher, items, by_client=False)  # one failed: its siblings' work is moot
-        raise APIError.from_ferry(exc) from None
+        raise APIError.from_batching(exc) from None
 
 
 def _consume(fut: asyncio.Future) -> None:

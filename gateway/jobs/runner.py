@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from batcher.errors import Cancelled, DeadlineExceeded, DeadlineInfeasible, FerryError, QueueFull, ShuttingDown
+from batcher.errors import BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, QueueFull, ShuttingDown
 from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
@@ -449,7 +449,7 @@ class JobRunner:
             return st.COMPLETED, self._record(job, row, rid, 200, work.response(results))
         if isinstance(exc, (Cancelled, ShuttingDown, DeadlineExceeded)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
-        err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, f"{type(exc).__name__}: {exc}")
+        err = APIError.from_batching(exc) if isinstance(exc, BatchingError) else APIError(500, f"{type(exc).__name__}: {exc}")
         return st.FAILED, self._record(job, row, rid, err.status, error_body(err.status, err.message, err.code, err.param))
 
     @staticmethod

@@ -10,7 +10,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from batcher.errors import FerryError
+from batcher.errors import BatchingError
 from batcher.types import Delta, WorkItem
 
 from ..endpoint import Ctx, finish
@@ -138,7 +138,7 @@ async def _stream(work: GenerationWork, items: list[WorkItem], deltas: asyncio.Q
             if exc is None:  # cannot happen: a result always follows a final delta
                 continue
             open_items.discard(ev.id)
-            err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, str(exc))
+            err = APIError.from_batching(exc) if isinstance(exc, BatchingError) else APIError(500, str(exc))
             state.status = err.status if state.status == 200 else state.status
             out.append(_sse(chunks.error(index_of[ev.id], err)))
         yield b"".join(out)
