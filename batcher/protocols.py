@@ -21,9 +21,9 @@ class Execute(Protocol):
     def __call__(self, payloads: list[Any], /) -> Awaitable[Sequence[Any]]: ...
 
 
-class Runner(Protocol):
-    """Runs a blocking engine call off the event loop (batcher.runner.ThreadRunner, or a
-    simulated-time runner in tests). A runner that also has `start(fn, *args)`, which
+class EngineCaller(Protocol):
+    """Runs a blocking engine call off the event loop (batcher.engine_thread.EngineThread, or
+    engine.fake.SimulatedEngineThread in tests). One that also has `start(fn, *args)`, which
     begins the call at once and is awaited later, lets delivery overlap the next step."""
 
     def __call__(self, fn: Callable[..., T], /, *args: Any) -> Awaitable[T]: ...

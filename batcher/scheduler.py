@@ -25,7 +25,7 @@ from .errors import DeadlineExceeded, EngineError, ShuttingDown
 from .isolation import split_in_halves
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
-from .protocols import GenerationEngine, MakeRequest, Runner, SequenceRequest, StepOutput
+from .protocols import GenerationEngine, MakeRequest, EngineCaller, SequenceRequest, StepOutput
 from .types import Delta, DispatchReason, GenResult, Outcome, TokenCount, WorkItem
 
 log = logging.getLogger("ferry.batcher")
@@ -51,7 +51,7 @@ class _IterationResult:
 class GenerationScheduler(QueueingBatcher):
     phase = "decode"
 
-    def __init__(self, model: str, engine: GenerationEngine, runner: Runner, settings, *,
+    def __init__(self, model: str, engine: GenerationEngine, engine_thread: EngineCaller, settings, *,
                  make_request: MakeRequest, **kw):
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
@@ -60,7 +60,7 @@ class GenerationScheduler(QueueingBatcher):
         self._itl = self.metrics.itl.labels(model)
         self._generated = self.metrics.generated_tokens.labels(model)
         self.engine = engine
-        self.runner = runner
+        self.engine_thread = engine_thread
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
         self.decode_cost = CostModel(LinearCost(0.010, 0.0005, 0.0))
         self.cost = self.prefill_cost  # admission predicts time to first token from prefill
@@ -228,9 +228,9 @@ class GenerationScheduler(QueueingBatcher):
         return lambda: self._deliver_all(result.outputs, finished, now)
 
     def _start(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        """Start the engine call now if the runner can (ThreadRunner.start), else when awaited."""
-        start = getattr(self.runner, "start", None)
-        return start(fn, *args) if start is not None else self.runner(fn, *args)
+        """Start the engine call now if the engine thread can (EngineThread.start), else when awaited."""
+        start = getattr(self.engine_thread, "start", None)
+        return start(fn, *args) if start is not None else self.engine_thread(fn, *args)
 
     def _run_engine(self, removals: list[int], requests: list[SequenceRequest], decode: bool) -> _IterationResult:
         """Runs on the worker thread: everything the engine does in one iteration."""
@@ -360,7 +360,7 @@ class GenerationScheduler(QueueingBatcher):
                 self.engine.remove(ids)
             return obs
 
-        obs = await self.runner(profile)
+        obs = await self.engine_thread(profile)
         self.prefill_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "prefill"])
         self.decode_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "decode"])
 

@@ -72,4 +72,4 @@ class Ferry:
     async def close(self) -> None:
         for m in self.models.values():
             await m.batcher.stop()
-            m.runner.close()
+            m.engine_thread.close()
