@@ -15,7 +15,7 @@ from .errors import APIError
 from .metrics import GatewayMetrics
 from . import openapi
 from .models import ModelSpec, default_specs
-from .jobs import JobRunner
+from .jobs import BatchJobWorker
 from .routes import admin, batches, chat, embeddings, system
 from .state import Ferry
 
@@ -68,7 +68,7 @@ def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None
             await ferry.jobs.close()
             await ferry.close()
 
-    ferry.jobs = JobRunner(ferry)
+    ferry.jobs = BatchJobWorker(ferry)
     app = Starlette(routes=routes(), lifespan=lifespan,
                     exception_handlers={404: _http_error, 405: _http_error})
     app.state.ferry = ferry

@@ -27,7 +27,7 @@ class Ferry:
     load_error: str | None = None
     streams: int = 0
     last_request_at: float = 0.0  # time.monotonic() of the latest request, for the drain linger
-    jobs: Any = None  # gateway.jobs.JobRunner, set by create_app
+    jobs: Any = None  # gateway.jobs.BatchJobWorker, set by create_app
     freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
 
     async def load(self) -> None:

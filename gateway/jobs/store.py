@@ -9,13 +9,13 @@ Durability rules that make restarts safe:
   line moves out of `pending` only once (`... WHERE status = 'pending'`), so a result is
   never recorded twice and counts always equal the rows.
 - Lines still `pending` after a crash are exactly the ones that were not committed; the
-  runner runs them again on restart. A line committed before the crash is never run again.
+  job worker runs them again on restart. A line committed before the crash is never run again.
 - WAL journal with synchronous=NORMAL: a commit survives the process being killed
   (SIGKILL); a power cut may lose the last few commits, which then simply run again.
 
 Threading: SQLite calls block, so none runs on the event loop. Every write goes through
 one writer thread (one connection, so writes never contend); reads go through one reader
-thread with its own connection (WAL lets it read while the writer commits). The runner
+thread with its own connection (WAL lets it read while the writer commits). The job worker
 groups line results that finish together into one transaction (group commit), so a
 commit per line costs one thread hop shared by many lines. `Store.write` / `Store.read`
 are the async entry points; the plain methods below run on those threads.

@@ -1,6 +1,6 @@
 """The OpenAI-compatible batch API: /v1/files and /v1/batches (see docs/batch-jobs.md).
 
-Handlers parse HTTP and render OpenAI objects; `gateway.jobs.JobRunner` does the work.
+Handlers parse HTTP and render OpenAI objects; `gateway.jobs.BatchJobWorker` does the work.
 """
 from __future__ import annotations
 

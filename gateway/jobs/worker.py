@@ -118,7 +118,7 @@ class Share:
         self.changed.set()
 
 
-class JobRunner:
+class BatchJobWorker:
     def __init__(self, ferry: Any, *, in_flight: int = LINES_IN_FLIGHT):
         self.ferry = ferry
         self.store = st.Store(ferry.config.data_dir)
