@@ -17,7 +17,7 @@ from . import openapi
 from .models import ModelSpec, default_specs
 from .jobs import BatchJobWorker
 from .routes import admin, batches, chat, embeddings, system
-from .state import Ferry
+from .state import GatewayState
 
 log = logging.getLogger("ferry.gateway")
 
@@ -49,7 +49,7 @@ async def _http_error(request, exc):
 def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None = None,
                metrics: GatewayMetrics | None = None) -> Starlette:
     config = config or ServerConfig()
-    ferry = Ferry(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
+    ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

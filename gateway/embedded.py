@@ -182,7 +182,7 @@ class Ferry:
 
     @property
     def state(self) -> Any:
-        """The gateway's process state (gateway.state.Ferry): models, batchers, metrics."""
+        """The gateway's process state (gateway.state.GatewayState): models, batchers, metrics."""
         return None if self.app is None else self.app.state.ferry
 
     @property

@@ -17,7 +17,7 @@ log = logging.getLogger("ferry.gateway")
 
 
 @dataclass
-class Ferry:
+class GatewayState:
     config: ServerConfig
     metrics: GatewayMetrics
     specs: list[ModelSpec]
