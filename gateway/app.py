@@ -14,7 +14,7 @@ from .endpoint import endpoint, route
 from .errors import APIError
 from .metrics import GatewayMetrics
 from . import openapi
-from .models import ModelSpec, default_specs
+from .model_loading import ModelSpec, default_specs
 from .jobs import BatchJobWorker
 from .routes import admin, batches, chat, embeddings, system
 from .state import GatewayState

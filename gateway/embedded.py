@@ -30,7 +30,7 @@ import httpx
 from ferry_client import AsyncFerryClient, FerryClient
 
 from .config import ServerConfig
-from .models import CHAT, EMBEDDING
+from .model_loading import CHAT, EMBEDDING
 
 log = logging.getLogger("ferry.embedded")
 
@@ -119,7 +119,7 @@ class Ferry:
 
     models: what to serve (see `resolve_models`; default: both built-in models).
     host, port: where to listen (default 127.0.0.1 and a free port).
-    specs: a list of gateway.models.ModelSpec to serve instead of `models` (fake engines
+    specs: a list of gateway.model_loading.ModelSpec to serve instead of `models` (fake engines
     in tests, or engines you built yourself). metrics: a gateway.metrics.GatewayMetrics (default:
     a fresh registry, so several Ferry instances can coexist).
     ready_timeout: seconds to wait for the models to load (raises RuntimeError beyond).

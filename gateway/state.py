@@ -11,7 +11,7 @@ from typing import Any
 from .config import ServerConfig
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
-from .models import ModelSpec, ServedModel, start_model
+from .model_loading import ModelSpec, ServedModel, start_model
 
 log = logging.getLogger("ferry.gateway")
 

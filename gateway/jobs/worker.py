@@ -34,7 +34,7 @@ from batcher.errors import BatchingError, Cancelled, DeadlineExceeded, DeadlineI
 from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
-from ..models import CHAT
+from ..model_loading import CHAT
 from ..responses import dumps, json_response
 from . import store as st
 from .metrics import JobMetrics

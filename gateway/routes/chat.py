@@ -16,7 +16,7 @@ from batcher.types import Delta, WorkItem
 from ..endpoint import Ctx, finish
 from ..errors import APIError
 from ..http import cancel_all, parse, scheduling, submit, timing_headers, wait_items
-from ..models import CHAT
+from ..model_loading import CHAT
 from ..responses import dumps, json_response
 from ..schemas import request_models
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages

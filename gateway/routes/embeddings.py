@@ -5,7 +5,7 @@ from starlette.requests import Request
 
 from ..endpoint import Ctx
 from ..http import parse, scheduling, submit, timing_headers, wait_items
-from ..models import EMBEDDING
+from ..model_loading import EMBEDDING
 from ..responses import json_response
 from ..schemas import request_models
 from ..translate.embeddings import embedding_work

@@ -1,4 +1,4 @@
-"""The models a gateway serves: each an engine, its worker thread and its batcher."""
+"""Loads and starts the models a gateway serves: each an engine, its engine thread and its batcher."""
 from __future__ import annotations
 
 import asyncio
