@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from . import admission
-from .core import QueueingBatcher, seconds_until
+from .queueing import QueueingBatcher, seconds_until
 from .cost import CostModel, LinearCost
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
 from .isolation import split_in_halves

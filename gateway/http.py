@@ -10,7 +10,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from batcher.core import QueueingBatcher
+from batcher.queueing import QueueingBatcher
 from batcher.errors import BatchingError
 from batcher.types import Priority, WorkItem
 

@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from batcher.core import QueueingBatcher
+from batcher.queueing import QueueingBatcher
 from batcher.cost import CostModel
 from batcher.metrics import Metrics
 from batcher.isolation import split_in_halves
