@@ -14,8 +14,8 @@ from starlette.responses import Response
 
 from ..endpoint import Ctx
 from ..errors import APIError
-from ..http import parse, read_body
 from ..jobs.validate import MAX_FILE_BYTES, BatchCreate
+from ..request_body import parse, read_body
 from ..responses import json_response
 
 PURPOSES = ("batch",)

@@ -15,10 +15,11 @@ from batcher.types import Delta, WorkItem
 
 from ..endpoint import Ctx, finish
 from ..errors import APIError
-from ..http import cancel_all, parse, scheduling, submit, timing_headers, wait_items
 from ..model_loading import CHAT
+from ..request_body import parse
 from ..responses import dumps, json_response
 from ..schemas import request_models
+from ..submission import cancel_all, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages
 
 
