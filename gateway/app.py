@@ -33,7 +33,7 @@ def routes() -> list[Route]:
         Route("/v1/embeddings", endpoint("/v1/embeddings", embeddings.create_embeddings), methods=["POST"]),
         Route("/v1/chat/completions", endpoint("/v1/chat/completions", chat.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("/v1/completions", chat.completions), methods=["POST"]),
-        *batches.routes(),
+        *batches.batch_routes(),
         route("/admin/models/{model:path}/batching", get=endpoint("/admin/batching", admin.get_batching, public=True),
               patch=endpoint("/admin/batching", admin.patch_batching, public=True)),
     ]
