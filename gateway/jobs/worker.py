@@ -35,7 +35,7 @@ from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
 from ..model_loading import CHAT
-from ..responses import dumps, json_response
+from ..responses import json_bytes, json_response
 from . import store as st
 from .metrics import JobMetrics
 from .validate import MAX_REPORTED, BatchCreate, LineError, check_create, prepare, validate_file
@@ -454,7 +454,7 @@ class BatchJobWorker:
 
     @staticmethod
     def _record(job: Job, row: dict, rid: str, status: int, body: dict) -> str:
-        return dumps({"id": st.line_id(job.id, row["line"]), "custom_id": row["custom_id"],
+        return json_bytes({"id": st.line_id(job.id, row["line"]), "custom_id": row["custom_id"],
                       "response": {"status_code": status, "request_id": rid, "body": body}, "error": None}).decode()
 
     # -- group commit ------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from ..endpoint import Ctx, finish
 from ..errors import APIError
 from ..model_loading import CHAT
 from ..request_body import parse
-from ..responses import dumps, json_response
+from ..responses import json_bytes, json_response
 from ..schemas import request_models
 from ..submission import cancel_all, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages
@@ -78,7 +78,7 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: GenerationBod
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 @dataclass
