@@ -48,7 +48,6 @@ PENDING, COMPLETED, FAILED, CANCELLED, EXPIRED = "pending", "completed", "failed
 # Job statuses (OpenAI's).
 JOB_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-TERMINAL = ("failed", "completed", "expired", "cancelled")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -325,10 +324,6 @@ class Store:
                     c.execute(f"UPDATE batches SET {col} = {col} + 1 WHERE id = ?", (batch_id,))
                 out.append(n == 1)
         return out
-
-    def line_counts(self, batch_id: str) -> dict[str, int]:
-        rows = self._conn().execute("SELECT status, COUNT(*) FROM lines WHERE batch_id = ? GROUP BY status", (batch_id,))
-        return {r[0]: r[1] for r in rows}
 
     def finalize(self, batch_id: str, status: str, unrun: str | None, errors: str | None = None) -> dict:
         """End a job: lines still pending become `unrun` (cancelled/expired), the output and
