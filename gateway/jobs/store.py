@@ -150,7 +150,7 @@ class Store:
         self.dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            import fcntl  # noqa: PLC0415 - POSIX only; elsewhere the lock is skipped
+            import fcntl  # POSIX only; elsewhere the lock is skipped
 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except ImportError:  # pragma: no cover
