@@ -2,7 +2,7 @@
 
 One thread per engine: torch work is serialised (the engine needs no locks) and the loop
 pays one thread hop per batch, never per request. A call that outlives `timeout` fails
-with EngineTimeout and the engine moves to a fresh thread, so one hung call cannot stall
+with EngineTimeout and later calls go to a fresh thread, so one hung call cannot stall
 every later batch; the stuck thread is abandoned (Python cannot kill it) and its result,
 if it ever comes, is dropped.
 """
