@@ -6,7 +6,7 @@ and, where it helps the client, how long to wait before retrying.
 from __future__ import annotations
 
 
-class FerryError(Exception):
+class BatchingError(Exception):
     code = "internal_error"
 
     def __init__(self, message: str, *, retry_after: float | None = None):
@@ -15,31 +15,31 @@ class FerryError(Exception):
         self.retry_after = retry_after
 
 
-class QueueFull(FerryError):
+class QueueFull(BatchingError):
     code = "queue_full"
 
 
-class DeadlineInfeasible(FerryError):
+class DeadlineInfeasible(BatchingError):
     code = "deadline_infeasible"
 
 
-class RequestTooLarge(FerryError):
+class RequestTooLarge(BatchingError):
     """More items in one request than the queue can ever hold: retrying cannot help."""
 
     code = "request_too_large"
 
 
-class DeadlineExceeded(FerryError):
+class DeadlineExceeded(BatchingError):
     code = "deadline_exceeded"
 
 
-class Cancelled(FerryError):
+class Cancelled(BatchingError):
     code = "cancelled"
 
 
-class EngineError(FerryError):
+class EngineError(BatchingError):
     code = "engine_error"
 
 
-class ShuttingDown(FerryError):
+class ShuttingDown(BatchingError):
     code = "shutting_down"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from .core import QueueingBatcher, seconds_until
+from .queueing import QueueingBatcher, seconds_until
 from .errors import EngineError, ShuttingDown
 from .policy import Dispatch, batch_cost, get_policy
 from .protocols import Execute

@@ -14,11 +14,9 @@ from typing import Callable, Sequence
 
 from .cost import CostModel
 from .load import IDLE, Load
-from .queue import RequestQueue
+from .queue import INF, RequestQueue
 from .settings import BatchingSettings
 from .types import DispatchReason, Priority, WorkItem
-
-INF = math.inf
 
 
 @dataclass(frozen=True, slots=True)

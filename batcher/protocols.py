@@ -2,9 +2,11 @@
 
 The batcher never imports the engine: engine/ classes satisfy these by their shape alone
 (`engine.generation.HFGenerationEngine` and `engine.fake.FakeGenerationEngine` are
-`GenerationEngine`s; gateway/models.py turns an embeddings engine into an `Execute`).
-Each protocol names only what the batcher uses; engine/base.py holds the engines' full
-contract, including what only the gateway needs (chat templates, tokenizers).
+`SteppingEngine`s, `engine.base.SequenceRequest` is a `PrefillRequest` and
+`engine.base.StepOutput` a `SequenceStep`; gateway/model_loading.py turns an embeddings
+engine into an `Execute`). Each protocol names only what the batcher uses; engine/base.py
+holds the engines' full contract, including what only the gateway needs (chat templates,
+tokenizers).
 """
 from __future__ import annotations
 
@@ -21,15 +23,15 @@ class Execute(Protocol):
     def __call__(self, payloads: list[Any], /) -> Awaitable[Sequence[Any]]: ...
 
 
-class Runner(Protocol):
-    """Runs a blocking engine call off the event loop (batcher.runner.ThreadRunner, or a
-    simulated-time runner in tests). A runner that also has `start(fn, *args)`, which
+class EngineCaller(Protocol):
+    """Runs a blocking engine call off the event loop (batcher.engine_thread.EngineThread, or
+    engine.fake.SimulatedEngineThread in tests). One that also has `start(fn, *args)`, which
     begins the call at once and is awaited later, lets delivery overlap the next step."""
 
     def __call__(self, fn: Callable[..., T], /, *args: Any) -> Awaitable[T]: ...
 
 
-class SequenceRequest(Protocol):
+class PrefillRequest(Protocol):
     """One sequence to prefill, as the scheduler's `make_request` built it."""
 
     @property
@@ -39,7 +41,7 @@ class SequenceRequest(Protocol):
     def prompt_ids(self) -> list[int]: ...
 
 
-class StepOutput(Protocol):
+class SequenceStep(Protocol):
     """What one sequence produced in one engine call. `text` is released text only; a
     set `finish_reason` means the sequence has left the engine's running set."""
 
@@ -58,11 +60,11 @@ class StepOutput(Protocol):
 
 # Builds the engine's request for one sequence from (seq_id, prompt ids, the payload's
 # params); params None (the scheduler's warm-up) means the engine's defaults.
-MakeRequest = Callable[[int, list[int], Any], SequenceRequest]
+MakeRequest = Callable[[int, list[int], Any], PrefillRequest]
 
 
 @runtime_checkable
-class GenerationEngine(Protocol):
+class SteppingEngine(Protocol):
     """Runs a changing set of sequences one token at a time. Called from one worker thread.
 
     An engine with a fixed number of KV slots also has `max_running: int`; the scheduler
@@ -80,10 +82,10 @@ class GenerationEngine(Protocol):
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a plain prompt (the warm-up's)."""
 
-    def add(self, requests: Sequence[Any]) -> Sequence[StepOutput]:
+    def add(self, requests: Sequence[Any]) -> Sequence[SequenceStep]:
         """Prefill new sequences together: one output per request, in request order."""
 
-    def step(self) -> Sequence[StepOutput]:
+    def step(self) -> Sequence[SequenceStep]:
         """One decode step of every running sequence."""
 
     def remove(self, seq_ids: Sequence[int]) -> None:

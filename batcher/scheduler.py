@@ -19,13 +19,13 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Awaitable, Callable
 
 from . import admission
-from .core import QueueingBatcher, seconds_until
+from .queueing import QueueingBatcher, seconds_until
 from .cost import CostModel, LinearCost
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
 from .isolation import split_in_halves
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
-from .protocols import GenerationEngine, MakeRequest, Runner, SequenceRequest, StepOutput
+from .protocols import EngineCaller, MakeRequest, PrefillRequest, SequenceStep, SteppingEngine
 from .types import Delta, DispatchReason, GenResult, Outcome, TokenCount, WorkItem
 
 log = logging.getLogger("ferry.batcher")
@@ -41,7 +41,7 @@ class _Seq:
 
 @dataclass(slots=True)
 class _IterationResult:
-    outputs: list[StepOutput]
+    outputs: list[SequenceStep]
     failed: dict[int, Exception]
     prefill_seconds: float
     decode_seconds: float
@@ -51,7 +51,7 @@ class _IterationResult:
 class GenerationScheduler(QueueingBatcher):
     phase = "decode"
 
-    def __init__(self, model: str, engine: GenerationEngine, runner: Runner, settings, *,
+    def __init__(self, model: str, engine: SteppingEngine, engine_thread: EngineCaller, settings, *,
                  make_request: MakeRequest, **kw):
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
@@ -60,7 +60,7 @@ class GenerationScheduler(QueueingBatcher):
         self._itl = self.metrics.itl.labels(model)
         self._generated = self.metrics.generated_tokens.labels(model)
         self.engine = engine
-        self.runner = runner
+        self.engine_thread = engine_thread
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
         self.decode_cost = CostModel(LinearCost(0.010, 0.0005, 0.0))
         self.cost = self.prefill_cost  # admission predicts time to first token from prefill
@@ -228,11 +228,11 @@ class GenerationScheduler(QueueingBatcher):
         return lambda: self._deliver_all(result.outputs, finished, now)
 
     def _start(self, fn: Callable[..., Any], *args: Any) -> Awaitable[Any]:
-        """Start the engine call now if the runner can (ThreadRunner.start), else when awaited."""
-        start = getattr(self.runner, "start", None)
-        return start(fn, *args) if start is not None else self.runner(fn, *args)
+        """Start the engine call now if the engine thread can (EngineThread.start), else when awaited."""
+        start = getattr(self.engine_thread, "start", None)
+        return start(fn, *args) if start is not None else self.engine_thread(fn, *args)
 
-    def _run_engine(self, removals: list[int], requests: list[SequenceRequest], decode: bool) -> _IterationResult:
+    def _run_engine(self, removals: list[int], requests: list[PrefillRequest], decode: bool) -> _IterationResult:
         """Runs on the worker thread: everything the engine does in one iteration."""
         engine = self.engine
         if removals:
@@ -254,7 +254,7 @@ class GenerationScheduler(QueueingBatcher):
                     outputs.append(result)
         return _IterationResult(outputs, failed, time.perf_counter() - t1, t1 - t0, rows)
 
-    def _observe(self, r: _IterationResult, requests: list[SequenceRequest]) -> None:
+    def _observe(self, r: _IterationResult, requests: list[PrefillRequest]) -> None:
         m, model = self.metrics, self.model
         if r.decoded_rows:
             m.batch_size.labels(model, "decode").observe(r.decoded_rows)
@@ -270,7 +270,7 @@ class GenerationScheduler(QueueingBatcher):
             m.slowdown.labels(model, "prefill").set(self.prefill_cost.slowdown)
             m.prompt_tokens.labels(model).inc(tokens.real)
 
-    def _deliver_all(self, outputs: list[StepOutput], finished: dict[int, _Seq], now: float) -> None:
+    def _deliver_all(self, outputs: list[SequenceStep], finished: dict[int, _Seq], now: float) -> None:
         """Deliver one step's outputs. Finished sequences are no longer in the running set,
         so a failure here must still end each item: it fails only the item it hit."""
         for out in outputs:
@@ -285,7 +285,7 @@ class GenerationScheduler(QueueingBatcher):
                     self._removals.append(out.seq_id)
                 self._finish(seq.item, Outcome.ERROR, EngineError(f"delivering the output failed: {exc}"))
 
-    def _deliver(self, seq: _Seq, out: StepOutput, now: float) -> None:
+    def _deliver(self, seq: _Seq, out: SequenceStep, now: float) -> None:
         item = seq.item
         if item.finished:  # cancelled or expired after its last step ran
             return
@@ -360,7 +360,7 @@ class GenerationScheduler(QueueingBatcher):
                 self.engine.remove(ids)
             return obs
 
-        obs = await self.runner(profile)
+        obs = await self.engine_thread(profile)
         self.prefill_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "prefill"])
         self.decode_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "decode"])
 

@@ -92,8 +92,8 @@ class SimulatedExecutor:
         return [ValueError(f"bad item {p!r}") if p in self.fail_items else ("ok", p) for p in payloads]
 
 
-class SimulatedRunner:
-    """A runner for the generation scheduler in tests: each engine call costs
+class SimulatedEngineThread:
+    """Stands in for the generation scheduler's engine thread in tests: each engine call costs
     fixed + per_row * running rows of simulated time on `clock`, then runs inline."""
 
     def __init__(self, clock: Any, engine: Any, fixed: float = 0.010, per_row: float = 0.001):

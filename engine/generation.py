@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import jinja2
 import torch
+from transformers.cache_utils import DynamicLayer
 
 from .base import ChatTemplateError, SamplingParams, SequenceRequest, StepOutput
 from .detokenize import IncrementalDetokenizer, StopStringFilter
@@ -255,8 +256,6 @@ class HFGenerationEngine:
 
     def _check_cache_layout(self) -> None:
         """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model."""
-        from transformers.cache_utils import DynamicLayer
-
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         mask = torch.ones_like(ids)
         with torch.inference_mode():

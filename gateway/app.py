@@ -14,10 +14,10 @@ from .endpoint import endpoint, route
 from .errors import APIError
 from .metrics import GatewayMetrics
 from . import openapi
-from .models import ModelSpec, default_specs
-from .jobs import JobRunner
+from .model_loading import ModelSpec, default_specs
+from .jobs import BatchJobWorker
 from .routes import admin, batches, chat, embeddings, system
-from .state import Ferry
+from .state import GatewayState
 
 log = logging.getLogger("ferry.gateway")
 
@@ -33,7 +33,7 @@ def routes() -> list[Route]:
         Route("/v1/embeddings", endpoint("/v1/embeddings", embeddings.create_embeddings), methods=["POST"]),
         Route("/v1/chat/completions", endpoint("/v1/chat/completions", chat.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("/v1/completions", chat.completions), methods=["POST"]),
-        *batches.routes(),
+        *batches.batch_routes(),
         route("/admin/models/{model:path}/batching", get=endpoint("/admin/batching", admin.get_batching, public=True),
               patch=endpoint("/admin/batching", admin.patch_batching, public=True)),
     ]
@@ -49,7 +49,7 @@ async def _http_error(request, exc):
 def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None = None,
                metrics: GatewayMetrics | None = None) -> Starlette:
     config = config or ServerConfig()
-    ferry = Ferry(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
+    ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -68,7 +68,7 @@ def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None
             await ferry.jobs.close()
             await ferry.close()
 
-    ferry.jobs = JobRunner(ferry)
+    ferry.jobs = BatchJobWorker(ferry)
     app = Starlette(routes=routes(), lifespan=lifespan,
                     exception_handlers={404: _http_error, 405: _http_error})
     app.state.ferry = ferry

@@ -14,7 +14,7 @@ from pydantic import BeforeValidator
 from batcher.knobs import Knob, Knobs, SettingsError, knob, knobs
 from batcher.settings import BatchingSettings
 
-COUNT = {"ge": 1}
+AT_LEAST_ONE = {"ge": 1}
 SECONDS = {"unit": "s", "gt": 0}
 
 
@@ -34,7 +34,7 @@ class ServerSettings(Knobs):
     device: str = knob("auto", "`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)")
     dtype: str = knob("auto", "`float32`, `float16`, `bfloat16` or `auto` (float16 on cuda, float32 on cpu)")
     torch_threads: int = knob(1, "intra-op torch threads (default 1: on 2 shared cores two threads collapse to a third "
-                                 "of their speed when anything else needs a core)", **COUNT)
+                                 "of their speed when anything else needs a core)", **AT_LEAST_ONE)
     torchscript: bool = knob(True, "run the embeddings model as a TorchScript graph when it traces faithfully "
                                    "(checked at load; else eager): a busy event loop then cannot slow its forward "
                                    "(`--no-torchscript`: always eager)")
@@ -42,13 +42,13 @@ class ServerSettings(Knobs):
                                    null="admin routes off")
     api_keys: list[str] = knob([], "API keys required as `Authorization: Bearer <key>` on `/v1` routes (repeat "
                                    "`--api-key` or comma-separate for several)")
-    max_body_bytes: int = knob(4 * 1024 * 1024, "largest request body (413 beyond)", unit="bytes", **COUNT)
-    max_inputs: int = knob(2048, "most inputs in one embeddings request", **COUNT)
-    max_prompts: int = knob(64, "most prompts in one chat or completions request", **COUNT)
-    max_prompt_tokens: int | None = knob(None, "most tokens in one prompt", null="the model's context", **COUNT)
-    max_completion_tokens: int = knob(4096, "largest max_tokens a request may ask for", **COUNT)
+    max_body_bytes: int = knob(4 * 1024 * 1024, "largest request body (413 beyond)", unit="bytes", **AT_LEAST_ONE)
+    max_inputs: int = knob(2048, "most inputs in one embeddings request", **AT_LEAST_ONE)
+    max_prompts: int = knob(64, "most prompts in one chat or completions request", **AT_LEAST_ONE)
+    max_prompt_tokens: int | None = knob(None, "most tokens in one prompt", null="the model's context", **AT_LEAST_ONE)
+    max_completion_tokens: int = knob(4096, "largest max_tokens a request may ask for", **AT_LEAST_ONE)
     max_stop_strings: int = knob(16, "most stop strings per prompt", ge=0)
-    max_streams: int = knob(1024, "most concurrent streaming responses", **COUNT)
+    max_streams: int = knob(1024, "most concurrent streaming responses", **AT_LEAST_ONE)
     drain_timeout: float = knob(30.0, "time to finish accepted work after SIGTERM", **SECONDS)
     engine_timeout: float = knob(120.0, "time one engine call may take before its items fail and the engine moves to "
                                         "a fresh thread", **SECONDS)

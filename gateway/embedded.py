@@ -30,7 +30,7 @@ import httpx
 from ferry_client import AsyncFerryClient, FerryClient
 
 from .config import ServerConfig
-from .models import CHAT, EMBEDDING
+from .model_loading import CHAT, EMBEDDING
 
 log = logging.getLogger("ferry.embedded")
 
@@ -63,10 +63,10 @@ def _infer_kind(name: str) -> str:
     if name.startswith(("/", "./", "../", "~")) or os.path.exists(path):
         raise ValueError(f"model {name!r}: no such model directory; {hint} once it exists")
     try:
-        from transformers import AutoConfig  # noqa: PLC0415
+        from transformers import AutoConfig
 
         cfg = AutoConfig.from_pretrained(name)
-    except Exception as exc:  # noqa: BLE001 - any failure means we cannot tell
+    except Exception as exc:  # any failure means we cannot tell
         raise ValueError(f"cannot tell whether {name!r} is an embeddings or a chat model ({type(exc).__name__}); "
                          f"{hint}") from None
     return _kind_of_architectures(list(getattr(cfg, "architectures", None) or []))
@@ -119,7 +119,7 @@ class Ferry:
 
     models: what to serve (see `resolve_models`; default: both built-in models).
     host, port: where to listen (default 127.0.0.1 and a free port).
-    specs: a list of gateway.models.ModelSpec to serve instead of `models` (fake engines
+    specs: a list of gateway.model_loading.ModelSpec to serve instead of `models` (fake engines
     in tests, or engines you built yourself). metrics: a gateway.metrics.GatewayMetrics (default:
     a fresh registry, so several Ferry instances can coexist).
     ready_timeout: seconds to wait for the models to load (raises RuntimeError beyond).
@@ -182,7 +182,7 @@ class Ferry:
 
     @property
     def state(self) -> Any:
-        """The gateway's process state (gateway.state.Ferry): models, batchers, metrics."""
+        """The gateway's process state (gateway.state.GatewayState): models, batchers, metrics."""
         return None if self.app is None else self.app.state.ferry
 
     @property
@@ -234,10 +234,11 @@ class Ferry:
         if self._started:
             raise RuntimeError("this Ferry was already started; create a new one")
         self._started = True
-        import uvicorn  # noqa: PLC0415
+        # Imported on start, so that `from gateway import Ferry` stays cheap.
+        import uvicorn
 
-        from .app import create_app  # noqa: PLC0415
-        from .metrics import GatewayMetrics  # noqa: PLC0415
+        from .app import create_app
+        from .metrics import GatewayMetrics
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._threads_before = set(threading.enumerate())
@@ -274,7 +275,7 @@ class Ferry:
         asyncio.set_event_loop(loop)
         try:
             loop.run_until_complete(self._server.serve(sockets=[self._sock]))
-        except BaseException as exc:  # noqa: BLE001 - uvicorn exits with SystemExit on startup failure
+        except BaseException as exc:  # uvicorn exits with SystemExit on startup failure
             self._error = exc
         finally:
             try:

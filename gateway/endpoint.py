@@ -14,7 +14,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import APIError
-from .http import ClientGone
+from .submission import ClientGone
 
 log = logging.getLogger("ferry.access")
 

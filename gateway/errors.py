@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from batcher.errors import (Cancelled, DeadlineExceeded, DeadlineInfeasible, EngineError, FerryError,
+from batcher.errors import (BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, EngineError,
                             QueueFull, RequestTooLarge, ShuttingDown)
 
 from .responses import json_response
@@ -39,7 +39,7 @@ class APIError(Exception):
         self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
 
     @classmethod
-    def from_ferry(cls, exc: FerryError) -> "APIError":
+    def from_batching(cls, exc: BatchingError) -> "APIError":
         status = next((s for t, s in STATUS_OF.items() if isinstance(exc, t)), 500)
         return cls(status, exc.message, code=exc.code, retry_after=exc.retry_after)
 

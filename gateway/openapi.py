@@ -13,7 +13,7 @@ from starlette.requests import Request
 from . import schemas as s
 from .config import ServerConfig
 from .jobs.validate import BatchCreate
-from .models import CHAT, EMBEDDING
+from .model_loading import CHAT, EMBEDDING
 from .responses import json_response
 from .routes import admin
 

@@ -10,7 +10,7 @@ from starlette.responses import Response
 OPTS = orjson.OPT_SERIALIZE_NUMPY
 
 
-def dumps(obj: Any) -> bytes:
+def json_bytes(obj: Any) -> bytes:
     return orjson.dumps(obj, option=OPTS)
 
 
@@ -18,7 +18,7 @@ class ORJSONResponse(Response):
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
-        return dumps(content)
+        return json_bytes(content)
 
 
 def json_response(content: Any, status: int = 200, headers: dict[str, str] | None = None) -> ORJSONResponse:

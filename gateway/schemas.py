@@ -3,7 +3,6 @@ generate /openapi.json, so documentation cannot drift from behaviour."""
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Literal, Union
 
@@ -161,10 +160,6 @@ class CompletionRequest(GenerationParams):
     @property
     def prompts(self) -> list[str]:
         return one_or_many(self.prompt)
-
-
-def is_finite(x: float) -> bool:
-    return not (math.isnan(x) or math.isinf(x))
 
 
 # -- responses (documented in /openapi.json; the routes build the same shapes) ----------

@@ -11,13 +11,13 @@ from typing import Any
 from .config import ServerConfig
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
-from .models import ModelSpec, ServedModel, start_model
+from .model_loading import ModelSpec, ServedModel, start_model
 
 log = logging.getLogger("ferry.gateway")
 
 
 @dataclass
-class Ferry:
+class GatewayState:
     config: ServerConfig
     metrics: GatewayMetrics
     specs: list[ModelSpec]
@@ -27,7 +27,7 @@ class Ferry:
     load_error: str | None = None
     streams: int = 0
     last_request_at: float = 0.0  # time.monotonic() of the latest request, for the drain linger
-    jobs: Any = None  # gateway.jobs.JobRunner, set by create_app
+    jobs: Any = None  # gateway.jobs.BatchJobWorker, set by create_app
     freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
 
     async def load(self) -> None:
@@ -72,4 +72,4 @@ class Ferry:
     async def close(self) -> None:
         for m in self.models.values():
             await m.batcher.stop()
-            m.runner.close()
+            m.engine_thread.close()

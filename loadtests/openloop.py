@@ -90,7 +90,6 @@ async def open_loop(rate: float, duration: float, send: Callable[[Any, int], Any
     """
     rng = random.Random(seed)
     samples: list[Sample] = []
-    cpu0, wall0 = time.process_time(), time.perf_counter()
     connector = aiohttp.TCPConnector(limit=connections)
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=timeout) as session:
@@ -108,7 +107,6 @@ async def open_loop(rate: float, duration: float, send: Callable[[Any, int], Any
             tasks.append(asyncio.create_task(_timed(send, session, i, start + t, samples)))
             i += 1
         await asyncio.gather(*tasks)
-    LAST_RUN["client_cpu"] = (time.process_time() - cpu0) / (time.perf_counter() - wall0)
     return samples
 
 
@@ -120,16 +118,6 @@ async def burst(n: int, send: Callable[[Any, int], Any], url: str) -> list[Sampl
         start = time.perf_counter()
         await asyncio.gather(*(_timed(send, session, i, start, samples) for i in range(n)))
     return samples
-
-
-LAST_RUN: dict[str, float] = {}  # CPU share of one core the load generator itself used
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _timed(send, session, i, scheduled, samples):

@@ -13,7 +13,7 @@ from gateway.metrics import GatewayMetrics  # noqa: E402
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine  # noqa: E402
 from gateway.app import create_app  # noqa: E402
 from gateway.config import ServerConfig  # noqa: E402
-from gateway.models import CHAT, EMBEDDING, ModelSpec  # noqa: E402
+from gateway.model_loading import CHAT, EMBEDDING, ModelSpec  # noqa: E402
 
 from .live import live  # noqa: E402
 

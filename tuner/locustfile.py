@@ -26,6 +26,7 @@ FERRY_LOAD_CHAT_MODEL=ferry-tiny-chat). `--ferry-report FILE` writes a JSON summ
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -36,11 +37,10 @@ from urllib.parse import urlsplit
 
 from locust import FastHttpUser, events, tag, task
 
-try:
-    import tuner  # noqa: F401
-except ImportError:  # run from a checkout without the package installed
+if importlib.util.find_spec("tuner") is None:  # run from a checkout without the package installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tuner.arrivals import LOAD, ArrivalRateShape, ArrivalSchedule, parse_steps  # noqa: F401 (the shape is picked up by locust)
+from tuner.arrivals import LOAD, ArrivalSchedule, parse_steps
+from tuner.arrivals import ArrivalRateShape as ArrivalRateShape  # locust finds the load shape in this namespace
 from tuner.percentile import percentile
 from tuner.traffic import (BATCH_ENTRY, EMBED_ENTRY, LOOPBACK, REQUEST_ENTRIES, SLO_ENTRIES, STREAM_ENTRY,
                            TTFT_ENTRY, question, sentence)
@@ -97,7 +97,7 @@ class Options:
         return getattr(self.ns, name)
 
 
-OPTIONS = Options()
+RUN_OPTIONS = Options()
 
 # --------------------------------------------------------------------------- report
 
@@ -157,7 +157,7 @@ def _on_init(environment, **_kw) -> None:
     opts = environment.parsed_options
     if opts is None:  # used as a library: nothing to configure
         return
-    OPTIONS.ns = opts
+    RUN_OPTIONS.ns = opts
     host = environment.host or opts.host or ""
     if urlsplit(host).hostname not in LOOPBACK:
         log.error("refusing host %r: this locustfile targets 127.0.0.1 / localhost only", host)
@@ -207,7 +207,7 @@ def _on_spawned(user_count, **_kw) -> None:
 
 @events.request.add_listener
 def _on_request(name, response_time, exception, **_kw) -> None:
-    slo = OPTIONS.ferry_slo_ms if OPTIONS.ns is not None else 0.0
+    slo = RUN_OPTIONS.ferry_slo_ms if RUN_OPTIONS.ns is not None else 0.0
     REPORT.record(name, response_time, exception is not None, slo)
 
 
@@ -264,7 +264,7 @@ def _error_code(resp) -> str:
     try:
         body = json.loads(resp.text or "{}")
         return str(body.get("error", {}).get("code") or "")
-    except Exception:  # noqa: BLE001 - any unreadable body just has no code
+    except Exception:  # any unreadable body just has no code
         return ""
 
 
@@ -290,7 +290,7 @@ class FerryUser(FastHttpUser):
     def wait_time(self) -> float:
         sched = LOAD.schedule
         if not sched.open_loop:
-            return OPTIONS.think_time if OPTIONS.ns is not None else 0.0
+            return RUN_OPTIONS.think_time if RUN_OPTIONS.ns is not None else 0.0
         LOAD.started.wait()  # arrivals start once every user is spawned (killed here on stop)
         slot = LOAD.pacers[self.key].claim()
         if slot is None:  # arrivals are over: idle until the run stops
@@ -328,9 +328,9 @@ class InteractiveChatUser(FerryUser):
         start = self.arrival()
         if start is None:
             return
-        body = {"model": OPTIONS.ferry_chat_model, "messages": [{"role": "user", "content": question(self.next_index())}],
-                "max_tokens": OPTIONS.chat_max_tokens, "temperature": 0, "stream": True}
-        with self.client.post("/v1/chat/completions", json=body, headers=self.budget_headers(OPTIONS.interactive_budget_ms),
+        body = {"model": RUN_OPTIONS.ferry_chat_model, "messages": [{"role": "user", "content": question(self.next_index())}],
+                "max_tokens": RUN_OPTIONS.chat_max_tokens, "temperature": 0, "stream": True}
+        with self.client.post("/v1/chat/completions", json=body, headers=self.budget_headers(RUN_OPTIONS.interactive_budget_ms),
                               stream=True, catch_response=True, name=STREAM_ENTRY) as resp:
             ttft, problem, nbytes = None, None, 0
             if resp.status_code == 200:
@@ -407,12 +407,13 @@ class BatchChatUser(FerryUser):
         start = self.arrival()
         if start is None:
             return
-        k = max(1, OPTIONS.batch_conversations)
+        k = max(1, RUN_OPTIONS.batch_conversations)
         i = self.next_index()
-        body = {"model": OPTIONS.ferry_chat_model, "messages": [[{"role": "user", "content": question(i + j)}] for j in range(k)],
-                "max_tokens": OPTIONS.batch_max_tokens, "temperature": 0, "priority": "batch"}
-        if OPTIONS.batch_budget_ms > 0:
-            body["latency_budget_ms"] = OPTIONS.batch_budget_ms
+        body = {"model": RUN_OPTIONS.ferry_chat_model,
+                "messages": [[{"role": "user", "content": question(i + j)}] for j in range(k)],
+                "max_tokens": RUN_OPTIONS.batch_max_tokens, "temperature": 0, "priority": "batch"}
+        if RUN_OPTIONS.batch_budget_ms > 0:
+            body["latency_budget_ms"] = RUN_OPTIONS.batch_budget_ms
         with self.client.post("/v1/chat/completions", json=body, catch_response=True, name=BATCH_ENTRY) as resp:
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
             if resp.status_code != 200:
@@ -439,10 +440,10 @@ class EmbeddingsUser(FerryUser):
         start = self.arrival()
         if start is None:
             return
-        n = max(1, OPTIONS.embed_inputs)
+        n = max(1, RUN_OPTIONS.embed_inputs)
         i = self.next_index()
-        body = {"model": OPTIONS.ferry_embed_model, "input": sentence(i) if n == 1 else [sentence(i + j) for j in range(n)]}
-        with self.client.post("/v1/embeddings", json=body, headers=self.budget_headers(OPTIONS.embed_budget_ms),
+        body = {"model": RUN_OPTIONS.ferry_embed_model, "input": sentence(i) if n == 1 else [sentence(i + j) for j in range(n)]}
+        with self.client.post("/v1/embeddings", json=body, headers=self.budget_headers(RUN_OPTIONS.embed_budget_ms),
                               catch_response=True, name=EMBED_ENTRY) as resp:
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
             if resp.status_code != 200:

@@ -173,6 +173,3 @@ class ClientBase:
                 return None  # the server asks for longer than we may wait: never retry early
             return err.retry_after
         return min(self.max_retry_wait, 0.25 * 2 ** (attempt - 1) * (1 + random.random() * 0.25))
-
-    def _url(self, path: str) -> str:
-        return self.base_url + path

@@ -4,12 +4,12 @@ the same micro-batchers as interactive traffic, with their state in SQLite under
 
 - `store`: the SQLite store (files, jobs, per-line status and results).
 - `validate`: whole-file validation at batch creation, and turning a line into work.
-- `runner`: the executor that feeds lines to the batchers, commits results, cancels,
+- `worker`: the executor that feeds lines to the batchers, commits results, cancels,
   expires and finalises jobs.
 - `metrics`: `ferry_jobs{status}` and `ferry_job_lines_total{status}`.
 """
 from __future__ import annotations
 
-from .runner import JobRunner
+from .worker import BatchJobWorker
 
-__all__ = ["JobRunner"]
+__all__ = ["BatchJobWorker"]

@@ -9,13 +9,13 @@ Durability rules that make restarts safe:
   line moves out of `pending` only once (`... WHERE status = 'pending'`), so a result is
   never recorded twice and counts always equal the rows.
 - Lines still `pending` after a crash are exactly the ones that were not committed; the
-  runner runs them again on restart. A line committed before the crash is never run again.
+  job worker runs them again on restart. A line committed before the crash is never run again.
 - WAL journal with synchronous=NORMAL: a commit survives the process being killed
   (SIGKILL); a power cut may lose the last few commits, which then simply run again.
 
 Threading: SQLite calls block, so none runs on the event loop. Every write goes through
 one writer thread (one connection, so writes never contend); reads go through one reader
-thread with its own connection (WAL lets it read while the writer commits). The runner
+thread with its own connection (WAL lets it read while the writer commits). The job worker
 groups line results that finish together into one transaction (group commit), so a
 commit per line costs one thread hop shared by many lines. `Store.write` / `Store.read`
 are the async entry points; the plain methods below run on those threads.
@@ -48,7 +48,6 @@ PENDING, COMPLETED, FAILED, CANCELLED, EXPIRED = "pending", "completed", "failed
 # Job statuses (OpenAI's).
 JOB_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-TERMINAL = ("failed", "completed", "expired", "cancelled")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -151,7 +150,7 @@ class Store:
         self.dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            import fcntl  # noqa: PLC0415 - POSIX only; elsewhere the lock is skipped
+            import fcntl  # POSIX only; elsewhere the lock is skipped
 
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except ImportError:  # pragma: no cover
@@ -325,10 +324,6 @@ class Store:
                     c.execute(f"UPDATE batches SET {col} = {col} + 1 WHERE id = ?", (batch_id,))
                 out.append(n == 1)
         return out
-
-    def line_counts(self, batch_id: str) -> dict[str, int]:
-        rows = self._conn().execute("SELECT status, COUNT(*) FROM lines WHERE batch_id = ? GROUP BY status", (batch_id,))
-        return {r[0]: r[1] for r in rows}
 
     def finalize(self, batch_id: str, status: str, unrun: str | None, errors: str | None = None) -> dict:
         """End a job: lines still pending become `unrun` (cancelled/expired), the output and

@@ -30,8 +30,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import APIError
-from ..http import validation_error
-from ..models import CHAT, EMBEDDING
+from ..model_loading import CHAT, EMBEDDING
+from ..request_body import validation_error
 from ..schemas import request_models
 from ..translate.chat import check_generation, generation_work
 from ..translate.embeddings import check_embeddings, embedding_work

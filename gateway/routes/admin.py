@@ -18,7 +18,7 @@ from batcher.settings import BatchingSettings, SettingsError
 
 from ..endpoint import Ctx, check_key
 from ..errors import APIError
-from ..http import parse
+from ..request_body import parse
 from ..responses import json_response
 from ..schemas import Integral, Strict
 

@@ -1,6 +1,6 @@
 """The OpenAI-compatible batch API: /v1/files and /v1/batches (see docs/batch-jobs.md).
 
-Handlers parse HTTP and render OpenAI objects; `gateway.jobs.JobRunner` does the work.
+Handlers parse HTTP and render OpenAI objects; `gateway.jobs.BatchJobWorker` does the work.
 """
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
 
-from ..endpoint import Ctx
+from ..endpoint import Ctx, endpoint, route
 from ..errors import APIError
-from ..http import parse, read_body
 from ..jobs.validate import MAX_FILE_BYTES, BatchCreate
+from ..request_body import parse, read_body
 from ..responses import json_response
 
 PURPOSES = ("batch",)
@@ -140,11 +141,7 @@ async def list_batches(request: Request, ctx: Ctx) -> Response:
                           "last_id": data[-1]["id"] if data else None, "has_more": has_more})
 
 
-def routes() -> list:
-    from starlette.routing import Route  # noqa: PLC0415
-
-    from ..endpoint import endpoint, route  # noqa: PLC0415
-
+def batch_routes() -> list[Route]:
     return [
         Route("/v1/files", endpoint("/v1/files", create_file), methods=["POST"]),
         Route("/v1/files/{file_id}", endpoint("/v1/files/{id}", get_file), methods=["GET"]),

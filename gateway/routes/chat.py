@@ -10,15 +10,16 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from batcher.errors import FerryError
+from batcher.errors import BatchingError
 from batcher.types import Delta, WorkItem
 
 from ..endpoint import Ctx, finish
 from ..errors import APIError
-from ..http import cancel_all, parse, scheduling, submit, timing_headers, wait_items
-from ..models import CHAT
-from ..responses import dumps, json_response
+from ..model_loading import CHAT
+from ..request_body import parse
+from ..responses import json_bytes, json_response
 from ..schemas import request_models
+from ..submission import cancel_all, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages
 
 
@@ -77,7 +78,7 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: GenerationBod
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + dumps(obj) + b"\n\n"
+    return b"data: " + json_bytes(obj) + b"\n\n"
 
 
 @dataclass
@@ -138,7 +139,7 @@ async def _stream(work: GenerationWork, items: list[WorkItem], deltas: asyncio.Q
             if exc is None:  # cannot happen: a result always follows a final delta
                 continue
             open_items.discard(ev.id)
-            err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, str(exc))
+            err = APIError.from_batching(exc) if isinstance(exc, BatchingError) else APIError(500, str(exc))
             state.status = err.status if state.status == 200 else state.status
             out.append(_sse(chunks.error(index_of[ev.id], err)))
         yield b"".join(out)

@@ -4,10 +4,11 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from ..endpoint import Ctx
-from ..http import parse, scheduling, submit, timing_headers, wait_items
-from ..models import EMBEDDING
+from ..model_loading import EMBEDDING
+from ..request_body import parse
 from ..responses import json_response
 from ..schemas import request_models
+from ..submission import scheduling, submit, timing_headers, wait_items
 from ..translate.embeddings import embedding_work
 
 

@@ -1,5 +1,5 @@
 """Request translation: a validated request body becomes work for a batcher, and the
-results of that work become the response body. The HTTP routes and the batch-job runner
+results of that work become the response body. The HTTP routes and the batch-job worker
 both go through here, so a batch line and a direct request are checked, queued and
 answered alike.
 

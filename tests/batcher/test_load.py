@@ -14,7 +14,7 @@ import math
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batcher.errors import FerryError
+from batcher.errors import BatchingError
 from batcher.load import RESERVE_HORIZON
 from batcher.types import Outcome, Priority, WorkItem
 
@@ -44,7 +44,7 @@ async def submit_all(r: Rig, n: int, budget: float | None, priority: Priority) -
     for i in range(n):
         try:
             admitted.append(r.batcher.submit(i, budget=budget, priority=priority))
-        except FerryError:
+        except BatchingError:
             refused += 1
     return admitted, refused
 
@@ -56,7 +56,7 @@ async def burst_after(r: Rig, past, idle: float, new_size: int | None, n: int, b
         await r.clock.advance(gap)
         try:
             b.submit_many(list(range(count)), budget=bud, priority=prio)
-        except FerryError:
+        except BatchingError:
             pass
     await r.clock.run_until_idle()
     await r.clock.advance(idle)
@@ -136,7 +136,7 @@ async def mixed(r: Rig, gaps: list[float], waves: list[tuple[float, int]], budge
         if kind == "interactive":
             try:
                 interactive.append(b.submit("i", budget=budget))
-            except FerryError:
+            except BatchingError:
                 refused_interactive += 1
         else:
             got, refused = await submit_all(r, count, 1.0, Priority.BATCH)
@@ -187,7 +187,7 @@ def test_total_throughput_first_lets_batch_class_load_size_batches():
         for k in range(40):  # 400 batch-class items/s, 1 s budget, an interactive one each 100 ms
             try:
                 b.submit("i", budget=0.06)
-            except FerryError:
+            except BatchingError:
                 pass  # throughput first: no room left for it, refused at once
             for _ in range(10):
                 b.submit("b", budget=1.0, priority=Priority.BATCH)
@@ -275,7 +275,7 @@ def poisson_mix(r: Rig, rate: float, interactive_share: float, seconds: float, s
             budget = 0.1 if prio is Priority.INTERACTIVE else 1.0
             try:
                 record(b.submit(0, budget=budget, priority=prio), budget)
-            except FerryError:
+            except BatchingError:
                 ends[prio]["refused"] += 1
         await r.clock.run_until_idle()
         await b.stop()

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from batcher import admission
 from batcher.cost import CostModel, LinearCost
-from batcher.errors import FerryError, QueueFull
+from batcher.errors import BatchingError, QueueFull
 from batcher.load import IDLE, Load
 from batcher.policy import (Dispatch, WaitUntil, adaptive, admit_adaptive, admit_deadline, admit_fixed, deadline,
                             fixed, prompt_group)
@@ -48,7 +48,7 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)
-        except FerryError:
+        except BatchingError:
             rejected += 1
             if check_admission:
                 assert budget is not None and infeasible, "rejected although the cost model said feasible"
@@ -236,7 +236,7 @@ def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
     assert admission.predicted_completion(q, item, 0.0, s, COST, IDLE) == pytest.approx(0.012)
     assert admission.predicted_completion(q, item, 0.0, s, COST, Load(floor=6)) == pytest.approx(0.022)
     admission.check(q, item, 0.0, s, COST, IDLE)
-    with pytest.raises(FerryError):
+    with pytest.raises(BatchingError):
         admission.check(q, item, 0.0, s, COST, Load(floor=6))
 
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from batcher.protocols import GenerationEngine
+from batcher.protocols import SteppingEngine
 from engine.fake import FakeGenerationEngine
 
 
 def test_the_fake_generation_engine_is_a_batcher_generation_engine():
-    assert isinstance(FakeGenerationEngine(), GenerationEngine)
-    assert not isinstance(object(), GenerationEngine)
+    assert isinstance(FakeGenerationEngine(), SteppingEngine)
+    assert not isinstance(object(), SteppingEngine)
 
 
 def test_batcher_package_imports_neither_the_engine_nor_the_server_layers():

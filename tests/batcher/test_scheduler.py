@@ -14,7 +14,7 @@ from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
 from batcher.types import GenRequest, Outcome
 from engine.base import SamplingParams, sequence_request
-from engine.fake import FakeGenerationEngine, SimulatedRunner
+from engine.fake import FakeGenerationEngine, SimulatedEngineThread
 
 from .conftest import run
 
@@ -25,7 +25,7 @@ class GenRig:
         self.clock = FakeClock()
         self.engine = FakeGenerationEngine(fail_prompts=fail_prompts)
         self.registry = CollectorRegistry()
-        self.sched = GenerationScheduler("g", self.engine, SimulatedRunner(self.clock, self.engine, 0.010, per_row),
+        self.sched = GenerationScheduler("g", self.engine, SimulatedEngineThread(self.clock, self.engine, 0.010, per_row),
                                          BatchingSettings(**settings), make_request=sequence_request, clock=self.clock,
                                          metrics=Metrics(self.registry))
 

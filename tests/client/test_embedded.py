@@ -157,7 +157,7 @@ def test_models_argument_reads_the_kind_of_a_local_model(tmp_path):
 
 
 def test_a_model_that_fails_to_load_raises_and_cleans_up():
-    from gateway.models import CHAT, ModelSpec
+    from gateway.model_loading import CHAT, ModelSpec
 
     def broken():
         raise RuntimeError("weights missing")

@@ -285,9 +285,9 @@ def test_tiny_chat_build_is_deterministic_and_cached(tiny_chat_dir, tmp_path, mo
 
 
 def test_the_engine_is_what_the_batcher_asks_for(engine):
-    from batcher.protocols import GenerationEngine
+    from batcher.protocols import SteppingEngine
 
-    assert isinstance(engine, GenerationEngine)
+    assert isinstance(engine, SteppingEngine)
 
 
 def test_engine_package_does_not_import_the_server_layers():

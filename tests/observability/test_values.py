@@ -20,7 +20,7 @@ from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
 from batcher.types import GenRequest, Priority
 from engine.base import SamplingParams, sequence_request
-from engine.fake import FakeGenerationEngine, SimulatedExecutor, SimulatedRunner
+from engine.fake import FakeGenerationEngine, SimulatedExecutor, SimulatedEngineThread
 
 
 class Reader:
@@ -126,7 +126,7 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
         engine = FakeGenerationEngine()
         settings = BatchingSettings(max_running=2, max_batch_size=4, max_wait_ms=0, default_budget_ms=None,
                                     on_infeasible="serve")
-        s = GenerationScheduler("g", engine, SimulatedRunner(clock, engine, 0.010, 0.0), settings,
+        s = GenerationScheduler("g", engine, SimulatedEngineThread(clock, engine, 0.010, 0.0), settings,
                                 make_request=sequence_request, clock=clock, metrics=Metrics(registry))
         await s.start()
 

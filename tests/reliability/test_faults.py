@@ -46,7 +46,7 @@ def test_a_hung_engine_call_times_out_and_the_engine_keeps_serving(fake_server_f
     hung, after = asyncio.run(_hung_then_normal(s.url))
     assert hung.status_code == 500 and "exceeded" in hung.json()["error"]["message"]
     assert after.status_code == 200  # served by a fresh worker thread while the old one is stuck
-    assert s.ferry.models[MODEL].runner.abandoned == 1
+    assert s.ferry.models[MODEL].engine_thread.abandoned == 1
 
 
 async def _hung_then_normal(url: str):

@@ -2,7 +2,7 @@
 
 One thread per engine: torch work is serialised (the engine needs no locks) and the loop
 pays one thread hop per batch, never per request. A call that outlives `timeout` fails
-with EngineTimeout and the runner moves to a fresh thread, so one hung call cannot stall
+with EngineTimeout and later calls go to a fresh thread, so one hung call cannot stall
 every later batch; the stuck thread is abandoned (Python cannot kill it) and its result,
 if it ever comes, is dropped.
 """
@@ -20,7 +20,7 @@ class EngineTimeout(TimeoutError):
     pass
 
 
-class ThreadRunner:
+class EngineThread:
     def __init__(self, name: str, timeout: float | None = None, initializer: Callable[[], None] | None = None,
                  replace_on_timeout: bool = True):
         """`replace_on_timeout=False` for engines with state (generation's running batch and

@@ -1,4 +1,4 @@
-"""The models a gateway serves: each an engine, its worker thread and its batcher."""
+"""Loads and starts the models a gateway serves: each an engine, its engine thread and its batcher."""
 from __future__ import annotations
 
 import asyncio
@@ -8,12 +8,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from batcher.core import QueueingBatcher
+from batcher.queueing import QueueingBatcher
 from batcher.cost import CostModel
 from batcher.metrics import Metrics
 from batcher.isolation import split_in_halves
 from batcher.microbatcher import MicroBatcher
-from batcher.runner import ThreadRunner
+from batcher.engine_thread import EngineThread
 
 from .config import ServerConfig
 
@@ -37,7 +37,7 @@ class ServedModel:
     kind: str
     engine: Any
     batcher: QueueingBatcher
-    runner: ThreadRunner
+    engine_thread: EngineThread
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -113,13 +113,13 @@ def _thread_setup(cfg: ServerConfig):
 async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> ServedModel:
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, spec.load)
-    runner = ThreadRunner(engine.name, timeout=cfg.engine_timeout, initializer=_thread_setup(cfg),
-                          replace_on_timeout=spec.kind == EMBEDDING)
+    engine_thread = EngineThread(engine.name, timeout=cfg.engine_timeout, initializer=_thread_setup(cfg),
+                                 replace_on_timeout=spec.kind == EMBEDDING)
     settings = cfg.batching_settings(**spec.settings)
     if spec.kind == EMBEDDING:
         cost = CostModel()
         if cfg.warmup and hasattr(engine, "warmup"):
-            cost.seed(await runner(engine.warmup))
+            cost.seed(await engine_thread(engine.warmup))
         from engine.device import is_oom
 
         def embed(payloads: list[Any]) -> list[Any]:
@@ -128,7 +128,7 @@ async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> S
             return split_in_halves(engine.embed, payloads, retry_if=is_oom)
 
         async def execute(payloads: list[Any]) -> list[Any]:
-            return await runner(embed, payloads)
+            return await engine_thread(embed, payloads)
 
         batcher: QueueingBatcher = MicroBatcher(engine.name, execute, settings, cost=cost,
                                                 metrics=metrics, phase="embed")
@@ -136,10 +136,10 @@ async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> S
         from batcher.scheduler import GenerationScheduler
         from engine.base import sequence_request
 
-        batcher = GenerationScheduler(engine.name, engine, runner, settings, make_request=sequence_request,
+        batcher = GenerationScheduler(engine.name, engine, engine_thread, settings, make_request=sequence_request,
                                       metrics=metrics)
         if cfg.warmup:
             await batcher.warmup()
     await batcher.start()
     log.info("serving %s model %s", spec.kind, engine.name)
-    return ServedModel(engine.name, spec.kind, engine, batcher, runner)
+    return ServedModel(engine.name, spec.kind, engine, batcher, engine_thread)

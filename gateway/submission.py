@@ -1,26 +1,18 @@
-"""Request plumbing shared by the routes: bounded body reading, parsing to pydantic
-models with OpenAI errors, scheduling fields, and waiting on work items while watching
-for the client to leave."""
+"""A request's work items: its scheduling fields (latency budget, priority) from body or
+headers, submitting them, waiting for them while watching for the client to leave,
+cancelling them, and the timing headers they report."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any, TypeVar
+from typing import Any
 
-import orjson
-from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from batcher.core import QueueingBatcher
-from batcher.errors import FerryError
+from batcher.errors import BatchingError
+from batcher.queueing import QueueingBatcher
 from batcher.types import Priority, WorkItem
 
 from .errors import APIError
-
-M = TypeVar("M", bound=BaseModel)
-
-# Error types raised by the request models' limit validators (gateway/schemas.py) that keep
-# their own error code.
-LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_strings"})
 
 BUDGET_HEADER = "x-ferry-latency-budget-ms"
 PRIORITY_HEADER = "x-ferry-priority"
@@ -28,55 +20,6 @@ PRIORITY_HEADER = "x-ferry-priority"
 
 class ClientGone(Exception):
     """The client disconnected; nobody is listening for an answer."""
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def parse(request: Request, model: type[M], limit: int) -> M:
-    raw = await read_body(request, limit)
-    try:
-        data = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "request body must be a JSON object", code="invalid_json")
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise validation_error(exc) from None
-
-
-def validation_error(exc: ValidationError) -> APIError:
-    # A union field reports one error per branch; the one that got deepest into the value
-    # names the real problem ("messages.0.role", not "messages.0: should be a list").
-    def where(e: dict) -> list[str]:
-        return [str(p) for p in e["loc"] if not _is_type_tag(p)]
-
-    err = max(exc.errors(), key=lambda e: len(where(e)))
-    loc = where(err)
-    param = ".".join(loc) or None
-    msg = err["msg"]
-    if err["type"] == "extra_forbidden":
-        msg = "unknown field"
-    code = err["type"] if err["type"] in LIMIT_CODES else "invalid_value"
-    return APIError(422, f"{param}: {msg}" if param else msg, code=code, param=param)
-
-
-def _is_type_tag(p: Any) -> bool:
-    """Pydantic names union branches in error locations ("str", "list[constrained-str]");
-    field names are identifiers, branch tags are not (or are bare type names)."""
-    return isinstance(p, str) and (not p.isidentifier() or p in {"str", "int", "float", "bool", "list", "dict", "none"})
 
 
 def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
@@ -101,8 +44,8 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
 def submit(batcher: QueueingBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
     try:
         return batcher.submit_many(payloads, **kw)
-    except FerryError as exc:
-        raise APIError.from_ferry(exc) from None
+    except BatchingError as exc:
+        raise APIError.from_batching(exc) from None
 
 
 async def wait_disconnect(request: Request) -> None:
@@ -131,9 +74,9 @@ async def wait_items(request: Request, batcher: QueueingBatcher, items: list[Wor
         raise ClientGone()
     try:
         return gathered.result()
-    except FerryError as exc:
+    except BatchingError as exc:
         cancel_all(batcher, items, by_client=False)  # one failed: its siblings' work is moot
-        raise APIError.from_ferry(exc) from None
+        raise APIError.from_batching(exc) from None
 
 
 def _consume(fut: asyncio.Future) -> None:

@@ -30,12 +30,12 @@ from typing import Any
 
 import orjson
 
-from batcher.errors import Cancelled, DeadlineExceeded, DeadlineInfeasible, FerryError, QueueFull, ShuttingDown
+from batcher.errors import BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, QueueFull, ShuttingDown
 from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
-from ..models import CHAT
-from ..responses import dumps, json_response
+from ..model_loading import CHAT
+from ..responses import json_bytes, json_response
 from . import store as st
 from .metrics import JobMetrics
 from .validate import MAX_REPORTED, BatchCreate, LineError, check_create, prepare, validate_file
@@ -118,7 +118,7 @@ class Share:
         self.changed.set()
 
 
-class JobRunner:
+class BatchJobWorker:
     def __init__(self, ferry: Any, *, in_flight: int = LINES_IN_FLIGHT):
         self.ferry = ferry
         self.store = st.Store(ferry.config.data_dir)
@@ -449,12 +449,12 @@ class JobRunner:
             return st.COMPLETED, self._record(job, row, rid, 200, work.response(results))
         if isinstance(exc, (Cancelled, ShuttingDown, DeadlineExceeded)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
-        err = APIError.from_ferry(exc) if isinstance(exc, FerryError) else APIError(500, f"{type(exc).__name__}: {exc}")
+        err = APIError.from_batching(exc) if isinstance(exc, BatchingError) else APIError(500, f"{type(exc).__name__}: {exc}")
         return st.FAILED, self._record(job, row, rid, err.status, error_body(err.status, err.message, err.code, err.param))
 
     @staticmethod
     def _record(job: Job, row: dict, rid: str, status: int, body: dict) -> str:
-        return dumps({"id": st.line_id(job.id, row["line"]), "custom_id": row["custom_id"],
+        return json_bytes({"id": st.line_id(job.id, row["line"]), "custom_id": row["custom_id"],
                       "response": {"status_code": status, "request_id": rid, "body": body}, "error": None}).decode()
 
     # -- group commit ------------------------------------------------------------------------------

@@ -1,0 +1,66 @@
+"""Reading a request body within its size limit and parsing it into a pydantic request
+model, with OpenAI-style errors (413 too large, 400 not JSON, 422 naming the field)."""
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from .errors import APIError
+
+M = TypeVar("M", bound=BaseModel)
+
+# Error types raised by the request models' limit validators (gateway/schemas.py) that keep
+# their own error code.
+LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_strings"})
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"request body exceeds the limit of {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse(request: Request, model: type[M], limit: int) -> M:
+    raw = await read_body(request, limit)
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "request body must be a JSON object", code="invalid_json")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    # A union field reports one error per branch; the one that got deepest into the value
+    # names the real problem ("messages.0.role", not "messages.0: should be a list").
+    def where(e: dict) -> list[str]:
+        return [str(p) for p in e["loc"] if not _is_type_tag(p)]
+
+    err = max(exc.errors(), key=lambda e: len(where(e)))
+    loc = where(err)
+    param = ".".join(loc) or None
+    msg = err["msg"]
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field"
+    code = err["type"] if err["type"] in LIMIT_CODES else "invalid_value"
+    return APIError(422, f"{param}: {msg}" if param else msg, code=code, param=param)
+
+
+def _is_type_tag(p: Any) -> bool:
+    """Pydantic names union branches in error locations ("str", "list[constrained-str]");
+    field names are identifiers, branch tags are not (or are bare type names)."""
+    return isinstance(p, str) and (not p.isidentifier() or p in {"str", "int", "float", "bool", "list", "dict", "none"})
