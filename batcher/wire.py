@@ -171,14 +171,14 @@ def decode_to_front_end(raw: bytes) -> ToFrontEnd:
 
 
 # -- errors cross as (code, message, retry_after) and come back as the same class ----------
-_ERRORS: dict[str, type[errors.FerryError]] = {
+_ERRORS: dict[str, type[errors.BatchingError]] = {
     cls.code: cls for cls in (errors.QueueFull, errors.DeadlineInfeasible, errors.RequestTooLarge,
                               errors.DeadlineExceeded, errors.Cancelled, errors.EngineError,
                               errors.ShuttingDown)
 }
 
 
-def error_of(code: str | None, message: str | None, retry_after: float | None = None) -> errors.FerryError:
+def error_of(code: str | None, message: str | None, retry_after: float | None = None) -> errors.BatchingError:
     """The batcher error a `Refused` or an erroneous `Result` stands for; an unknown code
     is an EngineError that keeps its message (a newer core may know more codes)."""
     cls = _ERRORS.get(code or "", errors.EngineError)
