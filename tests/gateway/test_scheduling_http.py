@@ -1,10 +1,10 @@
-"""Budgets, priorities, admission and live tuning over HTTP (fake engines)."""
+"""Budgets, priorities and admission as an HTTP client sees them (fake engines). Live
+tuning: routes/test_admin.py."""
 from __future__ import annotations
 
 import asyncio
 
 import httpx
-import pytest
 
 from batcher.cost import CostModel, LinearCost
 from engine.fake import FakeEmbeddingEngine
@@ -70,40 +70,6 @@ def test_deadline_passing_in_the_queue_gives_504(fake_server_factory):
     assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded"
     assert engine.calls == [1]  # the expired item never reached the engine
     assert s.ferry.metrics.registry.get_sample_value("ferry_expired_total", {"model": "fake-embed", "class": "interactive"}) == 1
-
-
-def test_admin_routes_are_off_without_a_token(fake_server_factory):
-    s = fake_server_factory()
-    assert httpx.get(s.url + "/admin/models/fake-embed/batching").status_code == 404
-
-
-@pytest.mark.parametrize("auth", [None, "Bearer wrong", "Basic admin-secret"])
-def test_admin_rejects_a_wrong_token(fake_server_factory, auth):
-    s = fake_server_factory(admin_token="admin-secret")
-    headers = {"Authorization": auth} if auth else {}
-    r = httpx.patch(s.url + "/admin/models/fake-embed/batching", json={"max_batch_size": 2}, headers=headers)
-    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
-    assert s.ferry.models["fake-embed"].batcher.settings.max_batch_size == 32
-
-
-def test_admin_get_and_patch_apply_live_and_show_in_metrics(fake_server_factory):
-    s = fake_server_factory(admin_token="admin-secret")
-    h = {"Authorization": "Bearer admin-secret"}
-    url = s.url + "/admin/models/fake-embed/batching"
-    assert httpx.get(url, headers=h).json()["max_batch_size"] == 32
-    r = httpx.patch(url, json={"max_batch_size": 4, "max_wait_ms": 1.5, "policy": "deadline"}, headers=h)
-    assert r.status_code == 200 and r.json()["max_batch_size"] == 4 and r.json()["policy"] == "deadline"
-    assert s.ferry.models["fake-embed"].batcher.settings.max_wait_ms == 1.5
-    bad = httpx.patch(url, json={"max_batch_size": 0}, headers=h)
-    assert bad.status_code == 422 and bad.json()["error"]["param"] == "max_batch_size"
-    bad = httpx.patch(url, json={"policy": "random"}, headers=h)
-    assert bad.status_code == 422 and bad.json()["error"]["param"] == "policy"
-    assert httpx.patch(s.url + "/admin/models/nope/batching", json={}, headers=h).status_code == 404
-    metrics = httpx.get(s.url + "/metrics").text
-    assert 'ferry_setting_max_batch_size{model="fake-embed"} 4.0' in metrics
-    assert 'ferry_config_changes_total{model="fake-embed"} 1.0' in metrics
-    r = httpx.post(s.url + "/v1/embeddings", json={"model": "fake-embed", "input": ["a"] * 10})
-    assert r.status_code == 200 and int(r.headers["X-Ferry-Batch-Size"]) <= 4
 
 
 async def _one_by_one_then_burst(url: str, path: str, body: dict, singles: int, burst: int) -> list[int]:
