@@ -9,6 +9,8 @@ import httpx
 from batcher.cost import CostModel, LinearCost
 from engine.fake import FakeEmbeddingEngine
 
+from ..waiting import async_wait_until
+
 EMB = {"model": "fake-embed", "input": "hello"}
 
 
@@ -33,8 +35,7 @@ def test_infeasible_budget_is_refused_at_once_with_retry_after(fake_server_facto
     async def scenario():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             busy = asyncio.create_task(c.post("/v1/embeddings", json=EMB))
-            while not engine.calls:
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: engine.calls, message="the first request to reach the engine")
             tight = await c.post("/v1/embeddings", json={**EMB, "latency_budget_ms": 50})
             return tight, await busy
 
@@ -61,8 +62,7 @@ def test_deadline_passing_in_the_queue_gives_504(fake_server_factory):
     async def scenario():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             busy = asyncio.create_task(c.post("/v1/embeddings", json=EMB))
-            while not engine.calls:
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: engine.calls, message="the first request to reach the engine")
             late = await c.post("/v1/embeddings", json={**EMB, "latency_budget_ms": 40})
             return late, await busy
 
