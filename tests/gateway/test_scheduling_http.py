@@ -28,9 +28,10 @@ def test_budget_and_priority_from_header_or_body(fake_server_factory):
 
 
 def test_infeasible_budget_is_refused_at_once_with_retry_after(fake_server_factory):
-    engine = FakeEmbeddingEngine(fixed=0.2)
+    batch_time = 0.2  # the engine's, which the cost model knows: a 50 ms budget cannot wait for it
+    engine = FakeEmbeddingEngine(fixed=batch_time)
     s = fake_server_factory(embed=engine, max_batch_size=1, max_wait_ms=0)
-    s.ferry.models["fake-embed"].batcher.cost = CostModel(LinearCost(0.2, 0.0, 0.0))
+    s.ferry.models["fake-embed"].batcher.cost = CostModel(LinearCost(batch_time, 0.0, 0.0))
 
     async def scenario():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:

@@ -4,6 +4,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from batcher.settings import BatchingSettings
+
+DEFAULT_SIZE = BatchingSettings().max_batch_size
 
 def test_admin_routes_are_off_without_a_token(fake_server_factory):
     s = fake_server_factory()
@@ -16,14 +19,14 @@ def test_admin_rejects_a_wrong_token(fake_server_factory, auth):
     headers = {"Authorization": auth} if auth else {}
     r = httpx.patch(s.url + "/admin/models/fake-embed/batching", json={"max_batch_size": 2}, headers=headers)
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_admin_token"
-    assert s.ferry.models["fake-embed"].batcher.settings.max_batch_size == 32
+    assert s.ferry.models["fake-embed"].batcher.settings.max_batch_size == DEFAULT_SIZE
 
 
 def test_admin_get_and_patch_apply_live_and_show_in_metrics(fake_server_factory):
     s = fake_server_factory(admin_token="admin-secret")
     h = {"Authorization": "Bearer admin-secret"}
     url = s.url + "/admin/models/fake-embed/batching"
-    assert httpx.get(url, headers=h).json()["max_batch_size"] == 32
+    assert httpx.get(url, headers=h).json()["max_batch_size"] == DEFAULT_SIZE
     r = httpx.patch(url, json={"max_batch_size": 4, "max_wait_ms": 1.5, "policy": "deadline"}, headers=h)
     assert r.status_code == 200 and r.json()["max_batch_size"] == 4 and r.json()["policy"] == "deadline"
     assert s.ferry.models["fake-embed"].batcher.settings.max_wait_ms == 1.5
