@@ -57,7 +57,8 @@ class LiveServer:
 
         wait_until(started, timeout=self.ready_timeout, message="uvicorn to start")
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        wait_until(ready, timeout=max(deadline - time.monotonic(), 0.0), interval=0.05, message="the gateway to be ready")
+        wait_until(ready, timeout=max(deadline - time.monotonic(), 0.0), interval=0.05,
+                   message="the gateway to be ready")
         return self
 
     def call(self, coro_fn, *args):
