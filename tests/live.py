@@ -10,6 +10,8 @@ from typing import Iterator
 import httpx
 import uvicorn
 
+from .waiting import wait_until
+
 
 class LiveServer:
     def __init__(self, app, ready_timeout: float = 120.0):
@@ -39,19 +41,25 @@ class LiveServer:
     def start(self) -> "LiveServer":
         self.thread.start()
         deadline = time.monotonic() + self.ready_timeout
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
+
+        def started() -> bool:
+            if not self.thread.is_alive():
                 raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        while time.monotonic() < deadline:
+            return self.server.started
+
+        def ready() -> bool:
             r = httpx.get(self.url + "/readyz")
             if r.status_code == 200:
-                return self
+                return True
             if r.json().get("status") == "failed":
                 raise RuntimeError(f"models failed to load: {r.json()}")
-            time.sleep(0.05)
-        raise RuntimeError("gateway not ready in time")
+            return False
+
+        wait_until(started, timeout=self.ready_timeout, message="uvicorn to start")
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        wait_until(ready, timeout=max(deadline - time.monotonic(), 0.0), interval=0.05,
+                   message="the gateway to be ready")
+        return self
 
     def call(self, coro_fn, *args):
         """Run a coroutine function on the server's loop (to poke at batchers safely)."""

@@ -4,35 +4,37 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batcher.cost import CostModel, LinearCost
+from batcher.cost import MAX_SLOWDOWN, CostModel, LinearCost
 
 
 def test_fits_fixed_plus_per_token_from_observed_batches():
+    fixed, per_token = 0.008, 0.0005  # what the observed batches really cost
     m = CostModel(LinearCost(0.05, 0.0, 0.0))
     rng = np.random.default_rng(0)
     for _ in range(64):
         n = int(rng.integers(1, 33))
         tokens = n * int(rng.integers(12, 20))
-        m.observe(n, tokens, 0.008 + 0.0005 * tokens)
-    assert m.params.fixed == pytest.approx(0.008, rel=1e-6)
-    assert m.params.per_token == pytest.approx(0.0005, rel=1e-6)
-    assert m.predict(16, 16 * 15) == pytest.approx(0.008 + 0.0005 * 240)
+        m.observe(n, tokens, fixed + per_token * tokens)
+    assert m.params.fixed == pytest.approx(fixed, rel=1e-6)
+    assert m.params.per_token == pytest.approx(per_token, rel=1e-6)
+    assert m.predict(16, 16 * 15) == pytest.approx(fixed + per_token * 16 * 15)
 
 
 def test_outliers_from_contention_do_not_distort_the_fit():
+    fixed, per_item = 0.010, 0.002  # what the observed batches cost when undisturbed
     m = CostModel()
     rng = np.random.default_rng(1)
     for k in range(128):
         n = int(rng.integers(1, 33))
         slow = 8.0 if k % 10 == 0 else 1.0  # one batch in ten hit by a busy neighbour
-        m.observe(n, 0, (0.010 + 0.002 * n) * slow)
-    assert m.params.fixed == pytest.approx(0.010, rel=0.05)
-    assert m.params.per_item == pytest.approx(0.002, rel=0.05)
+        m.observe(n, 0, (fixed + per_item * n) * slow)
+    assert m.params.fixed == pytest.approx(fixed, rel=0.05)
+    assert m.params.per_item == pytest.approx(per_item, rel=0.05)
 
 
 def test_relative_error_of_the_prior_prediction_is_reported():
     m = CostModel(LinearCost(0.010, 0.0, 0.0))
-    assert m.observe(4, 0, 0.020) == pytest.approx(0.5)
+    assert m.observe(4, 0, 0.020) == pytest.approx(0.5)  # predicted 10 ms, took 20: off by half the time taken
 
 
 def test_coefficients_stay_non_negative():
@@ -58,7 +60,7 @@ def test_slowdown_is_the_90th_percentile_of_observed_over_predicted_and_bounded(
     for _ in range(10):
         stalled.observe(1, 0, 0.100)
     stalled.refit()
-    assert stalled.slowdown == 1.5  # bounded
+    assert stalled.slowdown == MAX_SLOWDOWN  # bounded (1.5), though these ran 10x slower
 
 
 def test_a_warm_up_seed_fits_without_judging_the_prior():

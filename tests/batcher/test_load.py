@@ -1,9 +1,13 @@
-"""Admission and priority under load, as properties over random histories (fake clock,
-simulated engine whose cost the cost model knows exactly).
+"""Load estimation (batcher/load.py) and what it drives, on a fake clock with a simulated
+engine whose cost the cost model knows exactly (`cost(n) = FIXED + PER_ITEM * n`,
+tests/batcher/conftest.py).
 
-- After any history, idle spell or live settings change, a burst the engine can truly
-  serve within its budget is admitted in full and served on time; one that cannot is
-  refused at once, never admitted to expire.
+- The reserve (the longest batch while interactive requests arrive) and the keep-up floor
+  (the smallest batch that carries the load): what counts as load, and what does not.
+- The measured drain rate.
+- As properties over random histories: after any history, idle spell or live settings
+  change, a burst the engine can truly serve within its budget is admitted in full and
+  served on time; one that cannot is refused at once, never admitted to expire.
 - Interactive first: while interactive requests keep arriving, none is refused or expires,
   whatever batch-class load arrives beside them.
 """
@@ -11,22 +15,195 @@ from __future__ import annotations
 
 import math
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from batcher.errors import BatchingError
-from batcher.load import RESERVE_HORIZON
+from batcher.errors import BatchingError, QueueFull
+from batcher.load import (DRAIN_HORIZON, DRAIN_MIN_BATCHES, RATE_HORIZON, RESERVE_HORIZON, URGENT_BUDGET,
+                          LoadTracker)
+from batcher.queue import RequestQueue
+from batcher.settings import BatchingSettings
 from batcher.types import Outcome, Priority, WorkItem
 
-from .conftest import FIXED, PER_ITEM, Rig, exact_rig, run
+from .conftest import COST, Rig, cost, exact_rig, fits, run
 
-MARGIN = 0.010  # the default deadline_margin_ms
-
-
-def true_cost(n: int) -> float:
-    return FIXED + PER_ITEM * n
+MARGIN = BatchingSettings().margin  # the default deadline_margin_ms
 
 
+def keeps_up(n: int, rate: float) -> bool:
+    """A batch of n items carries `rate` items/s: it takes no longer than n arrivals do."""
+    return n >= rate * cost(n)
+
+
+# -- LoadTracker on its own ---------------------------------------------------------------
+def test_offered_rate_counts_urgent_offers_over_the_last_rate_horizon():
+    t = LoadTracker()
+    t.offered(0.0, 3, 0.1, Priority.INTERACTIVE)
+    t.offered(0.5, 2, 1.0, Priority.BATCH)
+    t.offered(0.5, 5, 2 * URGENT_BUDGET, Priority.BATCH)  # background work is not load
+    t.offered(0.5, 5, None, Priority.INTERACTIVE)  # nor is work without a deadline
+    assert t.offered_rate(0.9) == (3 + 2) / RATE_HORIZON
+    assert t.offered_rate(0.9, Priority.INTERACTIVE) == 3 / RATE_HORIZON
+    assert t.offered_rate(0.9, Priority.BATCH) == 2 / RATE_HORIZON
+    assert t.offered_rate(0.0 + RATE_HORIZON + 0.1) == 2 / RATE_HORIZON  # the first three left the window
+
+
+def test_the_reserve_holds_while_interactive_requests_arrive_and_lapses_after_reserve_horizon():
+    t = LoadTracker()
+    s = BatchingSettings(deadline_margin_ms=5)
+    assert t.reserve(0.0, s, COST, keep_up=cost(1)) is None  # no interactive traffic: nothing to protect
+    t.offered(0.0, 1, 0.100, Priority.INTERACTIVE)
+    t.offered(0.1, 1, 0.050, Priority.INTERACTIVE)
+    # The tightest budget seen, less a margin for the running batch and one for its own,
+    # less its own batch (one item, which here also keeps up).
+    assert t.reserve(0.1, s, COST, keep_up=cost(1)) == pytest.approx(0.050 - 2 * s.margin - cost(1))
+    assert t.interactive_rate(0.1) > 0
+    later = 0.1 + RESERVE_HORIZON + 0.1
+    assert t.reserve(later, s, COST, keep_up=cost(1)) is None and t.interactive_rate(later) == 0
+
+
+def test_typical_tokens_follow_the_admitted_costs():
+    t = LoadTracker()
+    assert t.typical_tokens == 1
+    for _ in range(200):
+        t.admitted([40])
+    assert t.typical_tokens == 40
+
+
+def test_with_interactive_first_only_interactive_load_sets_the_floor():
+    t = LoadTracker()
+    t.offered(0.0, 1, 0.05, Priority.INTERACTIVE)
+    t.offered(0.0, 200, 0.9, Priority.BATCH)
+    q = RequestQueue()
+    assert t.floor(0.0, q, BatchingSettings(interactive_first=True), COST) == (1, pytest.approx(cost(1)))
+    assert keeps_up(4, 201) and not keeps_up(3, 201)
+    assert t.floor(0.0, q, BatchingSettings(interactive_first=False), COST) == (4, pytest.approx(cost(4)))
+
+
+# -- the reserve and the keep-up floor, through a micro-batcher's snapshot --------------------
+# Total throughput first (interactive_first=False): every urgent item sizes batches. A 50 ms
+# interactive budget, a 5 ms margin.
+BUDGET, RESERVE_MARGIN_MS = 0.050, 5
+RESERVE_MARGIN = RESERVE_MARGIN_MS / 1000
+
+
+def throughput_first_rig(**kw) -> Rig:
+    kw = {"policy": "adaptive", "max_batch_size": 32, "max_queue": 10_000, "deadline_margin_ms": RESERVE_MARGIN_MS,
+          "interactive_first": False, **kw}
+    return exact_rig(**kw)
+
+
+def test_reserve_never_caps_batches_below_what_keeps_up_with_offered_load_and_backlog():
+    """The 50 ms interactive budget must cover the batch running when an interactive
+    request arrives, then that request's own batch (at least cost(1) = 12 ms alone, and at
+    least the smallest batch that keeps up), with the margin on each. At 50 arrivals/s:
+    batches of at most 50 - 12 - 10 = 28 ms. At 200/s the keep-up batch is 4 items
+    (18 ms): at most 22 ms. At 400/s batches that small would grow the queue without bound,
+    so the reserve rises to the smallest batch that keeps up (21 items, 52 ms). A backlog
+    due within a second counts as load to drain in it; beyond what any batch can carry the
+    reserve stops binding. (The interactive request itself is queued and due within the
+    second: one more item/s of load.)"""
+
+    async def reserve_at(offered: int, keep_queued: bool = False) -> float:
+        r = throughput_first_rig()
+        b = r.batcher
+        b.submit(0, budget=BUDGET, priority=Priority.INTERACTIVE)
+        for i in range(offered - 1):  # one second of arrivals, all at t=0
+            item = b.submit(i + 1, budget=0.9, priority=Priority.BATCH)
+            if not keep_queued:
+                b.cancel(item)  # offered and gone: only the arrival rate remains
+                item.future.exception()
+        return b.load(r.clock.now()).reserve
+
+    usable = BUDGET - 2 * RESERVE_MARGIN
+    assert keeps_up(1, 50 + 1)
+    assert run(reserve_at(50)) == pytest.approx(usable - cost(1))
+    assert keeps_up(21, 400 + 1) and not keeps_up(20, 400 + 1)
+    assert run(reserve_at(400)) == pytest.approx(cost(21))
+    # 200/s is carried by 4-item batches; 200 more queued to drain need 20-item batches.
+    assert keeps_up(4, 200 + 1) and not keeps_up(3, 200 + 1)
+    assert run(reserve_at(200)) == pytest.approx(usable - cost(4))
+    assert keeps_up(20, 200 + 200) and not keeps_up(19, 200 + 200)
+    assert run(reserve_at(200, keep_queued=True)) == pytest.approx(cost(20))
+    assert not keeps_up(32, 2000 + 1)  # no batch keeps up: the largest
+    assert run(reserve_at(2000)) == pytest.approx(cost(32))
+
+
+def test_background_work_does_not_size_batches_until_it_is_due():
+    """A batch job fills spare capacity: 400 items with an hour's budget, arrived and queued,
+    leave the reserve where interactive traffic alone puts it (28 ms, 9 items). Its items
+    retried after a refusal (count_rejection=False) do not count either. Urgent work that
+    is queued and due within a second does count (total throughput first:
+    interactive_first=False; interactive first, only interactive work sizes batches)."""
+
+    async def scenario() -> tuple[float, float, float]:
+        r = throughput_first_rig()
+        b = r.batcher
+        b.submit(0, budget=BUDGET, priority=Priority.INTERACTIVE)
+        b.submit_many(list(range(400)), budget=3600.0, priority=Priority.BATCH, count_rejection=False)
+        background = b.load(r.clock.now()).reserve
+        r.batcher.update(max_queue=401)
+        for _ in range(50):
+            with pytest.raises(QueueFull):
+                b.submit(0, budget=0.5, priority=Priority.BATCH, count_rejection=False)
+        retried = b.load(r.clock.now()).reserve
+        b.update(max_queue=10_000)
+        b.submit_many(list(range(200)), budget=0.95, priority=Priority.BATCH)
+        return background, retried, b.load(r.clock.now()).reserve
+
+    background, retried, urgent = run(scenario())
+    # What the interactive request alone leaves: the budget less both margins and its own
+    # batch, cost(1) (the batch that keeps up with it is one item).
+    interactive_alone = BUDGET - 2 * RESERVE_MARGIN - cost(1)  # 28 ms
+    assert fits(interactive_alone) == 9
+    assert background == pytest.approx(interactive_alone)
+    assert retried == pytest.approx(interactive_alone)
+    # 201 urgent offered (with the interactive one) and 201 due within the second:
+    # 402 items/s need 21-item batches.
+    assert keeps_up(21, 402) and not keeps_up(20, 402)
+    assert urgent == pytest.approx(cost(21))
+
+
+def test_refused_requests_count_as_offered_load():
+    """Under overload admission refuses what small batches cannot carry; sizing batches by
+    the admitted rate alone would keep them small. 400 offered with 10 admitted: the
+    reserve is what 410 items/s need (23 items, 56 ms)."""
+
+    async def scenario() -> float:
+        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10, interactive_first=False)
+        b = r.batcher
+        b.submit(0, budget=BUDGET, priority=Priority.INTERACTIVE)
+        refused = 0
+        for i in range(399):
+            try:
+                b.submit(i + 1, budget=0.9, priority=Priority.BATCH)
+            except QueueFull:
+                refused += 1
+        assert refused == 390
+        return b.load(r.clock.now()).reserve
+
+    assert keeps_up(23, 410) and not keeps_up(22, 410)
+    assert run(scenario()) == pytest.approx(cost(23))
+
+
+# -- the measured drain rate ---------------------------------------------------------------
+def test_drain_rate_counts_only_recent_backlogged_batches_and_forgets_on_settings_change():
+    t = LoadTracker()
+    for k in range(DRAIN_MIN_BATCHES - 1):
+        t.served(1.0 + k * 0.1, 4, 0.05, backlogged=True)
+    t.served(1.3, 32, 0.05, backlogged=False)  # arrivals, not the policies, sized it
+    assert t.drain_rate(1.4) is None  # too few backlogged batches to say
+    t.served(1.4, 4, 0.05, backlogged=True)
+    assert math.isclose(t.drain_rate(1.4), 4 / 0.05)
+    assert t.drain_rate(1.4 + DRAIN_HORIZON + 0.2) is None  # a quiet spell ends the measurement
+    for k in range(DRAIN_MIN_BATCHES):
+        t.served(10.0 + k * 0.1, 4, 0.05, backlogged=True)
+    t.forget_drain()
+    assert t.drain_rate(10.5) is None
+
+
+# -- after any history: bursts ------------------------------------------------------------
 history = st.lists(
     st.tuples(
         st.floats(0, 3.0),  # gap before this arrival
@@ -81,13 +258,13 @@ def test_a_burst_the_engine_can_serve_is_admitted_in_full_after_any_history(past
     whatever batch sizes the policy picks (at least one item), it is done by then."""
     r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=10_000, default_budget_ms=None)
     n = 4 * (new_size or size)
-    budget = n * true_cost(1) * slack + 2 * MARGIN
+    budget = n * cost(1) * slack + 2 * MARGIN
     start, items, refused, finished, expired = run(burst_after(r, past, idle, new_size, n, budget))
     assert refused == 0, "a burst that the engine serves within its budget was refused"
     assert len(finished) == n and not expired
     for t, payloads in r.engine.runs:
         if t >= start:
-            assert t + true_cost(len(payloads)) <= start + budget
+            assert t + cost(len(payloads)) <= start + budget
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -98,7 +275,7 @@ def test_a_burst_the_engine_cannot_serve_is_refused_at_once_not_left_to_expire(p
     batches back to back): some items must be refused, and every admitted one is on time."""
     r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=10_000, default_budget_ms=None)
     n = 4 * size
-    fastest = math.ceil(n / size) * true_cost(size)
+    fastest = math.ceil(n / size) * cost(size)
     budget = fastest * fraction
     start, items, refused, finished, expired = run(burst_after(r, past, idle, None, n, budget))
     assert refused >= 1 and refused + len(items) == n
@@ -106,6 +283,7 @@ def test_a_burst_the_engine_cannot_serve_is_refused_at_once_not_left_to_expire(p
     assert len(finished) == len(items)
 
 
+# -- interactive first ------------------------------------------------------------------
 interactive_gaps = st.lists(st.floats(0.02, 0.5), min_size=5, max_size=40)
 batch_waves = st.lists(st.tuples(st.floats(0.0, 0.3), st.integers(1, 60)), min_size=1, max_size=30)
 
@@ -164,10 +342,10 @@ def test_interactive_first_no_interactive_request_is_refused_or_late_whatever_ba
     done_at = {}
     for t, payloads in r.engine.runs:
         for p in payloads:
-            done_at.setdefault(p, []).append(t + true_cost(len(payloads)))
+            done_at.setdefault(p, []).append(t + cost(len(payloads)))
     for item in interactive:
         assert item.outcome is Outcome.RESULT, f"interactive item ended {item.outcome.name}"
-        finished = item.dispatched_at + true_cost(item.batch_size)
+        finished = item.dispatched_at + cost(item.batch_size)
         assert finished <= item.deadline + 1e-9
     for item in batch_items:
         assert item.finished  # served, or expired by its own budget; exactly once
@@ -179,73 +357,30 @@ def test_total_throughput_first_lets_batch_class_load_size_batches():
     sizes batches past what an interactive budget allows (and interactive requests are
     refused at once when that leaves them no room); on, batches stay within the reserve."""
 
+    budget, tick = 0.060, 0.025
+
     async def largest_batch(first: bool) -> int:
         r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, default_budget_ms=None,
                       interactive_first=first)
         b = r.batcher
         await b.start()
-        for k in range(40):  # 400 batch-class items/s, 1 s budget, an interactive one each 100 ms
+        for k in range(40):  # one second: an interactive request and 10 batch-class items (1 s budget) a tick
             try:
-                b.submit("i", budget=0.06)
+                b.submit("i", budget=budget)
             except BatchingError:
                 pass  # throughput first: no room left for it, refused at once
             for _ in range(10):
                 b.submit("b", budget=1.0, priority=Priority.BATCH)
-            await r.clock.advance(0.025)
+            await r.clock.advance(tick)
         await r.clock.run_until_idle()
         await b.stop()
         return max(len(p) for _, p in r.engine.runs)
 
     # 60 ms budget: (60 - 2 * 10) ms usable - 12 ms alone = 28 ms = 9 items at most.
-    assert run(largest_batch(True)) <= 9
-    assert run(largest_batch(False)) > 9
-
-
-# -- the measured drain rate ---------------------------------------------------------------
-def test_drain_rate_counts_only_recent_backlogged_batches_and_forgets_on_settings_change():
-    from batcher.load import DRAIN_HORIZON, DRAIN_MIN_BATCHES, LoadTracker
-
-    t = LoadTracker()
-    for k in range(DRAIN_MIN_BATCHES - 1):
-        t.served(1.0 + k * 0.1, 4, 0.05, backlogged=True)
-    t.served(1.3, 32, 0.05, backlogged=False)  # arrivals, not the policies, sized it
-    assert t.drain_rate(1.4) is None  # too few backlogged batches to say
-    t.served(1.4, 4, 0.05, backlogged=True)
-    assert math.isclose(t.drain_rate(1.4), 4 / 0.05)
-    assert t.drain_rate(1.4 + DRAIN_HORIZON + 0.2) is None  # a quiet spell ends the measurement
-    for k in range(DRAIN_MIN_BATCHES):
-        t.served(10.0 + k * 0.1, 4, 0.05, backlogged=True)
-    t.forget_drain()
-    assert t.drain_rate(10.5) is None
-
-
-def test_a_drain_slower_than_the_cost_model_refuses_what_it_cannot_carry():
-    """The cost model says 32 items take 74 ms, but the batches the policies really formed
-    under load drained 50 items/s: the 100th batch-class item in line, with a 1 s budget,
-    cannot make it, and is refused now rather than admitted to expire."""
-    from batcher import admission
-    from batcher.errors import DeadlineInfeasible
-    from batcher.load import Load
-
-    r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000)
-    b = r.batcher
-    now = r.clock.now()
-
-    async def go():
-        items = [b.submit(i, budget=0.9, priority=Priority.BATCH) for i in range(99)]  # ahead (EDF)
-        last = WorkItem(payload="x", arrival=now, deadline=now + 1.0, priority=Priority.BATCH)
-        measured = Load(busy_until=now, drain_rate=50.0)
-        assert admission.check(b.queue, last, now, b.settings, b.cost, Load(busy_until=now)) is False
-        try:
-            admission.check(b.queue, last, now, b.settings, b.cost, measured)
-        except DeadlineInfeasible:
-            pass
-        else:
-            raise AssertionError("admitted work the measured drain cannot carry")
-        for item in items:
-            b.cancel(item)
-
-    run(go())
+    most = fits(budget - 2 * MARGIN - cost(1))
+    assert most == 9
+    assert run(largest_batch(True)) <= most
+    assert run(largest_batch(False)) > most
 
 
 def poisson_mix(r: Rig, rate: float, interactive_share: float, seconds: float, seed: int):
@@ -293,7 +428,7 @@ def test_interactive_first_under_mixed_overload_keeps_interactive_on_time_and_th
     in time stays most of what the engine can do."""
     r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, default_budget_ms=None)
     assert r.batcher.settings.interactive_first  # the default
-    capacity = 32 / true_cost(32)
+    capacity = 32 / cost(32)
     ends = poisson_mix(r, 1.5 * capacity, 0.3, seconds=8.0, seed=3)
     inter, batch = ends[Priority.INTERACTIVE], ends[Priority.BATCH]
     assert inter["on_time"] >= 0.99 * sum(inter.values())

@@ -18,6 +18,8 @@ from engine.fake import FakeGenerationEngine, SimulatedEngineThread
 
 from .conftest import run
 
+STEP = 0.010  # what one engine iteration (a prefill or a decode step) costs, plus `per_row` per running row
+
 
 class GenRig:
     def __init__(self, fail_prompts=None, per_row=0.0, **settings):
@@ -25,9 +27,14 @@ class GenRig:
         self.clock = FakeClock()
         self.engine = FakeGenerationEngine(fail_prompts=fail_prompts)
         self.registry = CollectorRegistry()
-        self.sched = GenerationScheduler("g", self.engine, SimulatedEngineThread(self.clock, self.engine, 0.010, per_row),
+        self.per_row = per_row
+        self.sched = GenerationScheduler("g", self.engine, SimulatedEngineThread(self.clock, self.engine, STEP, per_row),
                                          BatchingSettings(**settings), make_request=sequence_request, clock=self.clock,
                                          metrics=Metrics(self.registry))
+
+    def seed_decode_cost(self) -> None:
+        """Let the decode cost model know the simulated steps, as a warm-up profile would."""
+        self.sched.decode_cost._fit = LinearCost(STEP, self.per_row, 0.0)
 
     def submit(self, max_tokens: int, first_token: int = 1, **kw):
         payload = GenRequest([first_token, 2, 3], SamplingParams(max_tokens=max_tokens, temperature=0.0))
@@ -157,9 +164,9 @@ def test_prefill_failure_is_isolated_to_the_failing_prompt():
 
 def test_max_itl_limits_running_sequences():
     async def scenario():
-        # Decode costs 10 ms + 2 ms per running row: 5 rows reach the 20 ms target.
+        # Decode costs STEP + 2 ms per running row: 5 rows reach the 20 ms target.
         r = GenRig(max_running=16, max_batch_size=16, max_itl_ms=20, per_row=0.002)
-        r.sched.decode_cost._fit = LinearCost(0.010, 0.002, 0.0)  # as a warm-up profile would seed it
+        r.seed_decode_cost()
         await r.sched.start()
         items = [r.submit(30) for _ in range(8)]
         await r.clock.advance(0.001)
@@ -177,12 +184,12 @@ def test_admission_refuses_at_once_when_no_slot_can_free_in_time():
         from batcher.errors import DeadlineInfeasible
 
         r = GenRig(max_running=2, max_batch_size=2, max_wait_ms=0)
-        r.sched.decode_cost._fit = LinearCost(0.010, 0.0, 0.0)
+        r.seed_decode_cost()
         await r.sched.start()
         r.submit(100), r.submit(100)
         await r.clock.advance(0.001)
         assert r.sched.running == 2
-        # Both slots are busy for ~99 more 10 ms steps: a 200 ms TTFT budget cannot be met.
+        # Both slots are busy for ~99 more steps of STEP: a 200 ms TTFT budget cannot be met.
         with pytest.raises(DeadlineInfeasible):
             r.submit(3, budget=0.2)
         late_ok = r.submit(3, budget=5.0)
@@ -230,7 +237,7 @@ def test_a_chat_burst_after_a_quiet_spell_is_admitted_in_full():
 
     async def scenario():
         r = GenRig(max_running=64, max_batch_size=32, max_wait_ms=5, default_budget_ms=10_000, per_row=0.0002)
-        r.sched.decode_cost._fit = LinearCost(0.010, 0.0002, 0.0)  # as a warm-up profile would seed it
+        r.seed_decode_cost()
         await r.sched.start()
         for _ in range(3):
             one = r.submit(32)
@@ -255,7 +262,7 @@ def test_chat_batch_class_prompts_leave_slots_to_interactive_ones():
         from batcher.types import Priority
 
         r = GenRig(max_running=8, max_batch_size=8, max_wait_ms=0, default_budget_ms=None, interactive_first=True)
-        r.sched.decode_cost._fit = LinearCost(0.010, 0.0, 0.0)
+        r.seed_decode_cost()
         await r.sched.start()
         first = r.submit(50, budget=5.0)  # interactive: from now on interactive work is arriving
         jobs = [r.submit(50, budget=60.0, priority=Priority.BATCH) for _ in range(20)]
@@ -263,7 +270,8 @@ def test_chat_batch_class_prompts_leave_slots_to_interactive_ones():
         assert r.sched.running < 8  # batch-class work left slots free
         late = r.submit(5, budget=0.1)
         await r.clock.advance(0.05)
-        assert late.dispatched_at is not None and late.dispatched_at <= late.arrival + 0.02
+        # Within two iterations: the step running when it arrived, and the next.
+        assert late.dispatched_at is not None and late.dispatched_at <= late.arrival + 2 * STEP
         await r.clock.run_until_idle()
         assert first.future.result().completion_tokens == 50 and late.future.result().completion_tokens == 5
         assert all(j.finished for j in jobs)

@@ -21,7 +21,7 @@ def test_defaults():
     s = BatchingSettings()
     assert (s.max_batch_size, s.max_wait_ms, s.max_queue, s.policy) == (32, 5.0, 1024, "adaptive")
     assert (s.default_budget_ms, s.deadline_margin_ms, s.aging_ms, s.on_infeasible) == (10_000.0, 10.0, 2_000.0, "reject")
-    assert s.interactive_first is True
+    assert s.interactive_first is True  # on by default since admission counts on the measured drain
     assert (s.budget_scope, s.max_itl_ms, s.max_running, s.prefill_token_budget, s.mode) == ("ttft", None, 64, 2048, "continuous")
     assert (s.max_wait, s.margin) == (0.005, 0.010)
     assert list(s.to_dict()) == list(KNOBS)

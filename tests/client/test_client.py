@@ -1,8 +1,6 @@
 """ferry_client against a real gateway on 127.0.0.1 (fake engines: fast and deterministic)."""
 from __future__ import annotations
 
-import time
-
 import asyncio
 import socket
 import threading
@@ -14,6 +12,8 @@ from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine, fake_vector
 from ferry_client import (APIConnectionError, AsyncFerryClient, AuthenticationError, ChatResponse, CompletionResponse,
                           FerryClient, FerryError, NotFound, PayloadTooLarge, RateLimited, ServerError, StreamEvent,
                           UnprocessableEntity, agather_stream, gather_stream)
+
+from ..waiting import wait_until
 
 CHAT = "fake-chat"
 EMBED = "fake-embed"
@@ -31,12 +31,8 @@ def requests_total(server, route: str, model: str, status: str = "200") -> float
     """A stream is counted when the server's generator finishes, just after the client has
     read [DONE]; give the server loop a moment (bounded) to get there."""
     labels = {"route": route, "model": model, "status": status}
-    for _ in range(100):
-        value = server.ferry.metrics.registry.get_sample_value("ferry_requests_total", labels)
-        if value:
-            return value
-        time.sleep(0.01)
-    return 0.0
+    return wait_until(lambda: server.ferry.metrics.registry.get_sample_value("ferry_requests_total", labels),
+                      timeout=1.0, interval=0.01, message=f"ferry_requests_total{labels} to count the request")
 
 
 @pytest.fixture
@@ -215,15 +211,6 @@ class GatedEmbeddings(FakeEmbeddingEngine):
         return super().embed(batch)
 
 
-def wait_for(predicate, what: str) -> None:
-    event = threading.Event()
-    for _ in range(1000):
-        if predicate():
-            return
-        event.wait(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_retry_honours_retry_after_of_a_full_queue(fake_server_factory):
     engine = GatedEmbeddings()
     s = fake_server_factory(embed=engine, max_queue=1, max_batch_size=1, max_wait_ms=0)
@@ -240,7 +227,7 @@ def test_retry_honours_retry_after_of_a_full_queue(fake_server_factory):
         running.start()
         assert engine.entered.wait(10)
         queued.start()
-        wait_for(lambda: len(batcher.queue) == 1, "the second request to be queued")
+        wait_until(lambda: len(batcher.queue) == 1, timeout=10, interval=0.01, message="the second request to be queued")
 
         # The queue is full: without retries, a typed 429 with Retry-After.
         with FerryClient(s.url) as c:
@@ -331,5 +318,6 @@ def test_closing_a_stream_early_cancels_the_rest(fake_server_factory):
         with c.chat(CHAT, [CONV_A, CONV_B], max_tokens=400, stream=True) as stream:
             first = next(iter(stream))
             assert first.prompt_index in (0, 1)
-        wait_for(lambda: engine.running == 0, "the server to cancel the abandoned sequences")
+        wait_until(lambda: engine.running == 0, timeout=10, interval=0.01,
+                   message="the server to cancel the abandoned sequences")
         assert c.chat(CHAT, CONV_A, max_tokens=1).text == words(1)

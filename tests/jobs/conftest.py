@@ -1,12 +1,13 @@
 """Helpers for the batch-job tests: upload a JSONL file, create a batch, poll it."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import httpx
 import orjson
 import pytest
+
+from ..waiting import wait_until
 
 
 def jsonl(lines: list[Any]) -> bytes:
@@ -52,14 +53,14 @@ class Api:
     def wait(self, batch_id: str, until: Any = ("completed", "cancelled", "expired", "failed"), timeout: float = 30.0) -> dict:
         """Poll until `until(batch)` (a callable) or the status is one of `until`."""
         check = until if callable(until) else (lambda b: b["status"] in until)
-        deadline = time.monotonic() + timeout
-        while True:
-            b = self.get(batch_id)
-            if check(b):
-                return b
-            if time.monotonic() > deadline:
-                raise AssertionError(f"batch did not get there in time: {b}")
-            time.sleep(0.02)
+        last: dict = {}
+
+        def arrived() -> dict | None:
+            nonlocal last
+            last = self.get(batch_id)
+            return last if check(last) else None
+
+        return wait_until(arrived, timeout=timeout, message=lambda: f"batch {batch_id} to get there; last seen: {last}")
 
     def content(self, file_id: str | None) -> list[dict]:
         if file_id is None:

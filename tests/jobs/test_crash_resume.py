@@ -10,12 +10,12 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import httpx
 
+from ..waiting import wait_until
 from .conftest import Api, chat_line, embed_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,17 +34,20 @@ def serve(data: Path, log: Path, port: int) -> subprocess.Popen:
            "--max-batch-size", "2", "--max-running", "2"]
     with open(log.with_suffix(".stderr"), "wb") as err:  # a file, not a pipe: a full pipe would block the server
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
+
+    def ready() -> bool:
         assert proc.poll() is None, log.with_suffix(".stderr").read_text()
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200:
-                return proc
+            return httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError("ferry serve did not become ready")
+            return False
+
+    try:
+        wait_until(ready, timeout=60, interval=0.05, message="ferry serve to become ready")
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc
 
 
 def computed(log: Path) -> Counter:

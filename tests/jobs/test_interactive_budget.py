@@ -23,6 +23,11 @@ from gateway.jobs.worker import LINES_IN_FLIGHT
 
 BUDGET = 0.150  # interactive latency budget, seconds
 WINDOW = 24 * 3600.0  # the job's completion window
+FIXED, PER_ITEM, SIZE = 0.010, 0.002, 16  # the simulated engine, and the batch size
+
+
+def batch_time(n: int) -> float:
+    return FIXED + PER_ITEM * n
 
 
 def test_batch_job_fills_capacity_while_interactive_budgets_hold():
@@ -30,8 +35,8 @@ def test_batch_job_fills_capacity_while_interactive_budgets_hold():
         clock = FakeClock()
         registry = CollectorRegistry()
         metrics = Metrics(registry)
-        engine = SimulatedExecutor(clock, fixed=0.010, per_item=0.002)  # a full batch of 16: 42 ms
-        settings = BatchingSettings(max_batch_size=16, max_wait_ms=5.0, default_budget_ms=None)
+        engine = SimulatedExecutor(clock, fixed=FIXED, per_item=PER_ITEM)  # a full batch: batch_time(SIZE) = 42 ms
+        settings = BatchingSettings(max_batch_size=SIZE, max_wait_ms=5.0, default_budget_ms=None)
         b = MicroBatcher("m", engine, settings, clock=clock, metrics=metrics)
         await b.start()
 
@@ -83,6 +88,6 @@ def test_batch_job_fills_capacity_while_interactive_budgets_hold():
     # and the engine was never idle for want of work.
     done = sum(1 for i in job_items if i.outcome is Outcome.RESULT)
     assert done > 600
-    assert all(len(p) == 16 for _, p in engine.runs[1:])  # the first left at once, alone: the engine was idle
+    assert all(len(p) == SIZE for _, p in engine.runs[1:])  # the first left at once, alone: the engine was idle
     starts = [t for t, _ in engine.runs]
-    assert all(b_ - a <= 0.010 + 0.002 * 16 + 1e-9 for a, b_ in zip(starts, starts[1:]))
+    assert all(b_ - a <= batch_time(SIZE) + 1e-9 for a, b_ in zip(starts, starts[1:]))

@@ -26,7 +26,6 @@ import shutil
 import socket
 import subprocess
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import yaml
 
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
 
+from ..waiting import wait_until
 from .artifacts import (ALERTS, PROMETHEUS_CONFIG, alert_queries, annotation_queries, every_query, load_alerts,
                         load_dashboard, sides_to_evaluate, substitute, variable_queries)
 
@@ -76,17 +76,6 @@ class GatedChat(FakeGenerationEngine):
             self.blocked.set()
             self.gate.wait(60)
         return super().step()
-
-
-def wait_until(cond, what: str, timeout: float = 30.0, interval: float = 0.02):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(interval)
 
 
 def free_port() -> int:
@@ -172,17 +161,17 @@ def drive_embeddings(s, c: httpx.Client, engine: GatedEmbeddings) -> None:
     engine.gate.clear()
     with ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(c.post, url, json={"model": "fake-embed", "input": "blocker"})
-        wait_until(engine.blocked.is_set, "the embeddings engine to hold a batch")
+        wait_until(engine.blocked.is_set, message="the embeddings engine to hold a batch")
         # The engine is busy: a 1 ms budget is admitted best-effort (on_infeasible=serve)
         # and expires in the queue.
         r = c.post(url, json={"model": "fake-embed", "input": "hurry", "latency_budget_ms": 1})
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
         sock = abandoned_request(s.port, "/v1/embeddings", {"model": "fake-embed", "input": "leaving"})
-        wait_until(lambda: len(queue) == 1, "the abandoned embeddings request to queue")
+        wait_until(lambda: len(queue) == 1, message="the abandoned embeddings request to queue")
         r = c.post(url, json={"model": "fake-embed", "input": list("abcd")})  # 1 queued + 4 > max_queue 4
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         hang_up(sock)
-        wait_until(lambda: cancelled(s, "fake-embed") == 1, "the queued embeddings item to be cancelled")
+        wait_until(lambda: cancelled(s, "fake-embed") == 1, message="the queued embeddings item to be cancelled")
         engine.gate.set()
         assert blocker.result(30).status_code == 200
 
@@ -201,15 +190,15 @@ def drive_chat(s, c: httpx.Client, engine: GatedChat) -> None:
     engine.gate.clear()
     with ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(c.post, url, json={"model": "fake-chat", "messages": conv, "max_tokens": 3})
-        wait_until(engine.blocked.is_set, "the chat engine to hold a decode step")
+        wait_until(engine.blocked.is_set, message="the chat engine to hold a decode step")
         hurry = pool.submit(c.post, url, json={"model": "fake-chat", "messages": conv, "latency_budget_ms": 1})
-        wait_until(lambda: len(queue) == 1, "the 1 ms chat request to queue")
+        wait_until(lambda: len(queue) == 1, message="the 1 ms chat request to queue")
         sock = abandoned_request(s.port, "/v1/chat/completions", {"model": "fake-chat", "messages": conv})
-        wait_until(lambda: len(queue) == 2, "the abandoned chat request to queue")
+        wait_until(lambda: len(queue) == 2, message="the abandoned chat request to queue")
         r = c.post(url, json={"model": "fake-chat", "messages": [conv] * 3})  # 2 queued + 3 > max_queue 4
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
         hang_up(sock)
-        wait_until(lambda: cancelled(s, "fake-chat") == 1, "the queued chat item to be cancelled")
+        wait_until(lambda: cancelled(s, "fake-chat") == 1, message="the queued chat item to be cancelled")
         engine.gate.set()  # the step ends; the 1 ms item is found expired before admission
         r = hurry.result(30)
         assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded", r.text
@@ -235,7 +224,7 @@ def wait_scraped(s, prom: "Prometheus") -> None:
         result = prom.query("sum(ferry_requests_total)")
         return bool(result) and float(result[0]["value"][1]) == local
 
-    wait_until(seen, f"a scrape showing {local:.0f} requests", timeout=60, interval=0.2)
+    wait_until(seen, message=f"a scrape showing {local:.0f} requests", timeout=60, interval=0.2)
 
 
 def wait_scrapes(prom: "Prometheus", n: int) -> None:
@@ -246,7 +235,7 @@ def wait_scrapes(prom: "Prometheus", n: int) -> None:
         return float(result[0]["value"][1]) if result else 0.0
 
     first = last()
-    wait_until(lambda: last() >= first + n - 0.5, f"{n} more scrapes", timeout=60, interval=0.2)
+    wait_until(lambda: last() >= first + n - 0.5, message=f"{n} more scrapes", timeout=60, interval=0.2)
 
 
 def has_number(result: list) -> bool:
@@ -281,8 +270,9 @@ def test_every_dashboard_query_and_alert_returns_data_from_a_real_prometheus(fak
                             default_budget_ms=3_000_000)
     prom = Prometheus(s.port, tmp_path)
     try:
-        wait_until(prom.ready, "prometheus to be ready", timeout=60, interval=0.2)
-        wait_until(lambda: prom.query('up{job="ferry"} == 1'), "the first scrape of the gateway", timeout=60, interval=0.2)
+        wait_until(prom.ready, message="prometheus to be ready", timeout=60, interval=0.2)
+        wait_until(lambda: prom.query('up{job="ferry"} == 1'), timeout=60, interval=0.2,
+                   message="the first scrape of the gateway")
 
         with httpx.Client(timeout=30) as c:
             warm_up(s, c)
@@ -303,19 +293,21 @@ def test_every_dashboard_query_and_alert_returns_data_from_a_real_prometheus(fak
             ("setting changes", f"ferry_config_changes_total{{{sel}}} > 0"),
             ("504 answers", f'sum by (model) (ferry_requests_total{{{sel}, status="504"}}) > 0'),
         ]:
-            wait_until(lambda expr=expr: prom.models_with(expr) == set(MODELS), f"{what} in prometheus for both models",
-                       timeout=60, interval=0.25)
+            wait_until(lambda expr=expr: prom.models_with(expr) == set(MODELS), timeout=60, interval=0.25,
+                       message=f"{what} in prometheus for both models")
         assert prom.models_with(f'ferry_rejections_total{{reason="deadline_infeasible"}} > 0') == {"fake-embed"}
 
         # Every query of the dashboard and every alert expression returns data.
         pending = {(q.where, side) for q in every_query()
                    for side in sides_to_evaluate(substitute(q.expr, MODEL_REGEX))}
-        deadline = time.monotonic() + 60
-        while pending and time.monotonic() < deadline:
+
+        def all_answered() -> bool:
+            nonlocal pending
             pending = {(where, expr) for where, expr in pending if not has_number(prom.query(expr))}
-            if pending:
-                time.sleep(0.5)
-        assert not pending, "queries without data:\n" + "\n".join(f"  {w}: {e}" for w, e in sorted(pending))
+            return not pending
+
+        wait_until(all_answered, timeout=60, interval=0.5, message=lambda: "every query to return data; without:\n"
+                   + "\n".join(f"  {w}: {e}" for w, e in sorted(pending)))
 
         # The traffic panel shows the refused, expired, cancelled and failed requests.
         by_status = next(q for q in every_query() if q.where.startswith("panel 'Requests by status'"))
@@ -340,13 +332,13 @@ def test_every_dashboard_query_and_alert_returns_data_from_a_real_prometheus(fak
             rules = [r for g in groups for r in g["rules"]]
             return rules if rules and all(r["health"] != "unknown" for r in rules) else None
 
-        rules = wait_until(rules_evaluated, "prometheus to evaluate the alert rules", timeout=60, interval=0.25)
+        rules = wait_until(rules_evaluated, message="prometheus to evaluate the alert rules", timeout=60, interval=0.25)
         assert {r["name"]: (r["health"], r.get("lastError", "")) for r in rules} == \
             {q.where.split(" ", 1)[1]: ("ok", "") for q in alert_queries(load_alerts())}
         def firing() -> set[str]:
             alerts = prom.http.get("/api/v1/alerts").json()["data"]["alerts"]
             return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
 
-        wait_until(lambda: "FerryEngineErrors" in firing(), "FerryEngineErrors to fire", timeout=60, interval=0.25)
+        wait_until(lambda: "FerryEngineErrors" in firing(), message="FerryEngineErrors to fire", timeout=60, interval=0.25)
     finally:
         prom.stop()

@@ -38,21 +38,27 @@ class Reader:
         return self(name + "_bucket", le=le, **labels)
 
 
+FIXED, PER_ITEM = 0.010, 0.002  # the simulated engine: a batch of n items takes FIXED + PER_ITEM * n
+STEP = 0.010  # the simulated generation engine: every iteration (prefill or decode step)
+
+
 def test_micro_batcher_metrics_after_a_known_sequence():
+    settings = BatchingSettings(max_batch_size=4, max_wait_ms=10, max_queue=6, policy="fixed",
+                                default_budget_ms=None, on_infeasible="serve")
+    gap = 0.004  # between the two items of step 2
+
     async def scenario():
         clock = FakeClock()
         registry = CollectorRegistry()
-        engine = SimulatedExecutor(clock, fixed=0.010, per_item=0.002, fail_items={"bad"})
-        settings = BatchingSettings(max_batch_size=4, max_wait_ms=10, max_queue=6, policy="fixed",
-                                    default_budget_ms=None, on_infeasible="serve")
+        engine = SimulatedExecutor(clock, fixed=FIXED, per_item=PER_ITEM, fail_items={"bad"})
         b = MicroBatcher("m", engine, settings, clock=clock, metrics=Metrics(registry))
         await b.start()
         # 1. Four items fill a batch at once (one of them fails alone in the engine).
         first = b.submit_many(["a", "b", "c", "bad"])
         await clock.run_until_idle()
-        # 2. Two items 4 ms apart leave together when the oldest has waited 10 ms.
+        # 2. Two items `gap` apart leave together when the oldest has waited max_wait.
         b.submit("e")
-        await clock.advance(0.004)
+        await clock.advance(gap)
         b.submit("f")
         await clock.run_until_idle()
         # 3. A request of 7 items can never fit a queue of 6: refused as too large (a 422 at
@@ -90,14 +96,14 @@ def test_micro_batcher_metrics_after_a_known_sequence():
     assert v.hist("ferry_batch_size_tokens", model="m", phase="embed") == (3, 7)  # cost 1 per item
     assert v.hist("ferry_batch_padding_ratio", model="m", phase="embed") == (3, 0)
     count, total = v.hist("ferry_batch_execution_seconds", model="m", phase="embed")
-    assert count == 3 and total == pytest.approx(0.018 + 0.014 + 0.012)
+    assert count == 3 and total == pytest.approx(sum(FIXED + PER_ITEM * n for n in (4, 2, 1)))
     assert v("ferry_cost_model_error_ratio_count", model="m", phase="embed") == 3
     assert v("ferry_cost_model_slowdown", model="m", phase="embed") == 1.0  # runs exactly as the prior predicts
-    # Queue waits: a..bad 0 ms, e 10 ms, f 6 ms; j (batch class) 10 ms.
+    # Queue waits: a..bad 0 ms, e max_wait (10 ms), f 4 ms less; j (batch class) max_wait.
     count, total = v.hist("ferry_queue_wait_seconds", model="m", **{"class": "interactive"})
-    assert count == 6 and total == pytest.approx(0.016)
+    assert count == 6 and total == pytest.approx(settings.max_wait + (settings.max_wait - gap))
     count, total = v.hist("ferry_queue_wait_seconds", model="m", **{"class": "batch"})
-    assert count == 1 and total == pytest.approx(0.010)
+    assert count == 1 and total == pytest.approx(settings.max_wait)
     assert {s: v("ferry_items_total", model="m", status=s) for s in ("result", "error", "cancelled", "expired")} == \
         {"result": 6, "error": 1, "cancelled": 7, "expired": 1}  # 6 of the cancelled filled the queue in 3b
     assert v("ferry_engine_errors_total", model="m", phase="embed") == 1
@@ -113,7 +119,7 @@ def test_micro_batcher_metrics_after_a_known_sequence():
     assert v("ferry_queue_depth", model="m", **{"class": "interactive"}) == 0
     assert v("ferry_config_changes_total", model="m") == 1
     assert v("ferry_setting_max_batch_size", model="m") == 8
-    assert v("ferry_setting_max_wait_seconds", model="m") == pytest.approx(0.010)
+    assert v("ferry_setting_max_wait_seconds", model="m") == pytest.approx(settings.max_wait)
     assert v("ferry_setting_max_queue", model="m") == 6
     assert v("ferry_setting_default_budget_seconds", model="m") is None  # no default budget: no SLO line
     assert late.outcome.name == "EXPIRED" and ok.outcome.name == "RESULT"
@@ -126,7 +132,7 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
         engine = FakeGenerationEngine()
         settings = BatchingSettings(max_running=2, max_batch_size=4, max_wait_ms=0, default_budget_ms=None,
                                     on_infeasible="serve")
-        s = GenerationScheduler("g", engine, SimulatedEngineThread(clock, engine, 0.010, 0.0), settings,
+        s = GenerationScheduler("g", engine, SimulatedEngineThread(clock, engine, STEP, 0.0), settings,
                                 make_request=sequence_request, clock=clock, metrics=Metrics(registry))
         await s.start()
 
@@ -135,7 +141,7 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
 
         a = s.submit(request(1, [1, 2, 3]), cost=3)
         b = s.submit(request(3, [4, 5, 6, 7, 8]), cost=5)
-        await clock.advance(0.001)  # both prefilled together in iteration 1 (10 ms)
+        await clock.advance(0.001)  # both prefilled together in iteration 1 (one STEP)
         late = s.submit(request(2, [9]), budget=0.005)  # no room (max_running=2): expires queued
         await clock.run_until_idle()
         await s.stop()
@@ -151,15 +157,16 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
     assert count == 1 and total == pytest.approx(1 - 8 / 10)  # prompts of 3 and 5 padded to 5
     assert v.hist("ferry_batch_size_items", model="g", phase="decode") == (2, 2)  # b alone, twice
     count, total = v.hist("ferry_batch_execution_seconds", model="g", phase="prefill")
-    assert count == 1 and total == pytest.approx(0.010)
+    assert count == 1 and total == pytest.approx(STEP)
     assert v("ferry_batch_execution_seconds_count", model="g", phase="decode") == 2
     assert v("ferry_prompt_tokens_total", model="g") == 8
     assert v("ferry_generated_tokens_total", model="g") == 1 + 3
-    # First tokens at the end of iteration 1 (10 ms after arrival), then 10 ms per token.
+    # First tokens at the end of iteration 1 (one STEP after arrival), then one STEP per token:
+    # a's one token and b's first, then b's two more.
     count, total = v.hist("ferry_time_to_first_token_seconds", model="g")
-    assert count == 2 and total == pytest.approx(0.020)
+    assert count == 2 and total == pytest.approx(2 * STEP)
     count, total = v.hist("ferry_inter_token_latency_seconds", model="g")
-    assert count == 2 and total == pytest.approx(0.020)
+    assert count == 2 and total == pytest.approx(2 * STEP)
     assert v("ferry_expired_total", model="g", **{"class": "interactive"}) == 1
     assert v("ferry_items_total", model="g", status="result") == 2
     assert v("ferry_items_total", model="g", status="expired") == 1
@@ -173,8 +180,9 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
 
 
 def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
+    budget_ms, patched_wait_ms = 3_000_000, 7
     s = fake_server_factory(max_batch_size=4, max_wait_ms=0, policy="fixed", max_queue=8, admin_token="t",
-                            default_budget_ms=3_000_000)  # budgets no wall clock can miss
+                            default_budget_ms=budget_ms)  # budgets no wall clock can miss
     embed_url, chat_url = s.url + "/v1/embeddings", s.url + "/v1/chat/completions"
     with httpx.Client(timeout=30) as c:
         assert c.post(embed_url, json={"model": "fake-embed", "input": ["a b", "c", "d e f", "g"]}).status_code == 200
@@ -186,7 +194,7 @@ def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
         convs = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "tell me more"}]]
         r = c.post(chat_url, json={"model": "fake-chat", "messages": convs, "max_tokens": [1, 3]})
         assert r.status_code == 200, r.text
-        r = c.patch(s.url + "/admin/models/fake-embed/batching", json={"max_wait_ms": 7},
+        r = c.patch(s.url + "/admin/models/fake-embed/batching", json={"max_wait_ms": patched_wait_ms},
                     headers={"Authorization": "Bearer t"})
         assert r.status_code == 200
     v = Reader(s.ferry.metrics.registry)
@@ -220,6 +228,6 @@ def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
     assert v("ferry_items_total", model="fake-chat", status="result") == 2
     assert v("ferry_config_changes_total", model="fake-embed") == 1
     assert v("ferry_config_changes_total", model="fake-chat") == 0
-    assert v("ferry_setting_max_wait_seconds", model="fake-embed") == pytest.approx(0.007)
+    assert v("ferry_setting_max_wait_seconds", model="fake-embed") == pytest.approx(patched_wait_ms / 1000)
     assert v("ferry_setting_max_wait_seconds", model="fake-chat") == 0
-    assert v("ferry_setting_default_budget_seconds", model="fake-chat") == 3000
+    assert v("ferry_setting_default_budget_seconds", model="fake-chat") == budget_ms / 1000

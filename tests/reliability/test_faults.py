@@ -57,12 +57,13 @@ async def _hung_then_normal(url: str):
 
 
 def test_a_slow_engine_turns_into_fast_429s_not_timeouts(fake_server_factory):
-    engine = FakeEmbeddingEngine(fixed=0.2)
+    batch_time = 0.2
+    engine = FakeEmbeddingEngine(fixed=batch_time)
     s = fake_server_factory(embed=engine, max_batch_size=2, max_wait_ms=0, max_queue=4)
     batcher = s.ferry.models[MODEL].batcher
     from batcher.cost import CostModel, LinearCost
 
-    batcher.cost = CostModel(LinearCost(0.2, 0.0, 0.0))
+    batcher.cost = CostModel(LinearCost(batch_time, 0.0, 0.0))  # the cost model knows the engine
     texts = [f"t{i}" for i in range(20)]
 
     async def fire():

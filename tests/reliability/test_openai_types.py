@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
 
 import httpx
 import numpy as np
@@ -20,6 +19,7 @@ from engine.fake import FakeGenerationEngine
 
 from ..conftest import fake_app
 from ..live import live
+from ..waiting import wait_until
 
 
 
@@ -101,11 +101,8 @@ def test_files_and_batches(api):
     assert listing["object"] == "list" and listing["data"]
     for item in listing["data"]:
         strict(Batch, item)
-    for _ in range(500):  # a one-line batch over fake engines; bounded by count, not time
-        done = api.get(f"/v1/batches/{b['id']}").json()
-        if done["status"] == "completed":
-            break
-        time.sleep(0.01)
+    done = wait_until(lambda: (got := api.get(f"/v1/batches/{b['id']}").json())["status"] == "completed" and got,
+                      timeout=10, interval=0.01, message="a one-line batch over fake engines to complete")
     assert strict(Batch, done).output_file_id
     other = api.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/embeddings"}).json()
     r = api.post(f"/v1/batches/{other['id']}/cancel")

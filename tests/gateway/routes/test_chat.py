@@ -9,6 +9,8 @@ import pytest
 
 from engine.fake import FakeGenerationEngine
 
+from ...waiting import async_wait_until, wait_until
+
 CONV_A = [{"role": "user", "content": "Respond with a single word greeting."}]
 CONV_B = [{"role": "user", "content": "List three colors separated by commas."}]
 
@@ -117,11 +119,7 @@ def test_client_disconnect_mid_stream_cancels_the_sequence(fake_server_factory):
 
     asyncio.run(leave_early())
     registry = s.ferry.metrics.registry
-    for _ in range(200):
-        if engine.running == 0:
-            break
-        asyncio.run(asyncio.sleep(0.02))
-    assert engine.running == 0
+    wait_until(lambda: engine.running == 0, timeout=4.0, message="the server to cancel the sequence")
     assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "phase": "running"}) == 1
     # Another request is served normally afterwards.
     assert chat(s, messages=CONV_A, max_tokens=2).status_code == 200
@@ -135,11 +133,10 @@ def test_client_disconnect_while_waiting_cancels(fake_server_factory):
     async def scenario():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             first = asyncio.create_task(c.post("/v1/chat/completions", json=blocker))
-            while engine.running == 0:
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: engine.running, message="the blocker to start running")
             waiting = asyncio.create_task(c.post("/v1/chat/completions", json={**blocker, "max_tokens": 2}))
-            while len(s.ferry.models["fake-chat"].batcher.queue) == 0:
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: len(s.ferry.models["fake-chat"].batcher.queue),
+                                   message="the second request to queue")
             waiting.cancel()  # the client gives up while queued
             return await first
 

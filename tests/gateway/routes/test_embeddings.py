@@ -11,6 +11,8 @@ import pytest
 
 from engine.fake import FakeEmbeddingEngine, fake_vector
 
+from ...waiting import async_wait_until
+
 
 def post(server, body, **kw):
     return httpx.post(server.url + "/v1/embeddings", json=body, timeout=30, **kw)
@@ -81,12 +83,12 @@ def test_queue_full_gets_429_with_retry_after(fake_server_factory):
     async def burst():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             first = asyncio.create_task(c.post("/v1/embeddings", json={"model": "fake-embed", "input": "a"}))
-            while engine.calls == []:  # the first is on the engine; the next two fill the queue
-                await asyncio.sleep(0.01)
+            # The first is on the engine; the next two fill the queue.
+            await async_wait_until(lambda: engine.calls, message="the first request to reach the engine")
             queued = [asyncio.create_task(c.post("/v1/embeddings", json={"model": "fake-embed", "input": f"q{i}"}))
                       for i in range(2)]
-            while len(s.ferry.models["fake-embed"].batcher.queue) < 2:
-                await asyncio.sleep(0.01)
+            await async_wait_until(lambda: len(s.ferry.models["fake-embed"].batcher.queue) >= 2,
+                                   message="two requests to queue")
             rejected = await c.post("/v1/embeddings", json={"model": "fake-embed", "input": "late"})
             return rejected, await asyncio.gather(first, *queued)
 

@@ -1,0 +1,291 @@
+"""Admission (batcher/admission.py): refuse at once what cannot be served in time, judged
+from the cost model and one load snapshot, rather than queue work only to let it expire.
+First the predictors and `check` as pure functions, then admission as a micro-batcher
+applies it.
+
+Expected times are derived from the simulated engine's cost, `cost(n) = FIXED + PER_ITEM * n`
+(tests/batcher/conftest.py), which COST predicts exactly."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batcher import admission
+from batcher.errors import DeadlineInfeasible, BatchingError, QueueFull
+from batcher.load import IDLE, Load
+from batcher.queue import RequestQueue
+from batcher.settings import BatchingSettings
+from batcher.types import Priority, WorkItem
+
+from .conftest import COST, Rig, arrivals, cost, drive, exact_rig, run
+
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
+NOW = 1.0
+
+
+def item(deadline: float | None = None, priority: Priority = INTERACTIVE, tokens: int = 1) -> WorkItem:
+    return WorkItem(payload=None, arrival=NOW, deadline=deadline, priority=priority, cost=tokens)
+
+
+def queue(*items: WorkItem) -> RequestQueue:
+    q = RequestQueue(aging=10)
+    for i in items:
+        q.push(i)
+    return q
+
+
+def batching(**kw) -> BatchingSettings:
+    kw = {"policy": "adaptive", "max_batch_size": 4, "max_wait_ms": 0, "deadline_margin_ms": 0, **kw}
+    return BatchingSettings(**kw)
+
+
+# -- who is ahead -----------------------------------------------------------------------------
+def test_items_ahead_are_every_higher_class_item_then_earlier_deadlines_of_its_own_class():
+    q = queue(item(1.0), item(3.0), item(0.5, BATCH), item(2.0, BATCH), item(4.0, BATCH))
+    assert admission.items_ahead(q, item(2.0)) == 1  # a batch-class deadline, however early, is not ahead
+    assert admission.items_ahead(q, item(None)) == 2
+    assert admission.items_ahead(q, item(2.5, BATCH)) == 2 + 2
+    assert admission.items_ahead(queue(), item(2.0, BATCH)) == 0
+
+
+def test_batch_size_under_the_reserve():
+    s = batching(max_batch_size=32)
+    assert admission.batch_size_under(None, s, COST, 1) == s.max_batch_size
+    assert admission.batch_size_under(cost(5), s, COST, 1) == 5
+    assert admission.batch_size_under(cost(1) / 2, s, COST, 1) == 1  # never below one item
+    assert admission.batch_size_under(cost(5), s.updated(policy="fixed"), COST, 1) == s.max_batch_size
+
+
+# -- one-shot batches: predicted_completion -----------------------------------------------------
+def test_on_an_idle_engine_an_item_is_done_after_its_own_batch():
+    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, batching(), COST, IDLE) == \
+        pytest.approx(NOW + cost(1))
+
+
+def test_an_item_waits_for_the_running_batch_then_full_batches_of_the_items_ahead():
+    s = batching(max_batch_size=4)
+    q = queue(*[item(NOW + 0.5) for _ in range(9)])  # ahead of it by EDF
+    running = 0.030
+    load = Load(busy_until=NOW + running)
+    # 9 ahead + itself = 10 items: two batches of 4, then its own batch of 2.
+    expected = NOW + running + 2 * cost(4) + cost(2)
+    assert admission.predicted_completion(q, item(NOW + 1.0), NOW, s, COST, load) == pytest.approx(expected)
+    # Its siblings (items of the same request, admitted together) queue ahead of it too.
+    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, load, siblings=9) == \
+        pytest.approx(expected)
+
+
+def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
+    """Behind an interactive request wait 9 batch-class items. Alone it would finish in
+    cost(1) = 12 ms; in the 6-item batch the load needs, in cost(6) = 22 ms: a 20 ms budget
+    is refused."""
+    s = BatchingSettings(policy="adaptive", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
+    q = RequestQueue(aging=10)
+    for _ in range(9):
+        q.push(WorkItem(payload=None, arrival=0.0, deadline=10.0, priority=Priority.BATCH))
+    budget = 0.020
+    assert cost(1) < budget < cost(6)
+    it = WorkItem(payload=None, arrival=0.0, deadline=budget, priority=Priority.INTERACTIVE)
+    assert admission.predicted_completion(q, it, 0.0, s, COST, IDLE) == pytest.approx(cost(1))
+    assert admission.predicted_completion(q, it, 0.0, s, COST, Load(floor=6)) == pytest.approx(cost(6))
+    admission.check(q, it, 0.0, s, COST, IDLE)
+    with pytest.raises(BatchingError):
+        admission.check(q, it, 0.0, s, COST, Load(floor=6))
+
+
+def test_interactive_promises_allow_for_the_slowdown_and_batch_class_ones_do_not():
+    s, load = batching(), Load(slowdown=1.25)
+    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, load) == \
+        pytest.approx(NOW + cost(1) * 1.25)
+    assert admission.predicted_completion(queue(), item(NOW + 1.0, BATCH), NOW, s, COST, load) == \
+        pytest.approx(NOW + cost(1))
+
+
+def test_batch_class_work_gets_only_the_capacity_interactive_arrivals_leave():
+    s = batching(max_batch_size=4)
+    job = item(NOW + 10.0, BATCH)
+    rate = 100.0  # interactive items per second, served in batches of 4
+    rho = rate * cost(4) / 4  # the share of the engine they take: 0.45
+    predicted = admission.predicted_completion(queue(), job, NOW, s, COST, Load(interactive_rate=rate))
+    assert predicted == pytest.approx(NOW + cost(1) / (1 - rho))
+    # Interactive work itself goes ahead of batch-class work and is not slowed by it.
+    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, Load(interactive_rate=rate)) == \
+        pytest.approx(NOW + cost(1))
+    # When interactive arrivals take (nearly) the whole engine, a batch-class item's turn never comes.
+    saturating = Load(interactive_rate=4 / cost(4))
+    assert admission.predicted_completion(queue(), job, NOW, s, COST, saturating) == math.inf
+
+
+def test_a_measured_drain_only_ever_makes_a_prediction_later():
+    s = batching(max_batch_size=4)
+    q = queue(*[item(NOW + 5.0, BATCH) for _ in range(19)])
+    job = item(NOW + 10.0, BATCH)
+    by_cost_model = NOW + 5 * cost(4)  # 19 ahead + itself: five full batches
+    assert admission.predicted_completion(q, job, NOW, s, COST, IDLE) == pytest.approx(by_cost_model)
+    slow_drain = 50.0  # items per second the batches really formed have drained
+    assert admission.predicted_completion(q, job, NOW, s, COST, Load(drain_rate=slow_drain)) == \
+        pytest.approx(NOW + 20 / slow_drain)
+    fast_drain = 10 * 20 / (5 * cost(4))  # ten times what the cost model says
+    assert admission.predicted_completion(q, job, NOW, s, COST, Load(drain_rate=fast_drain)) == \
+        pytest.approx(by_cost_model)
+
+
+# -- generation: predicted_first_token ------------------------------------------------------
+def test_a_prompt_with_a_free_slot_gets_its_first_token_after_its_prefill():
+    s = batching(max_batch_size=4)
+    prompt = item(NOW + 1.0, tokens=30)  # COST has no per-token term: prefill of one prompt is cost(1)
+    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, Load(free_slots=2)) == \
+        pytest.approx(NOW + cost(1))
+
+
+def test_a_prompt_without_a_free_slot_waits_for_the_first_slot_to_free():
+    s = batching(max_batch_size=4)
+    prompt = item(NOW + 1.0)
+    busy = Load(free_slots=0, slots_free_at=(NOW + 0.3, NOW + 0.5))
+    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, busy) == pytest.approx(NOW + 0.3 + cost(1))
+    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, Load(free_slots=0)) == math.inf
+
+
+def test_prompts_ahead_hold_slots_for_a_typical_sequence_and_share_the_prefill():
+    s = batching(max_batch_size=4)
+    q = queue(item(NOW + 0.5), item(NOW + 0.5))
+    seq = 0.2
+    load = Load(busy_until=NOW, free_slots=1, slots_free_at=(NOW + 0.5,), sequence_seconds=seq)
+    # The two ahead take the free slot one after the other (until NOW + 2 * seq), before the
+    # running sequence frees its slot at NOW + 0.5; the prompt then prefills in a group of 3.
+    assert admission.predicted_first_token(q, item(NOW + 1.0), NOW, s, COST, load) == \
+        pytest.approx(NOW + 2 * seq + cost(3))
+
+
+def test_batch_class_prompts_leave_the_interactive_slots_free():
+    s = batching(max_batch_size=4)
+    seq = 0.2
+    load = Load(busy_until=NOW, free_slots=2, interactive_slots=2, sequence_seconds=seq)
+    assert admission.predicted_first_token(queue(), item(NOW + 1.0), NOW, s, COST, load) == pytest.approx(NOW + cost(1))
+    # The two slots kept for interactive work count as taken: its slot frees a sequence later.
+    assert admission.predicted_first_token(queue(), item(NOW + 1.0, BATCH), NOW, s, COST, load) == \
+        pytest.approx(NOW + seq + cost(3))
+
+
+# -- check ------------------------------------------------------------------------------------
+def test_a_full_queue_is_refused_with_the_time_to_drain_one_batch_as_retry_after():
+    s = batching(max_queue=3, max_batch_size=4)
+    q = queue(item(), item(), item())
+    running = 2.5
+    with pytest.raises(QueueFull) as info:
+        admission.check(q, item(), NOW, s, COST, Load(busy_until=NOW + running))
+    assert info.value.retry_after == math.ceil(running + cost(4))
+    with pytest.raises(QueueFull) as info:
+        admission.check(q, item(), NOW, s, COST, IDLE)
+    assert info.value.retry_after == 1  # never less than a second
+
+
+def test_the_queue_must_hold_every_item_of_a_request():
+    s = batching(max_queue=3)
+    q = queue(item())
+    assert admission.check(q, item(), NOW, s, COST, IDLE, siblings=1) is False
+    with pytest.raises(QueueFull):
+        admission.check(q, item(), NOW, s, COST, IDLE, siblings=2)
+
+
+def test_work_without_a_deadline_is_admitted_whatever_the_load():
+    s = batching()
+    assert admission.check(queue(), item(None), NOW, s, COST, Load(busy_until=NOW + 1000.0)) is False
+
+
+def test_a_deadline_is_met_when_the_prediction_plus_the_margin_fits():
+    s = batching(deadline_margin_ms=10)
+    just_in_time = item(NOW + cost(1) + s.margin)
+    assert admission.check(queue(), just_in_time, NOW, s, COST, IDLE) is False
+    too_tight = item(NOW + cost(1) + s.margin - 0.001)
+    with pytest.raises(DeadlineInfeasible) as info:
+        admission.check(queue(), too_tight, NOW, s, COST, IDLE)
+    assert "latency budget of 21 ms cannot be met" in str(info.value)  # cost(1) + margin - 1 ms
+    assert info.value.retry_after == 1
+    # on_infeasible=serve: admitted best-effort instead.
+    assert admission.check(queue(), too_tight, NOW, batching(deadline_margin_ms=10, on_infeasible="serve"),
+                           COST, IDLE) is True
+
+
+def test_work_whose_turn_never_comes_is_told_to_retry_in_a_minute():
+    s = batching(max_batch_size=4)
+    job = item(NOW + 10.0, BATCH)
+    with pytest.raises(DeadlineInfeasible) as info:
+        admission.check(queue(), job, NOW, s, COST, Load(interactive_rate=4 / cost(4)))
+    assert "not in the foreseeable future" in str(info.value)
+    assert info.value.retry_after == 60
+
+
+def test_check_uses_the_predictor_it_is_given():
+    s = batching(max_batch_size=4)
+    prompt = item(NOW + 1.0)
+    no_slot = Load(free_slots=0)  # predicted_completion ignores slots; predicted_first_token does not
+    assert admission.check(queue(), prompt, NOW, s, COST, no_slot) is False
+    with pytest.raises(DeadlineInfeasible):
+        admission.check(queue(), prompt, NOW, s, COST, no_slot, predict=admission.predicted_first_token)
+
+
+# -- through the micro-batcher ----------------------------------------------------------------
+def test_queue_full_rejects_at_once_with_retry_after():
+    async def scenario():
+        r = Rig(max_batch_size=2, max_wait_ms=100, max_queue=3)
+        await r.batcher.start()
+        for i in range(3):
+            r.batcher.submit(i)
+        with pytest.raises(QueueFull) as info:
+            r.batcher.submit(99)
+        assert info.value.retry_after >= 1
+        assert len(r.batcher.queue) == 3
+        assert r.value("ferry_rejections_total", model="m", reason="queue_full") == 1
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_multi_item_request_is_admitted_all_or_none():
+    async def scenario():
+        r = Rig(max_batch_size=2, max_wait_ms=100, max_queue=4)
+        await r.batcher.start()
+        r.batcher.submit_many([1, 2])
+        with pytest.raises(QueueFull):
+            r.batcher.submit_many([3, 4, 5])
+        assert len(r.batcher.queue) == 2
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=arrivals, size=st.integers(1, 8), policy=st.sampled_from(["fixed", "deadline", "adaptive"]))
+def test_admission_rejects_only_what_the_cost_model_says_is_infeasible(stream, size, policy):
+    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=1000, default_budget_ms=None)
+    items, _, rejected = run(drive(r, stream, check_admission=True))
+    assert rejected + len(items) == len(stream)
+
+
+def test_a_drain_slower_than_the_cost_model_refuses_what_it_cannot_carry():
+    """The cost model says 32 items take cost(32) = 74 ms, but the batches the policies
+    really formed under load drained 50 items/s: the 100th batch-class item in line, with
+    a 1 s budget, cannot make it, and is refused now rather than admitted to expire."""
+    r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000)
+    b = r.batcher
+    now = r.clock.now()
+
+    async def go():
+        items = [b.submit(i, budget=0.9, priority=Priority.BATCH) for i in range(99)]  # ahead (EDF)
+        last = WorkItem(payload="x", arrival=now, deadline=now + 1.0, priority=Priority.BATCH)
+        measured = Load(busy_until=now, drain_rate=50.0)
+        assert admission.check(b.queue, last, now, b.settings, b.cost, Load(busy_until=now)) is False
+        try:
+            admission.check(b.queue, last, now, b.settings, b.cost, measured)
+        except DeadlineInfeasible:
+            pass
+        else:
+            raise AssertionError("admitted work the measured drain cannot carry")
+        for item in items:
+            b.cancel(item)
+
+    run(go())
