@@ -7,11 +7,12 @@ ordered ahead of it, then its own batch; `predicted_first_token` for generation:
 slot, then its prefill), from the cost model and the load snapshot only, and `check`
 compares that with the item's deadline.
 """
+
 from __future__ import annotations
 
 import heapq
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from .cost import CostModel
 from .errors import DeadlineInfeasible, QueueFull
@@ -44,8 +45,9 @@ def _shaped(item: WorkItem, s: BatchingSettings) -> bool:
     return item.priority is Priority.INTERACTIVE and s.policy != "fixed"
 
 
-def predicted_completion(q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel,
-                         load: Load, siblings: int = 0) -> float:
+def predicted_completion(
+    q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load, siblings: int = 0
+) -> float:
     """One-shot batches: the batch running now, then the items ahead in batches of the size
     the policies will form, then the item's own batch."""
     ahead = items_ahead(q, item) + siblings
@@ -77,8 +79,9 @@ def predicted_completion(q: RequestQueue, item: WorkItem, now: float, s: Batchin
     return now + (max(load.busy_until - now, 0.0) + wait) * slow
 
 
-def predicted_first_token(q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel,
-                          load: Load, siblings: int = 0) -> float:
+def predicted_first_token(
+    q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load, siblings: int = 0
+) -> float:
     """Generation: when the item's first token comes. It needs a slot: a free one at the
     next iteration boundary, else the one a running sequence frees at its token limit (an
     upper bound: EOS or a stop string ends it sooner). The prompts ahead take slots first,
@@ -98,8 +101,16 @@ def predicted_first_token(q: RequestQueue, item: WorkItem, now: float, s: Batchi
     return max(slots[0], now) + cost.predict(group, group * tokens)
 
 
-def check(q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load,
-          siblings: int = 0, predict: Predictor = predicted_completion) -> bool:
+def check(
+    q: RequestQueue,
+    item: WorkItem,
+    now: float,
+    s: BatchingSettings,
+    cost: CostModel,
+    load: Load,
+    siblings: int = 0,
+    predict: Predictor = predicted_completion,
+) -> bool:
     """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
 
     `siblings` counts the other items of the same request, admitted all or none: they are

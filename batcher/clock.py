@@ -3,6 +3,7 @@
 The batcher never calls `time` or `asyncio.sleep` directly; it asks its clock, so tests
 can drive every scheduling rule in simulated time without wall-clock assertions.
 """
+
 from __future__ import annotations
 
 import asyncio

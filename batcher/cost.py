@@ -7,6 +7,7 @@ at startup so the first admission decisions are already informed.
 The fit is a mean; `slowdown` says how much slower than predicted batches run on a bad
 stretch (a busy neighbour on a shared CPU): interactive deadlines are checked against it.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -6,12 +6,14 @@ with EngineTimeout and later calls go to a fresh thread, so one hung call cannot
 every later batch; the stuck thread is abandoned (Python cannot kill it) and its result,
 if it ever comes, is dropped.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 log = logging.getLogger("ferry.batcher")
 
@@ -21,8 +23,13 @@ class EngineTimeout(TimeoutError):
 
 
 class EngineThread:
-    def __init__(self, name: str, timeout: float | None = None, initializer: Callable[[], None] | None = None,
-                 replace_on_timeout: bool = True):
+    def __init__(
+        self,
+        name: str,
+        timeout: float | None = None,
+        initializer: Callable[[], None] | None = None,
+        replace_on_timeout: bool = True,
+    ):
         """`replace_on_timeout=False` for engines with state (generation's running batch and
         KV cache): a second thread must never touch it while the stuck call might still run,
         so the timed-out call fails its items and the next call queues behind it."""
@@ -54,8 +61,12 @@ class EngineThread:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 self._pool = self._new_pool()
                 self.abandoned += 1
-            log.error("engine call on %s exceeded %.1f s%s", self.name, self.timeout,
-                      "; moved to a fresh worker thread" if self.replace_on_timeout else "")
+            log.error(
+                "engine call on %s exceeded %.1f s%s",
+                self.name,
+                self.timeout,
+                "; moved to a fresh worker thread" if self.replace_on_timeout else "",
+            )
             raise EngineTimeout(f"engine call exceeded {self.timeout:g} s") from None
 
     def close(self) -> None:

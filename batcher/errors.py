@@ -3,6 +3,7 @@
 Each carries the HTTP-agnostic facts the gateway needs to answer: a stable `code`
 and, where it helps the client, how long to wait before retrying.
 """
+
 from __future__ import annotations
 
 

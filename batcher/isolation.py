@@ -6,9 +6,11 @@ results and its batch mates get theirs. Used for an embeddings batch that runs o
 memory (gateway/model_loading.py) and for a generation prefill group that fails
 (batcher/scheduler.py). Runs on the engine's worker thread: the retries are engine calls.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -6,6 +6,7 @@ flags and FERRY_* environment names (gateway/config.py), the admin API's bodies
 (gateway/routes/admin.py), the `ferry_setting_*` gauges (batcher/metrics.py) and the docs'
 tables of knobs (gateway/settings_docs.py). Adding a knob is one edit.
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,8 +30,17 @@ class SettingsError(ValueError):
         self.message = message
 
 
-def knob(default: Any, help: str, *, unit: str | None = None, live: bool = False, gauge: bool = False,
-         option: str | None = None, null: str | None = None, **bounds: Any) -> Any:
+def knob(
+    default: Any,
+    help: str,
+    *,
+    unit: str | None = None,
+    live: bool = False,
+    gauge: bool = False,
+    option: str | None = None,
+    null: str | None = None,
+    **bounds: Any,
+) -> Any:
     """Declare one knob (a pydantic field).
 
     unit: of its value ("ms", "s", "bytes"). live: the admin PATCH may change it while serving.
@@ -134,12 +144,23 @@ def knobs(model: type[BaseModel]) -> tuple[Knob, ...]:
         choices = get_args(inner) if get_origin(inner) is Literal else None
         kind = str if choices else (get_origin(inner) or inner)
         bounds = {k: getattr(m, k) for m in f.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
-        out.append(Knob(
-            name=name, annotation=f.annotation, default=f.get_default(call_default_factory=True),
-            help=f.description or "", unit=extra.get("unit"), live=bool(extra.get("live")),
-            gauge=bool(extra.get("gauge")), option=extra.get("option") or name, null=extra.get("null"),
-            bounds=bounds, nullable=nullable, kind=kind, choices=choices,
-        ))
+        out.append(
+            Knob(
+                name=name,
+                annotation=f.annotation,
+                default=f.get_default(call_default_factory=True),
+                help=f.description or "",
+                unit=extra.get("unit"),
+                live=bool(extra.get("live")),
+                gauge=bool(extra.get("gauge")),
+                option=extra.get("option") or name,
+                null=extra.get("null"),
+                bounds=bounds,
+                nullable=nullable,
+                kind=kind,
+                choices=choices,
+            )
+        )
     return tuple(out)
 
 

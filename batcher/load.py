@@ -10,6 +10,7 @@ Never from items completed per wall-clock second: after a quiet spell that rate 
 little work arrived, not how fast the engine can go (a burst after idle was refused with
 predictions of 20-30 s while the engine served it in under a second).
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -169,12 +170,26 @@ class LoadTracker:
         protect = max(usable - max(alone, keep_up), 0.0)
         return max(protect, keep_up)
 
-    def snapshot(self, now: float, queue: RequestQueue, s: BatchingSettings, cost: CostModel,
-                 busy_until: float, *, shape: bool = True) -> Load:
+    def snapshot(
+        self,
+        now: float,
+        queue: RequestQueue,
+        s: BatchingSettings,
+        cost: CostModel,
+        busy_until: float,
+        *,
+        shape: bool = True,
+    ) -> Load:
         """One frozen view for one decision. `shape=False` (generation) leaves out the floor;
         its reserve then caps a prefill group, not a whole batch."""
         floor, keep_up = self.floor(now, queue, s, cost) if shape else (1, 0.0)
-        return Load(busy_until=busy_until, offered_rate=self.offered_rate(now),
-                    interactive_rate=self.interactive_rate(now), typical_tokens=self.typical_tokens,
-                    floor=floor, reserve=self.reserve(now, s, cost, keep_up), slowdown=cost.slowdown,
-                    drain_rate=self.drain_rate(now))
+        return Load(
+            busy_until=busy_until,
+            offered_rate=self.offered_rate(now),
+            interactive_rate=self.interactive_rate(now),
+            typical_tokens=self.typical_tokens,
+            floor=floor,
+            reserve=self.reserve(now, s, cost, keep_up),
+            slowdown=cost.slowdown,
+            drain_rate=self.drain_rate(now),
+        )

@@ -36,6 +36,7 @@ Histogram buckets (seconds unless said otherwise) are chosen for this workload:
 - ERROR_BUCKETS: the cost model's relative error |predicted - actual| / actual, from 1 %
   (excellent) to 500 % (the model is lost; admission and deadline decisions suffer).
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -44,7 +45,26 @@ from .knobs import Knob, knobs
 from .settings import BatchingSettings
 from .types import DispatchReason, Priority, Stage
 
-LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 EXECUTION_BUCKETS = STEP_BUCKETS + (5.0, 10.0, 30.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
@@ -70,38 +90,125 @@ class Metrics:
         self._initialised: set[str] = set()
         # Queue
         self.queue_depth = Gauge("ferry_queue_depth", "Items waiting in the queue.", ["model", "class"], registry=r)
-        self.queue_wait = Histogram("ferry_queue_wait_seconds", "Time an item waited before dispatch.", ["model", "class"], buckets=LATENCY_BUCKETS, registry=r)
-        self.rejections = Counter("ferry_rejections_total", "Items refused before queuing: queue_full, deadline_infeasible (admission), invalid (bad input, counted by the gateway; model is empty when the body could not be parsed).", ["model", "reason"], registry=r)
-        self.expired = Counter("ferry_expired_total", "Items whose deadline passed while they waited (never computed).", ["model", "class"], registry=r)
-        self.cancellations = Counter("ferry_cancellations_total", "Items cancelled by their client, by where they were (phase=queued or running).", ["model", "phase"], registry=r)
+        self.queue_wait = Histogram(
+            "ferry_queue_wait_seconds",
+            "Time an item waited before dispatch.",
+            ["model", "class"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.rejections = Counter(
+            "ferry_rejections_total",
+            "Items refused before queuing: queue_full, deadline_infeasible (admission), invalid (bad input, counted by the gateway; model is empty when the body could not be parsed).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.expired = Counter(
+            "ferry_expired_total",
+            "Items whose deadline passed while they waited (never computed).",
+            ["model", "class"],
+            registry=r,
+        )
+        self.cancellations = Counter(
+            "ferry_cancellations_total",
+            "Items cancelled by their client, by where they were (phase=queued or running).",
+            ["model", "phase"],
+            registry=r,
+        )
         self.items = Counter("ferry_items_total", "Items by terminal outcome.", ["model", "status"], registry=r)
         # Batches
         self.batches = Counter("ferry_batches_total", "Batches dispatched, by reason.", ["model", "reason"], registry=r)
-        self.batch_size = Histogram("ferry_batch_size_items", "Items per engine call.", ["model", "phase"], buckets=SIZE_BUCKETS, registry=r)
-        self.batch_tokens = Histogram("ferry_batch_size_tokens", "Real (unpadded) tokens per engine call.", ["model", "phase"], buckets=TOKEN_BUCKETS, registry=r)
-        self.batch_seconds = Histogram("ferry_batch_execution_seconds", "Engine time per call.", ["model", "phase"], buckets=EXECUTION_BUCKETS, registry=r)
-        self.padding = Histogram("ferry_batch_padding_ratio", "Padded tokens over total tokens per batch.", ["model", "phase"], buckets=RATIO_BUCKETS, registry=r)
-        self.cost_error = Histogram("ferry_cost_model_error_ratio", "Relative error of the cost model's prediction per batch.", ["model", "phase"], buckets=ERROR_BUCKETS, registry=r)
-        self.slowdown = Gauge("ferry_cost_model_slowdown", "90th percentile of observed / predicted batch time lately, within 1-1.5: what interactive deadlines and admission allow for.", ["model", "phase"], registry=r)
-        self.engine_errors = Counter("ferry_engine_errors_total", "Engine calls or items that failed.", ["model", "phase"], registry=r)
+        self.batch_size = Histogram(
+            "ferry_batch_size_items", "Items per engine call.", ["model", "phase"], buckets=SIZE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "ferry_batch_size_tokens",
+            "Real (unpadded) tokens per engine call.",
+            ["model", "phase"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.batch_seconds = Histogram(
+            "ferry_batch_execution_seconds",
+            "Engine time per call.",
+            ["model", "phase"],
+            buckets=EXECUTION_BUCKETS,
+            registry=r,
+        )
+        self.padding = Histogram(
+            "ferry_batch_padding_ratio",
+            "Padded tokens over total tokens per batch.",
+            ["model", "phase"],
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
+        self.cost_error = Histogram(
+            "ferry_cost_model_error_ratio",
+            "Relative error of the cost model's prediction per batch.",
+            ["model", "phase"],
+            buckets=ERROR_BUCKETS,
+            registry=r,
+        )
+        self.slowdown = Gauge(
+            "ferry_cost_model_slowdown",
+            "90th percentile of observed / predicted batch time lately, within 1-1.5: what interactive deadlines and admission allow for.",
+            ["model", "phase"],
+            registry=r,
+        )
+        self.engine_errors = Counter(
+            "ferry_engine_errors_total", "Engine calls or items that failed.", ["model", "phase"], registry=r
+        )
         # Generation
-        self.ttft = Histogram("ferry_time_to_first_token_seconds", "Arrival to first generated token.", ["model"], buckets=LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("ferry_inter_token_latency_seconds", "Gap between consecutive tokens of a sequence.", ["model"], buckets=STEP_BUCKETS, registry=r)
-        self.generated_tokens = Counter("ferry_generated_tokens_total", "Completion tokens generated.", ["model"], registry=r)
+        self.ttft = Histogram(
+            "ferry_time_to_first_token_seconds",
+            "Arrival to first generated token.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "ferry_inter_token_latency_seconds",
+            "Gap between consecutive tokens of a sequence.",
+            ["model"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            "ferry_generated_tokens_total", "Completion tokens generated.", ["model"], registry=r
+        )
         self.prompt_tokens = Counter("ferry_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=r)
         self.running = Gauge("ferry_running_sequences", "Sequences in the running batch.", ["model"], registry=r)
         self.waiting = Gauge("ferry_waiting_sequences", "Sequences waiting to be admitted.", ["model"], registry=r)
-        self.kv_tokens = Gauge("ferry_kv_cache_tokens", "KV-cache token positions the running rows attend over (rows x longest row, padding included).", ["model"], registry=r)
+        self.kv_tokens = Gauge(
+            "ferry_kv_cache_tokens",
+            "KV-cache token positions the running rows attend over (rows x longest row, padding included).",
+            ["model"],
+            registry=r,
+        )
         # SLO
-        self.slo = Counter("ferry_slo_total", "Finished items within their latency budget (status=met) or not (missed).", ["model", "class", "status"], registry=r)
+        self.slo = Counter(
+            "ferry_slo_total",
+            "Finished items within their latency budget (status=met) or not (missed).",
+            ["model", "class", "status"],
+            registry=r,
+        )
         # Knobs: a gauge per setting declared with gauge=True (batcher/settings.py).
-        self.setting_gauges = {k.name: (k, Gauge(k.gauge_name, _setting_help(k), ["model"], registry=r))
-                               for k in knobs(BatchingSettings) if k.gauge}
-        self.config_changes = Counter("ferry_config_changes_total", "Live batching-setting changes.", ["model"], registry=r)
+        self.setting_gauges = {
+            k.name: (k, Gauge(k.gauge_name, _setting_help(k), ["model"], registry=r))
+            for k in knobs(BatchingSettings)
+            if k.gauge
+        }
+        self.config_changes = Counter(
+            "ferry_config_changes_total", "Live batching-setting changes.", ["model"], registry=r
+        )
         # Batch jobs (gateway/jobs): jobs in the store by status, lines finished by status.
         self.jobs = Gauge("ferry_jobs", "Batch jobs in the store, by status.", ["status"], registry=r)
-        self.job_lines = Counter("ferry_job_lines_total", "Batch-job lines finished, by status (cancelled/expired: never run).",
-                                 ["status"], registry=r)
+        self.job_lines = Counter(
+            "ferry_job_lines_total",
+            "Batch-job lines finished, by status (cancelled/expired: never run).",
+            ["status"],
+            registry=r,
+        )
 
     def publish_settings(self, model: str, s: BatchingSettings) -> None:
         self.init_model(model)

@@ -5,15 +5,16 @@ or the next arrival. While the engine runs a batch, arrivals keep queuing and th
 batch forms from them; there is no polling: the loop wakes on an arrival, a batch ending,
 a settings change, or the next deadline.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 
-from .queueing import QueueingBatcher, seconds_until
 from .errors import EngineError, ShuttingDown
 from .policy import Dispatch, batch_cost, get_policy
 from .protocols import Execute
+from .queueing import QueueingBatcher, seconds_until
 from .types import Batch, DispatchReason, Outcome, TokenCount
 
 log = logging.getLogger("ferry.batcher")

@@ -5,12 +5,13 @@ or `WaitUntil(t)` ("nothing to do before t; None = until something arrives"). On
 batcher's loop awaits; these functions never do. `POLICIES` decide one-shot batches;
 `GENERATION_POLICIES` decide which waiting prompts join a running generation batch.
 """
+
 from __future__ import annotations
 
 import math
 from bisect import bisect_left, insort
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from .cost import CostModel
 from .load import IDLE, Load
@@ -180,8 +181,9 @@ def prompt_group(q: RequestQueue, now: float, s: BatchingSettings, cost: CostMod
     return group
 
 
-def _admit(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load,
-           target: int) -> tuple[Decision, list[WorkItem]]:
+def _admit(
+    q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load, target: int
+) -> tuple[Decision, list[WorkItem]]:
     """The rules all three share: join at once when nothing runs (waiting can only add
     latency), when the group cannot grow (`full`), or when the oldest has waited
     `max_wait_ms`; and the group to send. `target`: a group this large goes at once."""
@@ -200,8 +202,9 @@ def _admit(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, lo
     return WaitUntil(q.oldest_arrival + s.max_wait), group
 
 
-def _by_first_token_deadline(decision: Decision, group: list[WorkItem], now: float, s: BatchingSettings,
-                             cost: CostModel, load: Load) -> Decision:
+def _by_first_token_deadline(
+    decision: Decision, group: list[WorkItem], now: float, s: BatchingSettings, cost: CostModel, load: Load
+) -> Decision:
     """Join early (`deadline`) when the group's prefill, allowing for the slowdown, would
     otherwise miss the tightest first-token deadline in it."""
     if not isinstance(decision, WaitUntil) or not group:
@@ -238,5 +241,4 @@ def admit_adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostM
     return decision
 
 
-GENERATION_POLICIES: dict[str, Policy] = {"fixed": admit_fixed, "deadline": admit_deadline,
-                                          "adaptive": admit_adaptive}
+GENERATION_POLICIES: dict[str, Policy] = {"fixed": admit_fixed, "deadline": admit_deadline, "adaptive": admit_adaptive}

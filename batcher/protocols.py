@@ -8,9 +8,11 @@ engine into an `Execute`). Each protocol names only what the batcher uses; engin
 holds the engines' full contract, including what only the gateway needs (chat templates,
 tokenizers).
 """
+
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 T = TypeVar("T")
 

@@ -4,12 +4,13 @@ Interactive work goes first, earliest deadline first (EDF). Batch-class work fil
 interactive work leaves, but an item that has waited `aging` seconds is ordered among the
 interactive items as if its deadline were `arrival + aging`, so it cannot starve.
 """
+
 from __future__ import annotations
 
 import heapq
 import math
 from bisect import bisect_left, bisect_right, insort
-from typing import Iterator
+from collections.abc import Iterator
 
 from .types import Priority, WorkItem
 

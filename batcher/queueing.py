@@ -4,12 +4,14 @@ drain, and exactly-once resolution of items with their metrics.
 Subclasses (`MicroBatcher` for one-shot models, `GenerationScheduler` for generation)
 supply the loop that decides what runs when.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import admission
 from .admission import Predictor
@@ -23,6 +25,7 @@ from .settings import BatchingSettings
 from .types import Outcome, Priority, Stage, WorkItem
 
 log = logging.getLogger("ferry.batcher")
+
 
 class QueueingBatcher:
     phase = "embed"
@@ -108,20 +111,30 @@ class QueueingBatcher:
         if self._closing:
             raise ShuttingDown("server is shutting down", retry_after=1)
         if len(payloads) > s.max_queue:
-            raise RequestTooLarge(f"request has {len(payloads)} items but this model queues at most {s.max_queue}; "
-                                  f"split it into smaller requests")
+            raise RequestTooLarge(
+                f"request has {len(payloads)} items but this model queues at most {s.max_queue}; "
+                f"split it into smaller requests"
+            )
         if budget is None and s.default_budget_ms is not None:
             budget = s.default_budget_ms / 1000.0
         deadline = None if budget is None else now + budget
         items = [
-            WorkItem(payload=p, arrival=now, deadline=deadline, priority=priority,
-                     cost=costs[i] if costs is not None else cost, request_id=request_id,
-                     prompt_index=i, on_delta=on_delta)
+            WorkItem(
+                payload=p,
+                arrival=now,
+                deadline=deadline,
+                priority=priority,
+                cost=costs[i] if costs is not None else cost,
+                request_id=request_id,
+                prompt_index=i,
+                on_delta=on_delta,
+            )
             for i, p in enumerate(payloads)
         ]
         try:
-            best_effort = admission.check(self.queue, items[-1], now, s, self.cost, self.load(now),
-                                          siblings=len(items) - 1, predict=self.predict)
+            best_effort = admission.check(
+                self.queue, items[-1], now, s, self.cost, self.load(now), siblings=len(items) - 1, predict=self.predict
+            )
         except Exception as exc:
             if count_rejection:
                 self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
@@ -184,7 +197,11 @@ class QueueingBatcher:
             self.queue.remove(item)
             self.metrics.expired.labels(self.model, item.priority.label).inc()
             waited_ms = (now - item.arrival) * 1000.0
-            self._finish(item, Outcome.EXPIRED, DeadlineExceeded(f"latency budget exceeded after waiting {waited_ms:.0f} ms in the queue"))
+            self._finish(
+                item,
+                Outcome.EXPIRED,
+                DeadlineExceeded(f"latency budget exceeded after waiting {waited_ms:.0f} ms in the queue"),
+            )
         self._publish_depth()
 
     def _take(self, n: int, now: float) -> list[WorkItem]:

@@ -9,23 +9,25 @@ waiting (max_batch_size), when the oldest has waited max_wait_ms, when a deadlin
 or at once when nothing is running. Static mode (the comparison baseline) admits a new
 group only when the previous one has completely finished.
 """
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from . import admission
-from .queueing import QueueingBatcher, seconds_until
 from .cost import CostModel, LinearCost
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
 from .isolation import split_in_halves
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
 from .protocols import EngineCaller, MakeRequest, PrefillRequest, SequenceStep, SteppingEngine
+from .queueing import QueueingBatcher, seconds_until
 from .types import Delta, DispatchReason, GenResult, Outcome, TokenCount, WorkItem
 
 log = logging.getLogger("ferry.batcher")
@@ -51,8 +53,16 @@ class _IterationResult:
 class GenerationScheduler(QueueingBatcher):
     phase = "decode"
 
-    def __init__(self, model: str, engine: SteppingEngine, engine_thread: EngineCaller, settings, *,
-                 make_request: MakeRequest, **kw):
+    def __init__(
+        self,
+        model: str,
+        engine: SteppingEngine,
+        engine_thread: EngineCaller,
+        settings,
+        *,
+        make_request: MakeRequest,
+        **kw,
+    ):
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
         # Children looked up once: these are touched for every generated token.
@@ -115,8 +125,9 @@ class GenerationScheduler(QueueingBatcher):
         reserved = 0
         if s.interactive_first and base.interactive_rate > 0:
             reserved = min(slots - 1, math.ceil(base.interactive_rate * held) + 1)
-        return replace(base, free_slots=self._capacity(), interactive_slots=reserved, slots_free_at=frees,
-                       sequence_seconds=held)
+        return replace(
+            base, free_slots=self._capacity(), interactive_slots=reserved, slots_free_at=frees, sequence_seconds=held
+        )
 
     def _slot_limit(self) -> int:
         """Most sequences that may run at once: max_running, the engine's own slot count (it
@@ -183,7 +194,9 @@ class GenerationScheduler(QueueingBatcher):
             if pending is not None:
                 pending()
 
-    async def _iteration(self, admitted: list[WorkItem], pending: Callable[[], None] | None) -> Callable[[], None] | None:
+    async def _iteration(
+        self, admitted: list[WorkItem], pending: Callable[[], None] | None
+    ) -> Callable[[], None] | None:
         """Run one iteration; returns the delivery of its outputs, for the caller to run."""
         for item in admitted:
             self._running[item.id] = _Seq(item)
@@ -245,8 +258,9 @@ class GenerationScheduler(QueueingBatcher):
         if requests:
             # A group that fails is retried by halves, so only the failing prompt fails; a
             # failed call's sequences are removed first, whatever it left behind.
-            results = split_in_halves(engine.add, requests,
-                                      after_failure=lambda group: engine.remove([r.seq_id for r in group]))
+            results = split_in_halves(
+                engine.add, requests, after_failure=lambda group: engine.remove([r.seq_id for r in group])
+            )
             for request, result in zip(requests, results):
                 if isinstance(result, Exception):
                     failed[request.seq_id] = result
@@ -266,7 +280,9 @@ class GenerationScheduler(QueueingBatcher):
             m.batch_tokens.labels(model, "prefill").observe(tokens.real)
             m.padding.labels(model, "prefill").observe(tokens.padding_ratio)
             m.batch_seconds.labels(model, "prefill").observe(r.prefill_seconds)
-            m.cost_error.labels(model, "prefill").observe(self.prefill_cost.observe(len(requests), tokens.padded, r.prefill_seconds))
+            m.cost_error.labels(model, "prefill").observe(
+                self.prefill_cost.observe(len(requests), tokens.padded, r.prefill_seconds)
+            )
             m.slowdown.labels(model, "prefill").set(self.prefill_cost.slowdown)
             m.prompt_tokens.labels(model).inc(tokens.real)
 
@@ -306,7 +322,9 @@ class GenerationScheduler(QueueingBatcher):
             item.on_delta(Delta(item, out.text, produced, out.finish_reason))
         if out.finish_reason is not None:
             prompt_tokens = len(item.payload.prompt_ids)
-            self._finish(item, Outcome.RESULT, GenResult("".join(seq.pieces), out.finish_reason, prompt_tokens, seq.tokens))
+            self._finish(
+                item, Outcome.RESULT, GenResult("".join(seq.pieces), out.finish_reason, prompt_tokens, seq.tokens)
+            )
 
     def _expire_running(self, now: float) -> None:
         """With budget_scope=total, a sequence still running at its deadline is cut."""

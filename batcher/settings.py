@@ -1,12 +1,13 @@
 """Batching knobs of one model, each declared once (see batcher/knobs.py for what the
 declaration feeds). Validated at construction; the admin API changes the `live` ones."""
+
 from __future__ import annotations
 
 from typing import Any, Literal
 
 from .knobs import MAX_MS, Knobs, SettingsError, knob
 
-__all__ = ["BatchingSettings", "SettingsError", "PolicyName"]
+__all__ = ["BatchingSettings", "PolicyName", "SettingsError"]
 
 # batcher/policy.py implements each name (POLICIES, GENERATION_POLICIES); a test keeps them equal.
 PolicyName = Literal["fixed", "deadline", "adaptive"]
@@ -16,44 +17,74 @@ BUDGET = {"unit": "ms", "gt": 0, "lt": MAX_MS}
 
 
 class BatchingSettings(Knobs):
-    max_batch_size: int = knob(32, "most items per embeddings batch / per chat admission",
-                               live=True, gauge=True, **COUNT)
-    max_wait_ms: float = knob(5.0, "longest the oldest queued item waits for batch mates", live=True, gauge=True, **WAIT)
+    max_batch_size: int = knob(
+        32, "most items per embeddings batch / per chat admission", live=True, gauge=True, **COUNT
+    )
+    max_wait_ms: float = knob(
+        5.0, "longest the oldest queued item waits for batch mates", live=True, gauge=True, **WAIT
+    )
     max_queue: int = knob(1024, "queued items per model before `429 queue_full`", live=True, gauge=True, **COUNT)
     policy: PolicyName = knob(
-        "adaptive", "dispatch policy: `fixed` (size cap or max wait), `deadline` (also dispatch early for the "
-        "tightest budget), `adaptive` (wait only while waiting raises throughput and every budget holds)", live=True)
+        "adaptive",
+        "dispatch policy: `fixed` (size cap or max wait), `deadline` (also dispatch early for the "
+        "tightest budget), `adaptive` (wait only while waiting raises throughput and every budget holds)",
+        live=True,
+    )
     default_budget_ms: float | None = knob(
-        10_000.0, "latency budget of requests that name none (body `latency_budget_ms` or header "
-        "`X-Ferry-Latency-Budget-Ms`)", null="no deadline", live=True, gauge=True, **BUDGET)
+        10_000.0,
+        "latency budget of requests that name none (body `latency_budget_ms` or header `X-Ferry-Latency-Budget-Ms`)",
+        null="no deadline",
+        live=True,
+        gauge=True,
+        **BUDGET,
+    )
     # Set at start only: the deadline-aware policies and admission were measured with it.
     deadline_margin_ms: float = knob(
-        10.0, "safety margin the deadline-aware policies keep between predicted finish and deadline: what the "
+        10.0,
+        "safety margin the deadline-aware policies keep between predicted finish and deadline: what the "
         "server's clock does not see (reading the request, writing the answer, the client's own queueing) and "
-        "the noise of a shared CPU", **WAIT)
-    aging_ms: float = knob(2_000.0, "batch-class work waits at most this long behind interactive work before it "
-                                    "is ordered as if it were interactive", live=True, **WAIT)
+        "the noise of a shared CPU",
+        **WAIT,
+    )
+    aging_ms: float = knob(
+        2_000.0,
+        "batch-class work waits at most this long behind interactive work before it "
+        "is ordered as if it were interactive",
+        live=True,
+        **WAIT,
+    )
     on_infeasible: Literal["reject", "serve"] = knob(
-        "reject", "`reject` gives `429 deadline_infeasible` at once; `serve` serves best-effort "
-        "(`X-Ferry-Best-Effort: true`)", live=True)
+        "reject",
+        "`reject` gives `429 deadline_infeasible` at once; `serve` serves best-effort (`X-Ferry-Best-Effort: true`)",
+        live=True,
+    )
     # On by default since admission counts on the measured drain (batcher/load.py): with it
     # off, interactive requests are refused under batch-class overload (docs/benchmarks.md).
     interactive_first: bool = knob(
-        True, "while interactive requests arrive, batches are sized for their budgets and batch-class work "
+        True,
+        "while interactive requests arrive, batches are sized for their budgets and batch-class work "
         "waits, is refused or expires first; off (`--no-interactive-first`): every urgent request sizes "
         "batches, total throughput first",
-        live=True)
+        live=True,
+    )
     # Generation only from here.
     budget_scope: Literal["ttft", "total"] = knob(
-        "ttft", "what a generation request's budget covers: `ttft` (time to first token) or `total` (a sequence "
-        "still running at its deadline is cut with a 504)")
-    max_itl_ms: float | None = knob(None, "inter-token latency target: new sequences wait rather than slow "
-                                          "everyone", null="no inter-token target", live=True, **BUDGET)
+        "ttft",
+        "what a generation request's budget covers: `ttft` (time to first token) or `total` (a sequence "
+        "still running at its deadline is cut with a 504)",
+    )
+    max_itl_ms: float | None = knob(
+        None,
+        "inter-token latency target: new sequences wait rather than slow everyone",
+        null="no inter-token target",
+        live=True,
+        **BUDGET,
+    )
     max_running: int = knob(64, "most sequences decoding at once", live=True, **COUNT)
-    prefill_token_budget: int = knob(2048, "most prompt tokens prefilled in one step (one prompt always fits)",
-                                     **COUNT)
+    prefill_token_budget: int = knob(2048, "most prompt tokens prefilled in one step (one prompt always fits)", **COUNT)
     mode: Literal["continuous", "static"] = knob(
-        "continuous", "generation batching; `static` is the comparison baseline", option="batching")
+        "continuous", "generation batching; `static` is the comparison baseline", option="batching"
+    )
 
     @property
     def max_wait(self) -> float:
@@ -66,6 +97,6 @@ class BatchingSettings(Knobs):
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump()
 
-    def updated(self, **changes: Any) -> "BatchingSettings":
+    def updated(self, **changes: Any) -> BatchingSettings:
         """A validated copy with `changes` (an unknown name is a SettingsError too)."""
         return BatchingSettings(**{**self.to_dict(), **changes})

@@ -3,13 +3,15 @@ of generation items (request in, streamed deltas and result out).
 
 Every module imports these; nobody redefines them.
 """
+
 from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Any, Callable, Sequence
+from typing import Any
 
 _ids = itertools.count(1)
 
@@ -29,7 +31,7 @@ class Priority(IntEnum):
     BATCH = 1
 
     @classmethod
-    def parse(cls, value: str | None) -> "Priority":
+    def parse(cls, value: str | None) -> Priority:
         if value is None or value == "":
             return cls.INTERACTIVE
         try:
@@ -116,7 +118,7 @@ class TokenCount:
     padded: int
 
     @classmethod
-    def of(cls, lengths: Sequence[int]) -> "TokenCount":
+    def of(cls, lengths: Sequence[int]) -> TokenCount:
         return cls(sum(lengths), max(lengths, default=0) * len(lengths))
 
     @property

@@ -9,6 +9,7 @@ A request is keyed by `req`, a number its front end makes unique among its own r
 the engine core tells front ends apart by their socket identity, so the pair is unique.
 A message for a key the receiver no longer knows is dropped (see `docs/architecture.md`).
 """
+
 from __future__ import annotations
 
 from array import array
@@ -172,9 +173,16 @@ def decode_to_front_end(raw: bytes) -> ToFrontEnd:
 
 # -- errors cross as (code, message, retry_after) and come back as the same class ----------
 _ERRORS: dict[str, type[errors.BatchingError]] = {
-    cls.code: cls for cls in (errors.QueueFull, errors.DeadlineInfeasible, errors.RequestTooLarge,
-                              errors.DeadlineExceeded, errors.Cancelled, errors.EngineError,
-                              errors.ShuttingDown)
+    cls.code: cls
+    for cls in (
+        errors.QueueFull,
+        errors.DeadlineInfeasible,
+        errors.RequestTooLarge,
+        errors.DeadlineExceeded,
+        errors.Cancelled,
+        errors.EngineError,
+        errors.ShuttingDown,
+    )
 }
 
 
@@ -186,8 +194,12 @@ def error_of(code: str | None, message: str | None, retry_after: float | None = 
 
 
 def refusal(req: int, exc: Exception) -> Refused:
-    return Refused(req, getattr(exc, "code", "internal_error"), getattr(exc, "message", str(exc)),
-                   getattr(exc, "retry_after", None))
+    return Refused(
+        req,
+        getattr(exc, "code", "internal_error"),
+        getattr(exc, "message", str(exc)),
+        getattr(exc, "retry_after", None),
+    )
 
 
 def outcome_of(result: Result) -> Outcome:

@@ -6,10 +6,12 @@ thread at a time (the batcher owns that thread), so implementations need no lock
 Per-item failures are returned in place of a result, never raised, so that one bad item
 cannot fail its batch mates; an exception raised out of a call fails every item of it.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 class ChatTemplateError(ValueError):
@@ -20,7 +22,7 @@ class ChatTemplateError(ValueError):
 
 @dataclass(slots=True)
 class EmbeddingResult:
-    vector: "object"  # numpy float32 array, shape [dim], L2-normalised
+    vector: object  # numpy float32 array, shape [dim], L2-normalised
     tokens: int
 
 
@@ -56,7 +58,9 @@ class SequenceRequest:
 def sequence_request(seq_id: int, prompt_ids: list[int], params: SamplingParams | None) -> SequenceRequest:
     """What the generation scheduler hands the engine for one sequence (its `make_request`);
     no params (the scheduler's warm-up) means 8 greedy tokens."""
-    return SequenceRequest(seq_id, list(prompt_ids), params if params is not None else SamplingParams(max_tokens=8, temperature=0.0))
+    return SequenceRequest(
+        seq_id, list(prompt_ids), params if params is not None else SamplingParams(max_tokens=8, temperature=0.0)
+    )
 
 
 @dataclass(slots=True)

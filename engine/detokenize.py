@@ -1,8 +1,10 @@
 """From generated token ids to the text a client may see: incremental detokenization
 that never releases half a character, and OpenAI stop strings over the text stream."""
+
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # Prompt tokens decoded ahead of the completion so that tokenizers which drop or add a
 # leading space at the start of a decode (SentencePiece) render the first word right.
@@ -46,9 +48,7 @@ class IncrementalDetokenizer:
         return text[len(prefix_text) :]
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
-        )
+        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 class StopStringFilter:

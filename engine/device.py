@@ -1,4 +1,5 @@
 """Device, dtype and thread settings shared by the real engines."""
+
 from __future__ import annotations
 
 import os

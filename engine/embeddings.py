@@ -9,11 +9,13 @@ Eager PyTorch takes the GIL back for every operator, and the gateway's event loo
 it while it parses and answers HTTP: with a busy loop a batch of one took ~75 ms instead
 of ~15 ms here. A traced forward runs in C++ and holds the GIL once.
 """
+
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .base import EmbeddingResult
 from .device import configure_threads, is_oom, resolve_device, resolve_dtype
@@ -30,9 +32,17 @@ def default_model_path() -> str:
 
 
 class HFEmbeddingEngine:
-    def __init__(self, model: str | None = None, *, name: str | None = None, device: str | None = None,
-                 dtype: str | None = None, torch_threads: int | None = None, max_length: int | None = None,
-                 torchscript: bool = True):
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        name: str | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        torch_threads: int | None = None,
+        max_length: int | None = None,
+        torchscript: bool = True,
+    ):
         import torch
         from transformers import AutoModel, AutoTokenizer
 
@@ -57,8 +67,14 @@ class HFEmbeddingEngine:
             traced = self._trace()
             if traced is not None:
                 self._forward, self.graph = traced, "torchscript"
-        log.info("loaded embeddings model %s on %s (max_length=%d, dim=%d, %s)", self.name, self.device,
-                 self.max_length, self.dim, self.graph)
+        log.info(
+            "loaded embeddings model %s on %s (max_length=%d, dim=%d, %s)",
+            self.name,
+            self.device,
+            self.max_length,
+            self.dim,
+            self.graph,
+        )
 
     def _trace(self) -> Any | None:
         """The encoder as a TorchScript graph, or None when tracing fails or the graph does not
@@ -72,7 +88,7 @@ class HFEmbeddingEngine:
             mask = torch.ones_like(ids)
             if pad:
                 for r in range(1, rows):
-                    mask[r, max(1, length - 3 * r):] = 0
+                    mask[r, max(1, length - 3 * r) :] = 0
                 ids[mask == 0] = self.pad_id
             return ids.to(self.device), mask.to(self.device)
 
@@ -86,12 +102,18 @@ class HFEmbeddingEngine:
                     want, got = self._eager(ids, mask).float(), traced(ids, mask).float()
                     keep = mask.unsqueeze(-1).bool()
                     if got.shape != want.shape or not torch.allclose(got * keep, want * keep, rtol=tol, atol=tol):
-                        log.warning("embeddings model %s: traced graph differs from eager at %dx%d; running eager",
-                                    self.name, rows, length)
+                        log.warning(
+                            "embeddings model %s: traced graph differs from eager at %dx%d; running eager",
+                            self.name,
+                            rows,
+                            length,
+                        )
                         return None
             return traced
         except Exception as exc:  # any model may refuse tracing: eager is always correct
-            log.warning("embeddings model %s does not trace (%s: %s); running eager", self.name, type(exc).__name__, exc)
+            log.warning(
+                "embeddings model %s does not trace (%s: %s); running eager", self.name, type(exc).__name__, exc
+            )
             return None
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
@@ -114,8 +136,12 @@ class HFEmbeddingEngine:
                 if self._forward is self._eager or is_oom(exc):
                     raise  # out-of-memory is split and retried by the batcher
                 # A shape the load-time check did not try broke the graph: eager is always right.
-                log.error("embeddings model %s: TorchScript graph failed (%s: %s); running eager from now on",
-                          self.name, type(exc).__name__, exc)
+                log.error(
+                    "embeddings model %s: TorchScript graph failed (%s: %s); running eager from now on",
+                    self.name,
+                    type(exc).__name__,
+                    exc,
+                )
                 self._forward, self.graph = self._eager, "eager"
                 hidden = self._eager(input_ids, mask).float()
             m = mask.unsqueeze(-1).to(hidden.dtype)

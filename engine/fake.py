@@ -6,11 +6,13 @@ and gateway. Torch-free. Special inputs inject faults:
 - ``OOM``: the call raises an out-of-memory error (the gateway splits and retries);
 - ``HANG``: the call blocks for `hang_seconds`.
 """
+
 from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -31,8 +33,16 @@ def fake_vector(text: str, dim: int) -> np.ndarray:
 class FakeEmbeddingEngine:
     """Implements `EmbeddingEngine`; latency = fixed + per_item * n (+ per_token * padded)."""
 
-    def __init__(self, name: str = "fake-embed", dim: int = 8, fixed: float = 0.0, per_item: float = 0.0,
-                 per_token: float = 0.0, max_length: int = 512, hang_seconds: float = 30.0):
+    def __init__(
+        self,
+        name: str = "fake-embed",
+        dim: int = 8,
+        fixed: float = 0.0,
+        per_item: float = 0.0,
+        per_token: float = 0.0,
+        max_length: int = 512,
+        hang_seconds: float = 30.0,
+    ):
         self.name, self.dim, self.max_length = name, dim, max_length
         self.fixed, self.per_item, self.per_token, self.hang_seconds = fixed, per_item, per_token, hang_seconds
         self.calls: list[int] = []  # batch sizes seen, in order
@@ -64,7 +74,9 @@ class FakeEmbeddingEngine:
         if delay > 0:
             time.sleep(delay)
         return [
-            ValueError("simulated failure of one input") if "FAIL_ITEM" in t else EmbeddingResult(fake_vector(t, self.dim), len(ids))
+            ValueError("simulated failure of one input")
+            if "FAIL_ITEM" in t
+            else EmbeddingResult(fake_vector(t, self.dim), len(ids))
             for t, ids in zip(texts, batch)
         ]
 
@@ -76,8 +88,14 @@ class SimulatedExecutor:
     index) raise. Records every batch it ran, with the clock time it started.
     """
 
-    def __init__(self, clock: Any, fixed: float = 0.010, per_item: float = 0.002,
-                 fail_items: set[Any] | None = None, fail_batches: set[int] | None = None):
+    def __init__(
+        self,
+        clock: Any,
+        fixed: float = 0.010,
+        per_item: float = 0.002,
+        fail_items: set[Any] | None = None,
+        fail_batches: set[int] | None = None,
+    ):
         self.clock, self.fixed, self.per_item = clock, fixed, per_item
         self.fail_items = fail_items or set()
         self.fail_batches = fail_batches or set()
@@ -113,8 +131,14 @@ class FakeGenerationEngine:
     such a prompt is in the group; `step_delay` makes each call block (wall clock).
     """
 
-    def __init__(self, name: str = "fake-chat", max_context: int = 512, step_delay: float = 0.0,
-                 fail_prompts: set[int] | None = None, roles: Sequence[str] = ("system", "user", "assistant")):
+    def __init__(
+        self,
+        name: str = "fake-chat",
+        max_context: int = 512,
+        step_delay: float = 0.0,
+        fail_prompts: set[int] | None = None,
+        roles: Sequence[str] = ("system", "user", "assistant"),
+    ):
         self.name, self.max_context, self.step_delay = name, max_context, step_delay
         self.roles = frozenset(roles)
         self.fail_prompts = fail_prompts or set()

@@ -10,13 +10,15 @@ position ids (real tokens before the fed one); transformers' defaults ignore pad
 give silently wrong tokens. Token ids become text, stop strings included, in
 engine/detokenize.py.
 """
+
 from __future__ import annotations
 
 import copy
 import inspect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import jinja2
 import torch
@@ -32,6 +34,7 @@ log = logging.getLogger("ferry.engine")
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+
 
 class HFGenerationEngine:
     """GenerationEngine for a local path or hub id loadable by AutoModelForCausalLM.
@@ -59,9 +62,7 @@ class HFGenerationEngine:
         self.name = name or model_name_or_path
         self.device = torch.device(resolve_device(device))
         self.max_running = max_running
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            model_name_or_path, trust_remote_code=trust_remote_code
-        )
+        self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
         self.model = AutoModelForCausalLM.from_pretrained(
             model_name_or_path,
             dtype=resolve_dtype(dtype, self.device.type),
@@ -79,11 +80,14 @@ class HFGenerationEngine:
         self._check_cache_layout()
         log.info(
             "loaded chat model %s on %s (max_context=%d, max_running=%d)",
-            self.name, self.device, self.max_context, self.max_running,
+            self.name,
+            self.device,
+            self.max_context,
+            self.max_running,
         )
 
     @classmethod
-    def tiny_default(cls, cache_dir: str | None = None, **kwargs: Any) -> "HFGenerationEngine":
+    def tiny_default(cls, cache_dir: str | None = None, **kwargs: Any) -> HFGenerationEngine:
         """The built-in "ferry-tiny-chat" model, built on first use."""
         from .tiny_chat import MODEL_NAME, ensure_tiny_chat
 
@@ -126,11 +130,7 @@ class HFGenerationEngine:
         """
         self._check_admission(requests)
         admitted = [r for r in requests if self._fits(r)]
-        outputs = {
-            r.seq_id: StepOutput(r.seq_id, [], "", FINISH_LENGTH)
-            for r in requests
-            if not self._fits(r)
-        }
+        outputs = {r.seq_id: StepOutput(r.seq_id, [], "", FINISH_LENGTH) for r in requests if not self._fits(r)}
         if admitted:
             outputs.update((o.seq_id, o) for o in self._prefill(admitted))
         return [outputs[r.seq_id] for r in requests]
@@ -186,8 +186,7 @@ class HFGenerationEngine:
         admitted = sum(1 for r in requests if self._fits(r))
         if self.running + admitted > self.max_running:
             raise ValueError(
-                f"admitting {admitted} would exceed max_running={self.max_running} "
-                f"({self.running} running)"
+                f"admitting {admitted} would exceed max_running={self.max_running} ({self.running} running)"
             )
 
     def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
@@ -225,7 +224,7 @@ class HFGenerationEngine:
 
         return DynamicCache(config=self.model.config)
 
-    def _new_sequence(self, request: SequenceRequest) -> "_Sequence":
+    def _new_sequence(self, request: SequenceRequest) -> _Sequence:
         params = request.params
         return _Sequence(
             seq_id=request.seq_id,
@@ -236,7 +235,7 @@ class HFGenerationEngine:
             stops=StopStringFilter(params.stop),
         )
 
-    def _advance(self, seq: "_Sequence", token: int) -> StepOutput:
+    def _advance(self, seq: _Sequence, token: int) -> StepOutput:
         """Account one new token: release text, decide whether the sequence finishes."""
         seq.tokens.append(token)
         if token in self.eos_token_ids:
@@ -245,9 +244,7 @@ class HFGenerationEngine:
         text, stopped = seq.stops.feed(seq.detokenizer.push(token))
         if stopped:
             return StepOutput(seq.seq_id, [token], text, FINISH_STOP)
-        out_of_room = (
-            len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context
-        )
+        out_of_room = len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context
         if not out_of_room:
             return StepOutput(seq.seq_id, [token], text)
         tail, stopped = seq.stops.feed(seq.detokenizer.flush(), final=True)

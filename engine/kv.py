@@ -6,6 +6,7 @@ column in place and attends over a view of the used columns; joining copies only
 newcomers' prefill cache, leaving copies only the rows that move. A `RunningBatch`
 presents its buffers to transformers as an ordinary `Cache` of `SlotLayer`s.
 """
+
 from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
@@ -24,7 +25,7 @@ class SlotLayer(DynamicLayer):
     [start, end] instead of concatenating the whole cache, as DynamicLayer does every step.
     """
 
-    def __init__(self, owner: "RunningBatch", keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, owner: RunningBatch, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
         self.owner = owner
         self.keys, self.values = keys, values

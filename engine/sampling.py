@@ -12,10 +12,11 @@ which is cheap; only rows whose nucleus does not fit in those k tokens (very fla
 distributions, e.g. a randomly initialised model) fall back to an exact full-vocabulary
 sort. The result is exact either way. Rows with top_p >= 1 skip both.
 """
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -31,7 +32,7 @@ class SequenceSampler:
     generator: torch.Generator
 
     @classmethod
-    def create(cls, temperature: float, top_p: float, seed: int | None) -> "SequenceSampler":
+    def create(cls, temperature: float, top_p: float, seed: int | None) -> SequenceSampler:
         return cls(temperature=temperature, top_p=top_p, generator=make_generator(seed))
 
     @property
@@ -98,9 +99,7 @@ def _nucleus_thresholds(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tenso
     return thresholds
 
 
-def _thresholds_from_sorted(
-    sorted_probs: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _thresholds_from_sorted(sorted_probs: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Thresholds from descending probabilities, and whether the nucleus fits in them."""
     cumulative = sorted_probs.cumsum(dim=-1)
     # The nucleus is the shortest prefix reaching top_p: tokens whose preceding mass < top_p.

@@ -1,6 +1,7 @@
 """Ferry gateway. `from gateway import Ferry, FerryClient` (imported lazily, so importing
 the package stays cheap). The client itself lives in `ferry_client` (client/), which also
 installs on its own; it is re-exported here so one import gives both."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -1,5 +1,6 @@
 """The Starlette application: routes, lifespan (model loading in the background so
 /healthz answers at once and /readyz tells when models are warm), and drain."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,13 +10,13 @@ import logging
 from starlette.applications import Starlette
 from starlette.routing import Route
 
+from . import openapi
 from .config import ServerConfig
 from .endpoint import endpoint, route
 from .errors import APIError
-from .metrics import GatewayMetrics
-from . import openapi
-from .model_loading import ModelSpec, default_specs
 from .jobs import BatchJobWorker
+from .metrics import GatewayMetrics
+from .model_loading import ModelSpec, default_specs
 from .routes import admin, batches, chat, embeddings, system
 from .state import GatewayState
 
@@ -34,8 +35,11 @@ def routes() -> list[Route]:
         Route("/v1/chat/completions", endpoint("/v1/chat/completions", chat.chat_completions), methods=["POST"]),
         Route("/v1/completions", endpoint("/v1/completions", chat.completions), methods=["POST"]),
         *batches.batch_routes(),
-        route("/admin/models/{model:path}/batching", get=endpoint("/admin/batching", admin.get_batching, public=True),
-              patch=endpoint("/admin/batching", admin.patch_batching, public=True)),
+        route(
+            "/admin/models/{model:path}/batching",
+            get=endpoint("/admin/batching", admin.get_batching, public=True),
+            patch=endpoint("/admin/batching", admin.patch_batching, public=True),
+        ),
     ]
 
 
@@ -46,8 +50,9 @@ async def _http_error(request, exc):
     return APIError(exc.status_code, message, code=code).response(headers=getattr(exc, "headers", None))
 
 
-def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None = None,
-               metrics: GatewayMetrics | None = None) -> Starlette:
+def create_app(
+    config: ServerConfig | None = None, specs: list[ModelSpec] | None = None, metrics: GatewayMetrics | None = None
+) -> Starlette:
     config = config or ServerConfig()
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
 
@@ -69,7 +74,6 @@ def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None
             await ferry.close()
 
     ferry.jobs = BatchJobWorker(ferry)
-    app = Starlette(routes=routes(), lifespan=lifespan,
-                    exception_handlers={404: _http_error, 405: _http_error})
+    app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})
     app.state.ferry = ferry
     return app

@@ -1,4 +1,5 @@
 """`ferry serve`: the command-line entry point."""
+
 from __future__ import annotations
 
 import os

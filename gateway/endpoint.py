@@ -1,13 +1,14 @@
 """One wrapper for every route: request id, API-key check, OpenAI error mapping,
 request metrics and one structured log line per request."""
+
 from __future__ import annotations
 
 import hmac
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -57,7 +58,9 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
         m.in_flight.labels(route).inc()
         try:
             if not public and ferry.config.api_keys and not check_key(request, ferry.config.api_keys):
-                raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key")
+                raise APIError(
+                    401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
+                )
             response = await handler(request, ctx)
         except APIError as exc:
             if exc.status in INVALID_INPUT and not public:
@@ -87,8 +90,17 @@ def finish(ferry, ctx: Ctx, status: int, start: float) -> None:
     if ctx.model:
         m.request_latency.labels(ctx.route, ctx.model).observe(elapsed)
     if log.isEnabledFor(logging.INFO):
-        log.info("request", extra={"request_id": ctx.request_id, "route": ctx.route, "model": ctx.model,
-                                   "status": status, "latency_ms": round(elapsed * 1000.0, 3), **ctx.extra})
+        log.info(
+            "request",
+            extra={
+                "request_id": ctx.request_id,
+                "route": ctx.route,
+                "model": ctx.model,
+                "status": status,
+                "latency_ms": round(elapsed * 1000.0, 3),
+                **ctx.extra,
+            },
+        )
 
 
 def route(path: str, **handlers: Callable[[Request], Awaitable[Response]]) -> Route:

@@ -1,10 +1,19 @@
 """OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` with the right status."""
+
 from __future__ import annotations
 
 import math
 
-from batcher.errors import (BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, EngineError,
-                            QueueFull, RequestTooLarge, ShuttingDown)
+from batcher.errors import (
+    BatchingError,
+    Cancelled,
+    DeadlineExceeded,
+    DeadlineInfeasible,
+    EngineError,
+    QueueFull,
+    RequestTooLarge,
+    ShuttingDown,
+)
 
 from .responses import json_response
 
@@ -33,13 +42,20 @@ STATUS_OF = {
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 retry_after: float | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.retry_after = status, message, code, param, retry_after
 
     @classmethod
-    def from_batching(cls, exc: BatchingError) -> "APIError":
+    def from_batching(cls, exc: BatchingError) -> APIError:
         status = next((s for t, s in STATUS_OF.items() if isinstance(exc, t)), 500)
         return cls(status, exc.message, code=exc.code, retry_after=exc.retry_after)
 
@@ -55,5 +71,9 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 
 def not_found_model(name: str, available: list[str]) -> APIError:
-    return APIError(404, f"The model '{name}' does not exist. Available models: {', '.join(available) or 'none'}",
-                    code="model_not_found", param="model")
+    return APIError(
+        404,
+        f"The model '{name}' does not exist. Available models: {', '.join(available) or 'none'}",
+        code="model_not_found",
+        param="model",
+    )

@@ -1,4 +1,5 @@
 """Structured logs: one JSON object per line, with whatever `extra` fields a call adds."""
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,12 @@ _STD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", 
 
 class JSONFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
         out.update({k: v for k, v in vars(record).items() if k not in _STD})
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)

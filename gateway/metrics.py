@@ -11,6 +11,7 @@ Label values:
 - `model`: empty when the request named no model (or its body could not be parsed);
   `ferry_request_duration_seconds` is observed only for requests that named one.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -22,6 +23,17 @@ class GatewayMetrics(Metrics):
     def __init__(self, registry: CollectorRegistry | None = None):
         super().__init__(registry)
         r = self.registry
-        self.requests = Counter("ferry_requests_total", "HTTP requests by route, model and status code.", ["route", "model", "status"], registry=r)
-        self.request_latency = Histogram("ferry_request_duration_seconds", "End-to-end request latency.", ["route", "model"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "ferry_requests_total",
+            "HTTP requests by route, model and status code.",
+            ["route", "model", "status"],
+            registry=r,
+        )
+        self.request_latency = Histogram(
+            "ferry_request_duration_seconds",
+            "End-to-end request latency.",
+            ["route", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge("ferry_requests_in_flight", "Requests being served now.", ["route"], registry=r)

@@ -1,19 +1,21 @@
 """Loads and starts the models a gateway serves: each an engine, its engine thread and its batcher."""
+
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
-from batcher.queueing import QueueingBatcher
 from batcher.cost import CostModel
-from batcher.metrics import Metrics
-from batcher.isolation import split_in_halves
-from batcher.microbatcher import MicroBatcher
 from batcher.engine_thread import EngineThread
+from batcher.isolation import split_in_halves
+from batcher.metrics import Metrics
+from batcher.microbatcher import MicroBatcher
+from batcher.queueing import QueueingBatcher
 
 from .config import ServerConfig
 
@@ -46,23 +48,32 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
         return fake_specs_from_env()
     specs = []
     if cfg.embedding_model != "none":
+
         def load_embeddings():
             from engine.embeddings import HFEmbeddingEngine
 
             path = None if cfg.embedding_model == "default" else cfg.embedding_model
-            return HFEmbeddingEngine(path, device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads,
-                                     torchscript=cfg.torchscript)
+            return HFEmbeddingEngine(
+                path, device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads, torchscript=cfg.torchscript
+            )
 
         specs.append(ModelSpec(EMBEDDING, load_embeddings))
     if cfg.chat_model != "none":
+
         def load_chat():
             from engine.generation import HFGenerationEngine
 
             if cfg.chat_model == "default":
-                return HFGenerationEngine.tiny_default(device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads,
-                                                       max_running=cfg.max_running)
-            return HFGenerationEngine(cfg.chat_model, device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads,
-                                      max_running=cfg.max_running)
+                return HFGenerationEngine.tiny_default(
+                    device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads, max_running=cfg.max_running
+                )
+            return HFGenerationEngine(
+                cfg.chat_model,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                torch_threads=cfg.torch_threads,
+                max_running=cfg.max_running,
+            )
 
         specs.append(ModelSpec(CHAT, load_chat))
     return specs
@@ -93,7 +104,10 @@ def fake_specs_from_env() -> list[ModelSpec]:
             record("chat", ["".join(map(chr, r.prompt_ids)) for r in requests])
             return super().add(requests)
 
-    return [ModelSpec(EMBEDDING, lambda: LoggedEmbed(fixed=delay)), ModelSpec(CHAT, lambda: LoggedChat(step_delay=delay))]
+    return [
+        ModelSpec(EMBEDDING, lambda: LoggedEmbed(fixed=delay)),
+        ModelSpec(CHAT, lambda: LoggedChat(step_delay=delay)),
+    ]
 
 
 def _thread_setup(cfg: ServerConfig):
@@ -113,8 +127,12 @@ def _thread_setup(cfg: ServerConfig):
 async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> ServedModel:
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, spec.load)
-    engine_thread = EngineThread(engine.name, timeout=cfg.engine_timeout, initializer=_thread_setup(cfg),
-                                 replace_on_timeout=spec.kind == EMBEDDING)
+    engine_thread = EngineThread(
+        engine.name,
+        timeout=cfg.engine_timeout,
+        initializer=_thread_setup(cfg),
+        replace_on_timeout=spec.kind == EMBEDDING,
+    )
     settings = cfg.batching_settings(**spec.settings)
     if spec.kind == EMBEDDING:
         cost = CostModel()
@@ -130,14 +148,16 @@ async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> S
         async def execute(payloads: list[Any]) -> list[Any]:
             return await engine_thread(embed, payloads)
 
-        batcher: QueueingBatcher = MicroBatcher(engine.name, execute, settings, cost=cost,
-                                                metrics=metrics, phase="embed")
+        batcher: QueueingBatcher = MicroBatcher(
+            engine.name, execute, settings, cost=cost, metrics=metrics, phase="embed"
+        )
     else:
         from batcher.scheduler import GenerationScheduler
         from engine.base import sequence_request
 
-        batcher = GenerationScheduler(engine.name, engine, engine_thread, settings, make_request=sequence_request,
-                                      metrics=metrics)
+        batcher = GenerationScheduler(
+            engine.name, engine, engine_thread, settings, make_request=sequence_request, metrics=metrics
+        )
         if cfg.warmup:
             await batcher.warmup()
     await batcher.start()

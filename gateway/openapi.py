@@ -2,6 +2,7 @@
 same pydantic models that validate requests (made for this server's limits), so it cannot
 drift from behaviour. Once the models are loaded it also names what only the server knows:
 the served models of each route and the embedding sizes they produce."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -30,25 +31,70 @@ ERRORS = {
     "504": "Latency budget exceeded while queued",
 }
 # One server-sent event (Open API 3.1: the schema of a stream describes each event).
-SSE_EVENT = {"type": "object", "required": ["data"],
-             "description": "With stream=true: one chunk per event, then `data: [DONE]`",
-             "properties": {"data": {"type": "string", "description": "A chunk as JSON, or [DONE]"},
-                            "event": {"type": "string"}}}
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "description": "With stream=true: one chunk per event, then `data: [DONE]`",
+    "properties": {
+        "data": {"type": "string", "description": "A chunk as JSON, or [DONE]"},
+        "event": {"type": "string"},
+    },
+}
 BATCH_ERRORS = ("400", "401", "404", "413", "422", "503")
 
 
 def _operations(req: s.RequestModels) -> list[tuple]:
     # (path, method, summary, request model, 200 model, stream?, tag)
     return [
-        ("/v1/embeddings", "post", "Create embeddings; each input is its own work item", req.embeddings, s.EmbeddingsResponse, False, "v1"),
-        ("/v1/chat/completions", "post", "Chat completions for one or several conversations", req.chat, s.ChatCompletionResponse, True, "v1"),
-        ("/v1/completions", "post", "Completions for one or several prompts", req.completions, s.CompletionResponse, True, "v1"),
+        (
+            "/v1/embeddings",
+            "post",
+            "Create embeddings; each input is its own work item",
+            req.embeddings,
+            s.EmbeddingsResponse,
+            False,
+            "v1",
+        ),
+        (
+            "/v1/chat/completions",
+            "post",
+            "Chat completions for one or several conversations",
+            req.chat,
+            s.ChatCompletionResponse,
+            True,
+            "v1",
+        ),
+        (
+            "/v1/completions",
+            "post",
+            "Completions for one or several prompts",
+            req.completions,
+            s.CompletionResponse,
+            True,
+            "v1",
+        ),
         ("/v1/models", "get", "List served models", None, s.ModelList, False, "v1"),
         ("/v1/models/{model}", "get", "One served model", None, s.ModelCard, False, "v1"),
         ("/healthz", "get", "Liveness", None, s.Status, False, "ops"),
         ("/readyz", "get", "Readiness: models loaded and warmed up", None, s.Status, False, "ops"),
-        ("/admin/models/{model}/batching", "get", "Current batching settings", None, admin.BatchingSettingsOut, False, "admin"),
-        ("/admin/models/{model}/batching", "patch", "Change batching settings live", admin.BatchingPatch, admin.BatchingSettingsOut, False, "admin"),
+        (
+            "/admin/models/{model}/batching",
+            "get",
+            "Current batching settings",
+            None,
+            admin.BatchingSettingsOut,
+            False,
+            "admin",
+        ),
+        (
+            "/admin/models/{model}/batching",
+            "patch",
+            "Change batching settings live",
+            admin.BatchingPatch,
+            admin.BatchingSettingsOut,
+            False,
+            "admin",
+        ),
     ]
 
 
@@ -74,8 +120,11 @@ def build(cfg: ServerConfig | None = None, models: dict[str, Any] | None = None)
         _served_facts(components, models)
     paths: dict[str, dict[str, Any]] = {}
     for path, method, summary, body, resp, stream, tag in ops:
-        op: dict[str, Any] = {"summary": summary, "tags": [tag],
-                              "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}"}
+        op: dict[str, Any] = {
+            "summary": summary,
+            "tags": [tag],
+            "operationId": f"{method}_{path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}",
+        }
         if "{model}" in path:
             op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
         if body is not None:
@@ -96,18 +145,33 @@ def build(cfg: ServerConfig | None = None, models: dict[str, Any] | None = None)
             op["security"] = [{"apiKey": []}, {}]
         paths.setdefault(path, {})[method] = op
     _batch_jobs(paths)
-    paths["/metrics"] = {"get": {"summary": "Prometheus metrics", "tags": ["ops"], "operationId": "get_metrics",
-                                 "responses": {"200": {"description": "Prometheus text format",
-                                                       "content": {"text/plain": {"schema": {"type": "string"}}}}}}}
+    paths["/metrics"] = {
+        "get": {
+            "summary": "Prometheus metrics",
+            "tags": ["ops"],
+            "operationId": "get_metrics",
+            "responses": {
+                "200": {
+                    "description": "Prometheus text format",
+                    "content": {"text/plain": {"schema": {"type": "string"}}},
+                }
+            },
+        }
+    }
     return {
         "openapi": "3.1.0",
-        "info": {"title": "Ferry", "version": "0.1.0",
-                 "description": "Latency-aware dynamic micro-batching gateway (OpenAI-compatible)."},
+        "info": {
+            "title": "Ferry",
+            "version": "0.1.0",
+            "description": "Latency-aware dynamic micro-batching gateway (OpenAI-compatible).",
+        },
         "paths": paths,
         "components": {
             "schemas": components,
-            "securitySchemes": {"apiKey": {"type": "http", "scheme": "bearer"},
-                                "adminToken": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {
+                "apiKey": {"type": "http", "scheme": "bearer"},
+                "adminToken": {"type": "http", "scheme": "bearer"},
+            },
         },
     }
 
@@ -116,14 +180,20 @@ def _served_facts(components: dict[str, Any], models: dict[str, Any]) -> None:
     """What the request models cannot know: which models each route serves (another name is
     a 404) and the size each embedding model produces (`dimensions` is only that size)."""
     names = {kind: sorted(n for n, m in models.items() if m.kind == kind) for kind in (EMBEDDING, CHAT)}
-    for schema_name, kind in (("EmbeddingsRequest", EMBEDDING), ("ChatCompletionRequest", CHAT), ("CompletionRequest", CHAT)):
+    for schema_name, kind in (
+        ("EmbeddingsRequest", EMBEDDING),
+        ("ChatCompletionRequest", CHAT),
+        ("CompletionRequest", CHAT),
+    ):
         if names[kind]:
             components[schema_name]["properties"]["model"]["enum"] = names[kind]
     dims = sorted({m.engine.dim for m in models.values() if m.kind == EMBEDDING})
     if dims:
         components["EmbeddingsRequest"]["properties"]["dimensions"] = {
-            "anyOf": [{"type": "integer", "enum": dims}, {"type": "null"}], "default": None,
-            "description": "The size the model produces (the only one it supports)."}
+            "anyOf": [{"type": "integer", "enum": dims}, {"type": "null"}],
+            "default": None,
+            "description": "The size the model produces (the only one it supports).",
+        }
 
 
 def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
@@ -132,13 +202,25 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
     reader) follows real ids from one to the next."""
     errors = {code: {"description": ERRORS[code], "content": _json(s.ErrorResponse)} for code in BATCH_ERRORS}
 
-    def op(op_id: str, summary: str, content: dict[str, Any], param: str | None = None, body: dict | None = None,
-           links: dict[str, Any] | None = None, query: list[dict] | None = None) -> dict:
+    def op(
+        op_id: str,
+        summary: str,
+        content: dict[str, Any],
+        param: str | None = None,
+        body: dict | None = None,
+        links: dict[str, Any] | None = None,
+        query: list[dict] | None = None,
+    ) -> dict:
         ok: dict[str, Any] = {"description": "OK", "content": content}
         if links:
             ok["links"] = links
-        out: dict[str, Any] = {"summary": summary, "tags": ["batch"], "operationId": op_id, "security": [{"apiKey": []}, {}],
-                               "responses": {"200": ok, **errors}}
+        out: dict[str, Any] = {
+            "summary": summary,
+            "tags": ["batch"],
+            "operationId": op_id,
+            "security": [{"apiKey": []}, {}],
+            "responses": {"200": ok, **errors},
+        }
         params = [{"name": param, "in": "path", "required": True, "schema": {"type": "string"}}] if param else []
         params += query or []
         if params:
@@ -155,40 +237,96 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
             out["requestBody"] = {body_field: expr}
         return out
 
-    file_links = {"GetFile": link("get_file", "$response.body#/id", "file_id"),
-                  "GetFileContent": link("get_file_content", "$response.body#/id", "file_id"),
-                  "CreateBatch": link("post_batches", "$response.body#/id", body_field="input_file_id")}
-    batch_links = {"GetBatch": link("get_batch", "$response.body#/id", "batch_id"),
-                   "CancelBatch": link("cancel_batch", "$response.body#/id", "batch_id"),
-                   "GetInputFile": link("get_file", "$response.body#/input_file_id", "file_id"),
-                   "GetOutputContent": link("get_file_content", "$response.body#/output_file_id", "file_id"),
-                   "GetErrorContent": link("get_file_content", "$response.body#/error_file_id", "file_id")}
+    file_links = {
+        "GetFile": link("get_file", "$response.body#/id", "file_id"),
+        "GetFileContent": link("get_file_content", "$response.body#/id", "file_id"),
+        "CreateBatch": link("post_batches", "$response.body#/id", body_field="input_file_id"),
+    }
+    batch_links = {
+        "GetBatch": link("get_batch", "$response.body#/id", "batch_id"),
+        "CancelBatch": link("cancel_batch", "$response.body#/id", "batch_id"),
+        "GetInputFile": link("get_file", "$response.body#/input_file_id", "file_id"),
+        "GetOutputContent": link("get_file_content", "$response.body#/output_file_id", "file_id"),
+        "GetErrorContent": link("get_file_content", "$response.body#/error_file_id", "file_id"),
+    }
     # Empty files are accepted (a batch made from one is refused: the file has no requests);
     # multipart fields other than these two are refused, and the schema says so.
-    upload = {"required": True, "content": {"multipart/form-data": {"schema": {
-        "type": "object", "required": ["purpose", "file"], "additionalProperties": False,
-        "properties": {"purpose": {"type": "string", "enum": ["batch"]}, "file": {"type": "string", "format": "binary"}}}}}}
+    upload = {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["purpose", "file"],
+                    "additionalProperties": False,
+                    "properties": {
+                        "purpose": {"type": "string", "enum": ["batch"]},
+                        "file": {"type": "string", "format": "binary"},
+                    },
+                }
+            }
+        },
+    }
     create = {"required": True, "content": _json(BatchCreate)}
-    page = [{"name": "after", "in": "query", "required": False, "schema": {"type": "string"},
-             "description": "A batch id: list the batches created before it"},
-            {"name": "limit", "in": "query", "required": False,
-             "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}}]
+    page = [
+        {
+            "name": "after",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "string"},
+            "description": "A batch id: list the batches created before it",
+        },
+        {
+            "name": "limit",
+            "in": "query",
+            "required": False,
+            "schema": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+        },
+    ]
     jsonl = {"application/jsonl": {"schema": {"type": "string"}}}
-    paths["/v1/files"] = {"post": op("post_files", "Upload a JSONL batch input file", _json(s.FileObject), body=upload,
-                                     links=file_links)}
-    paths["/v1/files/{file_id}"] = {"get": op("get_file", "A file object", _json(s.FileObject), "file_id",
-                                              links={"GetFileContent": file_links["GetFileContent"]})}
+    paths["/v1/files"] = {
+        "post": op("post_files", "Upload a JSONL batch input file", _json(s.FileObject), body=upload, links=file_links)
+    }
+    paths["/v1/files/{file_id}"] = {
+        "get": op(
+            "get_file",
+            "A file object",
+            _json(s.FileObject),
+            "file_id",
+            links={"GetFileContent": file_links["GetFileContent"]},
+        )
+    }
     paths["/v1/files/{file_id}/content"] = {"get": op("get_file_content", "A file's content (JSONL)", jsonl, "file_id")}
     paths["/v1/batches"] = {
-        "post": op("post_batches", "Create a batch job from an uploaded file", _json(s.BatchObject), body=create,
-                   links=batch_links),
-        "get": op("list_batches", "List batch jobs, newest first (paginated with after and limit)", _json(s.BatchList),
-                  query=page, links={"GetFirstBatch": link("get_batch", "$response.body#/first_id", "batch_id")}),
+        "post": op(
+            "post_batches",
+            "Create a batch job from an uploaded file",
+            _json(s.BatchObject),
+            body=create,
+            links=batch_links,
+        ),
+        "get": op(
+            "list_batches",
+            "List batch jobs, newest first (paginated with after and limit)",
+            _json(s.BatchList),
+            query=page,
+            links={"GetFirstBatch": link("get_batch", "$response.body#/first_id", "batch_id")},
+        ),
     }
-    paths["/v1/batches/{batch_id}"] = {"get": op("get_batch", "A batch job: status and request counts", _json(s.BatchObject),
-                                                 "batch_id", links=batch_links)}
-    paths["/v1/batches/{batch_id}/cancel"] = {"post": op("cancel_batch", "Cancel a batch job", _json(s.BatchObject),
-                                                         "batch_id", links={"GetBatch": batch_links["GetBatch"]})}
+    paths["/v1/batches/{batch_id}"] = {
+        "get": op(
+            "get_batch", "A batch job: status and request counts", _json(s.BatchObject), "batch_id", links=batch_links
+        )
+    }
+    paths["/v1/batches/{batch_id}/cancel"] = {
+        "post": op(
+            "cancel_batch",
+            "Cancel a batch job",
+            _json(s.BatchObject),
+            "batch_id",
+            links={"GetBatch": batch_links["GetBatch"]},
+        )
+    }
 
 
 async def openapi(request: Request):

@@ -1,5 +1,6 @@
 """Reading a request body within its size limit and parsing it into a pydantic request
 model, with OpenAI-style errors (413 too large, 400 not JSON, 422 naming the field)."""
+
 from __future__ import annotations
 
 from typing import Any, TypeVar
@@ -20,7 +21,9 @@ LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_s
 async def read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="body_too_large")
+        raise APIError(
+            413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="body_too_large"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)

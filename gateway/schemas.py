@@ -1,13 +1,16 @@
 """Request and response schemas (pydantic). The same models validate requests and
 generate /openapi.json, so documentation cannot drift from behaviour."""
+
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
+
 
 def _integral(v: Any) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
@@ -39,7 +42,9 @@ def as_conversations(messages: Any) -> list[list[ChatMessage]]:
 
 
 class Scheduling(Strict):
-    latency_budget_ms: Budget | None = Field(None, description="Overrides X-Ferry-Latency-Budget-Ms and the model default.")
+    latency_budget_ms: Budget | None = Field(
+        None, description="Overrides X-Ferry-Latency-Budget-Ms and the model default."
+    )
     priority: PriorityName | None = Field(None, description="interactive (default) or batch.")
     user: str | None = Field(None, max_length=256)
 
@@ -47,8 +52,9 @@ class Scheduling(Strict):
 # -- embeddings ---------------------------------------------------------------------
 class EmbeddingsRequest(Scheduling):
     model: str = Field(min_length=1, max_length=256)
-    input: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(min_length=1)]] = Field(
-        description="A string or a list of strings; each becomes its own work item.")
+    input: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] = Field(
+        description="A string or a list of strings; each becomes its own work item."
+    )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1), Integral] | None = None
 
@@ -60,7 +66,7 @@ class EmbeddingsRequest(Scheduling):
 class EmbeddingData(BaseModel):
     object: Literal["embedding"] = "embedding"
     index: int
-    embedding: Union[list[float], str]
+    embedding: list[float] | str
 
 
 class Usage(BaseModel):
@@ -84,7 +90,7 @@ class TextPart(Strict):
 
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
@@ -101,7 +107,7 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000), Integral]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Integral]
 StopList = Annotated[list[str], Field(max_length=16)]
-Stop = Union[str, StopList, list[Union[str, StopList, None]], None]
+Stop = Union[str, StopList, list[str | StopList | None], None]
 
 
 def stop_lists(stop: Stop) -> tuple[bool, list[list[str]]]:
@@ -125,21 +131,21 @@ class GenerationParams(Scheduling):
     """Each sampling field is a scalar (applies to every prompt) or a per-prompt list."""
 
     model: str = Field(min_length=1, max_length=256)
-    temperature: Union[Temperature, list[Temperature], None] = None
-    top_p: Union[TopP, list[TopP], None] = None
-    max_tokens: Union[MaxTokens, list[MaxTokens], None] = None
-    seed: Union[Seed, list[Seed], None] = None
-    stop: Stop = Field(
-        None, description="A string or list of strings for every prompt, or a per-prompt list of lists.")
+    temperature: Temperature | list[Temperature] | None = None
+    top_p: TopP | list[TopP] | None = None
+    max_tokens: MaxTokens | list[MaxTokens] | None = None
+    seed: Seed | list[Seed] | None = None
+    stop: Stop = Field(None, description="A string or list of strings for every prompt, or a per-prompt list of lists.")
     n: Annotated[int, Field(ge=1, le=16), Integral] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
 
 
 class ChatCompletionRequest(GenerationParams):
-    messages: Union[Annotated[list[Conversation], Field(min_length=1)], Conversation] = Field(
-        description="One conversation, or a list of conversations (one choice per prompt, in order).")
-    max_completion_tokens: Union[MaxTokens, list[MaxTokens], None] = None
+    messages: Annotated[list[Conversation], Field(min_length=1)] | Conversation = Field(
+        description="One conversation, or a list of conversations (one choice per prompt, in order)."
+    )
+    max_completion_tokens: MaxTokens | list[MaxTokens] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -154,8 +160,9 @@ class ChatCompletionRequest(GenerationParams):
 
 
 class CompletionRequest(GenerationParams):
-    prompt: Union[str, Annotated[list[str], Field(min_length=1)]] = Field(
-        description="One prompt or a list of prompts (one choice per prompt, in order).")
+    prompt: str | Annotated[list[str], Field(min_length=1)] = Field(
+        description="One prompt or a list of prompts (one choice per prompt, in order)."
+    )
 
     @property
     def prompts(self) -> list[str]:
@@ -264,7 +271,9 @@ class BatchObject(BaseModel):
     errors: dict[str, Any] | None
     input_file_id: str
     completion_window: str
-    status: Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"]
+    status: Literal[
+        "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
+    ]
     output_file_id: str | None
     error_file_id: str | None
     created_at: int
@@ -301,7 +310,7 @@ class Limits:
     max_stop_strings: int
 
     @classmethod
-    def of(cls, cfg: Any) -> "Limits":
+    def of(cls, cfg: Any) -> Limits:
         return cls(cfg.max_prompts, cfg.max_inputs, cfg.max_completion_tokens, cfg.max_stop_strings)
 
 
@@ -334,11 +343,13 @@ def _cap_stops(prop: dict, limit: int) -> None:
     """A string, or a list of at most `limit` strings, for every prompt; or a per-prompt list
     (told apart from the shared list by holding at least one non-string: a list of strings
     always means "for every prompt"). Stop strings are never empty."""
+
     def visit(n: dict) -> None:
         if n.get("type") == "string":
             n["minLength"] = 1
         elif n.get("type") == "array" and n.get("items", {}).get("type") == "string":
             n["maxItems"] = limit
+
     _walk(prop, visit)
     for branch in prop["anyOf"]:
         if branch.get("type") == "array" and "anyOf" in branch.get("items", {}):
@@ -351,8 +362,9 @@ def _bounded(lim: Limits) -> RequestModels:
 
     def check_prompts(n: int, v: Any) -> Any:
         if n > P:
-            raise PydanticCustomError("too_many_prompts", "request has {n} prompts; at most {limit} are allowed",
-                                      {"n": n, "limit": P})
+            raise PydanticCustomError(
+                "too_many_prompts", "request has {n} prompts; at most {limit} are allowed", {"n": n, "limit": P}
+            )
         return v
 
     # Shared by the chat and completions models (pydantic reuses a validator function).
@@ -363,7 +375,7 @@ def _bounded(lim: Limits) -> RequestModels:
         return check_stops(v)
 
     def check_tokens(v: Any) -> Any:
-        for x in (v if isinstance(v, list) else [v]):
+        for x in v if isinstance(v, list) else [v]:
             if x is not None and x > T:
                 raise PydanticCustomError("invalid_value", "{x} exceeds the limit of {limit}", {"x": x, "limit": T})
         return v
@@ -372,8 +384,11 @@ def _bounded(lim: Limits) -> RequestModels:
         _, groups = stop_lists(v)
         for i, stops in enumerate(groups):
             if len(stops) > S:
-                raise PydanticCustomError("too_many_stop_strings", "prompt {i} has {n} stop strings; at most {limit} are allowed",
-                                          {"i": i, "n": len(stops), "limit": S})
+                raise PydanticCustomError(
+                    "too_many_stop_strings",
+                    "prompt {i} has {n} stop strings; at most {limit} are allowed",
+                    {"i": i, "n": len(stops), "limit": S},
+                )
             if any(not s for s in stops):
                 raise PydanticCustomError("invalid_value", "stop strings must not be empty")
         return v
@@ -429,8 +444,11 @@ def _bounded(lim: Limits) -> RequestModels:
         def _inputs(cls, v: Any) -> Any:
             n = len(one_or_many(v))
             if n > I:
-                raise PydanticCustomError("too_many_inputs", "input has {n} items; at most {limit} are allowed per request",
-                                          {"n": n, "limit": I})
+                raise PydanticCustomError(
+                    "too_many_inputs",
+                    "input has {n} items; at most {limit} are allowed per request",
+                    {"n": n, "limit": I},
+                )
             return v
 
     for model in (Chat, Completions, Embeddings):

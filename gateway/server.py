@@ -4,6 +4,7 @@ On the first signal: /readyz turns 503 at once, new requests get 503 with Retry-
 accepted work (streams included) finishes within --drain-timeout, whatever is left ends
 with a clear error, then uvicorn stops and the process exits 0.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -58,8 +59,14 @@ def serve(cfg: ServerConfig) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(cfg)
     app.state.ferry.freeze_gc = True
-    config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=cfg.drain_timeout + 5)
+    config = uvicorn.Config(
+        app,
+        host=cfg.host,
+        port=cfg.port,
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=cfg.drain_timeout + 5,
+    )
     server = DrainingServer(config, app.state.ferry)
     server.run()
     return 0

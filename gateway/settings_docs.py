@@ -5,6 +5,7 @@ TABLE is `batching`, `server`, or `main NAME...` (those options, for the README)
     python -m gateway.settings_docs          # rewrite the tables
     python -m gateway.settings_docs --check  # exit 1 if a table differs (tests do the same)
 """
+
 from __future__ import annotations
 
 import re
@@ -47,8 +48,17 @@ def table(spec: str) -> str:
         rows = [["setting", "flag", "env", "default", "accepted", "live", "meaning"], ["---"] * 7]
         for k in BATCHING_KNOBS:
             metric = f" (gauge `{k.gauge_name}`)" if k.gauge else ""
-            rows.append([f"`{k.name}`", flag(k), f"`{k.env}`", default(k), _accepted(k), "yes" if k.live else "no",
-                         meaning(k) + metric])
+            rows.append(
+                [
+                    f"`{k.name}`",
+                    flag(k),
+                    f"`{k.env}`",
+                    default(k),
+                    _accepted(k),
+                    "yes" if k.live else "no",
+                    meaning(k) + metric,
+                ]
+            )
     elif kind == "server":
         rows = [["flag", "env", "default", "accepted", "meaning"], ["---"] * 5]
         rows += [[flag(k), f"`{k.env}`", default(k), _accepted(k), meaning(k)] for k in SERVER_KNOBS]

@@ -1,4 +1,5 @@
 """Process-wide state of one gateway, kept on `app.state.ferry`."""
+
 from __future__ import annotations
 
 import asyncio
@@ -6,7 +7,6 @@ import gc
 import logging
 from dataclasses import dataclass, field
 from typing import Any
-
 
 from .config import ServerConfig
 from .errors import APIError, not_found_model
@@ -53,8 +53,12 @@ class GatewayState:
         if self.draining:
             raise APIError(503, "server is shutting down", code="shutting_down", retry_after=1)
         if not self.ready:
-            raise APIError(503, "models are still loading" if self.load_error is None else f"model loading failed: {self.load_error}",
-                           code="not_ready", retry_after=2)
+            raise APIError(
+                503,
+                "models are still loading" if self.load_error is None else f"model loading failed: {self.load_error}",
+                code="not_ready",
+                retry_after=2,
+            )
         served = self.models.get(name)
         if served is None or served.kind != kind:
             raise not_found_model(name, [m.name for m in self.models.values() if m.kind == kind])

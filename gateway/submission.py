@@ -1,6 +1,7 @@
 """A request's work items: its scheduling fields (latency budget, priority) from body or
 headers, submitting them, waiting for them while watching for the client to leave,
 cancelling them, and the timing headers they report."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,12 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
         except ValueError:
             budget_ms = -1.0
         if not (0 < budget_ms <= 3_600_000):
-            raise APIError(422, f"header X-Ferry-Latency-Budget-Ms must be a number of milliseconds in (0, 3600000], got {raw!r}",
-                           code="invalid_value", param="X-Ferry-Latency-Budget-Ms")
+            raise APIError(
+                422,
+                f"header X-Ferry-Latency-Budget-Ms must be a number of milliseconds in (0, 3600000], got {raw!r}",
+                code="invalid_value",
+                param="X-Ferry-Latency-Budget-Ms",
+            )
     name = getattr(body, "priority", None) or request.headers.get(PRIORITY_HEADER)
     try:
         priority = Priority.parse(name)

@@ -9,6 +9,7 @@ Open-loop Poisson arrivals of streaming chat requests whose max_tokens is unifor
 
     python -m loadtests.bench_chat [--rates 8,24] [--duration 20] [--max-running 128]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,16 @@ from tuner.percentile import percentile
 
 from .openloop import GatewayProcess, Sample, free_port, open_loop
 
-PROMPTS = ["Tell me about ferries.", "What is a harbour?", "Write a line about rivers.", "Explain latency.",
-           "Name three boats.", "Why batch requests?", "Describe the sea at night.", "Count to five."]
+PROMPTS = [
+    "Tell me about ferries.",
+    "What is a harbour?",
+    "Write a line about rivers.",
+    "Explain latency.",
+    "Name three boats.",
+    "Why batch requests?",
+    "Describe the sea at night.",
+    "Count to five.",
+]
 
 
 def make_chat_send(model: str, seed: int):
@@ -37,12 +46,19 @@ def make_chat_send(model: str, seed: int):
 
     async def send(session, i: int) -> Sample:
         prompt, max_tokens = plan[i]
-        body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         t0 = time.perf_counter()
         ttft, chunks, usage = None, 0, None
-        async with session.post("/v1/chat/completions", data=orjson.dumps(body),
-                                headers={"Content-Type": "application/json"}) as r:
+        async with session.post(
+            "/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as r:
             if r.status != 200:
                 await r.read()
                 return Sample(t0, time.perf_counter() - t0, r.status)
@@ -71,19 +87,44 @@ def run_rates(label: str, url: str, model: str, rates: list[float], duration: fl
         ok = [s for s in samples if s.status == 200]
         span = max(s.sent + s.latency for s in samples) - min(s.sent for s in samples)
         ttfts = [s.ttft * 1000 for s in ok if s.ttft is not None]
-        row = {"label": label, "rate": rate, "ok": len(ok), "sent": len(samples), "tok_s": sum(s.tokens for s in ok) / span,
-               "ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99)}
+        row = {
+            "label": label,
+            "rate": rate,
+            "ok": len(ok),
+            "sent": len(samples),
+            "tok_s": sum(s.tokens for s in ok) / span,
+            "ttft_p50": percentile(ttfts, 50),
+            "ttft_p99": percentile(ttfts, 99),
+        }
         rows.append(row)
-        print(f"  {label:22s} {rate:5.1f} req/s: {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:8.1f} ms"
-              f"  p99 {row['ttft_p99']:8.1f} ms  ok {row['ok']}/{row['sent']}", flush=True)
+        print(
+            f"  {label:22s} {rate:5.1f} req/s: {row['tok_s']:7.1f} tok/s  TTFT p50 {row['ttft_p50']:8.1f} ms"
+            f"  p99 {row['ttft_p99']:8.1f} ms  ok {row['ok']}/{row['sent']}",
+            flush=True,
+        )
     return rows
 
 
 def transformers_serve(model_path: str):
     port = free_port()
-    cmd = [sys.executable, "-m", "transformers.cli.transformers", "serve", model_path, "--continuous-batching",
-           "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", "--cb-num-blocks", "64",
-           "--cb-max-batch-tokens", "2048"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        model_path,
+        "--continuous-batching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--device",
+        "cpu",
+        "--cb-num-blocks",
+        "64",
+        "--cb-max-batch-tokens",
+        "2048",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     log = tempfile.NamedTemporaryFile(prefix="tf-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
@@ -106,18 +147,33 @@ def main() -> None:
     p.add_argument("--rates", default="8,24")
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--skip-transformers", action="store_true")
-    p.add_argument("--max-running", type=int, default=128,
-                   help="Ferry's --max-running (transformers serve sizes its batch from its KV blocks)")
-    p.add_argument("--servers", default="continuous,static,transformers",
-                   help="comma-separated subset of continuous,static,transformers")
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=128,
+        help="Ferry's --max-running (transformers serve sizes its batch from its KV blocks)",
+    )
+    p.add_argument(
+        "--servers",
+        default="continuous,static,transformers",
+        help="comma-separated subset of continuous,static,transformers",
+    )
     a = p.parse_args()
     servers = set(a.servers.split(","))
     if a.skip_transformers:
         servers.discard("transformers")
     rates = [float(r) for r in a.rates.split(",")]
     # Admission groups of up to 16 prompts in both modes: static runs each group to its end.
-    common = ["--embedding-model", "none", "--max-batch-size", "16", "--max-wait-ms", "5",
-              "--max-running", str(a.max_running)]
+    common = [
+        "--embedding-model",
+        "none",
+        "--max-batch-size",
+        "16",
+        "--max-wait-ms",
+        "5",
+        "--max-running",
+        str(a.max_running),
+    ]
     results = []
     if "continuous" in servers:
         print("Ferry, continuous batching:")
@@ -144,14 +200,18 @@ def main() -> None:
         return
     cont = top["ferry continuous"]
     for label, r in top.items():
-        print(f"  {label:22s} {r['tok_s']:7.1f} tok/s  ({r['tok_s'] / cont['tok_s']:.2f}x of continuous)"
-              f"  TTFT p99 {r['ttft_p99']:.0f} ms")
+        print(
+            f"  {label:22s} {r['tok_s']:7.1f} tok/s  ({r['tok_s'] / cont['tok_s']:.2f}x of continuous)"
+            f"  TTFT p99 {r['ttft_p99']:.0f} ms"
+        )
     if "ferry static" in top:
         print(f"  continuous / static: {cont['tok_s'] / top['ferry static']['tok_s']:.2f}x tok/s")
     if "transformers serve cb" in top:
         t = top["transformers serve cb"]
-        print(f"  continuous / transformers serve: {cont['tok_s'] / t['tok_s']:.2f}x tok/s; "
-              f"p99 TTFT {cont['ttft_p99']:.0f} vs {t['ttft_p99']:.0f} ms")
+        print(
+            f"  continuous / transformers serve: {cont['tok_s'] / t['tok_s']:.2f}x tok/s; "
+            f"p99 TTFT {cont['ttft_p99']:.0f} vs {t['ttft_p99']:.0f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 
 Prints throughput, p50/p99 latency and the ratios (Ferry / ceiling, Ferry / unbatched).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,11 @@ def measure_rates(label: str, args: list[str], rates: list[float], duration: flo
             s = summarise(asyncio.run(open_loop(rate, duration, send, gw.url, seed=int(rate))), duration)
             s["rate"] = rate
             rows.append(s)
-            print(f"  {label:10s} offered {rate:6.0f}/s -> {s['throughput']:6.1f}/s ok  p50 {s['p50_ms']:7.1f} ms"
-                  f"  p99 {s['p99_ms']:7.1f} ms  rejected {s['rejected']}  errors {s['errors']}", flush=True)
+            print(
+                f"  {label:10s} offered {rate:6.0f}/s -> {s['throughput']:6.1f}/s ok  p50 {s['p50_ms']:7.1f} ms"
+                f"  p99 {s['p99_ms']:7.1f} ms  rejected {s['rejected']}  errors {s['errors']}",
+                flush=True,
+            )
     return rows
 
 

@@ -14,6 +14,7 @@
 
     python -m loadtests.bench_latency [--cells latency,burst,priority] [--duration 6] [--out f.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,9 @@ def make_embed_send(seed: int, interactive_share: float = 0.3):
         body = {"model": MODEL, "input": sentence(i), "latency_budget_ms": budget, "priority": cls}
         import orjson
 
-        async with session.post("/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+        async with session.post(
+            "/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+        ) as r:
             await r.read()
             return Sample(0.0, 0.0, r.status, tag=cls)
 
@@ -66,12 +69,16 @@ def summarise_classes(samples: list[Sample], duration: float) -> dict:
         ok = [s for s in mine if s.status == 200]
         within = [s for s in ok if s.latency * 1000 <= budget]
         good += len(within)
-        out[cls] = {"sent": len(mine), "ok": len(ok), "within": len(within),
-                    "attainment": len(within) / len(mine) if mine else float("nan"),
-                    "goodput": len(within) / span,
-                    "rejected": sum(1 for s in mine if s.status == 429),
-                    "expired": sum(1 for s in mine if s.status == 504),
-                    "p99_ms": percentile([s.latency * 1000 for s in ok], 99)}
+        out[cls] = {
+            "sent": len(mine),
+            "ok": len(ok),
+            "within": len(within),
+            "attainment": len(within) / len(mine) if mine else float("nan"),
+            "goodput": len(within) / span,
+            "rejected": sum(1 for s in mine if s.status == 429),
+            "expired": sum(1 for s in mine if s.status == 504),
+            "p99_ms": percentile([s.latency * 1000 for s in ok], 99),
+        }
     rejected = [s for s in samples if s.status == 429]
     out["goodput"] = good / span
     out["rejected"] = len(rejected)
@@ -99,7 +106,9 @@ async def _saturating_send(session, i):
     import orjson
 
     body = {"model": MODEL, "input": sentence(i), "latency_budget_ms": 60_000, "priority": "batch"}
-    async with session.post("/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+    async with session.post(
+        "/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+    ) as r:
         await r.read()
         return Sample(0.0, 0.0, r.status)
 
@@ -109,12 +118,17 @@ def burst_cell(url: str, model: str, size: int) -> dict:
     time.sleep(BURST_IDLE_S)
     samples = asyncio.run(burst(4 * size, _burst_send(model), url))
     ok = [s for s in samples if s.status == 200]
-    return {"model": model, "sent": len(samples), "ok": len(ok),
-            "within": sum(1 for s in ok if s.latency * 1000 <= BURST_BUDGET_MS),
-            "rejected": sum(1 for s in samples if s.status == 429),
-            "expired": sum(1 for s in samples if s.status == 504),
-            "errors": sum(1 for s in samples if s.status not in (200, 429, 504)),
-            "p50_ms": percentile([s.latency * 1000 for s in ok], 50), "p99_ms": percentile([s.latency * 1000 for s in ok], 99)}
+    return {
+        "model": model,
+        "sent": len(samples),
+        "ok": len(ok),
+        "within": sum(1 for s in ok if s.latency * 1000 <= BURST_BUDGET_MS),
+        "rejected": sum(1 for s in samples if s.status == 429),
+        "expired": sum(1 for s in samples if s.status == 504),
+        "errors": sum(1 for s in samples if s.status not in (200, 429, 504)),
+        "p50_ms": percentile([s.latency * 1000 for s in ok], 50),
+        "p99_ms": percentile([s.latency * 1000 for s in ok], 99),
+    }
 
 
 def _burst_send(model: str):
@@ -122,8 +136,12 @@ def _burst_send(model: str):
 
     async def send(session, i):
         if model == CHAT_MODEL:
-            body = {"model": model, "messages": [{"role": "user", "content": sentence(i)}],
-                    "max_tokens": CHAT_BURST_TOKENS, "latency_budget_ms": BURST_BUDGET_MS}
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": sentence(i)}],
+                "max_tokens": CHAT_BURST_TOKENS,
+                "latency_budget_ms": BURST_BUDGET_MS,
+            }
             path = "/v1/chat/completions"
         else:
             body = {"model": model, "input": sentence(i), "latency_budget_ms": BURST_BUDGET_MS}
@@ -141,9 +159,12 @@ def run_bursts(duration: float) -> list[dict]:
         for model in (MODEL, CHAT_MODEL):
             row = burst_cell(gw.url, model, DEFAULTS["max_batch_size"])
             rows.append(row)
-            print(f"  burst after {BURST_IDLE_S:.0f} s idle, {row['sent']} x {model}: ok {row['ok']}"
-                  f" (within 1 s {row['within']})  429 {row['rejected']}  504 {row['expired']}  errors {row['errors']}"
-                  f"  p50 {row['p50_ms']:.0f} ms  p99 {row['p99_ms']:.0f} ms", flush=True)
+            print(
+                f"  burst after {BURST_IDLE_S:.0f} s idle, {row['sent']} x {model}: ok {row['ok']}"
+                f" (within 1 s {row['within']})  429 {row['rejected']}  504 {row['expired']}  errors {row['errors']}"
+                f"  p50 {row['p50_ms']:.0f} ms  p99 {row['p99_ms']:.0f} ms",
+                flush=True,
+            )
     return rows
 
 
@@ -157,13 +178,20 @@ def run_priority(url: str, cap: float, duration: float) -> list[dict]:
             time.sleep(0.3)
             seed = int(batch_load * 100)
             samples = asyncio.run(open_loop(rate, duration, make_embed_send(seed, share), url, seed=seed))
-            row = {"batch_load": batch_load, "interactive_first": first, "rate": rate, **summarise_classes(samples, duration)}
+            row = {
+                "batch_load": batch_load,
+                "interactive_first": first,
+                "rate": rate,
+                **summarise_classes(samples, duration),
+            }
             rows.append(row)
             i, b = row["interactive"], row["batch"]
-            print(f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  interactive_first={str(first):5s}"
-                  f"  interactive on time {i['attainment']:6.1%} (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
-                  f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%} (429 {b['rejected']}, 504 {b['expired']})",
-                  flush=True)
+            print(
+                f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  interactive_first={first!s:5s}"
+                f"  interactive on time {i['attainment']:6.1%} (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
+                f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%} (429 {b['rejected']}, 504 {b['expired']})",
+                flush=True,
+            )
     configure(url, interactive_first=True)  # the default again
     return rows
 
@@ -195,9 +223,14 @@ def main() -> None:
 
 def run_latency(url: str, cap: float, a) -> list[dict]:
     loads = [float(x) for x in a.loads.split(",")]
-    configs = [(f"fixed b={b} w={w:g}", {"policy": "fixed", "max_batch_size": b, "max_wait_ms": w}) for b, w in FIXED_GRID]
-    configs += [("deadline (defaults)", {"policy": "deadline", **DEFAULTS}), ("adaptive (defaults)", {"policy": "adaptive", **DEFAULTS}),
-                ("adaptive throughput-first", {"policy": "adaptive", **DEFAULTS, "interactive_first": False})]
+    configs = [
+        (f"fixed b={b} w={w:g}", {"policy": "fixed", "max_batch_size": b, "max_wait_ms": w}) for b, w in FIXED_GRID
+    ]
+    configs += [
+        ("deadline (defaults)", {"policy": "deadline", **DEFAULTS}),
+        ("adaptive (defaults)", {"policy": "adaptive", **DEFAULTS}),
+        ("adaptive throughput-first", {"policy": "adaptive", **DEFAULTS, "interactive_first": False}),
+    ]
     for _, settings in configs:
         settings.setdefault("interactive_first", True)
     results = []
@@ -206,21 +239,28 @@ def run_latency(url: str, cap: float, a) -> list[dict]:
         for name, settings in configs:
             configure(url, **settings)
             time.sleep(0.3)
-            samples = asyncio.run(open_loop(rate, a.duration, make_embed_send(int(load * 100)), url, seed=int(load * 100)))
+            samples = asyncio.run(
+                open_loop(rate, a.duration, make_embed_send(int(load * 100)), url, seed=int(load * 100))
+            )
             row = {"load": load, "rate": rate, "config": name, **summarise_classes(samples, a.duration)}
             results.append(row)
-            print(f"  {load:4.0%} {rate:6.1f}/s {name:20s} goodput {row['goodput']:6.1f}/s"
-                  f"  interactive {row['interactive']['attainment']:6.1%} p99 {row['interactive']['p99_ms']:7.1f} ms"
-                  f"  batch {row['batch']['attainment']:6.1%} p99 {row['batch']['p99_ms']:7.1f} ms"
-                  f"  429 {row['rejected']:4d} (p99 {row['p99_429_ms']:5.1f} ms)  504 {row['expired']:4d}", flush=True)
+            print(
+                f"  {load:4.0%} {rate:6.1f}/s {name:20s} goodput {row['goodput']:6.1f}/s"
+                f"  interactive {row['interactive']['attainment']:6.1%} p99 {row['interactive']['p99_ms']:7.1f} ms"
+                f"  batch {row['batch']['attainment']:6.1%} p99 {row['batch']['p99_ms']:7.1f} ms"
+                f"  429 {row['rejected']:4d} (p99 {row['p99_429_ms']:5.1f} ms)  504 {row['expired']:4d}",
+                flush=True,
+            )
     print("\nsummary: adaptive vs best fixed goodput, per load")
     for load in loads:
         rows = [r for r in results if r["load"] == load]
         best = max((r for r in rows if r["config"].startswith("fixed")), key=lambda r: r["goodput"])
         for ada in (r for r in rows if r["config"].startswith("adaptive")):
-            print(f"  {load:4.0%}: {ada['config']} {ada['goodput']:6.1f}/s vs best fixed {best['goodput']:6.1f}/s ({best['config']})"
-                  f" = {ada['goodput'] / best['goodput']:.2f}x; interactive attainment {ada['interactive']['attainment']:.1%}"
-                  f", 429 {ada['rejected']}, 504 {ada['expired']}")
+            print(
+                f"  {load:4.0%}: {ada['config']} {ada['goodput']:6.1f}/s vs best fixed {best['goodput']:6.1f}/s ({best['config']})"
+                f" = {ada['goodput'] / best['goodput']:.2f}x; interactive attainment {ada['interactive']['attainment']:.1%}"
+                f", 429 {ada['rejected']}, 504 {ada['expired']}"
+            )
     return results
 
 

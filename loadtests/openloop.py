@@ -2,6 +2,7 @@
 coordinated omission), plus helpers to start a gateway subprocess and summarise latencies.
 Every loop is bounded in count and time; targets are 127.0.0.1 only. (`ferry tune` drives
 locust instead: tuner/locustfile.py.)"""
+
 from __future__ import annotations
 
 import asyncio
@@ -13,8 +14,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import aiohttp
 import httpx
@@ -72,15 +74,22 @@ class GatewayProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
 
-    def __enter__(self) -> "GatewayProcess":
+    def __enter__(self) -> GatewayProcess:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
 
 
-async def open_loop(rate: float, duration: float, send: Callable[[Any, int], Any], url: str,
-                    seed: int = 0, max_requests: int = 100_000, connections: int = 256) -> list[Sample]:
+async def open_loop(
+    rate: float,
+    duration: float,
+    send: Callable[[Any, int], Any],
+    url: str,
+    seed: int = 0,
+    max_requests: int = 100_000,
+    connections: int = 256,
+) -> list[Sample]:
     """Fire requests at Poisson times for `duration` seconds; wait for all to finish.
 
     The client is aiohttp: httpx costs several times more CPU per request, and on two
@@ -114,7 +123,9 @@ async def burst(n: int, send: Callable[[Any, int], Any], url: str) -> list[Sampl
     """Send `n` requests at once (one connection each) and wait for every answer."""
     samples: list[Sample] = []
     connector = aiohttp.TCPConnector(limit=n)
-    async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)) as session:
+    async with aiohttp.ClientSession(
+        base_url=url, connector=connector, timeout=aiohttp.ClientTimeout(total=120)
+    ) as session:
         start = time.perf_counter()
         await asyncio.gather(*(_timed(send, session, i, start, samples) for i in range(n)))
     return samples
@@ -138,7 +149,9 @@ async def _timed(send, session, i, scheduled, samples):
 
 
 async def post_json(session, path: str, body: dict, headers: dict | None = None) -> tuple[int, dict]:
-    async with session.post(path, data=orjson.dumps(body), headers={"Content-Type": "application/json", **(headers or {})}) as r:
+    async with session.post(
+        path, data=orjson.dumps(body), headers={"Content-Type": "application/json", **(headers or {})}
+    ) as r:
         await r.read()
         return r.status, dict(r.headers)
 

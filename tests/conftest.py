@@ -9,13 +9,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from gateway.metrics import GatewayMetrics  # noqa: E402
-from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine  # noqa: E402
-from gateway.app import create_app  # noqa: E402
-from gateway.config import ServerConfig  # noqa: E402
-from gateway.model_loading import CHAT, EMBEDDING, ModelSpec  # noqa: E402
+from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
+from gateway.app import create_app
+from gateway.config import ServerConfig
+from gateway.metrics import GatewayMetrics
+from gateway.model_loading import CHAT, EMBEDDING, ModelSpec
 
-from .live import live  # noqa: E402
+from .live import live
 
 
 def fake_specs(embed: FakeEmbeddingEngine | None = None, chat: FakeGenerationEngine | None = None) -> list[ModelSpec]:

@@ -1,11 +1,12 @@
 """A real uvicorn on 127.0.0.1 in a background thread, for tests that cross a socket."""
+
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import threading
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import uvicorn
@@ -17,8 +18,15 @@ class LiveServer:
     def __init__(self, app, ready_timeout: float = 120.0):
         self.app = app
         self.ready_timeout = ready_timeout
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False,
-                                lifespan="on", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=0,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=5,
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self._run, name="live-uvicorn", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -38,7 +46,7 @@ class LiveServer:
     def ferry(self):
         return self.app.state.ferry
 
-    def start(self) -> "LiveServer":
+    def start(self) -> LiveServer:
         self.thread.start()
         deadline = time.monotonic() + self.ready_timeout
 
@@ -57,8 +65,9 @@ class LiveServer:
 
         wait_until(started, timeout=self.ready_timeout, message="uvicorn to start")
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        wait_until(ready, timeout=max(deadline - time.monotonic(), 0.0), interval=0.05,
-                   message="the gateway to be ready")
+        wait_until(
+            ready, timeout=max(deadline - time.monotonic(), 0.0), interval=0.05, message="the gateway to be ready"
+        )
         return self
 
     def call(self, coro_fn, *args):

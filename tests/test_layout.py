@@ -1,6 +1,7 @@
 """Every public name is defined once: a reader who meets `EngineThread` or `BatchingError`
 knows which module it comes from without asking which of two it is. Re-exports (an
 import, such as gateway/__init__.py's lazy names) are not definitions."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,14 @@ PACKAGES = ("gateway", "batcher", "engine", "client/ferry_client", "tuner", "loa
 # Deliberate repeats, each with the modules allowed to define it.
 ALLOWED: dict[str, set[str]] = {
     # The entry point of each command (`ferry`, `python -m ...`) is `main` by convention.
-    "main": {"gateway/cli.py", "gateway/settings_docs.py", "tuner/cli.py", "loadtests/bench_chat.py",
-             "loadtests/bench_embeddings.py", "loadtests/bench_latency.py"},
+    "main": {
+        "gateway/cli.py",
+        "gateway/settings_docs.py",
+        "tuner/cli.py",
+        "loadtests/bench_chat.py",
+        "loadtests/bench_embeddings.py",
+        "loadtests/bench_latency.py",
+    },
     # The two sides of the wire: the server's pydantic models, whose class names are the
     # component names in /openapi.json, and the client's response objects, documented in
     # docs/client.md. The client installs without the gateway, so it cannot import them.
@@ -31,8 +38,9 @@ def _top_level_defs(body: list[ast.stmt]):
         elif isinstance(node, ast.If):
             yield from _top_level_defs(node.body + node.orelse)
         elif isinstance(node, ast.Try):
-            yield from _top_level_defs(node.body + node.orelse + node.finalbody
-                                       + [s for h in node.handlers for s in h.body])
+            yield from _top_level_defs(
+                node.body + node.orelse + node.finalbody + [s for h in node.handlers for s in h.body]
+            )
 
 
 def public_definitions() -> dict[str, set[str]]:
@@ -49,8 +57,11 @@ def public_definitions() -> dict[str, set[str]]:
 def test_every_public_class_and_function_name_is_defined_once():
     defs = public_definitions()
     assert defs, "found no modules to check"
-    repeated = {name: sorted(modules) for name, modules in defs.items()
-                if len(modules) > 1 and not modules <= ALLOWED.get(name, set())}
+    repeated = {
+        name: sorted(modules)
+        for name, modules in defs.items()
+        if len(modules) > 1 and not modules <= ALLOWED.get(name, set())
+    }
     assert repeated == {}, f"public names defined in more than one module (rename one): {repeated}"
 
 
@@ -58,6 +69,9 @@ def test_the_allowlist_names_only_real_repeats():
     # An entry that no longer repeats (a module renamed, a name gone) would silently allow
     # the next accidental repeat; keep the list to what is true today.
     defs = public_definitions()
-    stale = {name: sorted(modules - defs.get(name, set())) for name, modules in ALLOWED.items()
-             if not modules <= defs.get(name, set())}
+    stale = {
+        name: sorted(modules - defs.get(name, set()))
+        for name, modules in ALLOWED.items()
+        if not modules <= defs.get(name, set())
+    }
     assert stale == {}, f"allowlisted modules that do not define the name: {stale}"

@@ -5,11 +5,13 @@ The bound is a limit on how long to keep looking, not a claim about speed: a wai
 succeeds returns as soon as the condition holds, so a generous bound costs nothing on a
 fast machine and keeps a loaded one from failing spuriously.
 """
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Callable, TypeVar, Union
+from collections.abc import Callable
+from typing import TypeVar, Union
 
 T = TypeVar("T")
 # A description of what is awaited ("the first batch to reach the engine"), or a function
@@ -25,8 +27,13 @@ def _give_up(message: Message, timeout: float) -> AssertionError:
     return AssertionError(f"gave up after {timeout:g} s waiting for {text}")
 
 
-def wait_until(predicate: Callable[[], T], *, timeout: float = TIMEOUT, interval: float = INTERVAL,
-               message: Message = "the condition") -> T:
+def wait_until(
+    predicate: Callable[[], T],
+    *,
+    timeout: float = TIMEOUT,
+    interval: float = INTERVAL,
+    message: Message = "the condition",
+) -> T:
     """Call `predicate` until it returns something truthy, and return that. After `timeout`
     seconds raise AssertionError naming `message`."""
     deadline = time.monotonic() + timeout
@@ -39,8 +46,13 @@ def wait_until(predicate: Callable[[], T], *, timeout: float = TIMEOUT, interval
         time.sleep(interval)
 
 
-async def async_wait_until(predicate: Callable[[], T], *, timeout: float = TIMEOUT, interval: float = INTERVAL,
-                           message: Message = "the condition") -> T:
+async def async_wait_until(
+    predicate: Callable[[], T],
+    *,
+    timeout: float = TIMEOUT,
+    interval: float = INTERVAL,
+    message: Message = "the condition",
+) -> T:
     """`wait_until` for a coroutine: sleeps with `asyncio.sleep`, so the event loop (and
     whatever the predicate waits for on it) keeps running."""
     deadline = time.monotonic() + timeout

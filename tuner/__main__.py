@@ -1,4 +1,5 @@
 """`python -m tuner`: the same as `ferry tune`."""
+
 import sys
 
 from .cli import main

@@ -23,6 +23,7 @@ the first arrival, once every user is spawned) or after the last step. With
 One process only: the pacers live in this process (`locust --processes` or a distributed
 master/worker run would multiply the rate by the number of workers).
 """
+
 from __future__ import annotations
 
 import math
@@ -142,7 +143,6 @@ class Pacer:
         self.claimed += 1
         return self.t0 + offset
 
-
     def unclaimed_before(self, offset: float, limit: int = 10_000_000) -> int:
         """Arrivals scheduled before `offset` s that no user claimed (every user was busy).
         They count as offered load that was never served. Consumes the schedule: call at the end."""
@@ -167,15 +167,29 @@ class LoadState:
         self.t_stop: float | None = None
         self._started = None  # gevent Event, created lazily (inside the locust process)
 
-    def configure(self, schedule: ArrivalSchedule, weights: dict[str, float], *, poisson: bool = True,
-                  seed: int = 0, pool_size: int = 0, pool_latency_s: float = 2.0, max_pool: int = 1000) -> None:
-        self._config = (schedule, weights, dict(poisson=poisson, seed=seed, pool_size=pool_size,
-                                                 pool_latency_s=pool_latency_s, max_pool=max_pool))
+    def configure(
+        self,
+        schedule: ArrivalSchedule,
+        weights: dict[str, float],
+        *,
+        poisson: bool = True,
+        seed: int = 0,
+        pool_size: int = 0,
+        pool_latency_s: float = 2.0,
+        max_pool: int = 1000,
+    ) -> None:
+        self._config = (
+            schedule,
+            weights,
+            dict(poisson=poisson, seed=seed, pool_size=pool_size, pool_latency_s=pool_latency_s, max_pool=max_pool),
+        )
         self.schedule = schedule
         self.weights = {k: w for k, w in weights.items() if w > 0}
         total = sum(self.weights.values()) or 1.0
-        self.pacers = {name: Pacer(schedule, w / total, poisson, seed + i)
-                       for i, (name, w) in enumerate(sorted(self.weights.items()))}
+        self.pacers = {
+            name: Pacer(schedule, w / total, poisson, seed + i)
+            for i, (name, w) in enumerate(sorted(self.weights.items()))
+        }
         self.pool_latency_s, self.max_pool = pool_latency_s, max_pool
         self.pool_size = pool_size or self.auto_pool()
         self.t0 = self.t_stop = None

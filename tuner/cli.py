@@ -22,6 +22,7 @@ Bounded: at most --max-cells cells, each locust run has a timeout, the whole swe
 after --max-minutes. Targets 127.0.0.1 / localhost only. The original settings are put
 back at the end (or the recommended ones with --apply).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,36 +70,69 @@ def _names(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="ferry tune", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="See docs/tuning.md for a worked example.")
-    p.add_argument("--host", default=os.environ.get("FERRY_TUNE_HOST", "http://127.0.0.1:8000"),
-                   help="gateway URL, 127.0.0.1/localhost only (default %(default)s)")
-    p.add_argument("--admin-token", default=os.environ.get("FERRY_ADMIN_TOKEN"),
-                   help="the gateway's --admin-token (env FERRY_ADMIN_TOKEN)")
+    p = argparse.ArgumentParser(
+        prog="ferry tune",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="See docs/tuning.md for a worked example.",
+    )
+    p.add_argument(
+        "--host",
+        default=os.environ.get("FERRY_TUNE_HOST", "http://127.0.0.1:8000"),
+        help="gateway URL, 127.0.0.1/localhost only (default %(default)s)",
+    )
+    p.add_argument(
+        "--admin-token",
+        default=os.environ.get("FERRY_ADMIN_TOKEN"),
+        help="the gateway's --admin-token (env FERRY_ADMIN_TOKEN)",
+    )
     p.add_argument("--model", help="model to tune (default: the first served model of the route's kind)")
-    p.add_argument("--route", choices=["embeddings", "chat", "batch-chat"],
-                   help="traffic: embeddings, chat (interactive, streamed) or batch-chat (default: from the model's kind)")
-    p.add_argument("--mix", help="traffic mix instead of --route, e.g. embed=3,interactive=1 (classes: embed, interactive, batch)")
+    p.add_argument(
+        "--route",
+        choices=["embeddings", "chat", "batch-chat"],
+        help="traffic: embeddings, chat (interactive, streamed) or batch-chat (default: from the model's kind)",
+    )
+    p.add_argument(
+        "--mix", help="traffic mix instead of --route, e.g. embed=3,interactive=1 (classes: embed, interactive, batch)"
+    )
     p.add_argument("--embed-model", help="embeddings model name for the mix (default: --model or the first served)")
     p.add_argument("--chat-model", help="chat model name for the mix (default: --model or the first served)")
     p.add_argument("--sizes", type=_ints, default=[1, 8, 32], help="max_batch_size values (default 1,8,32)")
     p.add_argument("--waits", type=_floats, default=[0.0, 5.0, 20.0], help="max_wait_ms values (default 0,5,20)")
     p.add_argument("--policies", type=_names, default=["fixed"], help="policies, e.g. fixed,adaptive (default fixed)")
-    p.add_argument("--rates", type=_floats, default=[20.0, 40.0, 80.0], help="arrival rates, requests/s (default 20,40,80)")
+    p.add_argument(
+        "--rates", type=_floats, default=[20.0, 40.0, 80.0], help="arrival rates, requests/s (default 20,40,80)"
+    )
     p.add_argument("--cell-seconds", type=float, default=10.0, help="seconds of arrivals per cell (default 10)")
     p.add_argument("--slo-ms", type=float, default=200.0, help="p99 latency objective in ms (default 200)")
-    p.add_argument("--max-error-rate", type=float, default=0.01, help="most failures per request in a passing cell (default 0.01)")
-    p.add_argument("--tie-tolerance", type=float, default=0.02,
-                   help="throughputs within this fraction of the best tie; the lower p99 wins (default 0.02)")
-    p.add_argument("--drain-seconds", type=float, default=10.0,
-                   help="after the arrivals, how long requests in flight may finish (default 10)")
+    p.add_argument(
+        "--max-error-rate", type=float, default=0.01, help="most failures per request in a passing cell (default 0.01)"
+    )
+    p.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=0.02,
+        help="throughputs within this fraction of the best tie; the lower p99 wins (default 0.02)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=10.0,
+        help="after the arrivals, how long requests in flight may finish (default 10)",
+    )
     p.add_argument("--pool-latency-s", type=float, default=2.0, help="locust pool = rate x this (default 2)")
     p.add_argument("--locust-args", default="", help="extra locustfile options, e.g. '--chat-max-tokens 8'")
     p.add_argument("--out", default="tune-out", help="output directory (default %(default)s)")
     p.add_argument("--max-cells", type=int, default=500, help="refuse larger grids (default 500)")
-    p.add_argument("--max-minutes", type=float, default=120.0, help="refuse longer sweeps, and stop one that overruns (default 120)")
-    p.add_argument("--apply", action="store_true", help="leave the recommended setting applied (default: restore the original)")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=120.0,
+        help="refuse longer sweeps, and stop one that overruns (default 120)",
+    )
+    p.add_argument(
+        "--apply", action="store_true", help="leave the recommended setting applied (default: restore the original)"
+    )
     p.add_argument("--dry-run", action="store_true", help="print the grid and time estimate, run nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -151,9 +185,13 @@ def resolve_traffic(args, served: list[dict]) -> tuple[str, dict[str, float], di
 
     models = {}
     if "embed" in classes:
-        models["embed"] = args.embed_model or (args.model if args.model and kinds[args.model] == "embedding" else first("embedding"))
+        models["embed"] = args.embed_model or (
+            args.model if args.model and kinds[args.model] == "embedding" else first("embedding")
+        )
     if {"interactive", "batch"} & set(classes):
-        models["chat"] = args.chat_model or (args.model if args.model and kinds[args.model] == "chat" else first("chat"))
+        models["chat"] = args.chat_model or (
+            args.model if args.model and kinds[args.model] == "chat" else first("chat")
+        )
     for kind, name in models.items():
         if not name:
             raise SystemExit(f"ferry tune: no {kind} model is served for this traffic")
@@ -185,13 +223,21 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("ferry tune: --drain-seconds must be within 0..120")
     if any(r <= 0 for r in args.rates):
         raise SystemExit("ferry tune: --rates must be positive")
-    grid = [(p, s, w) for p in dict.fromkeys(args.policies) for s in dict.fromkeys(args.sizes) for w in dict.fromkeys(args.waits)]
+    grid = [
+        (p, s, w)
+        for p in dict.fromkeys(args.policies)
+        for s in dict.fromkeys(args.sizes)
+        for w in dict.fromkeys(args.waits)
+    ]
     rates = sorted(set(args.rates))
     cells = [(p, s, w, r) for (p, s, w), r in itertools.product(grid, rates)]
     per_cell = args.cell_seconds + CELL_OVERHEAD_S + 0.5
     estimate = len(cells) * per_cell
-    print(f"ferry tune: {len(grid)} settings x {len(rates)} rates = {len(cells)} cells of {args.cell_seconds:g} s, "
-          f"about {estimate / 60:.1f} min", file=sys.stderr)
+    print(
+        f"ferry tune: {len(grid)} settings x {len(rates)} rates = {len(cells)} cells of {args.cell_seconds:g} s, "
+        f"about {estimate / 60:.1f} min",
+        file=sys.stderr,
+    )
     if len(cells) > args.max_cells:
         raise SystemExit(f"ferry tune: {len(cells)} cells is more than --max-cells {args.max_cells}")
     if estimate > args.max_minutes * 60:
@@ -220,11 +266,22 @@ def main(argv: list[str] | None = None) -> int:
         gw.patch(model, **keep)
         out = Path(args.out)
         (out / "locust").mkdir(parents=True, exist_ok=True)
-        meta = {"host": host, "model": model, "classes": classes, "models": models, "slo_ms": args.slo_ms,
-                "max_error_rate": args.max_error_rate, "tie_tolerance": args.tie_tolerance,
-                "cell_seconds": args.cell_seconds, "original_settings": keep,
-                "argv": redact(list(argv) if argv is not None else sys.argv[1:])}
-        print(f"ferry tune: model {model}, traffic {classes}, SLO p99 <= {args.slo_ms:g} ms, results in {out}/", file=sys.stderr)
+        meta = {
+            "host": host,
+            "model": model,
+            "classes": classes,
+            "models": models,
+            "slo_ms": args.slo_ms,
+            "max_error_rate": args.max_error_rate,
+            "tie_tolerance": args.tie_tolerance,
+            "cell_seconds": args.cell_seconds,
+            "original_settings": keep,
+            "argv": redact(list(argv) if argv is not None else sys.argv[1:]),
+        }
+        print(
+            f"ferry tune: model {model}, traffic {classes}, SLO p99 <= {args.slo_ms:g} ms, results in {out}/",
+            file=sys.stderr,
+        )
         rows = sweep(args, gw, host, model, classes, models, cells, out, meta, per_cell)
         rec = recommend(rows, args.slo_ms, args.max_error_rate, args.tie_tolerance)
         thr = recommend_throughput(rows, args.max_error_rate, args.tie_tolerance)
@@ -240,7 +297,12 @@ def main(argv: list[str] | None = None) -> int:
         for path in [out / "results.csv", out / "results.json", *paths]:
             print(f"  wrote {path}")
         if args.apply and rec is not None:
-            gw.patch(model, max_batch_size=int(rec["max_batch_size"]), max_wait_ms=float(rec["max_wait_ms"]), policy=rec["policy"])
+            gw.patch(
+                model,
+                max_batch_size=int(rec["max_batch_size"]),
+                max_wait_ms=float(rec["max_wait_ms"]),
+                policy=rec["policy"],
+            )
             print("  applied the recommended setting")
         else:
             gw.patch(model, **keep)

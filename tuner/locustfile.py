@@ -24,6 +24,7 @@ FERRY_LOAD_CHAT_MODEL=ferry-tiny-chat). `--ferry-report FILE` writes a JSON summ
 (window, arrivals, late starts, per-entry counts within `--ferry-slo-ms`) used by
 `ferry tune`. Targets 127.0.0.1 / localhost only.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -42,8 +43,17 @@ if importlib.util.find_spec("tuner") is None:  # run from a checkout without the
 from tuner.arrivals import LOAD, ArrivalSchedule, parse_steps
 from tuner.arrivals import ArrivalRateShape as ArrivalRateShape  # locust finds the load shape in this namespace
 from tuner.percentile import percentile
-from tuner.traffic import (BATCH_ENTRY, EMBED_ENTRY, LOOPBACK, REQUEST_ENTRIES, SLO_ENTRIES, STREAM_ENTRY,
-                           TTFT_ENTRY, question, sentence)
+from tuner.traffic import (
+    BATCH_ENTRY,
+    EMBED_ENTRY,
+    LOOPBACK,
+    REQUEST_ENTRIES,
+    SLO_ENTRIES,
+    STREAM_ENTRY,
+    TTFT_ENTRY,
+    question,
+    sentence,
+)
 
 log = logging.getLogger("ferry.locust")
 
@@ -51,6 +61,7 @@ MAX_SSE_LINES = 100_000
 MAX_SAMPLES = 200_000
 
 # --------------------------------------------------------------------------- options
+
 
 def _env(name: str, default):
     return os.environ.get("FERRY_LOAD_" + name.upper().replace("-", "_"), default)
@@ -60,8 +71,12 @@ def _env(name: str, default):
 def _add_options(parser) -> None:
     def add(flag: str, default, type_, help_: str) -> None:
         key = flag.lstrip("-").removeprefix("ferry-")
-        parser.add_argument(flag, type=type_, default=type_(_env(key, default)),
-                            help=f"{help_} (env FERRY_LOAD_{key.upper().replace('-', '_')}, default {default})")
+        parser.add_argument(
+            flag,
+            type=type_,
+            default=type_(_env(key, default)),
+            help=f"{help_} (env FERRY_LOAD_{key.upper().replace('-', '_')}, default {default})",
+        )
 
     add("--ferry-chat-model", "ferry-tiny-chat", str, "chat model name sent in requests")
     add("--ferry-embed-model", "sentence-transformers/all-MiniLM-L6-v2", str, "embeddings model name")
@@ -75,7 +90,12 @@ def _add_options(parser) -> None:
     add("--batch-max-tokens", 32, int, "max_tokens of each batch conversation")
     add("--batch-conversations", 4, int, "conversations per batch chat request")
     add("--embed-inputs", 1, int, "inputs per embeddings request")
-    add("--arrival-rate", 10.0, float, "open loop: total arrivals per second, split by weight; 0: closed loop of -u users")
+    add(
+        "--arrival-rate",
+        10.0,
+        float,
+        "open loop: total arrivals per second, split by weight; 0: closed loop of -u users",
+    )
     add("--rate-steps", "", str, "open loop with stepped rates: RATE:SECONDS,... (e.g. 20:10,60:10)")
     add("--arrivals", "poisson", str, "arrival process: poisson or uniform")
     add("--pool-size", 0, int, "users in the open-loop pool (0: rate x --pool-latency-s + 2 per class)")
@@ -100,6 +120,7 @@ class Options:
 RUN_OPTIONS = Options()
 
 # --------------------------------------------------------------------------- report
+
 
 class Report:
     """Per-entry counts and latencies (from the scheduled arrival), reset when spawning ends."""
@@ -134,9 +155,17 @@ class Report:
         out = {}
         for name, e in self.entries.items():
             out[name] = {k: e[k] for k in ("n", "failures", "within_slo")} | {
-                "p50_ms": _ms(e["ms"], 50), "p99_ms": _ms(e["ms"], 99), "max_ms": max(e["ms"], default=None)}
-        return {"entries": out, "late_starts": self.late, "lag_p99_ms": _ms(self.lags, 99),
-                "lag_max_ms": max(self.lags, default=None), "last_done_s": round(self.last_done, 3)}
+                "p50_ms": _ms(e["ms"], 50),
+                "p99_ms": _ms(e["ms"], 99),
+                "max_ms": max(e["ms"], default=None),
+            }
+        return {
+            "entries": out,
+            "late_starts": self.late,
+            "lag_p99_ms": _ms(self.lags, 99),
+            "lag_max_ms": max(self.lags, default=None),
+            "last_done_s": round(self.last_done, 3),
+        }
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -185,9 +214,15 @@ def _on_init(environment, **_kw) -> None:
         log.error("%s", exc)
         sys.exit(2)
     schedule = ArrivalSchedule(rate=max(0.0, opts.arrival_rate), steps=steps, duration=opts.run_time or None)
-    LOAD.configure(schedule, {_class_key(uc): uc.weight for uc in kept}, poisson=opts.arrivals == "poisson",
-                   seed=opts.seed, pool_size=max(0, opts.pool_size), pool_latency_s=opts.pool_latency_s,
-                   max_pool=max(1, opts.max_pool))
+    LOAD.configure(
+        schedule,
+        {_class_key(uc): uc.weight for uc in kept},
+        poisson=opts.arrivals == "poisson",
+        seed=opts.seed,
+        pool_size=max(0, opts.pool_size),
+        pool_latency_s=opts.pool_latency_s,
+        max_pool=max(1, opts.max_pool),
+    )
     if schedule.open_loop and opts.num_users:
         log.warning("open loop: -u is ignored, the pool has %d users (see --pool-size)", LOAD.pool_size)
 
@@ -241,24 +276,36 @@ def _on_test_stop(environment, **_kw) -> None:
     summary = REPORT.summary()
     unclaimed = sum(p.unclaimed_before(window) for p in LOAD.pacers.values()) if sched.open_loop else 0
     if unclaimed:
-        log.warning("%d arrivals found every user busy and were never sent: the pool (%d) is too small for "
-                    "this latency; they count as unfinished", unclaimed, LOAD.pool_size)
-    summary.update({
-        "mode": "open" if sched.open_loop else "closed",
-        "arrival_rate": sched.rate, "rate_steps": sched.steps, "arrivals": opts.arrivals,
-        "window_s": round(window, 3), "pool_size": LOAD.pool_size if sched.open_loop else opts.num_users,
-        # Offered load: every arrival of the window, including those no free user could take.
-        "sent_on_schedule": sum(p.claimed for p in LOAD.pacers.values()),
-        "never_sent": unclaimed,
-        "scheduled": sum(p.claimed for p in LOAD.pacers.values()) + unclaimed,
-        "classes": {k: {"weight": w, "share": LOAD.pacers[k].share} for k, w in LOAD.weights.items()},
-        "slo_ms": opts.ferry_slo_ms, "slo_entries": SLO_ENTRIES, "request_entries": REQUEST_ENTRIES,
-    })
+        log.warning(
+            "%d arrivals found every user busy and were never sent: the pool (%d) is too small for "
+            "this latency; they count as unfinished",
+            unclaimed,
+            LOAD.pool_size,
+        )
+    summary.update(
+        {
+            "mode": "open" if sched.open_loop else "closed",
+            "arrival_rate": sched.rate,
+            "rate_steps": sched.steps,
+            "arrivals": opts.arrivals,
+            "window_s": round(window, 3),
+            "pool_size": LOAD.pool_size if sched.open_loop else opts.num_users,
+            # Offered load: every arrival of the window, including those no free user could take.
+            "sent_on_schedule": sum(p.claimed for p in LOAD.pacers.values()),
+            "never_sent": unclaimed,
+            "scheduled": sum(p.claimed for p in LOAD.pacers.values()) + unclaimed,
+            "classes": {k: {"weight": w, "share": LOAD.pacers[k].share} for k, w in LOAD.weights.items()},
+            "slo_ms": opts.ferry_slo_ms,
+            "slo_entries": SLO_ENTRIES,
+            "request_entries": REQUEST_ENTRIES,
+        }
+    )
     with open(opts.ferry_report, "w", encoding="utf-8") as f:
         json.dump(summary, f, indent=1)
 
 
 # --------------------------------------------------------------------------- users
+
 
 def _error_code(resp) -> str:
     try:
@@ -270,7 +317,11 @@ def _error_code(resp) -> str:
 
 def _fail_http(resp) -> None:
     code = _error_code(resp) if resp.status_code else ""
-    detail = f"HTTP {resp.status_code} {code}".strip() if resp.status_code else f"connection error: {type(resp.error).__name__}"
+    detail = (
+        f"HTTP {resp.status_code} {code}".strip()
+        if resp.status_code
+        else f"connection error: {type(resp.error).__name__}"
+    )
     resp.failure(detail)
 
 
@@ -328,10 +379,21 @@ class InteractiveChatUser(FerryUser):
         start = self.arrival()
         if start is None:
             return
-        body = {"model": RUN_OPTIONS.ferry_chat_model, "messages": [{"role": "user", "content": question(self.next_index())}],
-                "max_tokens": RUN_OPTIONS.chat_max_tokens, "temperature": 0, "stream": True}
-        with self.client.post("/v1/chat/completions", json=body, headers=self.budget_headers(RUN_OPTIONS.interactive_budget_ms),
-                              stream=True, catch_response=True, name=STREAM_ENTRY) as resp:
+        body = {
+            "model": RUN_OPTIONS.ferry_chat_model,
+            "messages": [{"role": "user", "content": question(self.next_index())}],
+            "max_tokens": RUN_OPTIONS.chat_max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        with self.client.post(
+            "/v1/chat/completions",
+            json=body,
+            headers=self.budget_headers(RUN_OPTIONS.interactive_budget_ms),
+            stream=True,
+            catch_response=True,
+            name=STREAM_ENTRY,
+        ) as resp:
             ttft, problem, nbytes = None, None, 0
             if resp.status_code == 200:
                 ttft, problem, nbytes = read_stream(resp, start)
@@ -344,8 +406,16 @@ class InteractiveChatUser(FerryUser):
             else:
                 resp.success()
                 self.environment.events.request.fire(
-                    request_type="SSE", name=TTFT_ENTRY, response_time=ttft * 1000, response_length=0,
-                    exception=None, context={}, response=None, url=None, start_time=time.time())
+                    request_type="SSE",
+                    name=TTFT_ENTRY,
+                    response_time=ttft * 1000,
+                    response_length=0,
+                    exception=None,
+                    context={},
+                    response=None,
+                    url=None,
+                    start_time=time.time(),
+                )
 
 
 def sse_lines(resp):
@@ -409,9 +479,13 @@ class BatchChatUser(FerryUser):
             return
         k = max(1, RUN_OPTIONS.batch_conversations)
         i = self.next_index()
-        body = {"model": RUN_OPTIONS.ferry_chat_model,
-                "messages": [[{"role": "user", "content": question(i + j)}] for j in range(k)],
-                "max_tokens": RUN_OPTIONS.batch_max_tokens, "temperature": 0, "priority": "batch"}
+        body = {
+            "model": RUN_OPTIONS.ferry_chat_model,
+            "messages": [[{"role": "user", "content": question(i + j)}] for j in range(k)],
+            "max_tokens": RUN_OPTIONS.batch_max_tokens,
+            "temperature": 0,
+            "priority": "batch",
+        }
         if RUN_OPTIONS.batch_budget_ms > 0:
             body["latency_budget_ms"] = RUN_OPTIONS.batch_budget_ms
         with self.client.post("/v1/chat/completions", json=body, catch_response=True, name=BATCH_ENTRY) as resp:
@@ -442,9 +516,17 @@ class EmbeddingsUser(FerryUser):
             return
         n = max(1, RUN_OPTIONS.embed_inputs)
         i = self.next_index()
-        body = {"model": RUN_OPTIONS.ferry_embed_model, "input": sentence(i) if n == 1 else [sentence(i + j) for j in range(n)]}
-        with self.client.post("/v1/embeddings", json=body, headers=self.budget_headers(RUN_OPTIONS.embed_budget_ms),
-                              catch_response=True, name=EMBED_ENTRY) as resp:
+        body = {
+            "model": RUN_OPTIONS.ferry_embed_model,
+            "input": sentence(i) if n == 1 else [sentence(i + j) for j in range(n)],
+        }
+        with self.client.post(
+            "/v1/embeddings",
+            json=body,
+            headers=self.budget_headers(RUN_OPTIONS.embed_budget_ms),
+            catch_response=True,
+            name=EMBED_ENTRY,
+        ) as resp:
             resp.request_meta["response_time"] = (time.perf_counter() - start) * 1000
             if resp.status_code != 200:
                 _fail_http(resp)

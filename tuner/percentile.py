@@ -1,8 +1,9 @@
 """The one percentile definition of the tuner and the benchmarks."""
+
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 
 def percentile(values: Iterable[float], q: float) -> float:

@@ -1,5 +1,6 @@
 """The sweep's figures: p99 against throughput, goodput and mean batch size against the
 offered rate, one line per setting, the recommended cell starred."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -18,13 +19,19 @@ def plot(out: Path, rows: list[dict], slo_ms: float, rec: dict | None, title: st
         by_setting.setdefault(setting_key(r), []).append(r)
     keys = sorted(by_setting)
     cmap = plt.get_cmap("tab20" if len(keys) > 10 else "tab10")
-    styles = {k: dict(color=cmap(i % cmap.N), marker="os^Dv<>ph*"[i % 10], linestyle=["-", "--", ":", "-."][(i // 10) % 4])
-              for i, k in enumerate(keys)}
+    styles = {
+        k: dict(color=cmap(i % cmap.N), marker="os^Dv<>ph*"[i % 10], linestyle=["-", "--", ":", "-."][(i // 10) % 4])
+        for i, k in enumerate(keys)
+    }
 
     def figure(name: str, xlabel: str, ylabel: str, series, extra=None, logy=False) -> Path:
         fig, ax = plt.subplots(figsize=(9.5, 5.5), dpi=110)
         for k in keys:
-            pts = [(x, y) for x, y in series(sorted(by_setting[k], key=lambda r: float(r["rate"]))) if x is not None and y is not None]
+            pts = [
+                (x, y)
+                for x, y in series(sorted(by_setting[k], key=lambda r: float(r["rate"])))
+                if x is not None and y is not None
+            ]
             if pts:
                 ax.plot(*zip(*pts), label=setting_label(by_setting[k][0]), **styles[k])
         if extra:
@@ -49,21 +56,54 @@ def plot(out: Path, rows: list[dict], slo_ms: float, rec: dict | None, title: st
     def slo_line(ax) -> None:
         ax.axhline(slo_ms, color="crimson", linestyle="--", linewidth=1, label=f"SLO p99 {slo_ms:g} ms")
         if rec is not None and num(rec, "p99_ms") is not None:
-            ax.plot([float(rec["throughput_rps"])], [float(rec["p99_ms"])], marker="*", markersize=18, color="gold",
-                    markeredgecolor="black", linestyle="none", label="recommended", zorder=5)
+            ax.plot(
+                [float(rec["throughput_rps"])],
+                [float(rec["p99_ms"])],
+                marker="*",
+                markersize=18,
+                color="gold",
+                markeredgecolor="black",
+                linestyle="none",
+                label="recommended",
+                zorder=5,
+            )
 
     def offered(ax) -> None:
         rates = sorted({float(r["rate"]) for r in rows})
         ax.plot(rates, rates, color="grey", linestyle=":", linewidth=1, label="offered rate")
         if rec is not None:
-            ax.plot([float(rec["rate"])], [float(rec["goodput_rps"])], marker="*", markersize=18, color="gold",
-                    markeredgecolor="black", linestyle="none", label="recommended", zorder=5)
+            ax.plot(
+                [float(rec["rate"])],
+                [float(rec["goodput_rps"])],
+                marker="*",
+                markersize=18,
+                color="gold",
+                markeredgecolor="black",
+                linestyle="none",
+                label="recommended",
+                zorder=5,
+            )
 
     return [
-        figure("p99_vs_throughput.png", "throughput (successful requests/s)", "p99 latency (ms, log)",
-               lambda rs: [(num(r, "throughput_rps"), num(r, "p99_ms")) for r in rs], slo_line, logy=True),
-        figure("goodput_vs_rate.png", "offered arrival rate (requests/s)", f"goodput (requests/s within {slo_ms:g} ms)",
-               lambda rs: [(float(r["rate"]), num(r, "goodput_rps")) for r in rs], offered),
-        figure("batch_size_vs_rate.png", "offered arrival rate (requests/s)", "mean batch size (items, Ferry metrics)",
-               lambda rs: [(float(r["rate"]), num(r, "mean_batch_size")) for r in rs]),
+        figure(
+            "p99_vs_throughput.png",
+            "throughput (successful requests/s)",
+            "p99 latency (ms, log)",
+            lambda rs: [(num(r, "throughput_rps"), num(r, "p99_ms")) for r in rs],
+            slo_line,
+            logy=True,
+        ),
+        figure(
+            "goodput_vs_rate.png",
+            "offered arrival rate (requests/s)",
+            f"goodput (requests/s within {slo_ms:g} ms)",
+            lambda rs: [(float(r["rate"]), num(r, "goodput_rps")) for r in rs],
+            offered,
+        ),
+        figure(
+            "batch_size_vs_rate.png",
+            "offered arrival rate (requests/s)",
+            "mean batch size (items, Ferry metrics)",
+            lambda rs: [(float(r["rate"]), num(r, "mean_batch_size")) for r in rs],
+        ),
     ]

@@ -1,6 +1,7 @@
 """The recommendation: among the cells within the latency SLO and the error budget, the
 most throughput; ties within a tolerance go to the lower p99, then the smaller
 max_wait_ms, then the smaller max_batch_size. And the text that shows the evidence."""
+
 from __future__ import annotations
 
 import math
@@ -47,11 +48,15 @@ def evidence(rows: list[dict], rec: dict | None, args) -> str:
     lines = []
     slo = args.slo_ms
     if rec is None:
-        lines.append(f"No setting kept p99 within {slo:g} ms with at most {args.max_error_rate:.1%} errors "
-                     "at any tested rate: lower the rates, raise --slo-ms, or add capacity.")
+        lines.append(
+            f"No setting kept p99 within {slo:g} ms with at most {args.max_error_rate:.1%} errors "
+            "at any tested rate: lower the rates, raise --slo-ms, or add capacity."
+        )
     else:
-        lines.append(f"Recommended for p99 <= {slo:g} ms: policy={rec['policy']} "
-                     f"max_batch_size={int(float(rec['max_batch_size']))} max_wait_ms={float(rec['max_wait_ms']):g}")
+        lines.append(
+            f"Recommended for p99 <= {slo:g} ms: policy={rec['policy']} "
+            f"max_batch_size={int(float(rec['max_batch_size']))} max_wait_ms={float(rec['max_wait_ms']):g}"
+        )
         lines.append("  evidence: " + describe(rec))
     lines.append("  per setting (best rate within the SLO | first rate that failed it):")
     by_setting: dict[tuple, list[dict]] = {}
@@ -61,14 +66,19 @@ def evidence(rows: list[dict], rec: dict | None, args) -> str:
         rs = sorted(rs, key=lambda r: float(r["rate"]))
         good = [r for r in rs if passes(r, slo, args.max_error_rate)]
         bad = [r for r in rs if not passes(r, slo, args.max_error_rate)]
-        left = (f"{float(good[-1]['rate']):g}/s -> {float(good[-1]['throughput_rps']):.1f}/s p99 {fmt_ms(good[-1]['p99_ms'])}"
-                if good else "none")
+        left = (
+            f"{float(good[-1]['rate']):g}/s -> {float(good[-1]['throughput_rps']):.1f}/s p99 {fmt_ms(good[-1]['p99_ms'])}"
+            if good
+            else "none"
+        )
         right = f"{float(bad[0]['rate']):g}/s: {why(bad[0], slo, args.max_error_rate)}" if bad else "none failed"
         mark = " <-" if rec is not None and setting_key(rec) == key else ""
         lines.append(f"    {setting_label(rs[0]):34s} {left:38s} | {right}{mark}")
     thr = recommend_throughput(rows, args.max_error_rate, args.tie_tolerance)
     if thr is not None:
-        lines.append(f"Without a latency cap (batch traffic) the most throughput: {setting_label(thr)}: {describe(thr)}")
+        lines.append(
+            f"Without a latency cap (batch traffic) the most throughput: {setting_label(thr)}: {describe(thr)}"
+        )
     return "\n".join(lines)
 
 
@@ -77,12 +87,16 @@ def fmt_ms(ms: Any) -> str:
 
 
 def describe(r: dict) -> str:
-    reasons = ", ".join(f"{x} {int(float(r.get(f'dispatch_{x}') or 0))}" for x in REASONS if float(r.get(f"dispatch_{x}") or 0))
+    reasons = ", ".join(
+        f"{x} {int(float(r.get(f'dispatch_{x}') or 0))}" for x in REASONS if float(r.get(f"dispatch_{x}") or 0)
+    )
     mb = r.get("mean_batch_size")
-    return (f"at {float(r['rate']):g} req/s offered: {float(r['throughput_rps']):.1f} req/s served, "
-            f"p50 {fmt_ms(r.get('p50_ms'))}, p99 {fmt_ms(r.get('p99_ms'))}, errors {float(r['error_rate']):.1%}, "
-            f"goodput {float(r['goodput_rps']):.1f} req/s, mean batch {mb if mb not in (None, '') else 'n/a'}"
-            + (f" (dispatches: {reasons})" if reasons else ""))
+    return (
+        f"at {float(r['rate']):g} req/s offered: {float(r['throughput_rps']):.1f} req/s served, "
+        f"p50 {fmt_ms(r.get('p50_ms'))}, p99 {fmt_ms(r.get('p99_ms'))}, errors {float(r['error_rate']):.1%}, "
+        f"goodput {float(r['goodput_rps']):.1f} req/s, mean batch {mb if mb not in (None, '') else 'n/a'}"
+        + (f" (dispatches: {reasons})" if reasons else "")
+    )
 
 
 def why(r: dict, slo: float, max_er: float) -> str:

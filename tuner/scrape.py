@@ -1,5 +1,6 @@
 """The gateway being tuned, seen from outside: its admin API (read and change a model's
 batching settings) and its Prometheus /metrics, scraped before and after each cell."""
+
 from __future__ import annotations
 
 import time
@@ -33,9 +34,14 @@ class TunedGateway:
     def settings(self, model: str) -> dict:
         r = self.http.get(self._admin_url(model), headers=self.auth)
         if r.status_code in (401, 404):
-            hint = "" if r.status_code == 401 or r.json().get("error", {}).get("code") == "model_not_found" else \
-                " (is the gateway running with --admin-token?)"
-            raise SystemExit(f"ferry tune: admin API: HTTP {r.status_code} {r.json().get('error', {}).get('message', '')}{hint}")
+            hint = (
+                ""
+                if r.status_code == 401 or r.json().get("error", {}).get("code") == "model_not_found"
+                else " (is the gateway running with --admin-token?)"
+            )
+            raise SystemExit(
+                f"ferry tune: admin API: HTTP {r.status_code} {r.json().get('error', {}).get('message', '')}{hint}"
+            )
         r.raise_for_status()
         return r.json()
 
@@ -53,9 +59,16 @@ class TunedGateway:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             m = self.metrics()
-            queued = sum(v for (name, labels), v in m.items() if name == "ferry_queue_depth" and dict(labels).get("model") == model)
-            flying = sum(v for (name, labels), v in m.items() if name == "ferry_requests_in_flight"
-                         and dict(labels).get("route", "").startswith("/v1/"))
+            queued = sum(
+                v
+                for (name, labels), v in m.items()
+                if name == "ferry_queue_depth" and dict(labels).get("model") == model
+            )
+            flying = sum(
+                v
+                for (name, labels), v in m.items()
+                if name == "ferry_requests_in_flight" and dict(labels).get("route", "").startswith("/v1/")
+            )
             if queued == 0 and flying == 0:
                 return
             time.sleep(0.2)

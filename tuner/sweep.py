@@ -1,6 +1,7 @@
 """The sweep: for every cell (setting x arrival rate) apply the setting live, run locust
 headless with open-loop arrivals (tuner/locustfile.py), scrape /metrics before and after,
 and turn both into one row of results.csv."""
+
 from __future__ import annotations
 
 import csv
@@ -11,8 +12,9 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from .recommend import fmt_ms, passes, setting_label
 from .scrape import REASONS, REJECTIONS, TunedGateway, ferry_figures
@@ -20,11 +22,39 @@ from .traffic import REQUEST_ENTRIES, SLO_ENTRIES
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 COLUMNS = [  # results.csv
-    "cell", "policy", "max_batch_size", "max_wait_ms", "rate", "offered_rps", "window_s", "span_s", "scheduled", "sent", "ok", "failures",
-    "unfinished", "error_rate", "throughput_rps", "goodput_rps", "p50_ms", "p95_ms", "p99_ms", "max_ms",
-    "slo_ms", "meets_slo", "late_starts", "lag_p99_ms", "mean_batch_size", "mean_decode_batch", "batches",
-    *(f"dispatch_{r}" for r in REASONS), *(f"rejected_{r}" for r in REJECTIONS), "expired", "mean_queue_wait_ms",
-    "locust_rc", "error",
+    "cell",
+    "policy",
+    "max_batch_size",
+    "max_wait_ms",
+    "rate",
+    "offered_rps",
+    "window_s",
+    "span_s",
+    "scheduled",
+    "sent",
+    "ok",
+    "failures",
+    "unfinished",
+    "error_rate",
+    "throughput_rps",
+    "goodput_rps",
+    "p50_ms",
+    "p95_ms",
+    "p99_ms",
+    "max_ms",
+    "slo_ms",
+    "meets_slo",
+    "late_starts",
+    "lag_p99_ms",
+    "mean_batch_size",
+    "mean_decode_batch",
+    "batches",
+    *(f"dispatch_{r}" for r in REASONS),
+    *(f"rejected_{r}" for r in REJECTIONS),
+    "expired",
+    "mean_queue_wait_ms",
+    "locust_rc",
+    "error",
 ]
 
 
@@ -67,27 +97,66 @@ def cell_figures(stats: dict[str, dict], report: dict, classes: Iterable[str], s
     ok = sent - failures
     total = max(scheduled, sent)
     return {
-        "window_s": round(window, 3), "span_s": round(span, 3), "scheduled": scheduled,
-        "offered_rps": round(scheduled / window, 3) if window > 0 else 0.0, "sent": sent, "ok": ok, "failures": failures,
-        "unfinished": unfinished, "error_rate": round((failures + unfinished) / total, 4) if total else 1.0,
+        "window_s": round(window, 3),
+        "span_s": round(span, 3),
+        "scheduled": scheduled,
+        "offered_rps": round(scheduled / window, 3) if window > 0 else 0.0,
+        "sent": sent,
+        "ok": ok,
+        "failures": failures,
+        "unfinished": unfinished,
+        "error_rate": round((failures + unfinished) / total, 4) if total else 1.0,
         "throughput_rps": round(ok / span, 3) if span > 0 else 0.0,
         "goodput_rps": round(good / span, 3) if span > 0 else 0.0,
-        **worst, "max_ms": None if worst["max_ms"] is None else round(worst["max_ms"], 1),
-        "late_starts": int(report.get("late_starts") or 0), "lag_p99_ms": report.get("lag_p99_ms"),
+        **worst,
+        "max_ms": None if worst["max_ms"] is None else round(worst["max_ms"], 1),
+        "late_starts": int(report.get("late_starts") or 0),
+        "lag_p99_ms": report.get("lag_p99_ms"),
     }
 
 
-def run_locust(args, gw_host: str, rate: float, classes: dict[str, float], models: dict[str, str],
-               prefix: Path, timeout: float) -> tuple[int, dict, dict, str]:
+def run_locust(
+    args, gw_host: str, rate: float, classes: dict[str, float], models: dict[str, str], prefix: Path, timeout: float
+) -> tuple[int, dict, dict, str]:
     weights = {c: classes.get(c, 0.0) for c in ("interactive", "batch", "embed")}
-    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", gw_host,
-           "-t", f"{max(1, round(args.cell_seconds))}s", "--stop-timeout", f"{args.drain_seconds:g}",
-           "--reset-stats", "--only-summary", "--loglevel", "WARNING", "--exit-code-on-error", "0",
-           "--csv", str(prefix), "--arrival-rate", f"{rate:g}", "--seed", str(int(rate * 1000) % 100_000),
-           "--pool-latency-s", f"{args.pool_latency_s:g}", "--ferry-slo-ms", f"{args.slo_ms:g}",
-           "--ferry-report", str(prefix) + "_report.json",
-           "--weight-interactive", f"{weights['interactive']:g}", "--weight-batch", f"{weights['batch']:g}",
-           "--weight-embed", f"{weights['embed']:g}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--headless",
+        "--host",
+        gw_host,
+        "-t",
+        f"{max(1, round(args.cell_seconds))}s",
+        "--stop-timeout",
+        f"{args.drain_seconds:g}",
+        "--reset-stats",
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
+        "--exit-code-on-error",
+        "0",
+        "--csv",
+        str(prefix),
+        "--arrival-rate",
+        f"{rate:g}",
+        "--seed",
+        str(int(rate * 1000) % 100_000),
+        "--pool-latency-s",
+        f"{args.pool_latency_s:g}",
+        "--ferry-slo-ms",
+        f"{args.slo_ms:g}",
+        "--ferry-report",
+        str(prefix) + "_report.json",
+        "--weight-interactive",
+        f"{weights['interactive']:g}",
+        "--weight-batch",
+        f"{weights['batch']:g}",
+        "--weight-embed",
+        f"{weights['embed']:g}",
+    ]
     if models.get("chat"):
         cmd += ["--ferry-chat-model", models["chat"]]
     if models.get("embed"):
@@ -113,8 +182,18 @@ def run_locust(args, gw_host: str, rate: float, classes: dict[str, float], model
     return rc, stats, report, err
 
 
-def sweep(args, gw: TunedGateway, host: str, model: str, classes: dict, models: dict, cells: list, out: Path,
-          meta: dict, per_cell: float) -> list[dict]:
+def sweep(
+    args,
+    gw: TunedGateway,
+    host: str,
+    model: str,
+    classes: dict,
+    models: dict,
+    cells: list,
+    out: Path,
+    meta: dict,
+    per_cell: float,
+) -> list[dict]:
     rows: list[dict] = []
     stop_at = time.monotonic() + args.max_minutes * 60
     timeout = args.cell_seconds + args.drain_seconds + 90  # start-up, spawning, drain, slack
@@ -132,18 +211,31 @@ def sweep(args, gw: TunedGateway, host: str, model: str, classes: dict, models: 
             prefix = out / "locust" / f"cell{i:03d}"
             rc, stats, report, err = run_locust(args, host, rate, classes, models, prefix, timeout)
             after = gw.metrics()
-            row: dict[str, Any] = {"cell": i, "policy": policy, "max_batch_size": size, "max_wait_ms": wait,
-                                   "rate": rate, "slo_ms": args.slo_ms, "locust_rc": rc, "error": err}
-            row.update(cell_figures(stats, report, classes, args.slo_ms) if stats and report else
-                       {"error_rate": 1.0, "throughput_rps": 0.0, "goodput_rps": 0.0, "ok": 0})
+            row: dict[str, Any] = {
+                "cell": i,
+                "policy": policy,
+                "max_batch_size": size,
+                "max_wait_ms": wait,
+                "rate": rate,
+                "slo_ms": args.slo_ms,
+                "locust_rc": rc,
+                "error": err,
+            }
+            row.update(
+                cell_figures(stats, report, classes, args.slo_ms)
+                if stats and report
+                else {"error_rate": 1.0, "throughput_rps": 0.0, "goodput_rps": 0.0, "ok": 0}
+            )
             row.update(ferry_figures(before, after, model))
             row["meets_slo"] = passes(row, args.slo_ms, args.max_error_rate)
             rows.append(row)
             write_results(out, rows, meta)  # partial results survive an interruption
-            progress.step(f"  {setting_label(row):34s} rate {rate:6g}/s -> {row['throughput_rps']:7.1f}/s "
-                          f"p99 {fmt_ms(row.get('p99_ms')):>8s} err {row['error_rate']:.1%} "
-                          f"batch {row.get('mean_batch_size') if row.get('mean_batch_size') is not None else 'n/a'}"
-                          f"{'  ok' if row['meets_slo'] else ''}{'  ' + err if err else ''}")
+            progress.step(
+                f"  {setting_label(row):34s} rate {rate:6g}/s -> {row['throughput_rps']:7.1f}/s "
+                f"p99 {fmt_ms(row.get('p99_ms')):>8s} err {row['error_rate']:.1%} "
+                f"batch {row.get('mean_batch_size') if row.get('mean_batch_size') is not None else 'n/a'}"
+                f"{'  ok' if row['meets_slo'] else ''}{'  ' + err if err else ''}"
+            )
     finally:
         progress.close()
     return rows
@@ -168,8 +260,13 @@ class Progress:
             try:
                 from tqdm import tqdm
 
-                self.bar = tqdm(total=total, unit="cell", file=sys.stderr, dynamic_ncols=True,
-                                bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} cells [{elapsed}<{remaining}] {postfix}")
+                self.bar = tqdm(
+                    total=total,
+                    unit="cell",
+                    file=sys.stderr,
+                    dynamic_ncols=True,
+                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} cells [{elapsed}<{remaining}] {postfix}",
+                )
             except ImportError:
                 pass
         self.enabled = enabled

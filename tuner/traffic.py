@@ -2,6 +2,7 @@
 entries that report them: the one vocabulary the locustfile (which records the entries) and
 the sweep (which reads them back from locust's CSV) share. The benchmarks in loadtests/
 send the same texts."""
+
 from __future__ import annotations
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}  # the only hosts load is ever sent to
@@ -15,10 +16,28 @@ EMBED_ENTRY = "embeddings"
 SLO_ENTRIES = {"interactive": TTFT_ENTRY, "batch": BATCH_ENTRY, "embed": EMBED_ENTRY}
 REQUEST_ENTRIES = {"interactive": STREAM_ENTRY, "batch": BATCH_ENTRY, "embed": EMBED_ENTRY}
 # Names accepted for the classes in `ferry tune --mix`.
-CLASS_ALIASES = {"interactive": "interactive", "chat": "interactive", "stream": "interactive",
-                 "batch": "batch", "batch-chat": "batch", "embed": "embed", "embeddings": "embed"}
+CLASS_ALIASES = {
+    "interactive": "interactive",
+    "chat": "interactive",
+    "stream": "interactive",
+    "batch": "batch",
+    "batch-chat": "batch",
+    "embed": "embed",
+    "embeddings": "embed",
+}
 
-TOPICS = ["ferries", "rivers", "harbours", "timetables", "latency", "throughput", "queues", "tokens", "weather", "cargo"]
+TOPICS = [
+    "ferries",
+    "rivers",
+    "harbours",
+    "timetables",
+    "latency",
+    "throughput",
+    "queues",
+    "tokens",
+    "weather",
+    "cargo",
+]
 QUESTIONS = [
     "Say hello politely.",
     "Give me a fun fact about {a}.",

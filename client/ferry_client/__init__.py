@@ -20,22 +20,55 @@ connection failures, waiting what `Retry-After` says.
 This package needs only httpx (numpy for `embed(..., numpy=True)`): it installs on its own
 (`pip install ./client`) and imports none of the server's packages.
 """
+
 from __future__ import annotations
 
 from .async_client import AsyncFerryClient
-from .errors import (APIConnectionError, APITimeoutError, AuthenticationError, BadRequest, FerryError, GatewayTimeout,
-                     NotFound, PayloadTooLarge, PermissionDenied, RateLimited, ServerError, ServiceUnavailable,
-                     UnprocessableEntity)
+from .errors import (
+    APIConnectionError,
+    APITimeoutError,
+    AuthenticationError,
+    BadRequest,
+    FerryError,
+    GatewayTimeout,
+    NotFound,
+    PayloadTooLarge,
+    PermissionDenied,
+    RateLimited,
+    ServerError,
+    ServiceUnavailable,
+    UnprocessableEntity,
+)
 from .events import StreamEvent
 from .responses import ChatResponse, Choice, CompletionResponse, RequestInfo, Response, Usage
 from .streaming import AsyncChatStream, ChatStream, agather_stream, gather_stream
 from .sync_client import FerryClient
 
 __all__ = [
-    "FerryClient", "AsyncFerryClient", "gather_stream", "agather_stream",
-    "ChatResponse", "CompletionResponse", "Response", "Choice", "Usage", "RequestInfo", "StreamEvent",
-    "ChatStream", "AsyncChatStream",
-    "FerryError", "APIConnectionError", "APITimeoutError", "BadRequest", "AuthenticationError", "PermissionDenied",
-    "NotFound", "PayloadTooLarge", "UnprocessableEntity", "RateLimited", "ServerError", "ServiceUnavailable",
+    "APIConnectionError",
+    "APITimeoutError",
+    "AsyncChatStream",
+    "AsyncFerryClient",
+    "AuthenticationError",
+    "BadRequest",
+    "ChatResponse",
+    "ChatStream",
+    "Choice",
+    "CompletionResponse",
+    "FerryClient",
+    "FerryError",
     "GatewayTimeout",
+    "NotFound",
+    "PayloadTooLarge",
+    "PermissionDenied",
+    "RateLimited",
+    "RequestInfo",
+    "Response",
+    "ServerError",
+    "ServiceUnavailable",
+    "StreamEvent",
+    "UnprocessableEntity",
+    "Usage",
+    "agather_stream",
+    "gather_stream",
 ]

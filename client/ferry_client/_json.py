@@ -3,6 +3,7 @@
 numpy values (arrays and scalars) in request parameters are written as plain numbers and
 lists; NaN and infinities are refused, since the gateway would reject them as invalid JSON.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,9 +1,11 @@
 """`AsyncFerryClient`: the asyncio twin of `FerryClient`."""
+
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -18,12 +20,22 @@ class AsyncFerryClient(ClientBase):
     """The asyncio twin of FerryClient: every method is awaited; `await client.chat(...,
     stream=True)` returns an AsyncChatStream (`async for prompt_index, delta in stream`)."""
 
-    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float | httpx.Timeout | None = 120.0,
-                 retries: int = 0, *, max_retry_wait: float = 30.0, headers: dict[str, str] | None = None,
-                 on_retry: Callable[[int, FerryError, float], None] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = 120.0,
+        retries: int = 0,
+        *,
+        max_retry_wait: float = 30.0,
+        headers: dict[str, str] | None = None,
+        on_retry: Callable[[int, FerryError, float], None] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
         super().__init__(base_url, api_key, timeout, retries, max_retry_wait, headers, on_retry)
-        self._http = httpx.AsyncClient(base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -34,7 +46,7 @@ class AsyncFerryClient(ClientBase):
     def closed(self) -> bool:
         return self._http.is_closed
 
-    async def __aenter__(self) -> "AsyncFerryClient":
+    async def __aenter__(self) -> AsyncFerryClient:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -72,13 +84,15 @@ class AsyncFerryClient(ClientBase):
             return AsyncChatStream(r, self._assembler(call, r), ChatResponse if call.chat else CompletionResponse)
         return self._result(call, r)
 
-    async def chat(self, model: str, conversations: Any, *, stream: bool = False, include_usage: bool | None = None,
-                   **params: Any) -> Any:
+    async def chat(
+        self, model: str, conversations: Any, *, stream: bool = False, include_usage: bool | None = None, **params: Any
+    ) -> Any:
         """See FerryClient.chat."""
         return await self._run(self._chat_call(model, conversations, stream, include_usage, params))
 
-    async def completions(self, model: str, prompts: Any, *, stream: bool = False, include_usage: bool | None = None,
-                          **params: Any) -> Any:
+    async def completions(
+        self, model: str, prompts: Any, *, stream: bool = False, include_usage: bool | None = None, **params: Any
+    ) -> Any:
         """See FerryClient.completions."""
         return await self._run(self._completions_call(model, prompts, stream, include_usage, params))
 

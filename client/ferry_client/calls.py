@@ -1,10 +1,12 @@
 """Request construction shared by both clients: prompts, conversations and parameters
 into one request body, and the retry policy."""
+
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -33,8 +35,10 @@ def _conversations(conversations: Any) -> tuple[list[list[dict]], bool]:
         if isinstance(c, str):
             out.append([{"role": "user", "content": c}])
         elif isinstance(c, dict):
-            raise ValueError(f"conversations[{i}] is a message, but other items are conversations; give either one "
-                             "conversation (a list of messages) or a list of conversations")
+            raise ValueError(
+                f"conversations[{i}] is a message, but other items are conversations; give either one "
+                "conversation (a list of messages) or a list of conversations"
+            )
         else:
             out.append(list(c))
     return out, False
@@ -90,9 +94,16 @@ class Call:
 class ClientBase:
     """What both clients share: settings, request construction, reading answers, the retry policy."""
 
-    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float | httpx.Timeout | None = 120.0,
-                 retries: int = 0, max_retry_wait: float = 30.0, headers: dict[str, str] | None = None,
-                 on_retry: Callable[[int, FerryError, float], None] | None = None):
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = 120.0,
+        retries: int = 0,
+        max_retry_wait: float = 30.0,
+        headers: dict[str, str] | None = None,
+        on_retry: Callable[[int, FerryError, float], None] | None = None,
+    ):
         base_url = base_url.rstrip("/")
         if base_url.endswith("/v1"):  # accept the OpenAI-style base URL too
             base_url = base_url[:-3]
@@ -100,19 +111,27 @@ class ClientBase:
             raise ValueError("retries must be >= 0")
         self.base_url = base_url
         self.retries, self.max_retry_wait, self.on_retry = int(retries), float(max_retry_wait), on_retry
-        self._headers = {"Content-Type": "application/json", "Accept": "application/json",
-                         "User-Agent": "ferry-client/0.1", **(headers or {})}
+        self._headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json",
+            "User-Agent": "ferry-client/0.1",
+            **(headers or {}),
+        }
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._timeout = timeout
 
     # Request construction, shared by both clients.
-    def _chat_call(self, model: str, conversations: Any, stream: bool, include_usage: bool | None, params: dict) -> Call:
+    def _chat_call(
+        self, model: str, conversations: Any, stream: bool, include_usage: bool | None, params: dict
+    ) -> Call:
         convs, single = _conversations(conversations)
         body = {"model": model, "messages": convs[0] if single else convs, **_clean(params)}
         return self._gen_call("/v1/chat/completions", body, len(convs), single, True, stream, include_usage)
 
-    def _completions_call(self, model: str, prompts: Any, stream: bool, include_usage: bool | None, params: dict) -> Call:
+    def _completions_call(
+        self, model: str, prompts: Any, stream: bool, include_usage: bool | None, params: dict
+    ) -> Call:
         ps, single = _prompts(prompts)
         params = _clean(params)
         if "max_completion_tokens" in params:  # /v1/completions knows only max_tokens
@@ -123,8 +142,9 @@ class ClientBase:
         return self._gen_call("/v1/completions", body, len(ps), single, False, stream, include_usage)
 
     @staticmethod
-    def _gen_call(path: str, body: dict, n_prompts: int, single: bool, chat: bool, stream: bool,
-                  include_usage: bool | None) -> Call:
+    def _gen_call(
+        path: str, body: dict, n_prompts: int, single: bool, chat: bool, stream: bool, include_usage: bool | None
+    ) -> Call:
         want_usage = False
         if stream:
             body["stream"] = True
@@ -150,8 +170,11 @@ class ClientBase:
         try:
             body = loads(r.content)
         except ValueError:
-            raise FerryError(f"response is not JSON: {r.text[:200]!r}", status=r.status_code,
-                             request_id=r.headers.get("x-request-id")) from None
+            raise FerryError(
+                f"response is not JSON: {r.text[:200]!r}",
+                status=r.status_code,
+                request_id=r.headers.get("x-request-id"),
+            ) from None
         if call.path == "/v1/embeddings":
             return vectors(body, call.single, call.numpy, call.n_prompts)
         cls = ChatResponse if call.chat else CompletionResponse

@@ -1,5 +1,6 @@
 """The errors this client raises: one class per HTTP status family, built from the
 gateway's OpenAI-style error bodies (and from a stream's error events)."""
+
 from __future__ import annotations
 
 import email.utils
@@ -23,9 +24,19 @@ class FerryError(Exception):
 
     status: int | None = None
 
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None, param: str | None = None,
-                 type: str | None = None, retry_after: float | None = None, request_id: str | None = None,
-                 prompt_index: int | None = None, body: Any = None):
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after: float | None = None,
+        request_id: str | None = None,
+        prompt_index: int | None = None,
+        body: Any = None,
+    ):
         super().__init__(message)
         self.message = message
         if status is not None:
@@ -34,7 +45,11 @@ class FerryError(Exception):
         self.retry_after, self.request_id, self.prompt_index, self.body = retry_after, request_id, prompt_index, body
 
     def __str__(self) -> str:
-        bits = [f"{self.status}" if self.status is not None else None, self.code, f"param={self.param}" if self.param else None]
+        bits = [
+            f"{self.status}" if self.status is not None else None,
+            self.code,
+            f"param={self.param}" if self.param else None,
+        ]
         head = " ".join(b for b in bits if b)
         return f"[{head}] {self.message}" if head else self.message
 
@@ -42,7 +57,7 @@ class FerryError(Exception):
         return (_rebuild_error, (type(self), self.message, dict(self.__dict__)))
 
 
-def _rebuild_error(cls: type, message: str, state: dict) -> "FerryError":
+def _rebuild_error(cls: type, message: str, state: dict) -> FerryError:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
@@ -107,14 +122,37 @@ class GatewayTimeout(ServerError):
     status = 504
 
 
-_BY_STATUS: dict[int, type[FerryError]] = {400: BadRequest, 401: AuthenticationError, 403: PermissionDenied, 404: NotFound,
-                                          413: PayloadTooLarge, 422: UnprocessableEntity, 429: RateLimited,
-                                          503: ServiceUnavailable, 504: GatewayTimeout}
+_BY_STATUS: dict[int, type[FerryError]] = {
+    400: BadRequest,
+    401: AuthenticationError,
+    403: PermissionDenied,
+    404: NotFound,
+    413: PayloadTooLarge,
+    422: UnprocessableEntity,
+    429: RateLimited,
+    503: ServiceUnavailable,
+    504: GatewayTimeout,
+}
 # Stream error events carry no status; these give the one the same failure has as a response.
-_STATUS_OF_CODE = {"queue_full": 429, "deadline_infeasible": 429, "too_many_streams": 429, "deadline_exceeded": 504,
-                   "shutting_down": 503, "not_ready": 503, "engine_error": 500, "internal_error": 500, "cancelled": 499}
-_STATUS_OF_TYPE = {"invalid_request_error": 400, "authentication_error": 401, "rate_limit_error": 429,
-                   "server_error": 500, "service_unavailable_error": 503, "timeout_error": 504}
+_STATUS_OF_CODE = {
+    "queue_full": 429,
+    "deadline_infeasible": 429,
+    "too_many_streams": 429,
+    "deadline_exceeded": 504,
+    "shutting_down": 503,
+    "not_ready": 503,
+    "engine_error": 500,
+    "internal_error": 500,
+    "cancelled": 499,
+}
+_STATUS_OF_TYPE = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "rate_limit_error": 429,
+    "server_error": 500,
+    "service_unavailable_error": 503,
+    "timeout_error": 504,
+}
 
 
 def error_class(status: int | None) -> type[FerryError]:
@@ -125,8 +163,14 @@ def error_class(status: int | None) -> type[FerryError]:
     return ServerError if status >= 500 else FerryError
 
 
-def make_error(status: int | None, payload: Any, *, retry_after: float | None = None, request_id: str | None = None,
-               default_message: str = "") -> FerryError:
+def make_error(
+    status: int | None,
+    payload: Any,
+    *,
+    retry_after: float | None = None,
+    request_id: str | None = None,
+    default_message: str = "",
+) -> FerryError:
     """Build the typed error for an OpenAI-style body `{"error": {...}}` (or anything else)."""
     err = payload.get("error") if isinstance(payload, dict) else None
     if not isinstance(err, dict):
@@ -135,9 +179,17 @@ def make_error(status: int | None, payload: Any, *, retry_after: float | None = 
     if status is None:  # an error event inside a stream
         status = _STATUS_OF_CODE.get(code) or _STATUS_OF_TYPE.get(type_, 500)
     prompt_index = err.get("prompt_index")
-    return error_class(status)(str(err.get("message") or f"HTTP {status}"), status=status, code=code,
-                               param=err.get("param"), type=type_, retry_after=retry_after, request_id=request_id,
-                               prompt_index=prompt_index, body=payload)
+    return error_class(status)(
+        str(err.get("message") or f"HTTP {status}"),
+        status=status,
+        code=code,
+        param=err.get("param"),
+        type=type_,
+        retry_after=retry_after,
+        request_id=request_id,
+        prompt_index=prompt_index,
+        body=payload,
+    )
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -162,9 +214,13 @@ def from_response(r: httpx.Response) -> FerryError:
     except ValueError:
         payload = None
     text = r.text[:500] if payload is None else ""
-    return make_error(r.status_code, payload, retry_after=parse_retry_after(r.headers.get("retry-after")),
-                      request_id=r.headers.get("x-request-id"),
-                      default_message=text or f"HTTP {r.status_code} {r.reason_phrase}".strip())
+    return make_error(
+        r.status_code,
+        payload,
+        retry_after=parse_retry_after(r.headers.get("retry-after")),
+        request_id=r.headers.get("x-request-id"),
+        default_message=text or f"HTTP {r.status_code} {r.reason_phrase}".strip(),
+    )
 
 
 def transport_error(exc: httpx.HTTPError) -> FerryError:

@@ -1,5 +1,6 @@
 """From server-sent events to `StreamEvent`s: SSE decoding, then the assembly that pairs a
 prompt's "error" finish with its error event and the last finish with the usage chunk."""
+
 from __future__ import annotations
 
 from ._json import loads
@@ -21,8 +22,15 @@ class StreamEvent(tuple):
     error: FerryError | None
     usage: Usage | None
 
-    def __new__(cls, prompt_index: int | None, delta: str, finish_reason: str | None = None, candidate: int = 0,
-                error: FerryError | None = None, usage: Usage | None = None):
+    def __new__(
+        cls,
+        prompt_index: int | None,
+        delta: str,
+        finish_reason: str | None = None,
+        candidate: int = 0,
+        error: FerryError | None = None,
+        usage: Usage | None = None,
+    ):
         self = super().__new__(cls, (prompt_index, delta))
         self.finish_reason, self.candidate, self.error, self.usage = finish_reason, candidate, error, usage
         return self
@@ -36,8 +44,9 @@ class StreamEvent(tuple):
         return self[1]
 
     def __repr__(self) -> str:
-        extra = "".join(f", {k}={getattr(self, k)!r}" for k in ("finish_reason", "candidate", "error", "usage")
-                        if getattr(self, k))
+        extra = "".join(
+            f", {k}={getattr(self, k)!r}" for k in ("finish_reason", "candidate", "error", "usage") if getattr(self, k)
+        )
         return f"StreamEvent(prompt_index={self[0]!r}, delta={self[1]!r}{extra})"
 
     def __reduce__(self):
@@ -96,8 +105,12 @@ class EventAssembler:
         if "error" in msg:
             err = make_error(None, msg, request_id=self.request_id)
             held = self.held
-            if held is not None and held.finish_reason == "error" and held.error is None \
-                    and held.prompt_index == err.prompt_index:
+            if (
+                held is not None
+                and held.finish_reason == "error"
+                and held.error is None
+                and held.prompt_index == err.prompt_index
+            ):
                 self.held = None  # the prompt's "error" finish, now with its error
                 self._emit(out, StreamEvent(held.prompt_index, held.delta, "error", held.candidate, err))
             else:

@@ -1,11 +1,13 @@
 """What a call returns: one `Response` per prompt, with its candidates, the request's
 usage and the batching facts from the `X-Ferry-*` headers; embeddings as vectors."""
+
 from __future__ import annotations
 
 import base64
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -19,11 +21,14 @@ class Usage:
     total_tokens: int = 0
 
     @classmethod
-    def of(cls, raw: Any) -> "Usage | None":
+    def of(cls, raw: Any) -> Usage | None:
         if not isinstance(raw, dict):
             return None
-        return cls(int(raw.get("prompt_tokens") or 0), int(raw.get("completion_tokens") or 0),
-                   int(raw.get("total_tokens") or 0))
+        return cls(
+            int(raw.get("prompt_tokens") or 0),
+            int(raw.get("completion_tokens") or 0),
+            int(raw.get("total_tokens") or 0),
+        )
 
 
 @dataclass
@@ -39,7 +44,7 @@ class RequestInfo:
     best_effort: bool = False  # X-Ferry-Best-Effort
 
     @classmethod
-    def of(cls, body: dict | None, headers: httpx.Headers | None) -> "RequestInfo":
+    def of(cls, body: dict | None, headers: httpx.Headers | None) -> RequestInfo:
         h = headers or httpx.Headers()
 
         def num(name: str, conv: Callable[[str], Any]) -> Any:
@@ -49,9 +54,15 @@ class RequestInfo:
                 return None
 
         body = body or {}
-        return cls(body.get("id"), body.get("model"), h.get("x-request-id"), num("x-ferry-queue-ms", float),
-                   num("x-ferry-batch-size", int), h.get("x-ferry-dispatch-reason") or None,
-                   h.get("x-ferry-best-effort", "").lower() == "true")
+        return cls(
+            body.get("id"),
+            body.get("model"),
+            h.get("x-request-id"),
+            num("x-ferry-queue-ms", float),
+            num("x-ferry-batch-size", int),
+            h.get("x-ferry-dispatch-reason") or None,
+            h.get("x-ferry-best-effort", "").lower() == "true",
+        )
 
 
 @dataclass
@@ -110,7 +121,9 @@ def _choice_text(c: dict, chat: bool) -> str:
     return c.get("text") or ""
 
 
-def group_choices(cls: type[Response], body: dict, headers: httpx.Headers | None, n_prompts: int, chat: bool) -> list[Response]:
+def group_choices(
+    cls: type[Response], body: dict, headers: httpx.Headers | None, n_prompts: int, chat: bool
+) -> list[Response]:
     info = RequestInfo.of(body, headers)
     usage = Usage.of(body.get("usage"))
     by_prompt: dict[int, list[tuple[int, dict]]] = {}
@@ -119,8 +132,9 @@ def group_choices(cls: type[Response], body: dict, headers: httpx.Headers | None
         by_prompt.setdefault(int(p), []).append((int(c.get("index", k)), c))
     missing = [p for p in range(n_prompts) if p not in by_prompt]
     if missing:
-        raise FerryError(f"malformed response: no choice for prompt(s) {missing}", status=200, request_id=info.request_id,
-                         body=body)
+        raise FerryError(
+            f"malformed response: no choice for prompt(s) {missing}", status=200, request_id=info.request_id, body=body
+        )
     out = []
     for p in range(n_prompts):
         cs = sorted(by_prompt[p], key=lambda t: t[0])
@@ -139,8 +153,12 @@ def vectors(body: dict, single: bool, numpy: bool, n: int) -> Any:
             import numpy as np
         except ImportError:
             raise ImportError("numpy=True needs numpy: pip install 'ferry-client[numpy]'") from None
-        rows = [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") if isinstance(d["embedding"], str)
-                else np.asarray(d["embedding"], dtype=np.float32) for d in data]
+        rows = [
+            np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4")
+            if isinstance(d["embedding"], str)
+            else np.asarray(d["embedding"], dtype=np.float32)
+            for d in data
+        ]
         arr = np.stack(rows).astype(np.float32, copy=False)
         return arr[0] if single else arr
     vecs = [d["embedding"] if isinstance(d["embedding"], list) else _floats32(d["embedding"]) for d in data]

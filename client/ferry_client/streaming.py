@@ -1,10 +1,12 @@
 """Streams: `ChatStream` / `AsyncChatStream` yield `(prompt_index, delta)` events as the
 server sends them; `gather_stream` / `agather_stream` collect them into one response per
 prompt."""
+
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from typing import Any
 
 import httpx
 
@@ -75,7 +77,7 @@ class ChatStream(_StreamBase):
         self._it.close()
         self.response.close()
 
-    def __enter__(self) -> "ChatStream":
+    def __enter__(self) -> ChatStream:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -124,7 +126,7 @@ class AsyncChatStream(_StreamBase):
         await self._it.aclose()
         await self.response.aclose()
 
-    async def __aenter__(self) -> "AsyncChatStream":
+    async def __aenter__(self) -> AsyncChatStream:
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
@@ -161,8 +163,10 @@ class _Gatherer:
     def result(self, info: RequestInfo | None) -> list[Response]:
         out = []
         for p in sorted(self.parts):
-            choices = [Choice(j, "".join(bits), self.finish.get((p, j)), self.errors.get((p, j)))
-                       for j, bits in sorted(self.parts[p].items())]
+            choices = [
+                Choice(j, "".join(bits), self.finish.get((p, j)), self.errors.get((p, j)))
+                for j, bits in sorted(self.parts[p].items())
+            ]
             out.append(self.cls(p, choices, self.usage, info))
         return out
 

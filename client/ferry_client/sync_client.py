@@ -1,8 +1,10 @@
 """`FerryClient`: the synchronous client."""
+
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 
@@ -24,10 +26,18 @@ class FerryClient(ClientBase):
     before each retry's wait.
     """
 
-    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, timeout: float | httpx.Timeout | None = 120.0,
-                 retries: int = 0, *, max_retry_wait: float = 30.0, headers: dict[str, str] | None = None,
-                 on_retry: Callable[[int, FerryError, float], None] | None = None,
-                 transport: httpx.BaseTransport | None = None):
+    def __init__(
+        self,
+        base_url: str = DEFAULT_URL,
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = 120.0,
+        retries: int = 0,
+        *,
+        max_retry_wait: float = 30.0,
+        headers: dict[str, str] | None = None,
+        on_retry: Callable[[int, FerryError, float], None] | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ):
         super().__init__(base_url, api_key, timeout, retries, max_retry_wait, headers, on_retry)
         self._http = httpx.Client(base_url=self.base_url, headers=self._headers, timeout=timeout, transport=transport)
 
@@ -39,7 +49,7 @@ class FerryClient(ClientBase):
     def closed(self) -> bool:
         return self._http.is_closed
 
-    def __enter__(self) -> "FerryClient":
+    def __enter__(self) -> FerryClient:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -79,8 +89,9 @@ class FerryClient(ClientBase):
         return self._result(call, r)
 
     # the API
-    def chat(self, model: str, conversations: Any, *, stream: bool = False, include_usage: bool | None = None,
-             **params: Any) -> Any:
+    def chat(
+        self, model: str, conversations: Any, *, stream: bool = False, include_usage: bool | None = None, **params: Any
+    ) -> Any:
         """Chat completions for one conversation or a list of them, in ONE request.
 
         conversations: a conversation (list of {"role", "content"} dicts), a list of
@@ -96,8 +107,9 @@ class FerryClient(ClientBase):
         """
         return self._run(self._chat_call(model, conversations, stream, include_usage, params))
 
-    def completions(self, model: str, prompts: Any, *, stream: bool = False, include_usage: bool | None = None,
-                    **params: Any) -> Any:
+    def completions(
+        self, model: str, prompts: Any, *, stream: bool = False, include_usage: bool | None = None, **params: Any
+    ) -> Any:
         """Text completions for one prompt (str) or a list of them, in ONE request; as `chat`."""
         return self._run(self._completions_call(model, prompts, stream, include_usage, params))
 

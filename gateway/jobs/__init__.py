@@ -8,6 +8,7 @@ the same micro-batchers as interactive traffic, with their state in SQLite under
   expires and finalises jobs.
 - `metrics`: `ferry_jobs{status}` and `ferry_job_lines_total{status}`.
 """
+
 from __future__ import annotations
 
 from .worker import BatchJobWorker

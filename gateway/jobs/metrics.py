@@ -1,5 +1,6 @@
 """Batch-job metrics: the `ferry_jobs` and `ferry_job_lines_total` of batcher/metrics.py,
 with the bookkeeping of job status moves."""
+
 from __future__ import annotations
 
 from batcher.metrics import Metrics
@@ -17,6 +18,7 @@ class JobMetrics:
             self.jobs.labels(s).set(0)
         for s in LINE_STATUSES:
             self.lines.labels(s)
+
     def moved(self, old: str | None, new: str) -> None:
         if old == new:
             return

@@ -23,6 +23,7 @@ are the async entry points; the plain methods below run on those threads.
 A lock file (`flock`) keeps a second process from running the same jobs from the same
 data directory; replicas each need their own `--data-dir`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,9 +32,10 @@ import os
 import sqlite3
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Iterable, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -99,10 +101,29 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, line);
 """
 
-BATCH_COLUMNS = ("id", "input_file_id", "endpoint", "completion_window", "expires_ts", "metadata", "status",
-                 "created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-                 "cancelling_at", "cancelled_at", "output_file_id", "error_file_id", "errors", "total", "completed",
-                 "failed")
+BATCH_COLUMNS = (
+    "id",
+    "input_file_id",
+    "endpoint",
+    "completion_window",
+    "expires_ts",
+    "metadata",
+    "status",
+    "created_at",
+    "in_progress_at",
+    "finalizing_at",
+    "completed_at",
+    "failed_at",
+    "expired_at",
+    "cancelling_at",
+    "cancelled_at",
+    "output_file_id",
+    "error_file_id",
+    "errors",
+    "total",
+    "completed",
+    "failed",
+)
 FILE_COLUMNS = ("id", "purpose", "filename", "bytes", "created_at", "kind", "batch_id")
 
 
@@ -221,10 +242,20 @@ class Store:
     # -- files --------------------------------------------------------------------------
     def insert_file(self, row: dict, content: bytes | None) -> None:
         with self._tx() as c:
-            c.execute("INSERT INTO files (id, purpose, filename, bytes, created_at, kind, batch_id, content) "
-                      "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                      (row["id"], row["purpose"], row["filename"], row["bytes"], row["created_at"], row["kind"],
-                       row.get("batch_id"), content))
+            c.execute(
+                "INSERT INTO files (id, purpose, filename, bytes, created_at, kind, batch_id, content) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row["id"],
+                    row["purpose"],
+                    row["filename"],
+                    row["bytes"],
+                    row["created_at"],
+                    row["kind"],
+                    row.get("batch_id"),
+                    content,
+                ),
+            )
 
     def get_file(self, file_id: str) -> dict | None:
         r = self._conn().execute(f"SELECT {', '.join(FILE_COLUMNS)} FROM files WHERE id = ?", (file_id,)).fetchone()
@@ -241,13 +272,17 @@ class Store:
 
     def _result_lines(self, c: sqlite3.Connection, batch_id: str, kind: str) -> Iterable[bytes]:
         if kind == "output":
-            rows = c.execute("SELECT result FROM lines WHERE batch_id = ? AND status = ? ORDER BY line",
-                             (batch_id, COMPLETED))
+            rows = c.execute(
+                "SELECT result FROM lines WHERE batch_id = ? AND status = ? ORDER BY line", (batch_id, COMPLETED)
+            )
             for r in rows:
                 yield r["result"].encode()
             return
-        rows = c.execute("SELECT line, custom_id, status, result FROM lines WHERE batch_id = ? AND status IN (?, ?, ?) "
-                         "ORDER BY line", (batch_id, FAILED, CANCELLED, EXPIRED))
+        rows = c.execute(
+            "SELECT line, custom_id, status, result FROM lines WHERE batch_id = ? AND status IN (?, ?, ?) "
+            "ORDER BY line",
+            (batch_id, FAILED, CANCELLED, EXPIRED),
+        )
         for r in rows:
             if r["result"] is not None:
                 yield r["result"].encode()
@@ -259,10 +294,13 @@ class Store:
         """The job and all its lines, in one transaction."""
         with self._tx() as c:
             cols = [k for k in BATCH_COLUMNS if k in row]
-            c.execute(f"INSERT INTO batches ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})",
-                      [row[k] for k in cols])
-            c.executemany("INSERT INTO lines (batch_id, line, custom_id, url, body) VALUES (?, ?, ?, ?, ?)",
-                          ((row["id"], n, cid, url, body) for n, cid, url, body in lines))
+            c.execute(
+                f"INSERT INTO batches ({', '.join(cols)}) VALUES ({', '.join('?' * len(cols))})", [row[k] for k in cols]
+            )
+            c.executemany(
+                "INSERT INTO lines (batch_id, line, custom_id, url, body) VALUES (?, ?, ?, ?, ?)",
+                ((row["id"], n, cid, url, body) for n, cid, url, body in lines),
+            )
 
     def get_batch(self, batch_id: str) -> dict | None:
         r = self._conn().execute(f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE id = ?", (batch_id,)).fetchone()
@@ -275,11 +313,14 @@ class Store:
             r = c.execute("SELECT seq FROM batches WHERE id = ?", (after,)).fetchone()
             if r is None:
                 return None
-            rows = c.execute(f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?",
-                             (r["seq"], limit + 1)).fetchall()
+            rows = c.execute(
+                f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?",
+                (r["seq"], limit + 1),
+            ).fetchall()
         else:
-            rows = c.execute(f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches ORDER BY seq DESC LIMIT ?",
-                             (limit + 1,)).fetchall()
+            rows = c.execute(
+                f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches ORDER BY seq DESC LIMIT ?", (limit + 1,)
+            ).fetchall()
         return [dict(r) for r in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[dict]:
@@ -305,7 +346,9 @@ class Store:
     def pending_lines(self, batch_id: str, after: int, limit: int) -> list[dict]:
         rows = self._conn().execute(
             "SELECT line, custom_id, url, body FROM lines WHERE batch_id = ? AND status = ? AND line > ? "
-            "ORDER BY line LIMIT ?", (batch_id, PENDING, after, limit))
+            "ORDER BY line LIMIT ?",
+            (batch_id, PENDING, after, limit),
+        )
         return [dict(r) for r in rows]
 
     def commit_lines(self, results: list[tuple[str, int, str, str]]) -> list[bool]:
@@ -316,9 +359,11 @@ class Store:
         now = time.time()
         with self._tx() as c:
             for batch_id, line, status, result in results:
-                n = c.execute("UPDATE lines SET status = ?, result = ?, finished_at = ? "
-                              "WHERE batch_id = ? AND line = ? AND status = ?",
-                              (status, result, now, batch_id, line, PENDING)).rowcount
+                n = c.execute(
+                    "UPDATE lines SET status = ?, result = ?, finished_at = ? "
+                    "WHERE batch_id = ? AND line = ? AND status = ?",
+                    (status, result, now, batch_id, line, PENDING),
+                ).rowcount
                 if n == 1:
                     col = "completed" if status == COMPLETED else "failed"
                     c.execute(f"UPDATE batches SET {col} = {col} + 1 WHERE id = ?", (batch_id,))
@@ -333,23 +378,31 @@ class Store:
         with self._tx() as c:
             swept = 0
             if unrun is not None:
-                swept = c.execute("UPDATE lines SET status = ?, finished_at = ? WHERE batch_id = ? AND status = ?",
-                                  (unrun, time.time(), batch_id, PENDING)).rowcount
+                swept = c.execute(
+                    "UPDATE lines SET status = ?, finished_at = ? WHERE batch_id = ? AND status = ?",
+                    (unrun, time.time(), batch_id, PENDING),
+                ).rowcount
             files: dict[str, str | None] = {"output": None, "error": None}
             for kind, statuses in (("output", (COMPLETED,)), ("error", (FAILED, CANCELLED, EXPIRED))):
-                n = c.execute(f"SELECT COUNT(*) FROM lines WHERE batch_id = ? AND status IN ({', '.join('?' * len(statuses))})",
-                              (batch_id, *statuses)).fetchone()[0]
+                n = c.execute(
+                    f"SELECT COUNT(*) FROM lines WHERE batch_id = ? AND status IN ({', '.join('?' * len(statuses))})",
+                    (batch_id, *statuses),
+                ).fetchone()[0]
                 if not n:
                     continue
                 size = sum(len(b) for b in self._result_lines(c, batch_id, kind)) + n
                 fid = file_id_for(batch_id, kind)
-                c.execute("INSERT OR IGNORE INTO files (id, purpose, filename, bytes, created_at, kind, batch_id) "
-                          "VALUES (?, 'batch_output', ?, ?, ?, ?, ?)",
-                          (fid, f"{batch_id}_{kind}.jsonl", size, now, kind, batch_id))
+                c.execute(
+                    "INSERT OR IGNORE INTO files (id, purpose, filename, bytes, created_at, kind, batch_id) "
+                    "VALUES (?, 'batch_output', ?, ?, ?, ?, ?)",
+                    (fid, f"{batch_id}_{kind}.jsonl", size, now, kind, batch_id),
+                )
                 files[kind] = fid
-            c.execute(f"UPDATE batches SET status = ?, {status}_at = COALESCE({status}_at, ?), output_file_id = ?, "
-                      "error_file_id = ?, errors = COALESCE(?, errors) WHERE id = ?",
-                      (status, now, files["output"], files["error"], errors, batch_id))
+            c.execute(
+                f"UPDATE batches SET status = ?, {status}_at = COALESCE({status}_at, ?), output_file_id = ?, "
+                "error_file_id = ?, errors = COALESCE(?, errors) WHERE id = ?",
+                (status, now, files["output"], files["error"], errors, batch_id),
+            )
         return {"swept": swept, **files}
 
 
@@ -359,7 +412,14 @@ def file_id_for(batch_id: str, kind: str) -> str:
 
 def unrun_line(batch_id: str, line: int, custom_id: str, status: str) -> dict:
     """The error-file record of a line that never ran (job cancelled or expired first)."""
-    code, why = (("batch_cancelled", "the batch was cancelled before this request ran") if status == CANCELLED
-                 else ("batch_expired", "the batch's completion window ended before this request ran"))
-    return {"id": line_id(batch_id, line), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": why}}
+    code, why = (
+        ("batch_cancelled", "the batch was cancelled before this request ran")
+        if status == CANCELLED
+        else ("batch_expired", "the batch's completion window ended before this request ran")
+    )
+    return {
+        "id": line_id(batch_id, line),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": why},
+    }

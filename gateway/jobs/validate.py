@@ -20,6 +20,7 @@ runs; a line failing them fails alone, in the error file, like a direct request 
 (gateway/translate/), which also says how to turn results into the same response body a
 direct request would get.
 """
+
 from __future__ import annotations
 
 import re
@@ -48,9 +49,11 @@ MAX_REPORTED = 100  # line errors listed in a 422 (all are counted)
 MAX_WINDOW_S = 7 * 24 * 3600
 # 1..168 hours, 1..10080 minutes or 1..604800 seconds (at most 7 days), spelled out so that
 # the pattern in /openapi.json accepts exactly the windows the server accepts.
-WINDOW_PATTERN = (r"^(?:(?:[1-9]|[1-9][0-9]|1[0-5][0-9]|16[0-8])h"
-                  r"|(?:[1-9][0-9]{0,3}|100[0-7][0-9]|10080)m"
-                  r"|(?:[1-9][0-9]{0,4}|[1-5][0-9]{5}|60[0-3][0-9]{3}|604[0-7][0-9]{2}|604800)s)$")
+WINDOW_PATTERN = (
+    r"^(?:(?:[1-9]|[1-9][0-9]|1[0-5][0-9]|16[0-8])h"
+    r"|(?:[1-9][0-9]{0,3}|100[0-7][0-9]|10080)m"
+    r"|(?:[1-9][0-9]{0,4}|[1-5][0-9]{5}|60[0-3][0-9]{3}|604[0-7][0-9]{2}|604800)s)$"
+)
 WINDOW_RE = re.compile(r"^([1-9][0-9]{0,6})([hms])$")
 
 MetadataKey = Annotated[str, Field(max_length=64)]
@@ -62,9 +65,11 @@ class BatchCreate(BaseModel):
 
     input_file_id: str = Field(min_length=1, max_length=256)
     endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "*"] = Field(
-        description="The route of every line, or '*' (a Ferry extension: lines may use any of them).")
-    completion_window: str = Field("24h", pattern=WINDOW_PATTERN,
-                                   description="Nh, Nm or Ns, at most 7 days; lines not run by then are not run.")
+        description="The route of every line, or '*' (a Ferry extension: lines may use any of them)."
+    )
+    completion_window: str = Field(
+        "24h", pattern=WINDOW_PATTERN, description="Nh, Nm or Ns, at most 7 days; lines not run by then are not run."
+    )
     metadata: dict[MetadataKey, MetadataValue] | None = Field(None, max_length=16)
     output_expires_after: dict[str, Any] | None = None  # accepted for compatibility, ignored
 
@@ -72,8 +77,12 @@ class BatchCreate(BaseModel):
 def parse_window(value: str) -> float:
     m = WINDOW_RE.match(value or "")
     if m is None:
-        raise APIError(422, f"completion_window must look like '24h', '30m' or '90s', got {value!r}",
-                       code="invalid_value", param="completion_window")
+        raise APIError(
+            422,
+            f"completion_window must look like '24h', '30m' or '90s', got {value!r}",
+            code="invalid_value",
+            param="completion_window",
+        )
     seconds = int(m.group(1)) * {"h": 3600, "m": 60, "s": 1}[m.group(2)]
     if seconds > MAX_WINDOW_S:
         raise APIError(422, "completion_window must be at most 168h", code="invalid_value", param="completion_window")
@@ -151,8 +160,11 @@ def _check_line(ferry: Any, n: int, raw: str, endpoint: str, seen: dict[str, int
     if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
         raise _Bad(f"custom_id must be a non-empty string of at most {MAX_CUSTOM_ID} characters", param="custom_id")
     if cid in seen:
-        raise _Bad(f"duplicate custom_id {cid!r} (first used on line {seen[cid]})", param="custom_id",
-                   code="duplicate_custom_id")
+        raise _Bad(
+            f"duplicate custom_id {cid!r} (first used on line {seen[cid]})",
+            param="custom_id",
+            code="duplicate_custom_id",
+        )
     seen[cid] = n
     if obj.get("method") != "POST":
         raise _Bad(f"method must be 'POST', got {obj.get('method')!r}", param="method")

@@ -18,6 +18,7 @@ expired job is finalised: its unrun lines are marked cancelled/expired (listed i
 error file), the output/error files are registered and the job takes its final status.
 On shutdown nothing is finalised: unrun lines stay pending for the next start.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,12 @@ class InvalidFile(APIError):
     def __init__(self, file_id: str, errors: list[LineError]):
         shown = "; ".join(f"line {e.line}: {e.message}" for e in errors[:10])
         more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
-        super().__init__(422, f"input file {file_id} has {len(errors)} invalid line(s): {shown}{more}",
-                         code="invalid_batch_file", param="input_file_id")
+        super().__init__(
+            422,
+            f"input file {file_id} has {len(errors)} invalid line(s): {shown}{more}",
+            code="invalid_batch_file",
+            param="input_file_id",
+        )
         self.errors = errors
 
     def response(self, headers: dict[str, str] | None = None):
@@ -203,8 +208,14 @@ class BatchJobWorker:
     # -- API operations ---------------------------------------------------------------------
     async def upload(self, content: bytes, filename: str, purpose: str) -> dict:
         await self.ensure_open()
-        row = {"id": "file-" + uuid.uuid4().hex, "purpose": purpose, "filename": filename, "bytes": len(content),
-               "created_at": int(time.time()), "kind": "upload"}
+        row = {
+            "id": "file-" + uuid.uuid4().hex,
+            "purpose": purpose,
+            "filename": filename,
+            "bytes": len(content),
+            "created_at": int(time.time()),
+            "kind": "upload",
+        }
         await self.store.write(self.store.insert_file, row, content)
         return row
 
@@ -227,8 +238,12 @@ class BatchJobWorker:
         if f is None or f["kind"] != "upload":
             raise APIError(404, f"No such file: {body.input_file_id}", code="file_not_found", param="input_file_id")
         if f["purpose"] != "batch":
-            raise APIError(422, f"file {body.input_file_id} has purpose {f['purpose']!r}; batches need purpose 'batch'",
-                           code="invalid_value", param="input_file_id")
+            raise APIError(
+                422,
+                f"file {body.input_file_id} has purpose {f['purpose']!r}; batches need purpose 'batch'",
+                code="invalid_value",
+                param="input_file_id",
+            )
         self._check_ready()
         content = await self.store.read(self.store.file_content, body.input_file_id)
         good, errors = await asyncio.to_thread(validate_file, self.ferry, content, body.endpoint)
@@ -236,10 +251,18 @@ class BatchJobWorker:
             raise InvalidFile(body.input_file_id, errors)
         self._check_ready()
         now = time.time()
-        row = {"id": "batch_" + uuid.uuid4().hex, "input_file_id": body.input_file_id, "endpoint": body.endpoint,
-               "completion_window": body.completion_window, "expires_ts": now + window,
-               "metadata": None if body.metadata is None else orjson.dumps(body.metadata).decode(),
-               "status": "in_progress", "created_at": int(now), "in_progress_at": int(now), "total": len(good)}
+        row = {
+            "id": "batch_" + uuid.uuid4().hex,
+            "input_file_id": body.input_file_id,
+            "endpoint": body.endpoint,
+            "completion_window": body.completion_window,
+            "expires_ts": now + window,
+            "metadata": None if body.metadata is None else orjson.dumps(body.metadata).decode(),
+            "status": "in_progress",
+            "created_at": int(now),
+            "in_progress_at": int(now),
+            "total": len(good),
+        }
         await self.store.write(self.store.create_batch, row, [(v.line, v.custom_id, v.url, v.body) for v in good])
         self.metrics.moved(None, "in_progress")
         self._launch(row)
@@ -274,8 +297,12 @@ class BatchJobWorker:
             if job is not None:  # launched meanwhile from an older read
                 self._stop(job, "cancel")
         elif row["status"] in ("failed", "completed", "expired"):
-            raise APIError(400, f"cannot cancel batch {batch_id}: it is already {row['status']}",
-                           code="batch_not_cancellable", param="batch_id")
+            raise APIError(
+                400,
+                f"cannot cancel batch {batch_id}: it is already {row['status']}",
+                code="batch_not_cancellable",
+                param="batch_id",
+            )
         return await self.get(batch_id)
 
     def _check_ready(self) -> None:
@@ -283,8 +310,12 @@ class BatchJobWorker:
         if ferry.draining or self._paused:
             raise APIError(503, "server is shutting down", code="shutting_down", retry_after=1)
         if not ferry.ready:
-            raise APIError(503, "models are still loading" if ferry.load_error is None else
-                           f"model loading failed: {ferry.load_error}", code="not_ready", retry_after=2)
+            raise APIError(
+                503,
+                "models are still loading" if ferry.load_error is None else f"model loading failed: {ferry.load_error}",
+                code="not_ready",
+                retry_after=2,
+            )
 
     # -- running jobs --------------------------------------------------------------------------
     def _launch(self, row: dict) -> None:
@@ -342,7 +373,7 @@ class BatchJobWorker:
                     break
                 # Lines left pending (window edge, store error): another pass, backing off.
                 passes += 1
-                await job.sleep(min(0.05 * 2 ** passes, 5.0))
+                await job.sleep(min(0.05 * 2**passes, 5.0))
             if job.stop == "shutdown":
                 return
             await self._finalize(job)
@@ -352,10 +383,21 @@ class BatchJobWorker:
             log.exception("batch %s failed", job.id)
             self._stop(job, "cancel")  # queued lines are not computed for a failed job
             with contextlib.suppress(Exception):
-                errors = {"object": "list", "data": [{"code": "internal_error", "message": f"{type(exc).__name__}: {exc}",
-                                                      "line": None, "param": None}]}
+                errors = {
+                    "object": "list",
+                    "data": [
+                        {
+                            "code": "internal_error",
+                            "message": f"{type(exc).__name__}: {exc}",
+                            "line": None,
+                            "param": None,
+                        }
+                    ],
+                }
                 old, job.status = job.status, "failed"
-                await self.store.write(self.store.finalize, job.id, "failed", st.CANCELLED, orjson.dumps(errors).decode())
+                await self.store.write(
+                    self.store.finalize, job.id, "failed", st.CANCELLED, orjson.dumps(errors).decode()
+                )
                 self.metrics.moved(old, "failed")
         finally:
             timer.cancel()
@@ -380,7 +422,8 @@ class BatchJobWorker:
 
     async def _finalize(self, job: Job) -> None:
         final, unrun = {"cancel": ("cancelled", st.CANCELLED), "expire": ("expired", st.EXPIRED)}.get(
-            job.stop or "", ("completed", None))
+            job.stop or "", ("completed", None)
+        )
         await self._set_status(job, "finalizing")
         info = await self.store.write(self.store.finalize, job.id, final, unrun)
         self.metrics.moved(job.status, final)
@@ -415,7 +458,9 @@ class BatchJobWorker:
         except APIError as exc:
             if exc.status == 503:
                 return None
-            return st.FAILED, self._record(job, row, rid, exc.status, error_body(exc.status, exc.message, exc.code, exc.param))
+            return st.FAILED, self._record(
+                job, row, rid, exc.status, error_body(exc.status, exc.message, exc.code, exc.param)
+            )
         batcher = run.batcher = served.batcher
         share = self.shares.setdefault(served.name, Share())
         n = len(work.payloads)
@@ -432,9 +477,14 @@ class BatchJobWorker:
                 if job.stop is not None or batcher.closing or budget <= 0:
                     return None
                 try:
-                    run.items = batcher.submit_many(work.payloads, costs=work.costs, budget=budget,
-                                                    priority=Priority.BATCH, request_id=rid,
-                                                    count_rejection=False)  # retried, not refused
+                    run.items = batcher.submit_many(
+                        work.payloads,
+                        costs=work.costs,
+                        budget=budget,
+                        priority=Priority.BATCH,
+                        request_id=rid,
+                        count_rejection=False,
+                    )  # retried, not refused
                     break
                 except (QueueFull, DeadlineInfeasible):
                     self.admission_retries += 1
@@ -449,13 +499,25 @@ class BatchJobWorker:
             return st.COMPLETED, self._record(job, row, rid, 200, work.response(results))
         if isinstance(exc, (Cancelled, ShuttingDown, DeadlineExceeded)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
-        err = APIError.from_batching(exc) if isinstance(exc, BatchingError) else APIError(500, f"{type(exc).__name__}: {exc}")
-        return st.FAILED, self._record(job, row, rid, err.status, error_body(err.status, err.message, err.code, err.param))
+        err = (
+            APIError.from_batching(exc)
+            if isinstance(exc, BatchingError)
+            else APIError(500, f"{type(exc).__name__}: {exc}")
+        )
+        return st.FAILED, self._record(
+            job, row, rid, err.status, error_body(err.status, err.message, err.code, err.param)
+        )
 
     @staticmethod
     def _record(job: Job, row: dict, rid: str, status: int, body: dict) -> str:
-        return json_bytes({"id": st.line_id(job.id, row["line"]), "custom_id": row["custom_id"],
-                      "response": {"status_code": status, "request_id": rid, "body": body}, "error": None}).decode()
+        return json_bytes(
+            {
+                "id": st.line_id(job.id, row["line"]),
+                "custom_id": row["custom_id"],
+                "response": {"status_code": status, "request_id": rid, "body": body},
+                "error": None,
+            }
+        ).decode()
 
     # -- group commit ------------------------------------------------------------------------------
     async def _commit(self, batch_id: str, line: int, status: str, record: str) -> bool:

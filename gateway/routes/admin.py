@@ -4,6 +4,7 @@ Off (404) unless --admin-token is set; a wrong or missing token gets 401. A chan
 from the next batch; queued work keeps its place. Both bodies come from the declaration of
 the batching knobs (batcher/settings.py): GET answers every knob, PATCH takes the `live` ones.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,13 +54,18 @@ def _patch_field(k: Knob) -> tuple[Any, Any]:
 
 _NULLABLE = [k for k in KNOBS if k.live and k.nullable]
 BatchingPatch = create_model(
-    "BatchingPatch", __base__=Strict, __module__=__name__,
-    __doc__="Only the fields sent change. " + " and ".join(f"`{k.name}`" for k in _NULLABLE)
-            + f" may be null ({', '.join(k.null or 'none' for k in _NULLABLE)}); the others may not.",
+    "BatchingPatch",
+    __base__=Strict,
+    __module__=__name__,
+    __doc__="Only the fields sent change. "
+    + " and ".join(f"`{k.name}`" for k in _NULLABLE)
+    + f" may be null ({', '.join(k.null or 'none' for k in _NULLABLE)}); the others may not.",
     **{k.name: _patch_field(k) for k in KNOBS if k.live},
 )
 BatchingSettingsOut = create_model(
-    "BatchingSettingsOut", __base__=BaseModel, __module__=__name__,
+    "BatchingSettingsOut",
+    __base__=BaseModel,
+    __module__=__name__,
     __doc__="Every batching setting of the model; the GET also gives the fitted cost models.",
     **{k.name: (k.annotation, Field(..., description=_describe(k, True))) for k in KNOBS},
     cost_model=(dict[str, Any] | None, Field(None, description="The fitted cost model of each phase (GET only).")),
@@ -91,8 +97,12 @@ def cost_models(batcher) -> dict:
     out = {}
     for phase, model in getattr(batcher, "cost_models", {"embed": batcher.cost}).items():
         p = model.params
-        out[phase] = {"fixed_ms": p.fixed * 1e3, "per_item_ms": p.per_item * 1e3, "per_token_ms": p.per_token * 1e3,
-                      "observations": model.observations}
+        out[phase] = {
+            "fixed_ms": p.fixed * 1e3,
+            "per_item_ms": p.per_item * 1e3,
+            "per_token_ms": p.per_token * 1e3,
+            "observations": model.observations,
+        }
     return out
 
 

@@ -2,9 +2,11 @@
 
 Handlers parse HTTP and render OpenAI objects; `gateway.jobs.BatchJobWorker` does the work.
 """
+
 from __future__ import annotations
 
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 from starlette.datastructures import UploadFile
@@ -23,19 +25,42 @@ PURPOSES = ("batch",)
 
 
 def file_object(row: dict) -> dict:
-    return {"id": row["id"], "object": "file", "bytes": row["bytes"], "created_at": row["created_at"],
-            "filename": row["filename"], "purpose": row["purpose"], "status": "processed", "expires_at": None,
-            "status_details": None}
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
 
 
 def batch_object(row: dict) -> dict:
-    out: dict[str, Any] = {"id": row["id"], "object": "batch", "endpoint": row["endpoint"],
-                           "errors": None if row["errors"] is None else orjson.loads(row["errors"]),
-                           "input_file_id": row["input_file_id"], "completion_window": row["completion_window"],
-                           "status": row["status"], "output_file_id": row["output_file_id"],
-                           "error_file_id": row["error_file_id"], "created_at": row["created_at"]}
-    for k in ("in_progress_at", "expires_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
-              "cancelling_at", "cancelled_at"):
+    out: dict[str, Any] = {
+        "id": row["id"],
+        "object": "batch",
+        "endpoint": row["endpoint"],
+        "errors": None if row["errors"] is None else orjson.loads(row["errors"]),
+        "input_file_id": row["input_file_id"],
+        "completion_window": row["completion_window"],
+        "status": row["status"],
+        "output_file_id": row["output_file_id"],
+        "error_file_id": row["error_file_id"],
+        "created_at": row["created_at"],
+    }
+    for k in (
+        "in_progress_at",
+        "expires_at",
+        "finalizing_at",
+        "completed_at",
+        "failed_at",
+        "expired_at",
+        "cancelling_at",
+        "cancelled_at",
+    ):
         out[k] = int(row["expires_ts"]) if k == "expires_at" else row[k]
     out["request_counts"] = {"total": row["total"], "completed": row["completed"], "failed": row["failed"]}
     out["metadata"] = None if row["metadata"] is None else orjson.loads(row["metadata"])
@@ -55,18 +80,27 @@ async def create_file(request: Request, ctx: Ctx) -> Response:
     if ctype.startswith("multipart/form-data"):
         content, filename, purpose = await _multipart(request)
     elif ctype.startswith("application/x-www-form-urlencoded"):
-        raise APIError(422, "upload the file as multipart/form-data with fields 'purpose' and 'file'", code="invalid_value",
-                       param="file")
+        raise APIError(
+            422,
+            "upload the file as multipart/form-data with fields 'purpose' and 'file'",
+            code="invalid_value",
+            param="file",
+        )
     else:
         content = await read_body(request, MAX_FILE_BYTES)
         if not content:  # no multipart and no body: nothing was sent (an empty multipart file is fine)
-            raise APIError(422, "upload the file as multipart/form-data with fields 'purpose' and 'file'",
-                           code="invalid_value", param="file")
+            raise APIError(
+                422,
+                "upload the file as multipart/form-data with fields 'purpose' and 'file'",
+                code="invalid_value",
+                param="file",
+            )
         filename = request.query_params.get("filename") or "upload.jsonl"
         purpose = request.query_params.get("purpose", "batch")
     if purpose not in PURPOSES:
-        raise APIError(422, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", code="invalid_value",
-                       param="purpose")
+        raise APIError(
+            422, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", code="invalid_value", param="purpose"
+        )
     if len(content) > MAX_FILE_BYTES:
         raise APIError(413, f"the file exceeds the limit of {MAX_FILE_BYTES} bytes", code="body_too_large")
     row = await _jobs(request).upload(content, filename[:256], purpose)
@@ -85,7 +119,9 @@ async def _limited(request: Request, limit: int) -> AsyncIterator[bytes]:
 async def _multipart(request: Request) -> tuple[bytes, str, str]:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_FILE_BYTES + 65536:
-        raise APIError(413, f"upload of {declared} bytes exceeds the limit of {MAX_FILE_BYTES} bytes", code="body_too_large")
+        raise APIError(
+            413, f"upload of {declared} bytes exceeds the limit of {MAX_FILE_BYTES} bytes", code="body_too_large"
+        )
     parser = MultiPartParser(request.headers, _limited(request, MAX_FILE_BYTES + 65536), max_files=1, max_fields=8)
     try:
         form = await parser.parse()
@@ -134,11 +170,20 @@ async def list_batches(request: Request, ctx: Ctx) -> Response:
     q = request.query_params
     raw = q.get("limit", "20")
     if not raw.isdigit() or not (1 <= int(raw) <= 100):
-        raise APIError(422, f"limit must be an integer between 1 and 100, got {raw!r}", code="invalid_value", param="limit")
+        raise APIError(
+            422, f"limit must be an integer between 1 and 100, got {raw!r}", code="invalid_value", param="limit"
+        )
     rows, has_more = await _jobs(request).list(q.get("after") or None, int(raw))
     data = [batch_object(r) for r in rows]
-    return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                          "last_id": data[-1]["id"] if data else None, "has_more": has_more})
+    return json_response(
+        {
+            "object": "list",
+            "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": has_more,
+        }
+    )
 
 
 def batch_routes() -> list[Route]:

@@ -1,5 +1,6 @@
 """POST /v1/chat/completions and /v1/completions: parse, translate (gateway/translate/chat.py),
 submit, then answer with one JSON body or stream the deltas as server-sent events."""
+
 from __future__ import annotations
 
 import asyncio
@@ -49,11 +50,22 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: GenerationBod
     budget, priority = scheduling(request, body)
     if body.stream:
         if ferry.streams >= ferry.config.max_streams:
-            raise APIError(429, f"too many concurrent streams (limit {ferry.config.max_streams})", code="too_many_streams",
-                           retry_after=1)
+            raise APIError(
+                429,
+                f"too many concurrent streams (limit {ferry.config.max_streams})",
+                code="too_many_streams",
+                retry_after=1,
+            )
         deltas: asyncio.Queue[Delta | WorkItem] = asyncio.Queue()  # deltas, then endings
-        items = submit(served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority,
-                       request_id=ctx.request_id, on_delta=deltas.put_nowait)
+        items = submit(
+            served.batcher,
+            work.payloads,
+            costs=work.costs,
+            budget=budget,
+            priority=priority,
+            request_id=ctx.request_id,
+            on_delta=deltas.put_nowait,
+        )
         state = StreamState(time.perf_counter())
         ferry.streams += 1
 
@@ -63,14 +75,17 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: GenerationBod
             cancel_all(served.batcher, items)
             ferry.streams -= 1
             status = 499 if state.open else state.status
-            ctx.extra.update(n_prompts=len(work.prompts), completion_tokens=state.completion_tokens, **_queue_fields(items))
+            ctx.extra.update(
+                n_prompts=len(work.prompts), completion_tokens=state.completion_tokens, **_queue_fields(items)
+            )
             ferry.metrics.in_flight.labels(ctx.route).dec()
             finish(ferry, ctx, status, state.start)
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(_stream(work, items, deltas, include_usage, state), close)
-    items = submit(served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority,
-                   request_id=ctx.request_id)
+    items = submit(
+        served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority, request_id=ctx.request_id
+    )
     results = await wait_items(request, served.batcher, items)
     out = work.response(results)
     ctx.extra.update(n_prompts=len(work.prompts), completion_tokens=out["usage"]["completion_tokens"])
@@ -94,7 +109,9 @@ class EventStream(StreamingResponse):
     the first byte: then the generator never starts and its own `finally` never runs."""
 
     def __init__(self, gen: Any, on_close: Any):
-        super().__init__(gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -105,8 +122,9 @@ class EventStream(StreamingResponse):
             self._on_close()
 
 
-async def _stream(work: GenerationWork, items: list[WorkItem], deltas: asyncio.Queue, include_usage: bool,
-                  state: StreamState):
+async def _stream(
+    work: GenerationWork, items: list[WorkItem], deltas: asyncio.Queue, include_usage: bool, state: StreamState
+):
     chunks = StreamChunks(work)
     index_of = {item.id: k for k, item in enumerate(items)}
     open_items = state.open = {item.id for item in items}

@@ -1,4 +1,5 @@
 """POST /v1/embeddings: parse, translate (gateway/translate/embeddings.py), submit, answer."""
+
 from __future__ import annotations
 
 from starlette.requests import Request
@@ -22,8 +23,9 @@ async def create_embeddings(request: Request, ctx: Ctx):
         ctx.extra["prompts"] = body.inputs
     work = embedding_work(body, served.engine, cfg)
     budget, priority = scheduling(request, body)
-    items = submit(served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority,
-                   request_id=ctx.request_id)
+    items = submit(
+        served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority, request_id=ctx.request_id
+    )
     results = await wait_items(request, served.batcher, items)
     ctx.extra.update(inputs=len(work.payloads), **_log_fields(items))
     return json_response(work.response(results), headers=timing_headers(items))

@@ -1,4 +1,5 @@
 """Health, readiness, metrics and the model list."""
+
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

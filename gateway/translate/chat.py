@@ -7,6 +7,7 @@ as a list of strings); every sampling field is a scalar or a per-prompt list. Ea
 prompts of others; choices come back in prompt order and stream chunks carry
 `prompt_index`.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,7 +58,9 @@ class GenerationWork:
             for j in range(self.n):
                 # Candidates of one seeded prompt differ from each other, reproducibly.
                 seed = None if sp.seed is None else sp.seed + j
-                self.payloads.append(GenRequest(ids, SamplingParams(sp.max_tokens, sp.temperature, sp.top_p, seed, list(sp.stop))))
+                self.payloads.append(
+                    GenRequest(ids, SamplingParams(sp.max_tokens, sp.temperature, sp.top_p, seed, list(sp.stop)))
+                )
                 self.prompt_index.append(p)
 
     @property
@@ -75,13 +78,22 @@ class GenerationWork:
                 choice["text"] = r.text
             choice.update(finish_reason=r.finish_reason, logprobs=None)
             choices.append(choice)
-        return {"id": response_id(self.chat), "object": "chat.completion" if self.chat else "text_completion",
-                "created": int(time.time()), "model": self.model, "choices": choices,
-                "usage": self.usage(sum(r.completion_tokens for r in results))}
+        return {
+            "id": response_id(self.chat),
+            "object": "chat.completion" if self.chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(sum(r.completion_tokens for r in results)),
+        }
 
     def usage(self, completion_tokens: int) -> dict[str, int]:
         prompt = sum(len(ids) for ids in self.prompts)  # once per prompt, whatever n is
-        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
 
 
 class StreamChunks:
@@ -114,8 +126,12 @@ class StreamChunks:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.work.model}
 
     def _chunk(self, k: int, text: str | None, finish_reason: str | None, error: dict | None = None) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": k, "prompt_index": self.work.prompt_index[k], "finish_reason": finish_reason,
-                                  "logprobs": None}
+        choice: dict[str, Any] = {
+            "index": k,
+            "prompt_index": self.work.prompt_index[k],
+            "finish_reason": finish_reason,
+            "logprobs": None,
+        }
         if error is not None:
             choice["error"] = error
         if self.work.chat:
@@ -170,8 +186,12 @@ def encode_prompts(body: GenerationBody, engine: Any) -> list[list[int]]:
         try:
             prompts.append(engine.encode_chat(template_messages(conv)))
         except ChatTemplateError as exc:
-            raise APIError(422, f"prompt {i}: the chat template of {engine.name} refuses this conversation: {exc}",
-                           code="chat_template_error", param=f"messages.{i}" if nested else "messages") from None
+            raise APIError(
+                422,
+                f"prompt {i}: the chat template of {engine.name} refuses this conversation: {exc}",
+                code="chat_template_error",
+                param=f"messages.{i}" if nested else "messages",
+            ) from None
     return prompts
 
 
@@ -186,12 +206,19 @@ def sampling_params(body: GenerationBody, prompts: list[list[int]], engine: Any,
     params = []
     for i, (ids, req) in enumerate(zip(prompts, requested)):
         if len(ids) > limit_prompt:
-            raise APIError(422, f"prompt {i} has {len(ids)} tokens; this model accepts at most {limit_prompt} prompt tokens "
-                                f"(context {context})", code="context_length_exceeded",
-                           param="messages" if chat else "prompt")
+            raise APIError(
+                422,
+                f"prompt {i} has {len(ids)} tokens; this model accepts at most {limit_prompt} prompt tokens "
+                f"(context {context})",
+                code="context_length_exceeded",
+                param="messages" if chat else "prompt",
+            )
         max_tokens = min(req.max_tokens if req.max_tokens is not None else default_max, context - len(ids))
-        params.append(SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
-                                     stop=req.stop))
+        params.append(
+            SamplingParams(
+                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop
+            )
+        )
     return params
 
 
@@ -201,8 +228,13 @@ def prompt_params(body: GenerationBody, n: int) -> list[PromptParams]:
     max_name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = body.max_tokens
-    columns = (per_prompt(max_name, max_tokens, n, None), per_prompt("temperature", body.temperature, n, 1.0),
-               per_prompt("top_p", body.top_p, n, 1.0), per_prompt("seed", body.seed, n, None), stops_per_prompt(body.stop, n))
+    columns = (
+        per_prompt(max_name, max_tokens, n, None),
+        per_prompt("temperature", body.temperature, n, 1.0),
+        per_prompt("top_p", body.top_p, n, 1.0),
+        per_prompt("seed", body.seed, n, None),
+        stops_per_prompt(body.stop, n),
+    )
     return [PromptParams(*row) for row in zip(*columns)]
 
 
@@ -219,8 +251,12 @@ def per_prompt(name: str, value: Any, n: int, default: Any) -> list[Any]:
         return [default] * n
     if isinstance(value, list):
         if len(value) != n:
-            raise APIError(422, f"{name} is a list of {len(value)} values but the request has {n} prompts; "
-                                f"give one value per prompt or a single value for all", code="prompt_count_mismatch",
-                           param=name)
+            raise APIError(
+                422,
+                f"{name} is a list of {len(value)} values but the request has {n} prompts; "
+                f"give one value per prompt or a single value for all",
+                code="prompt_count_mismatch",
+                param=name,
+            )
         return list(value)
     return [value] * n

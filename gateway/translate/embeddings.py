@@ -1,5 +1,6 @@
 """Embeddings requests: each input string is its own work item (its token ids), so inputs
 from many requests batch together."""
+
 from __future__ import annotations
 
 import base64
@@ -27,10 +28,17 @@ class EmbeddingWork:
         return [len(ids) for ids in self.token_ids]
 
     def response(self, results: list[Any]) -> dict[str, Any]:
-        data = [{"object": "embedding", "index": i, "embedding": _encode(r.vector, self.encoding_format)}
-                for i, r in enumerate(results)]
+        data = [
+            {"object": "embedding", "index": i, "embedding": _encode(r.vector, self.encoding_format)}
+            for i, r in enumerate(results)
+        ]
         tokens = sum(r.tokens for r in results)
-        return {"object": "list", "data": data, "model": self.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        return {
+            "object": "list",
+            "data": data,
+            "model": self.model,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
 
 
 def check_embeddings(body: EmbeddingsRequest, engine: Any) -> None:
@@ -38,8 +46,12 @@ def check_embeddings(body: EmbeddingsRequest, engine: Any) -> None:
     them); the request model has checked the number of inputs."""
     dim = engine.dim
     if body.dimensions is not None and body.dimensions != dim:
-        raise APIError(422, f"dimensions: {engine.name} produces {dim}-dimensional embeddings; other sizes are not supported",
-                       code="invalid_value", param="dimensions")
+        raise APIError(
+            422,
+            f"dimensions: {engine.name} produces {dim}-dimensional embeddings; other sizes are not supported",
+            code="invalid_value",
+            param="dimensions",
+        )
 
 
 def embedding_work(body: EmbeddingsRequest, engine: Any, cfg: Any) -> EmbeddingWork:
@@ -50,8 +62,12 @@ def embedding_work(body: EmbeddingsRequest, engine: Any, cfg: Any) -> EmbeddingW
     if cfg.max_prompt_tokens is not None:
         for i, ids in enumerate(token_ids):
             if len(ids) > cfg.max_prompt_tokens:
-                raise APIError(422, f"input[{i}] has {len(ids)} tokens; the limit is {cfg.max_prompt_tokens}",
-                               code="too_many_tokens", param="input")
+                raise APIError(
+                    422,
+                    f"input[{i}] has {len(ids)} tokens; the limit is {cfg.max_prompt_tokens}",
+                    code="too_many_tokens",
+                    param="input",
+                )
     return EmbeddingWork(engine.name, token_ids, body.encoding_format)
 
 

@@ -1,4 +1,5 @@
 """What a translated request is, whatever its route."""
+
 from __future__ import annotations
 
 from typing import Any, Protocol

@@ -1,5 +1,6 @@
 """The batcher's test rigs: a micro-batcher on a fake clock over a simulated engine whose
 cost is known exactly, and random arrival streams to feed it."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,7 +19,6 @@ from batcher.microbatcher import MicroBatcher
 from batcher.settings import BatchingSettings
 from batcher.types import Priority, WorkItem
 from engine.fake import SimulatedExecutor
-
 
 # The simulated engine of the rigs: a batch of n items takes FIXED + PER_ITEM * n seconds.
 # Tests derive their expected times from these, through `cost`.
@@ -39,7 +39,9 @@ class Rig:
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.engine = SimulatedExecutor(self.clock, fixed, per_item)
-        self.batcher = MicroBatcher("m", self.engine, BatchingSettings(**settings), clock=self.clock, metrics=self.metrics)
+        self.batcher = MicroBatcher(
+            "m", self.engine, BatchingSettings(**settings), clock=self.clock, metrics=self.metrics
+        )
 
     def value(self, name: str, **labels: str) -> float:
         return self.registry.get_sample_value(name, labels) or 0.0
@@ -78,7 +80,8 @@ arrivals = st.lists(
         st.sampled_from([Priority.INTERACTIVE, Priority.INTERACTIVE, Priority.BATCH]),
         st.booleans(),  # cancel a random earlier item afterwards
     ),
-    min_size=1, max_size=50,
+    min_size=1,
+    max_size=50,
 )
 
 
@@ -94,10 +97,12 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
         await r.clock.advance(gap)
         b = r.batcher
         if check_admission and budget is not None:
-            probe = WorkItem(payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio,
-                             id=10**9)
-            predicted = admission.predicted_completion(b.queue, probe, r.clock.now(), b.settings, b.cost,
-                                                       b.load(r.clock.now()))
+            probe = WorkItem(
+                payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio, id=10**9
+            )
+            predicted = admission.predicted_completion(
+                b.queue, probe, r.clock.now(), b.settings, b.cost, b.load(r.clock.now())
+            )
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)

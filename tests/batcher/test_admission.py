@@ -5,6 +5,7 @@ applies it.
 
 Expected times are derived from the simulated engine's cost, `cost(n) = FIXED + PER_ITEM * n`
 (tests/batcher/conftest.py), which COST predicts exactly."""
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher import admission
-from batcher.errors import DeadlineInfeasible, BatchingError, QueueFull
+from batcher.errors import BatchingError, DeadlineInfeasible, QueueFull
 from batcher.load import IDLE, Load
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
@@ -61,8 +62,9 @@ def test_batch_size_under_the_reserve():
 
 # -- one-shot batches: predicted_completion -----------------------------------------------------
 def test_on_an_idle_engine_an_item_is_done_after_its_own_batch():
-    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, batching(), COST, IDLE) == \
-        pytest.approx(NOW + cost(1))
+    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, batching(), COST, IDLE) == pytest.approx(
+        NOW + cost(1)
+    )
 
 
 def test_an_item_waits_for_the_running_batch_then_full_batches_of_the_items_ahead():
@@ -74,8 +76,9 @@ def test_an_item_waits_for_the_running_batch_then_full_batches_of_the_items_ahea
     expected = NOW + running + 2 * cost(4) + cost(2)
     assert admission.predicted_completion(q, item(NOW + 1.0), NOW, s, COST, load) == pytest.approx(expected)
     # Its siblings (items of the same request, admitted together) queue ahead of it too.
-    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, load, siblings=9) == \
-        pytest.approx(expected)
+    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, load, siblings=9) == pytest.approx(
+        expected
+    )
 
 
 def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
@@ -98,10 +101,12 @@ def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
 
 def test_interactive_promises_allow_for_the_slowdown_and_batch_class_ones_do_not():
     s, load = batching(), Load(slowdown=1.25)
-    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, load) == \
-        pytest.approx(NOW + cost(1) * 1.25)
-    assert admission.predicted_completion(queue(), item(NOW + 1.0, BATCH), NOW, s, COST, load) == \
-        pytest.approx(NOW + cost(1))
+    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, load) == pytest.approx(
+        NOW + cost(1) * 1.25
+    )
+    assert admission.predicted_completion(queue(), item(NOW + 1.0, BATCH), NOW, s, COST, load) == pytest.approx(
+        NOW + cost(1)
+    )
 
 
 def test_batch_class_work_gets_only_the_capacity_interactive_arrivals_leave():
@@ -112,8 +117,9 @@ def test_batch_class_work_gets_only_the_capacity_interactive_arrivals_leave():
     predicted = admission.predicted_completion(queue(), job, NOW, s, COST, Load(interactive_rate=rate))
     assert predicted == pytest.approx(NOW + cost(1) / (1 - rho))
     # Interactive work itself goes ahead of batch-class work and is not slowed by it.
-    assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, Load(interactive_rate=rate)) == \
-        pytest.approx(NOW + cost(1))
+    assert admission.predicted_completion(
+        queue(), item(NOW + 1.0), NOW, s, COST, Load(interactive_rate=rate)
+    ) == pytest.approx(NOW + cost(1))
     # When interactive arrivals take (nearly) the whole engine, a batch-class item's turn never comes.
     saturating = Load(interactive_rate=4 / cost(4))
     assert admission.predicted_completion(queue(), job, NOW, s, COST, saturating) == math.inf
@@ -126,19 +132,22 @@ def test_a_measured_drain_only_ever_makes_a_prediction_later():
     by_cost_model = NOW + 5 * cost(4)  # 19 ahead + itself: five full batches
     assert admission.predicted_completion(q, job, NOW, s, COST, IDLE) == pytest.approx(by_cost_model)
     slow_drain = 50.0  # items per second the batches really formed have drained
-    assert admission.predicted_completion(q, job, NOW, s, COST, Load(drain_rate=slow_drain)) == \
-        pytest.approx(NOW + 20 / slow_drain)
+    assert admission.predicted_completion(q, job, NOW, s, COST, Load(drain_rate=slow_drain)) == pytest.approx(
+        NOW + 20 / slow_drain
+    )
     fast_drain = 10 * 20 / (5 * cost(4))  # ten times what the cost model says
-    assert admission.predicted_completion(q, job, NOW, s, COST, Load(drain_rate=fast_drain)) == \
-        pytest.approx(by_cost_model)
+    assert admission.predicted_completion(q, job, NOW, s, COST, Load(drain_rate=fast_drain)) == pytest.approx(
+        by_cost_model
+    )
 
 
 # -- generation: predicted_first_token ------------------------------------------------------
 def test_a_prompt_with_a_free_slot_gets_its_first_token_after_its_prefill():
     s = batching(max_batch_size=4)
     prompt = item(NOW + 1.0, tokens=30)  # COST has no per-token term: prefill of one prompt is cost(1)
-    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, Load(free_slots=2)) == \
-        pytest.approx(NOW + cost(1))
+    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, Load(free_slots=2)) == pytest.approx(
+        NOW + cost(1)
+    )
 
 
 def test_a_prompt_without_a_free_slot_waits_for_the_first_slot_to_free():
@@ -156,8 +165,9 @@ def test_prompts_ahead_hold_slots_for_a_typical_sequence_and_share_the_prefill()
     load = Load(busy_until=NOW, free_slots=1, slots_free_at=(NOW + 0.5,), sequence_seconds=seq)
     # The two ahead take the free slot one after the other (until NOW + 2 * seq), before the
     # running sequence frees its slot at NOW + 0.5; the prompt then prefills in a group of 3.
-    assert admission.predicted_first_token(q, item(NOW + 1.0), NOW, s, COST, load) == \
-        pytest.approx(NOW + 2 * seq + cost(3))
+    assert admission.predicted_first_token(q, item(NOW + 1.0), NOW, s, COST, load) == pytest.approx(
+        NOW + 2 * seq + cost(3)
+    )
 
 
 def test_batch_class_prompts_leave_the_interactive_slots_free():
@@ -166,8 +176,9 @@ def test_batch_class_prompts_leave_the_interactive_slots_free():
     load = Load(busy_until=NOW, free_slots=2, interactive_slots=2, sequence_seconds=seq)
     assert admission.predicted_first_token(queue(), item(NOW + 1.0), NOW, s, COST, load) == pytest.approx(NOW + cost(1))
     # The two slots kept for interactive work count as taken: its slot frees a sequence later.
-    assert admission.predicted_first_token(queue(), item(NOW + 1.0, BATCH), NOW, s, COST, load) == \
-        pytest.approx(NOW + seq + cost(3))
+    assert admission.predicted_first_token(queue(), item(NOW + 1.0, BATCH), NOW, s, COST, load) == pytest.approx(
+        NOW + seq + cost(3)
+    )
 
 
 # -- check ------------------------------------------------------------------------------------
@@ -206,8 +217,10 @@ def test_a_deadline_is_met_when_the_prediction_plus_the_margin_fits():
     assert "latency budget of 21 ms cannot be met" in str(info.value)  # cost(1) + margin - 1 ms
     assert info.value.retry_after == 1
     # on_infeasible=serve: admitted best-effort instead.
-    assert admission.check(queue(), too_tight, NOW, batching(deadline_margin_ms=10, on_infeasible="serve"),
-                           COST, IDLE) is True
+    assert (
+        admission.check(queue(), too_tight, NOW, batching(deadline_margin_ms=10, on_infeasible="serve"), COST, IDLE)
+        is True
+    )
 
 
 def test_work_whose_turn_never_comes_is_told_to_retry_in_a_minute():

@@ -1,4 +1,5 @@
 """The cost model: fitted online, robust to the noise of a shared CPU."""
+
 from __future__ import annotations
 
 import numpy as np

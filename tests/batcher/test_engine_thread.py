@@ -4,6 +4,7 @@ the engine allows it, later calls move to a fresh thread.
 
 Calls block on threading.Events the test opens, so the order of events is decided by the
 test, not by the speed of the machine; nothing here asserts on elapsed time."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,5 +1,6 @@
 """split_in_halves: a failing call is retried by halves until the input that fails alone
 is found; only that input fails."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,16 @@ class Flaky:
 def test_one_bad_input_fails_alone_and_the_halves_are_retried_in_order():
     run = Flaky({5})
     results = split_in_halves(run, list(range(8)))
-    assert [r if isinstance(r, str) else "error" for r in results] == \
-        ["ok 0", "ok 1", "ok 2", "ok 3", "ok 4", "error", "ok 6", "ok 7"]
+    assert [r if isinstance(r, str) else "error" for r in results] == [
+        "ok 0",
+        "ok 1",
+        "ok 2",
+        "ok 3",
+        "ok 4",
+        "error",
+        "ok 6",
+        "ok 7",
+    ]
     assert isinstance(results[5], RuntimeError)
     assert run.calls == [list(range(8)), [0, 1, 2, 3], [4, 5, 6, 7], [4, 5], [4], [5], [6, 7]]
 

@@ -11,6 +11,7 @@ tests/batcher/conftest.py).
 - Interactive first: while interactive requests keep arriving, none is refused or expires,
   whatever batch-class load arrives beside them.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,8 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher.errors import BatchingError, QueueFull
-from batcher.load import (DRAIN_HORIZON, DRAIN_MIN_BATCHES, RATE_HORIZON, RESERVE_HORIZON, URGENT_BUDGET,
-                          LoadTracker)
+from batcher.load import DRAIN_HORIZON, DRAIN_MIN_BATCHES, RATE_HORIZON, RESERVE_HORIZON, URGENT_BUDGET, LoadTracker
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
 from batcher.types import Outcome, Priority, WorkItem
@@ -89,8 +89,14 @@ RESERVE_MARGIN = RESERVE_MARGIN_MS / 1000
 
 
 def throughput_first_rig(**kw) -> Rig:
-    kw = {"policy": "adaptive", "max_batch_size": 32, "max_queue": 10_000, "deadline_margin_ms": RESERVE_MARGIN_MS,
-          "interactive_first": False, **kw}
+    kw = {
+        "policy": "adaptive",
+        "max_batch_size": 32,
+        "max_queue": 10_000,
+        "deadline_margin_ms": RESERVE_MARGIN_MS,
+        "interactive_first": False,
+        **kw,
+    }
     return exact_rig(**kw)
 
 
@@ -249,11 +255,15 @@ async def burst_after(r: Rig, past, idle: float, new_size: int | None, n: int, b
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(past=history, idle=st.sampled_from([0.0, 0.5, 1.5, 5.0, 60.0, 8 * 3600.0]),
-       size=st.integers(1, 16), new_size=st.sampled_from([None, 1, 4, 32]),
-       policy=st.sampled_from(["fixed", "deadline", "adaptive"]), slack=st.floats(1.0, 3.0))
-def test_a_burst_the_engine_can_serve_is_admitted_in_full_after_any_history(past, idle, size, new_size,
-                                                                              policy, slack):
+@given(
+    past=history,
+    idle=st.sampled_from([0.0, 0.5, 1.5, 5.0, 60.0, 8 * 3600.0]),
+    size=st.integers(1, 16),
+    new_size=st.sampled_from([None, 1, 4, 32]),
+    policy=st.sampled_from(["fixed", "deadline", "adaptive"]),
+    slack=st.floats(1.0, 3.0),
+)
+def test_a_burst_the_engine_can_serve_is_admitted_in_full_after_any_history(past, idle, size, new_size, policy, slack):
     """Four times max_batch_size at once. Served one at a time it would take n * cost(1):
     whatever batch sizes the policy picks (at least one item), it is done by then."""
     r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=10_000, default_budget_ms=None)
@@ -268,8 +278,13 @@ def test_a_burst_the_engine_can_serve_is_admitted_in_full_after_any_history(past
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(past=history, idle=st.sampled_from([0.0, 0.5, 5.0, 3600.0]), size=st.integers(1, 16),
-       policy=st.sampled_from(["deadline", "adaptive"]), fraction=st.floats(0.05, 0.95))
+@given(
+    past=history,
+    idle=st.sampled_from([0.0, 0.5, 5.0, 3600.0]),
+    size=st.integers(1, 16),
+    policy=st.sampled_from(["deadline", "adaptive"]),
+    fraction=st.floats(0.05, 0.95),
+)
 def test_a_burst_the_engine_cannot_serve_is_refused_at_once_not_left_to_expire(past, idle, size, policy, fraction):
     """The budget is a fraction of the fastest possible service of the whole burst (full
     batches back to back): some items must be refused, and every admitted one is on time."""
@@ -326,17 +341,29 @@ async def mixed(r: Rig, gaps: list[float], waves: list[tuple[float, int]], budge
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(gaps=interactive_gaps, waves=batch_waves, size=st.sampled_from([8, 16, 32]),
-       budget=st.sampled_from([0.06, 0.1, 0.2]), policy=st.sampled_from(["deadline", "adaptive"]))
-def test_interactive_first_no_interactive_request_is_refused_or_late_whatever_batch_load(gaps, waves, size,
-                                                                                        budget, policy):
+@given(
+    gaps=interactive_gaps,
+    waves=batch_waves,
+    size=st.sampled_from([8, 16, 32]),
+    budget=st.sampled_from([0.06, 0.1, 0.2]),
+    policy=st.sampled_from(["deadline", "adaptive"]),
+)
+def test_interactive_first_no_interactive_request_is_refused_or_late_whatever_batch_load(
+    gaps, waves, size, budget, policy
+):
     """Interactive requests keep arriving (gaps well under RESERVE_HORIZON) at most 50/s,
     a fraction of what the engine carries; batch-class waves of up to 60 items come at any
     rate. Batch-class work absorbs the shortfall: it waits, is refused or expires by its own
     budget; every interactive request is admitted and finishes within its budget."""
     assert max(gaps) < RESERVE_HORIZON
-    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=10_000, default_budget_ms=None,
-                  interactive_first=True)
+    r = exact_rig(
+        policy=policy,
+        max_batch_size=size,
+        max_wait_ms=5,
+        max_queue=10_000,
+        default_budget_ms=None,
+        interactive_first=True,
+    )
     interactive, refused, batch_items, batch_refused = run(mixed(r, gaps, waves, budget))
     assert refused == 0, "an interactive request was refused while batch-class work was served"
     done_at = {}
@@ -360,8 +387,9 @@ def test_total_throughput_first_lets_batch_class_load_size_batches():
     budget, tick = 0.060, 0.025
 
     async def largest_batch(first: bool) -> int:
-        r = exact_rig(policy="adaptive", max_batch_size=32, max_queue=10_000, default_budget_ms=None,
-                      interactive_first=first)
+        r = exact_rig(
+            policy="adaptive", max_batch_size=32, max_queue=10_000, default_budget_ms=None, interactive_first=first
+        )
         b = r.batcher
         await b.start()
         for k in range(40):  # one second: an interactive request and 10 batch-class items (1 s budget) a tick
@@ -398,6 +426,7 @@ def poisson_mix(r: Rig, rate: float, interactive_share: float, seconds: float, s
             fut.exception()  # retrieved: expiries are counted below, not logged
             on_time = item.outcome is Outcome.RESULT and r.clock.now() <= item.arrival + budget + 1e-9
             ends[item.priority]["on_time" if on_time else item.outcome.name.lower()] += 1
+
         item.future.add_done_callback(done)
 
     async def go():

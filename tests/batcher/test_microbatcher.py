@@ -1,6 +1,6 @@
 """The Foundation rules of the micro-batcher, in simulated time."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -152,13 +152,19 @@ def test_live_change_applies_from_the_next_batch():
 
 events = st.lists(
     st.tuples(st.sampled_from(["submit", "cancel", "advance"]), st.integers(0, 30), st.floats(0, 0.02)),
-    min_size=1, max_size=60,
+    min_size=1,
+    max_size=60,
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(events=events, size=st.integers(1, 6), wait_ms=st.sampled_from([0, 1, 5, 20]),
-       fail_batch=st.sampled_from([None, 0, 2]), budget=st.sampled_from([None, 15.0]))
+@given(
+    events=events,
+    size=st.integers(1, 6),
+    wait_ms=st.sampled_from([0, 1, 5, 20]),
+    fail_batch=st.sampled_from([None, 0, 2]),
+    budget=st.sampled_from([None, 15.0]),
+)
 def test_every_item_ends_exactly_once_under_random_interleavings(events, size, wait_ms, fail_batch, budget):
     async def scenario():
         r = Rig(max_batch_size=size, max_wait_ms=wait_ms, max_queue=20, default_budget_ms=budget)

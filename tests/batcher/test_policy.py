@@ -3,6 +3,7 @@ a fake clock, then as pure functions of (queue, now, settings, cost, load).
 
 Expected times are derived from the simulated engine's cost, `cost(n) = FIXED + PER_ITEM * n`
 (10 ms + 2 ms per item, tests/batcher/conftest.py)."""
+
 from __future__ import annotations
 
 import math
@@ -14,8 +15,17 @@ from hypothesis import strategies as st
 
 from batcher.cost import CostModel, LinearCost
 from batcher.load import Load
-from batcher.policy import (Dispatch, WaitUntil, adaptive, admit_adaptive, admit_deadline, admit_fixed, deadline,
-                            fixed, prompt_group)
+from batcher.policy import (
+    Dispatch,
+    WaitUntil,
+    adaptive,
+    admit_adaptive,
+    admit_deadline,
+    admit_fixed,
+    deadline,
+    fixed,
+    prompt_group,
+)
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
 from batcher.types import DispatchReason, Outcome, Priority, WorkItem
@@ -24,12 +34,20 @@ from .conftest import COST, FIXED, PER_ITEM, arrivals, cost, drive, exact_rig, r
 
 
 @pytest.mark.parametrize("policy", ["fixed", "deadline", "adaptive"])
-@settings(max_examples=40, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(stream=arrivals, size=st.integers(1, 8), wait_ms=st.sampled_from([0, 2, 10, 40]))
 def test_no_item_reaches_the_engine_after_its_deadline_and_all_end_once(policy, stream, size, wait_ms):
-    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=wait_ms, max_queue=30, default_budget_ms=200,
-                  on_infeasible="serve", aging_ms=50)
+    r = exact_rig(
+        policy=policy,
+        max_batch_size=size,
+        max_wait_ms=wait_ms,
+        max_queue=30,
+        default_budget_ms=200,
+        on_infeasible="serve",
+        aging_ms=50,
+    )
     items, finished_at, _ = run(drive(r, stream))
     for item in items:
         assert item.finished and item.id in finished_at

@@ -1,5 +1,6 @@
 """The batcher reaches the engine only through its own protocols: engines satisfy them
 by shape, and no batcher module imports the engine (or torch, or the HTTP layers)."""
+
 from __future__ import annotations
 
 import ast
@@ -25,4 +26,3 @@ def test_batcher_package_imports_neither_the_engine_nor_the_server_layers():
             else:
                 continue
             assert not {n.split(".")[0] for n in names} & forbidden, f"{path.name} imports {names}"
-

@@ -1,6 +1,7 @@
 """RequestQueue: interactive work first, earliest deadline first (EDF) within a class, and
 aging, so that batch-class work cannot starve; the counts admission and load estimation
 read; expiry. First as a data structure, then as the order a micro-batcher serves in."""
+
 from __future__ import annotations
 
 import math
@@ -126,8 +127,14 @@ def test_expired_lists_what_is_past_its_deadline_in_every_class_and_removes_noth
 @given(stream=arrivals, size=st.integers(1, 8))
 def test_earliest_deadline_first_within_a_class(stream, size):
     stream = [(g, b, Priority.INTERACTIVE, c) for g, b, _, c in stream]
-    r = exact_rig(policy="deadline", max_batch_size=size, max_wait_ms=5, max_queue=30, default_budget_ms=200,
-                  on_infeasible="serve")
+    r = exact_rig(
+        policy="deadline",
+        max_batch_size=size,
+        max_wait_ms=5,
+        max_queue=30,
+        default_budget_ms=200,
+        on_infeasible="serve",
+    )
     items, finished_at, _ = run(drive(r, stream))
     for x in items:
         if x.dispatched_at is None:
@@ -142,8 +149,14 @@ def test_aging_bounds_how_long_batch_work_waits_behind_interactive_work():
     aging, size = 0.100, 4
 
     async def scenario():
-        r = exact_rig(policy="fixed", max_batch_size=size, max_wait_ms=0, max_queue=10_000, default_budget_ms=None,
-                      aging_ms=aging * 1000)
+        r = exact_rig(
+            policy="fixed",
+            max_batch_size=size,
+            max_wait_ms=0,
+            max_queue=10_000,
+            default_budget_ms=None,
+            aging_ms=aging * 1000,
+        )
         await r.batcher.start()
         job = r.batcher.submit("batch-job", priority=Priority.BATCH, budget=60)
         # Interactive traffic at 400/s, about twice the size / cost(size) = 222/s the engine

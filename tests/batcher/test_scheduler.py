@@ -1,9 +1,8 @@
 """Continuous vs static batching, counted in engine iterations on a fake clock."""
+
 from __future__ import annotations
 
 import pytest
-
-
 from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
@@ -28,9 +27,15 @@ class GenRig:
         self.engine = FakeGenerationEngine(fail_prompts=fail_prompts)
         self.registry = CollectorRegistry()
         self.per_row = per_row
-        self.sched = GenerationScheduler("g", self.engine, SimulatedEngineThread(self.clock, self.engine, STEP, per_row),
-                                         BatchingSettings(**settings), make_request=sequence_request, clock=self.clock,
-                                         metrics=Metrics(self.registry))
+        self.sched = GenerationScheduler(
+            "g",
+            self.engine,
+            SimulatedEngineThread(self.clock, self.engine, STEP, per_row),
+            BatchingSettings(**settings),
+            make_request=sequence_request,
+            clock=self.clock,
+            metrics=Metrics(self.registry),
+        )
 
     def seed_decode_cost(self) -> None:
         """Let the decode cost model know the simulated steps, as a warm-up profile would."""

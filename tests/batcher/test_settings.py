@@ -1,5 +1,6 @@
 """BatchingSettings: each knob declared once, validated at construction with a message that
 names it; the policy names and the ferry_setting_* gauges follow the declaration."""
+
 from __future__ import annotations
 
 import math
@@ -20,35 +21,49 @@ KNOBS = {k.name: k for k in knobs(BatchingSettings)}
 def test_defaults():
     s = BatchingSettings()
     assert (s.max_batch_size, s.max_wait_ms, s.max_queue, s.policy) == (32, 5.0, 1024, "adaptive")
-    assert (s.default_budget_ms, s.deadline_margin_ms, s.aging_ms, s.on_infeasible) == (10_000.0, 10.0, 2_000.0, "reject")
+    assert (s.default_budget_ms, s.deadline_margin_ms, s.aging_ms, s.on_infeasible) == (
+        10_000.0,
+        10.0,
+        2_000.0,
+        "reject",
+    )
     assert s.interactive_first is True  # on by default since admission counts on the measured drain
-    assert (s.budget_scope, s.max_itl_ms, s.max_running, s.prefill_token_budget, s.mode) == ("ttft", None, 64, 2048, "continuous")
+    assert (s.budget_scope, s.max_itl_ms, s.max_running, s.prefill_token_budget, s.mode) == (
+        "ttft",
+        None,
+        64,
+        2048,
+        "continuous",
+    )
     assert (s.max_wait, s.margin) == (0.005, 0.010)
     assert list(s.to_dict()) == list(KNOBS)
 
 
-@pytest.mark.parametrize(("name", "value", "message"), [
-    ("max_batch_size", 0, "must be an integer between 1 and 1000000"),
-    ("max_batch_size", 1_000_001, "must be an integer between 1 and 1000000"),
-    ("max_batch_size", True, "must be an integer between 1 and 1000000"),  # a bool is not a number
-    ("max_batch_size", 2.0, "must be an integer between 1 and 1000000"),
-    ("max_queue", "5", "must be an integer between 1 and 1000000"),  # nor is a string
-    ("max_running", -1, "must be an integer between 1 and 1000000"),
-    ("prefill_token_budget", 0, "must be an integer between 1 and 1000000"),
-    ("max_wait_ms", -0.5, "must be a number of milliseconds between 0 and 3600000"),
-    ("max_wait_ms", 3_600_000, "must be a number of milliseconds between 0 and 3600000"),
-    ("max_wait_ms", math.nan, "must be a number of milliseconds between 0 and 3600000"),
-    ("deadline_margin_ms", math.inf, "must be a number of milliseconds between 0 and 3600000"),
-    ("aging_ms", False, "must be a number of milliseconds between 0 and 3600000"),
-    ("default_budget_ms", 0, "must be null or a number of milliseconds above 0"),
-    ("max_itl_ms", "fast", "must be null or a number of milliseconds above 0"),
-    ("interactive_first", 1, "must be true or false"),
-    ("policy", "random", "must be one of fixed, deadline, adaptive"),
-    ("on_infeasible", "maybe", "must be one of reject, serve"),
-    ("budget_scope", "tpot", "must be one of ttft, total"),
-    ("mode", "dynamic", "must be one of continuous, static"),
-    ("max_batch", 4, "unknown setting"),
-])
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("max_batch_size", 0, "must be an integer between 1 and 1000000"),
+        ("max_batch_size", 1_000_001, "must be an integer between 1 and 1000000"),
+        ("max_batch_size", True, "must be an integer between 1 and 1000000"),  # a bool is not a number
+        ("max_batch_size", 2.0, "must be an integer between 1 and 1000000"),
+        ("max_queue", "5", "must be an integer between 1 and 1000000"),  # nor is a string
+        ("max_running", -1, "must be an integer between 1 and 1000000"),
+        ("prefill_token_budget", 0, "must be an integer between 1 and 1000000"),
+        ("max_wait_ms", -0.5, "must be a number of milliseconds between 0 and 3600000"),
+        ("max_wait_ms", 3_600_000, "must be a number of milliseconds between 0 and 3600000"),
+        ("max_wait_ms", math.nan, "must be a number of milliseconds between 0 and 3600000"),
+        ("deadline_margin_ms", math.inf, "must be a number of milliseconds between 0 and 3600000"),
+        ("aging_ms", False, "must be a number of milliseconds between 0 and 3600000"),
+        ("default_budget_ms", 0, "must be null or a number of milliseconds above 0"),
+        ("max_itl_ms", "fast", "must be null or a number of milliseconds above 0"),
+        ("interactive_first", 1, "must be true or false"),
+        ("policy", "random", "must be one of fixed, deadline, adaptive"),
+        ("on_infeasible", "maybe", "must be one of reject, serve"),
+        ("budget_scope", "tpot", "must be one of ttft, total"),
+        ("mode", "dynamic", "must be one of continuous, static"),
+        ("max_batch", 4, "unknown setting"),
+    ],
+)
 def test_a_bad_value_fails_at_construction_naming_the_setting(name, value, message):
     with pytest.raises(SettingsError) as info:
         BatchingSettings(**{name: value})
@@ -63,7 +78,11 @@ def test_numbers_within_bounds_are_accepted():
 
 def test_updated_validates_and_refuses_unknown_names():
     s = BatchingSettings()
-    assert s.updated(max_batch_size=4, policy="fixed").to_dict() == {**s.to_dict(), "max_batch_size": 4, "policy": "fixed"}
+    assert s.updated(max_batch_size=4, policy="fixed").to_dict() == {
+        **s.to_dict(),
+        "max_batch_size": 4,
+        "policy": "fixed",
+    }
     with pytest.raises(SettingsError, match="max_wait_ms: must be"):
         s.updated(max_wait_ms=-1)
     with pytest.raises(SettingsError) as info:
@@ -101,8 +120,16 @@ def test_the_setting_gauges_are_the_declared_ones():
     exposed = {f.name for f in m.registry.collect() if f.name.startswith("ferry_setting_")}
     declared = {k.gauge_name for k in KNOBS.values() if k.gauge}
     # The names dashboards and alerts use (grafana/); a declaration must not rename them.
-    assert exposed == declared == {"ferry_setting_max_batch_size", "ferry_setting_max_wait_seconds",
-                                   "ferry_setting_max_queue", "ferry_setting_default_budget_seconds"}
+    assert (
+        exposed
+        == declared
+        == {
+            "ferry_setting_max_batch_size",
+            "ferry_setting_max_wait_seconds",
+            "ferry_setting_max_queue",
+            "ferry_setting_default_budget_seconds",
+        }
+    )
 
 
 def test_publish_settings_sets_the_gauges_in_base_units_and_drops_null_ones():

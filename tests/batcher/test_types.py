@@ -1,4 +1,5 @@
 """The batcher's shared vocabulary."""
+
 from __future__ import annotations
 
 from batcher.types import TokenCount

@@ -1,5 +1,6 @@
 """The front end / engine core messages: every one survives encoding unchanged, arrays
 travel as raw bytes, each side decodes only its own messages, errors keep their class."""
+
 from __future__ import annotations
 
 import math
@@ -15,9 +16,14 @@ from batcher.types import Outcome, Priority
 
 token_ids = st.lists(st.integers(-(2**31), 2**31 - 1), max_size=64)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
-sampling = st.builds(wire.Sampling, max_tokens=st.integers(1, 4096), temperature=st.floats(0, 2),
-                     top_p=st.floats(0.01, 1), seed=st.none() | st.integers(0, 2**63 - 1),
-                     stop=st.lists(st.text(max_size=8), max_size=4))
+sampling = st.builds(
+    wire.Sampling,
+    max_tokens=st.integers(1, 4096),
+    temperature=st.floats(0, 2),
+    top_p=st.floats(0.01, 1),
+    seed=st.none() | st.integers(0, 2**63 - 1),
+    stop=st.lists(st.text(max_size=8), max_size=4),
+)
 
 
 @given(token_ids)
@@ -33,19 +39,39 @@ def test_vectors_round_trip_as_raw_float32_from_lists_and_numpy(values):
     assert wire.floats(np.array(values, dtype=np.float64)) == wire.floats(values)
 
 
-@given(st.integers(0, 2**62), st.lists(token_ids, min_size=1, max_size=4), st.none() | st.floats(0, 1e9),
-       st.sampled_from(list(Priority)), st.booleans(), st.none() | st.lists(sampling, min_size=1, max_size=4))
+@given(
+    st.integers(0, 2**62),
+    st.lists(token_ids, min_size=1, max_size=4),
+    st.none() | st.floats(0, 1e9),
+    st.sampled_from(list(Priority)),
+    st.booleans(),
+    st.none() | st.lists(sampling, min_size=1, max_size=4),
+)
 def test_submit_round_trips(req, prompts, deadline, priority, stream, params):
-    m = wire.Submit(req, "m", [wire.ids(p) for p in prompts], [len(p) for p in prompts], deadline, int(priority),
-                    "req-1", stream, params)
+    m = wire.Submit(
+        req,
+        "m",
+        [wire.ids(p) for p in prompts],
+        [len(p) for p in prompts],
+        deadline,
+        int(priority),
+        "req-1",
+        stream,
+        params,
+    )
     back = wire.decode_to_core(wire.encode(m))
     assert back == m
     assert [wire.ids_of(p) for p in back.payloads] == prompts
 
 
-@given(st.integers(0, 2**62), st.integers(0, 63), st.sampled_from([o for o in Outcome if o is not Outcome.PENDING]),
-       st.none() | st.binary(max_size=64), st.none() | st.text(max_size=32),
-       st.none() | st.sampled_from(["stop", "length"]))
+@given(
+    st.integers(0, 2**62),
+    st.integers(0, 63),
+    st.sampled_from([o for o in Outcome if o is not Outcome.PENDING]),
+    st.none() | st.binary(max_size=64),
+    st.none() | st.text(max_size=32),
+    st.none() | st.sampled_from(["stop", "length"]),
+)
 def test_results_and_deltas_round_trip(req, index, outcome, vector, text, finish):
     timing = wire.Timing(12.5, 12.6, 8, "full", False)
     r = wire.Result(req, index, int(outcome), timing, vector, text, finish, 3, 4, None, None, None)
@@ -74,8 +100,18 @@ def test_settings_round_trip_with_nulls():
     assert wire.decode_to_front_end(wire.encode(a)) == a
 
 
-@pytest.mark.parametrize("cls", [errors.QueueFull, errors.DeadlineInfeasible, errors.RequestTooLarge,
-                                 errors.DeadlineExceeded, errors.Cancelled, errors.EngineError, errors.ShuttingDown])
+@pytest.mark.parametrize(
+    "cls",
+    [
+        errors.QueueFull,
+        errors.DeadlineInfeasible,
+        errors.RequestTooLarge,
+        errors.DeadlineExceeded,
+        errors.Cancelled,
+        errors.EngineError,
+        errors.ShuttingDown,
+    ],
+)
 def test_errors_cross_as_code_message_retry_after_and_keep_their_class(cls):
     refused = wire.decode_to_front_end(wire.encode(wire.refusal(5, cls("no room", retry_after=2))))
     exc = wire.error_of(refused.code, refused.message, refused.retry_after)

@@ -1,4 +1,5 @@
 """ferry_client against a real gateway on 127.0.0.1 (fake engines: fast and deterministic)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,9 +10,23 @@ import numpy as np
 import pytest
 
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine, fake_vector
-from ferry_client import (APIConnectionError, AsyncFerryClient, AuthenticationError, ChatResponse, CompletionResponse,
-                          FerryClient, FerryError, NotFound, PayloadTooLarge, RateLimited, ServerError, StreamEvent,
-                          UnprocessableEntity, agather_stream, gather_stream)
+from ferry_client import (
+    APIConnectionError,
+    AsyncFerryClient,
+    AuthenticationError,
+    ChatResponse,
+    CompletionResponse,
+    FerryClient,
+    FerryError,
+    NotFound,
+    PayloadTooLarge,
+    RateLimited,
+    ServerError,
+    StreamEvent,
+    UnprocessableEntity,
+    agather_stream,
+    gather_stream,
+)
 
 from ..waiting import wait_until
 
@@ -31,8 +46,12 @@ def requests_total(server, route: str, model: str, status: str = "200") -> float
     """A stream is counted when the server's generator finishes, just after the client has
     read [DONE]; give the server loop a moment (bounded) to get there."""
     labels = {"route": route, "model": model, "status": status}
-    return wait_until(lambda: server.ferry.metrics.registry.get_sample_value("ferry_requests_total", labels),
-                      timeout=1.0, interval=0.01, message=f"ferry_requests_total{labels} to count the request")
+    return wait_until(
+        lambda: server.ferry.metrics.registry.get_sample_value("ferry_requests_total", labels),
+        timeout=1.0,
+        interval=0.01,
+        message=f"ferry_requests_total{labels} to count the request",
+    )
 
 
 @pytest.fixture
@@ -149,7 +168,10 @@ def test_stream_is_demultiplexed_into_per_prompt_buffers(server, client):
 
 def test_gather_stream_builds_responses_in_prompt_order(client):
     responses = gather_stream(client.chat(CHAT, [CONV_A, CONV_B], max_tokens=[4, 2], stop=[None, ["w1"]], stream=True))
-    assert [(r.prompt_index, r.text, r.finish_reason) for r in responses] == [(0, words(4), "length"), (1, "w0 ", "stop")]
+    assert [(r.prompt_index, r.text, r.finish_reason) for r in responses] == [
+        (0, words(4), "length"),
+        (1, "w0 ", "stop"),
+    ]
     assert responses[0].usage.completion_tokens == 4 + 2
     n2 = client.chat(CHAT, [CONV_A, CONV_B], n=2, max_tokens=[1, 3], stream=True, include_usage=False).gather()
     assert [r.texts for r in n2] == [[words(1)] * 2, [words(3)] * 2]
@@ -227,12 +249,13 @@ def test_retry_honours_retry_after_of_a_full_queue(fake_server_factory):
         running.start()
         assert engine.entered.wait(10)
         queued.start()
-        wait_until(lambda: len(batcher.queue) == 1, timeout=10, interval=0.01, message="the second request to be queued")
+        wait_until(
+            lambda: len(batcher.queue) == 1, timeout=10, interval=0.01, message="the second request to be queued"
+        )
 
         # The queue is full: without retries, a typed 429 with Retry-After.
-        with FerryClient(s.url) as c:
-            with pytest.raises(RateLimited) as info:
-                c.embed(EMBED, "refused")
+        with FerryClient(s.url) as c, pytest.raises(RateLimited) as info:
+            c.embed(EMBED, "refused")
         err = info.value
         assert (err.status, err.code) == (429, "queue_full") and err.retry_after >= 1
 
@@ -247,6 +270,7 @@ def test_retry_honours_retry_after_of_a_full_queue(fake_server_factory):
         # With retries: wait what Retry-After says (the wait is replaced by opening the gate).
         slept: list[float] = []
         with FerryClient(s.url, retries=3, on_retry=record) as c:
+
             def fake_sleep(seconds: float) -> None:
                 slept.append(seconds)
                 engine.gate.set()
@@ -318,6 +342,10 @@ def test_closing_a_stream_early_cancels_the_rest(fake_server_factory):
         with c.chat(CHAT, [CONV_A, CONV_B], max_tokens=400, stream=True) as stream:
             first = next(iter(stream))
             assert first.prompt_index in (0, 1)
-        wait_until(lambda: engine.running == 0, timeout=10, interval=0.01,
-                   message="the server to cancel the abandoned sequences")
+        wait_until(
+            lambda: engine.running == 0,
+            timeout=10,
+            interval=0.01,
+            message="the server to cancel the abandoned sequences",
+        )
         assert c.chat(CHAT, CONV_A, max_tokens=1).text == words(1)

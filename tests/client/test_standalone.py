@@ -1,5 +1,6 @@
 """ferry_client installs and runs on its own: it imports neither the server's packages nor
 torch, starlette or transformers (nor numpy until `numpy=True` asks for it)."""
+
 from __future__ import annotations
 
 import ast
@@ -39,7 +40,12 @@ def test_the_package_imports_only_the_standard_library_and_httpx():
     for path in sorted((CLIENT / "ferry_client").glob("*.py")):
         tree = ast.parse(path.read_text())
         for node in tree.body:  # module level: what `import ferry_client` pulls in
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
             for name in names:
                 assert name.split(".")[0] in allowed, f"{path.name} imports {name}"

@@ -1,4 +1,5 @@
 """One tiny chat model per test session, built into a temporary cache directory."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -1,7 +1,8 @@
 """Token ids to released text: partial characters held back, stop strings cut."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 
@@ -22,7 +23,7 @@ class ByteTokenizer:
 
 def test_prompt_context_is_decoded_but_never_released():
     tok = ByteTokenizer()
-    prompt = list("a prompt far longer than the decode window".encode())
+    prompt = list(b"a prompt far longer than the decode window")
     detok = IncrementalDetokenizer(tok, prompt)
     pieces = [detok.push(b) for b in " ok, é".encode()]
     assert "".join(pieces) + detok.flush() == " ok, é"

@@ -1,12 +1,17 @@
 """The embeddings engine: the traced graph must be the model, and anything that does not
 trace faithfully must run eager."""
+
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-TEXTS = ["a ferry", "a much longer sentence about ferries crossing a wide grey river at dawn", "queues",
-         "latency budgets decide when a batch must go, not a timer alone"]
+TEXTS = [
+    "a ferry",
+    "a much longer sentence about ferries crossing a wide grey river at dawn",
+    "queues",
+    "latency budgets decide when a batch must go, not a timer alone",
+]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +28,9 @@ def eager_vectors(engine, texts: list[str]) -> np.ndarray:
     out = []
     for ids in engine.tokenize(texts):
         with torch.inference_mode():
-            hidden = engine.model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            hidden = engine.model(
+                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
+            )
         v = torch.nn.functional.normalize(hidden.last_hidden_state.mean(1), dim=1)
         out.append(v[0].numpy())
     return np.stack(out)

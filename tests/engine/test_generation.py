@@ -1,13 +1,14 @@
 """HFGenerationEngine on the built-in tiny chat model: batch invariance, limits, stops.
 
 The KV buffers and the detokenizer alone: test_kv.py, test_detokenize.py."""
+
 from __future__ import annotations
 
 import ast
 import hashlib
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import pytest
 import torch
@@ -74,7 +75,9 @@ def prompts(_shared_engine) -> dict[str, list[int]]:
     chat = _shared_engine.encode_chat
     return {
         "a": chat([{"role": "user", "content": "Hello there, how are you today?"}]),
-        "b": chat([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about rivers and boats"}]),
+        "b": chat(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about rivers and boats"}]
+        ),
         "c": _shared_engine.encode_prompt("1 2 3"),
         "long": _shared_engine.encode_prompt("the ferry crosses the river " * 12),
     }
@@ -90,8 +93,15 @@ def test_greedy_is_the_same_alone_batched_and_staggered(engine, prompts):
     assert len(set(solo_a)) > 4, "the tiny model should not loop on one token"
 
     together = Transcript()
-    together.take(engine.add([req(1, a, max_tokens=16, temperature=0), req(2, b, max_tokens=16, temperature=0),
-                              req(3, prompts["long"], max_tokens=16, temperature=0)]))
+    together.take(
+        engine.add(
+            [
+                req(1, a, max_tokens=16, temperature=0),
+                req(2, b, max_tokens=16, temperature=0),
+                req(3, prompts["long"], max_tokens=16, temperature=0),
+            ]
+        )
+    )
     drain(engine, together)
     assert together.tokens[1] == solo_a
     assert together.tokens[2] == solo_b
@@ -100,7 +110,9 @@ def test_greedy_is_the_same_alone_batched_and_staggered(engine, prompts):
     staggered.take(engine.add([req(1, a, max_tokens=16, temperature=0)]))
     for _ in range(3):
         staggered.take(engine.step())
-    staggered.take(engine.add([req(2, b, max_tokens=16, temperature=0), req(3, prompts["long"], max_tokens=40, temperature=0)]))
+    staggered.take(
+        engine.add([req(2, b, max_tokens=16, temperature=0), req(3, prompts["long"], max_tokens=40, temperature=0)])
+    )
     for _ in range(2):
         staggered.take(engine.step())
     engine.remove([3])
@@ -117,9 +129,15 @@ def test_seeded_sampling_is_the_same_alone_and_batched(engine, prompts):
     assert solo != other_seed
 
     batched = Transcript()
-    batched.take(engine.add([req(2, prompts["b"], max_tokens=20, temperature=1.0, seed=1),
-                             req(3, prompts["c"], max_tokens=20, temperature=0.7, top_p=0.5),
-                             req(4, prompts["long"], max_tokens=20, temperature=0)]))
+    batched.take(
+        engine.add(
+            [
+                req(2, prompts["b"], max_tokens=20, temperature=1.0, seed=1),
+                req(3, prompts["c"], max_tokens=20, temperature=0.7, top_p=0.5),
+                req(4, prompts["long"], max_tokens=20, temperature=0),
+            ]
+        )
+    )
     batched.take(engine.step())
     batched.take(engine.add([req(1, a, max_tokens=12, **SEEDED)]))
     batched.take(engine.step())
@@ -174,9 +192,15 @@ def test_context_limit_finishes_with_length(engine, prompts, monkeypatch):
     prompt = prompts["a"]
     monkeypatch.setattr(engine, "max_context", len(prompt) + 3)
     transcript = Transcript()
-    outputs = transcript.take(engine.add([req(1, prompt, max_tokens=50, temperature=0),
-                                          req(2, prompts["long"], max_tokens=50, temperature=0),
-                                          req(3, [], max_tokens=50)]))
+    outputs = transcript.take(
+        engine.add(
+            [
+                req(1, prompt, max_tokens=50, temperature=0),
+                req(2, prompts["long"], max_tokens=50, temperature=0),
+                req(3, [], max_tokens=50),
+            ]
+        )
+    )
     assert outputs[1] == StepOutput(2, [], "", "length")
     assert outputs[2] == StepOutput(3, [], "", "length")
     drain(engine, transcript)
@@ -190,9 +214,15 @@ def test_context_limit_finishes_with_length(engine, prompts, monkeypatch):
 def test_remove_frees_the_row_and_others_continue(engine, prompts):
     solo_c = run_alone(engine, prompts["c"], max_tokens=10, temperature=0).tokens[1]
     transcript = Transcript()
-    transcript.take(engine.add([req(1, prompts["a"], max_tokens=10, temperature=0),
-                                req(2, prompts["b"], max_tokens=10, temperature=0),
-                                req(3, prompts["c"], max_tokens=10, temperature=0)]))
+    transcript.take(
+        engine.add(
+            [
+                req(1, prompts["a"], max_tokens=10, temperature=0),
+                req(2, prompts["b"], max_tokens=10, temperature=0),
+                req(3, prompts["c"], max_tokens=10, temperature=0),
+            ]
+        )
+    )
     transcript.take(engine.step())
     engine.remove([2, 12345])
     assert engine.running == 2
@@ -237,8 +267,11 @@ def test_chat_template_and_prompt_encoding(engine):
 def test_sampling_draws_one_number_per_step_and_respects_top_p():
     order = torch.randperm(1000, generator=make_generator(0))
     logits = torch.linspace(0.0, 1.0, 1000)[order].repeat(3, 1)
-    samplers = [SequenceSampler.create(0.0, 1.0, None), SequenceSampler.create(1.0, 0.5, 11),
-                SequenceSampler.create(1.0, 1.0, 12)]
+    samplers = [
+        SequenceSampler.create(0.0, 1.0, None),
+        SequenceSampler.create(1.0, 0.5, 11),
+        SequenceSampler.create(1.0, 1.0, 12),
+    ]
     tokens = sample_next_tokens(logits, samplers)
     assert tokens[0] == int(logits[0].argmax())
 

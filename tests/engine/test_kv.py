@@ -1,6 +1,7 @@
 """RunningBatch on plain tensors: each row keeps exactly its own keys and values through
 joins, leaves, compaction and growth. A token's key encodes (sequence, position), so a
 misaligned copy shows up as a wrong number."""
+
 from __future__ import annotations
 
 import random

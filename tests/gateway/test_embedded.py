@@ -1,5 +1,6 @@
 """Embedded mode: `with Ferry(...) as ferry` starts a gateway in this process and leaves
 nothing behind (no thread, no child process, no listening port)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -58,7 +59,10 @@ def test_embedded_starts_serves_and_leaves_nothing_behind():
         client = ferry.client()
         a, b = client.chat("fake-chat", [CONV, CONV], max_completion_tokens=[1, 3])
         assert (a.text, b.text) == ("w0 ", "w0 w1 w2 ")
-        assert client.embed("fake-embed", ["x", "y"]) == [client.embed("fake-embed", "x"), client.embed("fake-embed", "y")]
+        assert client.embed("fake-embed", ["x", "y"]) == [
+            client.embed("fake-embed", "x"),
+            client.embed("fake-embed", "y"),
+        ]
         port = ferry.port
     assert not ferry.running and client.closed
     assert new_threads(threads) == []
@@ -81,10 +85,9 @@ def test_given_port_and_taken_port():
 
 def test_an_exception_in_the_block_still_stops_cleanly():
     threads = threading.enumerate()
-    with pytest.raises(KeyError):
-        with Ferry(specs=fake_specs(), warmup=False) as ferry:
-            port = ferry.port
-            raise KeyError("boom")
+    with pytest.raises(KeyError), Ferry(specs=fake_specs(), warmup=False) as ferry:
+        port = ferry.port
+        raise KeyError("boom")
     assert new_threads(threads) == []
     assert_port_free(port)
 
@@ -103,19 +106,17 @@ def test_stop_waits_for_a_stream_in_flight_to_end():
 def test_api_key_setting_is_used_by_its_clients():
     with Ferry(specs=fake_specs(), warmup=False, api_key="sesame") as ferry:
         assert ferry.client().chat("fake-chat", CONV, max_tokens=1).text == "w0 "
-        with FerryClient(ferry.url) as anonymous:
-            with pytest.raises(AuthenticationError):
-                anonymous.chat("fake-chat", CONV)
+        with FerryClient(ferry.url) as anonymous, pytest.raises(AuthenticationError):
+            anonymous.chat("fake-chat", CONV)
 
 
 def test_async_context_and_async_client():
     threads = threading.enumerate()
 
     async def main():
-        async with Ferry(specs=fake_specs(), warmup=False) as ferry:
-            async with ferry.async_client() as client:
-                responses = await client.chat("fake-chat", [CONV, CONV, CONV], max_tokens=[3, 1, 2])
-                return [r.text for r in responses], ferry.port
+        async with Ferry(specs=fake_specs(), warmup=False) as ferry, ferry.async_client() as client:
+            responses = await client.chat("fake-chat", [CONV, CONV, CONV], max_tokens=[3, 1, 2])
+            return [r.text for r in responses], ferry.port
 
     texts, port = asyncio.run(main())
     assert texts == ["w0 w1 w2 ", "w0 ", "w0 w1 "]
@@ -163,9 +164,8 @@ def test_a_model_that_fails_to_load_raises_and_cleans_up():
         raise RuntimeError("weights missing")
 
     threads = threading.enumerate()
-    with pytest.raises(RuntimeError, match="weights missing"):
-        with Ferry(specs=[ModelSpec(CHAT, broken)], warmup=False):
-            pass
+    with pytest.raises(RuntimeError, match="weights missing"), Ferry(specs=[ModelSpec(CHAT, broken)], warmup=False):
+        pass
     assert new_threads(threads) == []
 
 

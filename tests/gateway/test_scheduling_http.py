@@ -1,5 +1,6 @@
 """Budgets, priorities and admission as an HTTP client sees them (fake engines). Live
 tuning: routes/test_admin.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,11 +21,18 @@ def test_budget_and_priority_from_header_or_body(fake_server_factory):
     assert r.status_code == 422 and r.json()["error"]["param"] == "X-Ferry-Latency-Budget-Ms"
     r = httpx.post(s.url + "/v1/embeddings", json=EMB, headers={"X-Ferry-Priority": "urgent"})
     assert r.status_code == 422 and r.json()["error"]["param"] == "priority"
-    r = httpx.post(s.url + "/v1/embeddings", json={**EMB, "priority": "batch", "latency_budget_ms": 5000},
-                   headers={"X-Ferry-Latency-Budget-Ms": "100"})
+    r = httpx.post(
+        s.url + "/v1/embeddings",
+        json={**EMB, "priority": "batch", "latency_budget_ms": 5000},
+        headers={"X-Ferry-Latency-Budget-Ms": "100"},
+    )
     assert r.status_code == 200
-    assert s.ferry.metrics.registry.get_sample_value(
-        "ferry_queue_wait_seconds_count", {"model": "fake-embed", "class": "batch"}) == 1
+    assert (
+        s.ferry.metrics.registry.get_sample_value(
+            "ferry_queue_wait_seconds_count", {"model": "fake-embed", "class": "batch"}
+        )
+        == 1
+    )
 
 
 def test_infeasible_budget_is_refused_at_once_with_retry_after(fake_server_factory):
@@ -70,7 +78,12 @@ def test_deadline_passing_in_the_queue_gives_504(fake_server_factory):
     late, busy = asyncio.run(scenario())
     assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded"
     assert engine.calls == [1]  # the expired item never reached the engine
-    assert s.ferry.metrics.registry.get_sample_value("ferry_expired_total", {"model": "fake-embed", "class": "interactive"}) == 1
+    assert (
+        s.ferry.metrics.registry.get_sample_value(
+            "ferry_expired_total", {"model": "fake-embed", "class": "interactive"}
+        )
+        == 1
+    )
 
 
 async def _one_by_one_then_burst(url: str, path: str, body: dict, singles: int, burst: int) -> list[int]:

@@ -1,4 +1,5 @@
 """The real all-MiniLM-L6-v2 behind a real uvicorn: batching must not change answers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,8 +8,12 @@ import httpx
 import numpy as np
 import openai
 
-SENTENCES = [f"Sentence number {i} talks about {topic}." for i, topic in enumerate(
-    ["ferries", "rivers", "harbours", "timetables", "latency", "throughput", "queues", "tokens"] * 8)]
+SENTENCES = [
+    f"Sentence number {i} talks about {topic}."
+    for i, topic in enumerate(
+        ["ferries", "rivers", "harbours", "timetables", "latency", "throughput", "queues", "tokens"] * 8
+    )
+]
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 
 
@@ -37,9 +42,12 @@ def test_64_concurrent_requests_batch_and_match_the_model(real_server):
     before = registry.get_sample_value("ferry_batch_size_items_count", {"model": MODEL, "phase": "embed"}) or 0.0
 
     async def fire():
-        async with httpx.AsyncClient(base_url=real_server.url, timeout=120,
-                                     limits=httpx.Limits(max_connections=64)) as c:
-            return await asyncio.gather(*(c.post("/v1/embeddings", json={"model": MODEL, "input": s}) for s in SENTENCES))
+        async with httpx.AsyncClient(
+            base_url=real_server.url, timeout=120, limits=httpx.Limits(max_connections=64)
+        ) as c:
+            return await asyncio.gather(
+                *(c.post("/v1/embeddings", json={"model": MODEL, "input": s}) for s in SENTENCES)
+            )
 
     responses = asyncio.run(fire())
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200][:1]

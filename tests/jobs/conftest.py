@@ -1,4 +1,5 @@
 """Helpers for the batch-job tests: upload a JSONL file, create a batch, poll it."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -20,12 +21,21 @@ def chat_line(cid: str, content: str, **body: Any) -> dict:
 
 
 def completion_line(cid: str, prompt: Any, **body: Any) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "fake-chat", "prompt": prompt, "max_tokens": 4, **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"model": "fake-chat", "prompt": prompt, "max_tokens": 4, **body},
+    }
 
 
 def embed_line(cid: str, text: Any, **body: Any) -> dict:
-    return {"custom_id": cid, "method": "POST", "url": "/v1/embeddings", "body": {"model": "fake-embed", "input": text, **body}}
+    return {
+        "custom_id": cid,
+        "method": "POST",
+        "url": "/v1/embeddings",
+        "body": {"model": "fake-embed", "input": text, **body},
+    }
 
 
 class Api:
@@ -34,14 +44,17 @@ class Api:
         self.http = httpx.Client(base_url=url, timeout=30)
 
     def upload(self, lines: list[Any]) -> str:
-        r = self.http.post("/v1/files", files={"file": ("in.jsonl", jsonl(lines), "application/jsonl")},
-                           data={"purpose": "batch"})
+        r = self.http.post(
+            "/v1/files", files={"file": ("in.jsonl", jsonl(lines), "application/jsonl")}, data={"purpose": "batch"}
+        )
         assert r.status_code == 200, r.text
         return r.json()["id"]
 
     def create(self, lines: list[Any], endpoint: str = "*", window: str = "24h", expect: int = 200) -> dict:
         fid = self.upload(lines)
-        r = self.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": endpoint, "completion_window": window})
+        r = self.http.post(
+            "/v1/batches", json={"input_file_id": fid, "endpoint": endpoint, "completion_window": window}
+        )
         assert r.status_code == expect, r.text
         return r.json()
 
@@ -50,7 +63,9 @@ class Api:
         assert r.status_code == 200, r.text
         return r.json()
 
-    def wait(self, batch_id: str, until: Any = ("completed", "cancelled", "expired", "failed"), timeout: float = 30.0) -> dict:
+    def wait(
+        self, batch_id: str, until: Any = ("completed", "cancelled", "expired", "failed"), timeout: float = 30.0
+    ) -> dict:
         """Poll until `until(batch)` (a callable) or the status is one of `until`."""
         check = until if callable(until) else (lambda b: b["status"] in until)
         last: dict = {}

@@ -1,5 +1,6 @@
 """The batch API over a real socket with fake engines: results, validation, cancel,
 expiry, resume after a graceful restart, listing, metrics, the openai client."""
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,13 @@ def test_mixed_job_matches_direct_requests(jobs_server):
     s, api = jobs_server()
     lines = [
         chat_line("chat-1", "hello ferry"),
-        chat_line("chat-2", "two", messages=[[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
-                  max_tokens=[2, 5], stop=[None, ["w3"]]),
+        chat_line(
+            "chat-2",
+            "two",
+            messages=[[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+            max_tokens=[2, 5],
+            stop=[None, ["w3"]],
+        ),
         chat_line("chat-n", "candidates", n=2, max_tokens=2),
         completion_line("cmpl-1", ["p one", "p two"], max_tokens=[1, 3]),
         completion_line("cmpl-2", "just one"),
@@ -60,19 +66,19 @@ def test_whole_file_is_validated_and_bad_lines_are_named(jobs_server):
     s, api = jobs_server(embed, chat)
     good = chat_line("ok-1", "fine")
     lines = [
-        good,                                                                            # 1
-        b"{not json",                                                                    # 2
-        {**chat_line("x3", "hi"), "url": "/v1/images/generations"},                      # 3 unknown route
-        chat_line("ok-1", "same custom id"),                                             # 4 duplicate custom_id
-        chat_line("x5", "hi", temperature=5),                                            # 5 schema
-        {**embed_line("x6", "hi"), "body": {"model": "no-such-model", "input": "hi"}},   # 6 unknown model
-        {**chat_line("x7", "hi"), "method": "GET"},                                      # 7 method
-        completion_line("ok-8", "fine"),                                                 # 8
-        b"   ",                                                                          # 9 blank: skipped
-        chat_line("x10", "hi", stream=True),                                             # 10 streaming
+        good,  # 1
+        b"{not json",  # 2
+        {**chat_line("x3", "hi"), "url": "/v1/images/generations"},  # 3 unknown route
+        chat_line("ok-1", "same custom id"),  # 4 duplicate custom_id
+        chat_line("x5", "hi", temperature=5),  # 5 schema
+        {**embed_line("x6", "hi"), "body": {"model": "no-such-model", "input": "hi"}},  # 6 unknown model
+        {**chat_line("x7", "hi"), "method": "GET"},  # 7 method
+        completion_line("ok-8", "fine"),  # 8
+        b"   ",  # 9 blank: skipped
+        chat_line("x10", "hi", stream=True),  # 10 streaming
         chat_line("x11", "hi", messages=[[{"role": "user", "content": "a"}]], max_tokens=[1, 2]),  # 11 per-prompt list
-        embed_line("x12", "hi", dimensions=3),                                           # 12 route limit
-        [1, 2],                                                                          # 13 not an object
+        embed_line("x12", "hi", dimensions=3),  # 12 route limit
+        [1, 2],  # 13 not an object
     ]
     fid = api.upload(lines)
     r = api.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "*", "completion_window": "24h"})
@@ -90,7 +96,9 @@ def test_whole_file_is_validated_and_bad_lines_are_named(jobs_server):
     assert embed.calls == [] and chat.calls == []
     # A line whose url is a batch route but not the batch's endpoint.
     fid = api.upload([embed_line("e", "x"), chat_line("c", "y")])
-    r = api.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/embeddings", "completion_window": "24h"})
+    r = api.http.post(
+        "/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/embeddings", "completion_window": "24h"}
+    )
     assert r.status_code == 422 and r.json()["error"]["lines"] == [2]
 
 
@@ -106,7 +114,12 @@ def test_request_level_errors(jobs_server):
     r = h.post("/v1/files?purpose=batch&filename=raw.jsonl", content=jsonl([embed_line("a", "x")]))
     assert r.status_code == 200 and r.json()["filename"] == "raw.jsonl" and r.json()["purpose"] == "batch"
     fid = r.json()["id"]
-    for bad in ({"completion_window": "1d"}, {"completion_window": "0h"}, {"endpoint": "/v1/moderations"}, {"bogus": 1}):
+    for bad in (
+        {"completion_window": "1d"},
+        {"completion_window": "0h"},
+        {"endpoint": "/v1/moderations"},
+        {"bogus": 1},
+    ):
         body = {"input_file_id": fid, "endpoint": "*", "completion_window": "24h", **bad}
         assert h.post("/v1/batches", json=body).status_code == 422, bad
     b = api.wait(api.create([embed_line("a", "x")], endpoint="/v1/embeddings")["id"])
@@ -198,11 +211,14 @@ def test_metrics_and_openai_client(jobs_server, tmp_path):
     path.write_bytes(jsonl([embed_line(f"e{i}", f"words {i}") for i in range(5)]))
     f = client.files.create(file=open(path, "rb"), purpose="batch")
     assert f.object == "file" and f.purpose == "batch" and f.bytes == path.stat().st_size
-    b = client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h",
-                              metadata={"team": "evals"})
+    b = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h", metadata={"team": "evals"}
+    )
     assert b.status == "in_progress" and b.metadata == {"team": "evals"}
-    b = wait_until(lambda: (got := client.batches.retrieve(b.id)).status == "completed" and got,
-                   message=lambda: f"batch {b.id} to complete; now: {client.batches.retrieve(b.id)}")
+    b = wait_until(
+        lambda: (got := client.batches.retrieve(b.id)).status == "completed" and got,
+        message=lambda: f"batch {b.id} to complete; now: {client.batches.retrieve(b.id)}",
+    )
     assert b.request_counts.total == 5 and b.request_counts.completed == 5 and b.error_file_id is None
     out = [orjson.loads(x) for x in client.files.content(b.output_file_id).content.splitlines()]
     assert sorted(o["custom_id"] for o in out) == [f"e{i}" for i in range(5)]

@@ -2,6 +2,7 @@
 job completes, every line is in the output exactly once, and no line committed before
 the kill is computed again. The subprocess serves the fake engines (FERRY_FAKE_ENGINES),
 which append every input they compute to FERRY_FAKE_LOG."""
+
 from __future__ import annotations
 
 import os
@@ -28,10 +29,28 @@ def free_port() -> int:
 
 
 def serve(data: Path, log: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": "0.02", "FERRY_FAKE_LOG": str(log),
-           "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "gateway.cli", "serve", "--port", str(port), "--data-dir", str(data), "--no-warmup",
-           "--max-batch-size", "2", "--max-running", "2"]
+    env = {
+        **os.environ,
+        "FERRY_FAKE_ENGINES": "1",
+        "FERRY_FAKE_DELAY": "0.02",
+        "FERRY_FAKE_LOG": str(log),
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data),
+        "--no-warmup",
+        "--max-batch-size",
+        "2",
+        "--max-running",
+        "2",
+    ]
     with open(log.with_suffix(".stderr"), "wb") as err:  # a file, not a pipe: a full pipe would block the server
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
 

@@ -5,6 +5,7 @@ the speed of the machine.
 The job side mirrors gateway.jobs.worker: at most LINES_IN_FLIGHT batch-class items
 queued or running, each replaced as soon as it finishes, with the completion window as
 its budget."""
+
 from __future__ import annotations
 
 import asyncio

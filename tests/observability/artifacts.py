@@ -2,6 +2,7 @@
 
 Shared by the catalogue test (names) and the Prometheus end-to-end test (evaluation).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,12 @@ def all_panels(dashboard: dict) -> list[dict]:
 
 
 def panel_queries(dashboard: dict) -> list[Query]:
-    return [Query(f"panel {p['title']!r} {t.get('refId', '')}", t["expr"])
-            for p in all_panels(dashboard) for t in p.get("targets", []) if t.get("expr")]
+    return [
+        Query(f"panel {p['title']!r} {t.get('refId', '')}", t["expr"])
+        for p in all_panels(dashboard)
+        for t in p.get("targets", [])
+        if t.get("expr")
+    ]
 
 
 def annotation_queries(dashboard: dict) -> list[Query]:
@@ -75,13 +80,18 @@ def variable_queries(dashboard: dict) -> list[tuple[str, str, str]]:
 
 
 def alert_queries(alerts: dict) -> list[Query]:
-    return [Query(f"alert {r.get('alert') or r.get('record')}", r["expr"])
-            for g in alerts["groups"] for r in g["rules"]]
+    return [
+        Query(f"alert {r.get('alert') or r.get('record')}", r["expr"]) for g in alerts["groups"] for r in g["rules"]
+    ]
 
 
 def dashboard_queries() -> list[Query]:
     d = load_dashboard()
-    return panel_queries(d) + annotation_queries(d) + [Query(f"variable ${name}", sel) for name, sel, _ in variable_queries(d)]
+    return (
+        panel_queries(d)
+        + annotation_queries(d)
+        + [Query(f"variable ${name}", sel) for name, sel, _ in variable_queries(d)]
+    )
 
 
 def every_query() -> list[Query]:
@@ -112,8 +122,13 @@ def base_name(name: str, known: dict[str, str]) -> str:
 
 def substitute(expr: str, models: str, rate_interval: str = "1m", range_: str = "5m") -> str:
     """Fill Grafana's template variables the way Grafana would for one time range."""
-    return (expr.replace("$__rate_interval", rate_interval).replace("$__range", range_)
-            .replace("$__interval", "1s").replace("${model}", models).replace("$model", models))
+    return (
+        expr.replace("$__rate_interval", rate_interval)
+        .replace("$__range", range_)
+        .replace("$__interval", "1s")
+        .replace("${model}", models)
+        .replace("$model", models)
+    )
 
 
 def split_comparison(expr: str) -> tuple[str, str, str] | None:
@@ -141,9 +156,9 @@ def split_comparison(expr: str) -> tuple[str, str, str] | None:
     if found is None:
         return None
     at, op = found
-    right = expr[at + len(op):]
+    right = expr[at + len(op) :]
     while (m := _MODIFIER.match(right)) and m.group(0).strip():
-        right = right[m.end():]
+        right = right[m.end() :]
     return expr[:at].strip(), op, right.strip()
 
 

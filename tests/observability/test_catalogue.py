@@ -1,6 +1,7 @@
 """The metric catalogue and grafana/ agree: every name a panel or alert uses exists in
 batcher/metrics.py or gateway/metrics.py, every metric there is drawn by a panel, and the names follow the
 conventions. Also the static shape of the dashboard, provisioning and scrape config."""
+
 from __future__ import annotations
 
 import re
@@ -12,9 +13,25 @@ from prometheus_client import CollectorRegistry
 from batcher.metrics import Metrics
 from gateway.metrics import GatewayMetrics
 
-from .artifacts import (ALLOWED_LABELS, GRAFANA, PROMETHEUS_CONFIG, Query, alert_queries, all_panels, base_name,
-                        catalogue, dashboard_queries, every_query, load_alerts, load_dashboard, metric_names,
-                        panel_queries, sides_to_evaluate, split_comparison, substitute)
+from .artifacts import (
+    ALLOWED_LABELS,
+    GRAFANA,
+    PROMETHEUS_CONFIG,
+    Query,
+    alert_queries,
+    all_panels,
+    base_name,
+    catalogue,
+    dashboard_queries,
+    every_query,
+    load_alerts,
+    load_dashboard,
+    metric_names,
+    panel_queries,
+    sides_to_evaluate,
+    split_comparison,
+    substitute,
+)
 
 
 def test_every_name_used_in_grafana_exists_in_the_metrics_modules():
@@ -57,8 +74,9 @@ def test_the_batcher_metrics_know_nothing_of_http():
     batcher = Metrics(CollectorRegistry())
     labels = {label for metric in vars(batcher).values() for label in getattr(metric, "_labelnames", ())}
     assert "route" not in labels
-    http = {f.name for f in GatewayMetrics(CollectorRegistry()).registry.collect()} - \
-        {f.name for f in batcher.registry.collect()}
+    http = {f.name for f in GatewayMetrics(CollectorRegistry()).registry.collect()} - {
+        f.name for f in batcher.registry.collect()
+    }
     assert http == {"ferry_requests", "ferry_request_duration_seconds", "ferry_requests_in_flight"}
 
 
@@ -71,23 +89,38 @@ def test_histogram_suffixes_map_to_their_histogram_only():
     assert metric_names('rate(ferry_x_total{reason="ferry_not_a_name"}[1m])') == {"ferry_x_total"}
 
 
-@pytest.mark.parametrize("expr, sides", [
-    ("sum(rate(ferry_a_total[5m])) > 0", ["sum(rate(ferry_a_total[5m]))"]),
-    ('a{x=~"b|c", y!="d"} / on (model) group_left b > bool 0.8', ['a{x=~"b|c", y!="d"} / on (model) group_left b']),
-    ("histogram_quantile(0.99, x) > on (model) max by (model) (y)", ["histogram_quantile(0.99, x)", "max by (model) (y)"]),
-    ("sum by (le) (rate(z[1m]))", ["sum by (le) (rate(z[1m]))"]),
-])
+@pytest.mark.parametrize(
+    "expr, sides",
+    [
+        ("sum(rate(ferry_a_total[5m])) > 0", ["sum(rate(ferry_a_total[5m]))"]),
+        ('a{x=~"b|c", y!="d"} / on (model) group_left b > bool 0.8', ['a{x=~"b|c", y!="d"} / on (model) group_left b']),
+        (
+            "histogram_quantile(0.99, x) > on (model) max by (model) (y)",
+            ["histogram_quantile(0.99, x)", "max by (model) (y)"],
+        ),
+        ("sum by (le) (rate(z[1m]))", ["sum by (le) (rate(z[1m]))"]),
+    ],
+)
 def test_comparison_split(expr, sides):
     assert sides_to_evaluate(expr) == sides
 
 
 def test_alert_rules_cover_the_required_conditions():
     rules = {r["alert"]: r for g in load_alerts()["groups"] for r in g["rules"]}
-    assert set(rules) == {"FerryLatencyP99OverSLO", "FerryHighRejectionRate", "FerryQueueSaturated",
-                          "FerryEngineErrors", "FerryDeadlineMisses"}
-    needs = {"FerryLatencyP99OverSLO": "ferry_request_duration_seconds_bucket",
-             "FerryHighRejectionRate": "ferry_rejections_total", "FerryQueueSaturated": "ferry_queue_depth",
-             "FerryEngineErrors": "ferry_engine_errors_total", "FerryDeadlineMisses": "ferry_slo_total"}
+    assert set(rules) == {
+        "FerryLatencyP99OverSLO",
+        "FerryHighRejectionRate",
+        "FerryQueueSaturated",
+        "FerryEngineErrors",
+        "FerryDeadlineMisses",
+    }
+    needs = {
+        "FerryLatencyP99OverSLO": "ferry_request_duration_seconds_bucket",
+        "FerryHighRejectionRate": "ferry_rejections_total",
+        "FerryQueueSaturated": "ferry_queue_depth",
+        "FerryEngineErrors": "ferry_engine_errors_total",
+        "FerryDeadlineMisses": "ferry_slo_total",
+    }
     for name, metric in needs.items():
         assert metric in rules[name]["expr"], name
         assert split_comparison(rules[name]["expr"]) is not None, f"{name} is not a threshold condition"
@@ -114,7 +147,7 @@ def test_dashboard_has_variables_rows_and_setting_change_annotations():
             # Every per-model series is filtered by the model variable.
             # ferry_requests_in_flight is labelled by route only; batch jobs span models.
             if not any(m in t["expr"] for m in ("ferry_requests_in_flight", "ferry_jobs", "ferry_job_lines_total")):
-                assert '$model' in t["expr"], (p["title"], t["expr"])
+                assert "$model" in t["expr"], (p["title"], t["expr"])
     ids = [p["id"] for p in all_panels(d)]
     assert len(ids) == len(set(ids))
 

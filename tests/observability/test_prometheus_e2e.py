@@ -18,6 +18,7 @@ Prometheus is the Debian package `prometheus` (`make prometheus` installs it as 
 without it this module is skipped. No assertion depends on how long anything took: every
 wait is bounded and only says what it waited for when it gives up.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,18 @@ import yaml
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
 
 from ..waiting import wait_until
-from .artifacts import (ALERTS, PROMETHEUS_CONFIG, alert_queries, annotation_queries, every_query, load_alerts,
-                        load_dashboard, sides_to_evaluate, substitute, variable_queries)
+from .artifacts import (
+    ALERTS,
+    PROMETHEUS_CONFIG,
+    alert_queries,
+    annotation_queries,
+    every_query,
+    load_alerts,
+    load_dashboard,
+    sides_to_evaluate,
+    substitute,
+    variable_queries,
+)
 
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
@@ -47,7 +58,8 @@ FAIL_TOKEN = ord("~")  # a completions prompt starting with "~" fails its prefil
 
 needs_prometheus = pytest.mark.skipif(
     PROMETHEUS is None or PROMTOOL is None,
-    reason="prometheus/promtool not found: install the Debian package 'prometheus' (as root: `make prometheus`)")
+    reason="prometheus/promtool not found: install the Debian package 'prometheus' (as root: `make prometheus`)",
+)
 
 
 class GatedEmbeddings(FakeEmbeddingEngine):
@@ -88,8 +100,10 @@ def abandoned_request(port: int, path: str, body: dict) -> socket.socket:
     """Send a complete request on a raw socket; the caller hangs up later (a client that leaves)."""
     data = json.dumps(body).encode()
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n")
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
     sock.sendall(head.encode() + data)
     return sock
 
@@ -111,9 +125,16 @@ class Prometheus:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = (workdir / "prometheus.log").open("wb")
         self.proc = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={self.config}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                PROMETHEUS,
+                f"--config.file={self.config}",
+                f"--storage.tsdb.path={workdir / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         self.http = httpx.Client(base_url=self.url, timeout=10)
 
     def ready(self) -> bool:
@@ -209,16 +230,26 @@ def warm_up(s, c: httpx.Client) -> None:
     """One ordinary request per route and model."""
     conv = [{"role": "user", "content": "good morning"}]
     assert c.post(s.url + "/v1/embeddings", json={"model": "fake-embed", "input": ["warm", "up"]}).status_code == 200
-    r = c.post(s.url + "/v1/chat/completions", json={"model": "fake-chat", "messages": [conv, conv], "max_tokens": [2, 3]})
+    r = c.post(
+        s.url + "/v1/chat/completions", json={"model": "fake-chat", "messages": [conv, conv], "max_tokens": [2, 3]}
+    )
     assert r.status_code == 200
-    assert c.post(s.url + "/v1/completions", json={"model": "fake-chat", "prompt": "warm", "max_tokens": 2}).status_code == 200
+    assert (
+        c.post(s.url + "/v1/completions", json={"model": "fake-chat", "prompt": "warm", "max_tokens": 2}).status_code
+        == 200
+    )
 
 
-def wait_scraped(s, prom: "Prometheus") -> None:
+def wait_scraped(s, prom: Prometheus) -> None:
     """Until Prometheus holds a scrape taken after every request so far had finished."""
     registry = s.ferry.metrics.registry
-    local = sum(x.value for m in registry.collect() if m.name == "ferry_requests" for x in m.samples
-                if x.name == "ferry_requests_total")
+    local = sum(
+        x.value
+        for m in registry.collect()
+        if m.name == "ferry_requests"
+        for x in m.samples
+        if x.name == "ferry_requests_total"
+    )
 
     def seen() -> bool:
         result = prom.query("sum(ferry_requests_total)")
@@ -227,9 +258,10 @@ def wait_scraped(s, prom: "Prometheus") -> None:
     wait_until(seen, message=f"a scrape showing {local:.0f} requests", timeout=60, interval=0.2)
 
 
-def wait_scrapes(prom: "Prometheus", n: int) -> None:
+def wait_scrapes(prom: Prometheus, n: int) -> None:
     """Until Prometheus has scraped the gateway `n` more times, so that a series born in the
     last scrape has the two samples rate() needs."""
+
     def last() -> float:
         result = prom.query('timestamp(up{job="ferry"})')
         return float(result[0]["value"][1]) if result else 0.0
@@ -243,12 +275,16 @@ def has_number(result: list) -> bool:
 
 
 def cancelled(s, model: str) -> float:
-    return s.ferry.metrics.registry.get_sample_value("ferry_cancellations_total", {"model": model, "phase": "queued"}) or 0
+    return (
+        s.ferry.metrics.registry.get_sample_value("ferry_cancellations_total", {"model": model, "phase": "queued"}) or 0
+    )
 
 
 def change_settings(s, c: httpx.Client) -> None:
     auth = {"Authorization": "Bearer admin"}
-    r = c.patch(s.url + "/admin/models/fake-embed/batching", json={"max_wait_ms": 3, "on_infeasible": "reject"}, headers=auth)
+    r = c.patch(
+        s.url + "/admin/models/fake-embed/batching", json={"max_wait_ms": 3, "on_infeasible": "reject"}, headers=auth
+    )
     assert r.status_code == 200, r.text
     r = c.patch(s.url + "/admin/models/fake-chat/batching", json={"max_batch_size": 8}, headers=auth)
     assert r.status_code == 200, r.text
@@ -266,13 +302,18 @@ def test_promtool_accepts_the_shipped_config_and_rules():
 @needs_prometheus
 def test_every_dashboard_query_and_alert_returns_data_from_a_real_prometheus(fake_server_factory, tmp_path):
     embed, chat = GatedEmbeddings(), GatedChat()
-    s = fake_server_factory(embed=embed, chat=chat, max_queue=4, on_infeasible="serve", admin_token="admin",
-                            default_budget_ms=3_000_000)
+    s = fake_server_factory(
+        embed=embed, chat=chat, max_queue=4, on_infeasible="serve", admin_token="admin", default_budget_ms=3_000_000
+    )
     prom = Prometheus(s.port, tmp_path)
     try:
         wait_until(prom.ready, message="prometheus to be ready", timeout=60, interval=0.2)
-        wait_until(lambda: prom.query('up{job="ferry"} == 1'), timeout=60, interval=0.2,
-                   message="the first scrape of the gateway")
+        wait_until(
+            lambda: prom.query('up{job="ferry"} == 1'),
+            timeout=60,
+            interval=0.2,
+            message="the first scrape of the gateway",
+        )
 
         with httpx.Client(timeout=30) as c:
             warm_up(s, c)
@@ -293,21 +334,32 @@ def test_every_dashboard_query_and_alert_returns_data_from_a_real_prometheus(fak
             ("setting changes", f"ferry_config_changes_total{{{sel}}} > 0"),
             ("504 answers", f'sum by (model) (ferry_requests_total{{{sel}, status="504"}}) > 0'),
         ]:
-            wait_until(lambda expr=expr: prom.models_with(expr) == set(MODELS), timeout=60, interval=0.25,
-                       message=f"{what} in prometheus for both models")
-        assert prom.models_with(f'ferry_rejections_total{{reason="deadline_infeasible"}} > 0') == {"fake-embed"}
+            wait_until(
+                lambda expr=expr: prom.models_with(expr) == set(MODELS),
+                timeout=60,
+                interval=0.25,
+                message=f"{what} in prometheus for both models",
+            )
+        assert prom.models_with('ferry_rejections_total{reason="deadline_infeasible"} > 0') == {"fake-embed"}
 
         # Every query of the dashboard and every alert expression returns data.
-        pending = {(q.where, side) for q in every_query()
-                   for side in sides_to_evaluate(substitute(q.expr, MODEL_REGEX))}
+        pending = {
+            (q.where, side) for q in every_query() for side in sides_to_evaluate(substitute(q.expr, MODEL_REGEX))
+        }
 
         def all_answered() -> bool:
             nonlocal pending
             pending = {(where, expr) for where, expr in pending if not has_number(prom.query(expr))}
             return not pending
 
-        wait_until(all_answered, timeout=60, interval=0.5, message=lambda: "every query to return data; without:\n"
-                   + "\n".join(f"  {w}: {e}" for w, e in sorted(pending)))
+        wait_until(
+            all_answered,
+            timeout=60,
+            interval=0.5,
+            message=lambda: (
+                "every query to return data; without:\n" + "\n".join(f"  {w}: {e}" for w, e in sorted(pending))
+            ),
+        )
 
         # The traffic panel shows the refused, expired, cancelled and failed requests.
         by_status = next(q for q in every_query() if q.where.startswith("panel 'Requests by status'"))
@@ -333,12 +385,16 @@ def test_every_dashboard_query_and_alert_returns_data_from_a_real_prometheus(fak
             return rules if rules and all(r["health"] != "unknown" for r in rules) else None
 
         rules = wait_until(rules_evaluated, message="prometheus to evaluate the alert rules", timeout=60, interval=0.25)
-        assert {r["name"]: (r["health"], r.get("lastError", "")) for r in rules} == \
-            {q.where.split(" ", 1)[1]: ("ok", "") for q in alert_queries(load_alerts())}
+        assert {r["name"]: (r["health"], r.get("lastError", "")) for r in rules} == {
+            q.where.split(" ", 1)[1]: ("ok", "") for q in alert_queries(load_alerts())
+        }
+
         def firing() -> set[str]:
             alerts = prom.http.get("/api/v1/alerts").json()["data"]["alerts"]
             return {a["labels"]["alertname"] for a in alerts if a["state"] == "firing"}
 
-        wait_until(lambda: "FerryEngineErrors" in firing(), message="FerryEngineErrors to fire", timeout=60, interval=0.25)
+        wait_until(
+            lambda: "FerryEngineErrors" in firing(), message="FerryEngineErrors to fire", timeout=60, interval=0.25
+        )
     finally:
         prom.stop()

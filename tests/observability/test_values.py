@@ -4,6 +4,7 @@ reasons and (simulated) times match exactly.
 The batcher-level scenarios run on a FakeClock, so every duration observed is simulated
 time and exact; the gateway-level scenario crosses a real socket and asserts counts only.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +21,7 @@ from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
 from batcher.types import GenRequest, Priority
 from engine.base import SamplingParams, sequence_request
-from engine.fake import FakeGenerationEngine, SimulatedExecutor, SimulatedEngineThread
+from engine.fake import FakeGenerationEngine, SimulatedEngineThread, SimulatedExecutor
 
 
 class Reader:
@@ -43,8 +44,9 @@ STEP = 0.010  # the simulated generation engine: every iteration (prefill or dec
 
 
 def test_micro_batcher_metrics_after_a_known_sequence():
-    settings = BatchingSettings(max_batch_size=4, max_wait_ms=10, max_queue=6, policy="fixed",
-                                default_budget_ms=None, on_infeasible="serve")
+    settings = BatchingSettings(
+        max_batch_size=4, max_wait_ms=10, max_queue=6, policy="fixed", default_budget_ms=None, on_infeasible="serve"
+    )
     gap = 0.004  # between the two items of step 2
 
     async def scenario():
@@ -92,7 +94,11 @@ def test_micro_batcher_metrics_after_a_known_sequence():
     assert v("ferry_batches_total", model="m", reason="max_wait") == 2
     assert v("ferry_batches_total", model="m", reason="deadline") == 0
     assert v.hist("ferry_batch_size_items", model="m", phase="embed") == (3, 7)
-    assert [v.bucket("ferry_batch_size_items", le, model="m", phase="embed") for le in ("1.0", "2.0", "4.0")] == [1, 2, 3]
+    assert [v.bucket("ferry_batch_size_items", le, model="m", phase="embed") for le in ("1.0", "2.0", "4.0")] == [
+        1,
+        2,
+        3,
+    ]
     assert v.hist("ferry_batch_size_tokens", model="m", phase="embed") == (3, 7)  # cost 1 per item
     assert v.hist("ferry_batch_padding_ratio", model="m", phase="embed") == (3, 0)
     count, total = v.hist("ferry_batch_execution_seconds", model="m", phase="embed")
@@ -104,8 +110,12 @@ def test_micro_batcher_metrics_after_a_known_sequence():
     assert count == 6 and total == pytest.approx(settings.max_wait + (settings.max_wait - gap))
     count, total = v.hist("ferry_queue_wait_seconds", model="m", **{"class": "batch"})
     assert count == 1 and total == pytest.approx(settings.max_wait)
-    assert {s: v("ferry_items_total", model="m", status=s) for s in ("result", "error", "cancelled", "expired")} == \
-        {"result": 6, "error": 1, "cancelled": 7, "expired": 1}  # 6 of the cancelled filled the queue in 3b
+    assert {s: v("ferry_items_total", model="m", status=s) for s in ("result", "error", "cancelled", "expired")} == {
+        "result": 6,
+        "error": 1,
+        "cancelled": 7,
+        "expired": 1,
+    }  # 6 of the cancelled filled the queue in 3b
     assert v("ferry_engine_errors_total", model="m", phase="embed") == 1
     assert v("ferry_rejections_total", model="m", reason="queue_full") == 1
     assert v("ferry_rejections_total", model="m", reason="deadline_infeasible") == 1
@@ -130,10 +140,18 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
         clock = FakeClock()
         registry = CollectorRegistry()
         engine = FakeGenerationEngine()
-        settings = BatchingSettings(max_running=2, max_batch_size=4, max_wait_ms=0, default_budget_ms=None,
-                                    on_infeasible="serve")
-        s = GenerationScheduler("g", engine, SimulatedEngineThread(clock, engine, STEP, 0.0), settings,
-                                make_request=sequence_request, clock=clock, metrics=Metrics(registry))
+        settings = BatchingSettings(
+            max_running=2, max_batch_size=4, max_wait_ms=0, default_budget_ms=None, on_infeasible="serve"
+        )
+        s = GenerationScheduler(
+            "g",
+            engine,
+            SimulatedEngineThread(clock, engine, STEP, 0.0),
+            settings,
+            make_request=sequence_request,
+            clock=clock,
+            metrics=Metrics(registry),
+        )
         await s.start()
 
         def request(max_tokens: int, prompt: list[int]) -> GenRequest:
@@ -181,8 +199,9 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
 
 def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
     budget_ms, patched_wait_ms = 3_000_000, 7
-    s = fake_server_factory(max_batch_size=4, max_wait_ms=0, policy="fixed", max_queue=8, admin_token="t",
-                            default_budget_ms=budget_ms)  # budgets no wall clock can miss
+    s = fake_server_factory(
+        max_batch_size=4, max_wait_ms=0, policy="fixed", max_queue=8, admin_token="t", default_budget_ms=budget_ms
+    )  # budgets no wall clock can miss
     embed_url, chat_url = s.url + "/v1/embeddings", s.url + "/v1/chat/completions"
     with httpx.Client(timeout=30) as c:
         assert c.post(embed_url, json={"model": "fake-embed", "input": ["a b", "c", "d e f", "g"]}).status_code == 200
@@ -194,8 +213,11 @@ def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
         convs = [[{"role": "user", "content": "hello"}], [{"role": "user", "content": "tell me more"}]]
         r = c.post(chat_url, json={"model": "fake-chat", "messages": convs, "max_tokens": [1, 3]})
         assert r.status_code == 200, r.text
-        r = c.patch(s.url + "/admin/models/fake-embed/batching", json={"max_wait_ms": patched_wait_ms},
-                    headers={"Authorization": "Bearer t"})
+        r = c.patch(
+            s.url + "/admin/models/fake-embed/batching",
+            json={"max_wait_ms": patched_wait_ms},
+            headers={"Authorization": "Bearer t"},
+        )
         assert r.status_code == 200
     v = Reader(s.ferry.metrics.registry)
     emb = {"route": "/v1/embeddings", "model": "fake-embed"}

@@ -10,6 +10,7 @@ stateful phase reaches the batch operations only with made-up ids. Some of its p
 uploads are replaced by a valid JSONL file, and a batch created from one gets the `endpoint`
 its lines use, so the links from `POST /v1/files` lead to real batches, and from them to
 `GET`, `cancel` and the output file."""
+
 from __future__ import annotations
 
 import json
@@ -22,14 +23,16 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 # prompt lists), the tokenizer (prompt lengths), the chat template, the uploaded file's
 # content (batch creation), the live queue size (a request larger than the whole queue;
 # for generation prompts x n).
-NOT_IN_JSON_SCHEMA = frozenset({
-    "prompt_count_mismatch",
-    "request_too_large",
-    "context_length_exceeded",
-    "too_many_tokens",
-    "chat_template_error",
-    "invalid_batch_file",
-})
+NOT_IN_JSON_SCHEMA = frozenset(
+    {
+        "prompt_count_mismatch",
+        "request_too_large",
+        "context_length_exceeded",
+        "too_many_tokens",
+        "chat_template_error",
+        "invalid_batch_file",
+    }
+)
 # Refusals that depend on a resource's state, not on the request: cancelling a batch that has
 # already finished (400 batch_not_cancellable, docs/batch-jobs.md).
 STATE_REFUSALS = frozenset({(400, "batch_not_cancellable")})
@@ -48,7 +51,10 @@ def positive_data_acceptance_with_semantic_refusals(ctx, response, case):
         return positive_data_acceptance(ctx, response, case)
     except AssertionError:
         code = _error_code(response)
-        if (response.status_code == 422 and code in NOT_IN_JSON_SCHEMA) or (response.status_code, code) in STATE_REFUSALS:
+        if (response.status_code == 422 and code in NOT_IN_JSON_SCHEMA) or (
+            response.status_code,
+            code,
+        ) in STATE_REFUSALS:
             return None
         raise
 
@@ -87,6 +93,7 @@ def before_generate_body(ctx, strategy):
         if not isinstance(body, dict):
             return st.just(body)
         return st.integers(0, 3).flatmap(lambda k: st.just(body) if k == 0 else batch_upload())
+
     return strategy.flatmap(replace)
 
 

@@ -1,5 +1,6 @@
 """`ferry serve` in a subprocess over the fake engines (FERRY_FAKE_ENGINES=1), for tests
 that send signals or measure a server's memory."""
+
 from __future__ import annotations
 
 import signal

@@ -1,4 +1,5 @@
 """API keys, request ids and the access log."""
+
 from __future__ import annotations
 
 import logging
@@ -15,9 +16,11 @@ def keyed(fake_server_factory):
 @pytest.mark.parametrize("auth", [None, "Bearer nope", "Bearer key-one-extra", "key-one", "Basic key-one"])
 def test_v1_routes_require_a_valid_key(keyed, auth):
     headers = {"Authorization": auth} if auth else {}
-    for method, path, body in [("POST", "/v1/embeddings", {"model": "fake-embed", "input": "x"}),
-                               ("GET", "/v1/models", None),
-                               ("POST", "/v1/chat/completions", {"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]})]:
+    for method, path, body in [
+        ("POST", "/v1/embeddings", {"model": "fake-embed", "input": "x"}),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {"model": "fake-chat", "messages": [{"role": "user", "content": "x"}]}),
+    ]:
         r = httpx.request(method, keyed.url + path, json=body, headers=headers)
         assert r.status_code == 401, path
         assert r.json()["error"]["code"] == "invalid_api_key"
@@ -26,15 +29,26 @@ def test_v1_routes_require_a_valid_key(keyed, auth):
 
 def test_every_configured_key_works_and_health_and_metrics_stay_open(keyed):
     for key in ("key-one", "key-two"):
-        r = httpx.post(keyed.url + "/v1/embeddings", json={"model": "fake-embed", "input": "x"},
-                       headers={"Authorization": f"Bearer {key}"})
+        r = httpx.post(
+            keyed.url + "/v1/embeddings",
+            json={"model": "fake-embed", "input": "x"},
+            headers={"Authorization": f"Bearer {key}"},
+        )
         assert r.status_code == 200
     assert httpx.get(keyed.url + "/healthz").status_code == 200
     assert httpx.get(keyed.url + "/readyz").status_code == 200
     assert httpx.get(keyed.url + "/metrics").status_code == 200
     # The admin API keeps its own token: an API key is not an admin token.
-    assert httpx.get(keyed.url + "/admin/models/fake-embed/batching", headers={"Authorization": "Bearer key-one"}).status_code == 401
-    assert httpx.get(keyed.url + "/admin/models/fake-embed/batching", headers={"Authorization": "Bearer adm"}).status_code == 200
+    assert (
+        httpx.get(
+            keyed.url + "/admin/models/fake-embed/batching", headers={"Authorization": "Bearer key-one"}
+        ).status_code
+        == 401
+    )
+    assert (
+        httpx.get(keyed.url + "/admin/models/fake-embed/batching", headers={"Authorization": "Bearer adm"}).status_code
+        == 200
+    )
 
 
 def test_request_id_is_echoed_or_generated_and_logged_once_without_secrets(keyed, caplog):
@@ -56,6 +70,10 @@ def test_request_id_is_echoed_or_generated_and_logged_once_without_secrets(keyed
 def test_log_prompts_opt_in(fake_server_factory, caplog):
     s = fake_server_factory(log_prompts=True)
     caplog.set_level(logging.INFO, logger="ferry.access")
-    httpx.post(s.url + "/v1/embeddings", json={"model": "fake-embed", "input": "visible prompt"}, headers={"X-Request-Id": "p1"})
+    httpx.post(
+        s.url + "/v1/embeddings",
+        json={"model": "fake-embed", "input": "visible prompt"},
+        headers={"X-Request-Id": "p1"},
+    )
     (rec,) = [r for r in caplog.records if getattr(r, "request_id", None) == "p1"]
     assert rec.prompts == ["visible prompt"]

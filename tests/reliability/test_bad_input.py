@@ -1,5 +1,6 @@
 """A table of bad inputs over every route: each gets its documented status and error code,
 nothing reaches an engine, and the server still serves the next good request."""
+
 from __future__ import annotations
 
 import httpx
@@ -22,24 +23,107 @@ CASES = [
     (C, b'{"model": "fake-chat", "messages": []}', 422, "invalid_value", "messages"),
     (C, b'{"model": "fake-chat", "messages": [[]]}', 422, "invalid_value", "messages.0"),
     (P, b'{"model": "fake-chat", "prompt": []}', 422, "invalid_value", "prompt"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "robot", "content": "x"}]}', 422, "invalid_value", "messages.0.role"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "temperature": -1}', 422, "invalid_value", "temperature"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "invalid_json", None),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}', 400, "invalid_json", None),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}', 422, "invalid_value", "max_tokens"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}', 422, "invalid_value", "max_tokens"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "n": 1000}', 422, "invalid_value", "n"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}', 422, "invalid_value", "stream"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}', 422, "invalid_value", "frequency_penalty"),
-    (C, b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], "seed": [1]}', 422, "prompt_count_mismatch", "seed"),
-    (P, b'{"model": "fake-chat", "prompt": ["a", "b"], "max_tokens": [1, 2, 3]}', 422, "prompt_count_mismatch", "max_tokens"),
-    (C, b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stop": [""]}', 422, "invalid_value", "stop"),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "robot", "content": "x"}]}',
+        422,
+        "invalid_value",
+        "messages.0.role",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "temperature": -1}',
+        422,
+        "invalid_value",
+        "temperature",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',
+        400,
+        "invalid_json",
+        None,
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+        400,
+        "invalid_json",
+        None,
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1e30}',
+        422,
+        "invalid_value",
+        "max_tokens",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "max_tokens": -3}',
+        422,
+        "invalid_value",
+        "max_tokens",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "n": 1000}',
+        422,
+        "invalid_value",
+        "n",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stream": "yes"}',
+        422,
+        "invalid_value",
+        "stream",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}',
+        422,
+        "invalid_value",
+        "frequency_penalty",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], "seed": [1]}',
+        422,
+        "prompt_count_mismatch",
+        "seed",
+    ),
+    (
+        P,
+        b'{"model": "fake-chat", "prompt": ["a", "b"], "max_tokens": [1, 2, 3]}',
+        422,
+        "prompt_count_mismatch",
+        "max_tokens",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stop": [""]}',
+        422,
+        "invalid_value",
+        "stop",
+    ),
     (E, b'{"model": "fake-embed", "input": "x", "latency_budget_ms": 0}', 422, "invalid_value", "latency_budget_ms"),
     (E, b'{"model": "fake-embed", "input": "x", "priority": "vip"}', 422, "invalid_value", "priority"),
     # The chat template refuses the role (issue 15: this was a 500 from inside make_plan).
-    (C, b'{"model": "fake-chat", "messages": [{"role": "tool", "content": "x"}]}', 422, "chat_template_error", "messages"),
-    (C, b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "x"}], [{"role": "developer", "content": "x"}]]}',
-     422, "chat_template_error", "messages.1"),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "tool", "content": "x"}]}',
+        422,
+        "chat_template_error",
+        "messages",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "x"}], [{"role": "developer", "content": "x"}]]}',
+        422,
+        "chat_template_error",
+        "messages.1",
+    ),
     (E, b'{"model": "ghost", "input": "x"}', 404, "model_not_found", "model"),
     (C, b'{"model": "ghost", "messages": [{"role": "user", "content": "x"}]}', 404, "model_not_found", "model"),
     (P, b'{"model": "fake-embed", "prompt": "x"}', 404, "model_not_found", "model"),
@@ -51,8 +135,16 @@ def server():
     from ..conftest import fake_app
     from ..live import live
 
-    with live(fake_app(max_body_bytes=10_000, max_prompts=4, max_inputs=4, max_completion_tokens=100,
-                       max_stop_strings=2, max_prompt_tokens=50)) as s:
+    with live(
+        fake_app(
+            max_body_bytes=10_000,
+            max_prompts=4,
+            max_inputs=4,
+            max_completion_tokens=100,
+            max_stop_strings=2,
+            max_prompt_tokens=50,
+        )
+    ) as s:
         yield s
 
 
@@ -93,8 +185,9 @@ def test_a_refused_conversation_names_its_prompt_and_the_templates_words(server)
     convs = [[{"role": "user", "content": "a"}], [{"role": "tool", "content": "b"}]]
     r = httpx.post(server.url + C, json={"model": "fake-chat", "messages": convs, "stream": True})
     assert r.status_code == 422, r.text
-    assert r.json()["error"]["message"] == ("prompt 1: the chat template of fake-chat refuses this conversation: "
-                                            "Unsupported role: tool")
+    assert r.json()["error"]["message"] == (
+        "prompt 1: the chat template of fake-chat refuses this conversation: Unsupported role: tool"
+    )
 
 
 def test_unknown_route_and_method_answer_in_the_same_shape(server):
@@ -104,11 +197,14 @@ def test_unknown_route_and_method_answer_in_the_same_shape(server):
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
 
 
-@pytest.mark.parametrize("path, allow", [
-    ("/v1/batches", {"GET", "HEAD", "POST"}),
-    ("/admin/models/fake-chat/batching", {"GET", "HEAD", "PATCH"}),
-    ("/v1/embeddings", {"POST"}),
-])
+@pytest.mark.parametrize(
+    "path, allow",
+    [
+        ("/v1/batches", {"GET", "HEAD", "POST"}),
+        ("/admin/models/fake-chat/batching", {"GET", "HEAD", "PATCH"}),
+        ("/v1/embeddings", {"POST"}),
+    ],
+)
 def test_405_allow_lists_every_method_of_the_path(server, path, allow):
     r = httpx.request("OPTIONS", server.url + path)
     assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"

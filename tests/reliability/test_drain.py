@@ -1,4 +1,5 @@
 """Graceful drain: SIGTERM during load loses no accepted request."""
+
 from __future__ import annotations
 
 import asyncio
@@ -69,8 +70,9 @@ def test_work_left_at_the_drain_timeout_ends_with_a_clear_error():
     async def scenario():
         async with aiohttp.ClientSession(base_url=gw.url, timeout=aiohttp.ClientTimeout(total=60)) as s:
             body = {**CHAT, "max_tokens": 400}
-            async with s.post("/v1/chat/completions", data=orjson.dumps(body),
-                              headers={"Content-Type": "application/json"}) as r:
+            async with s.post(
+                "/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+            ) as r:
                 first = await r.content.readline()
                 gw.terminate()
                 rest = await r.read()

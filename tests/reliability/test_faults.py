@@ -1,5 +1,6 @@
 """Faults with the fake engine: each affects only the items it touched, and the outcomes
 add up to the requests sent."""
+
 from __future__ import annotations
 
 import asyncio
@@ -68,8 +69,9 @@ def test_a_slow_engine_turns_into_fast_429s_not_timeouts(fake_server_factory):
 
     async def fire():
         async with httpx.AsyncClient(base_url=s.url, timeout=60) as c:
-            return await asyncio.gather(*(c.post("/v1/embeddings", json={"model": MODEL, "input": t,
-                                                                          "latency_budget_ms": 700}) for t in texts))
+            return await asyncio.gather(
+                *(c.post("/v1/embeddings", json={"model": MODEL, "input": t, "latency_budget_ms": 700}) for t in texts)
+            )
 
     rs = asyncio.run(fire())
     statuses = Counter(r.status_code for r in rs)

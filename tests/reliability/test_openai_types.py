@@ -1,16 +1,16 @@
 """Every OpenAI-compatible route's response parses with the official `openai` package's own
 response types, strictly (no coercion): nothing required is missing and nothing has the
 wrong type; Ferry's extra fields (prompt_index, a model card's type) are allowed."""
+
 from __future__ import annotations
 
 import base64
 import json
+from typing import Literal
 
 import httpx
 import numpy as np
 import pytest
-from typing import List, Literal, Optional
-
 from openai.types import Batch, Completion, CreateEmbeddingResponse, ErrorObject, FileObject, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.completion_choice import CompletionChoice
@@ -22,16 +22,15 @@ from ..live import live
 from ..waiting import wait_until
 
 
-
 class StreamedCompletionChoice(CompletionChoice):
     # openai's client parses completion stream chunks as `Completion`, whose finish_reason is
     # not nullable, yet OpenAI itself streams null until the last chunk (the client builds
     # chunks without validation). Only that field is relaxed, and only for stream chunks.
-    finish_reason: Optional[Literal["stop", "length", "content_filter"]] = None
+    finish_reason: Literal["stop", "length", "content_filter"] | None = None
 
 
 class CompletionChunk(Completion):
-    choices: List[StreamedCompletionChoice]
+    choices: list[StreamedCompletionChoice]
 
 
 CONVS = [[{"role": "user", "content": "a"}], [{"role": "system", "content": "s"}, {"role": "user", "content": "b"}]]
@@ -49,7 +48,7 @@ def strict(model, raw):
 
 
 def events(r: httpx.Response) -> list:
-    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    lines = [ln[len("data: ") :] for ln in r.text.splitlines() if ln.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(ln) for ln in lines[:-1]]
 
@@ -67,8 +66,9 @@ def test_chat_completions_whole_and_streamed(api):
     body = {"model": "fake-chat", "messages": CONVS, "max_tokens": 3, "n": 2}
     res = strict(ChatCompletion, api.post("/v1/chat/completions", json=body).json())
     assert len(res.choices) == 4
-    chunks = events(api.post("/v1/chat/completions", json={**body, "stream": True,
-                                                           "stream_options": {"include_usage": True}}))
+    chunks = events(
+        api.post("/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    )
     for c in chunks:
         strict(ChatCompletionChunk, c)
     assert chunks[-1]["usage"] and all(c["choices"][0]["prompt_index"] in (0, 1) for c in chunks[:-1])
@@ -101,8 +101,12 @@ def test_files_and_batches(api):
     assert listing["object"] == "list" and listing["data"]
     for item in listing["data"]:
         strict(Batch, item)
-    done = wait_until(lambda: (got := api.get(f"/v1/batches/{b['id']}").json())["status"] == "completed" and got,
-                      timeout=10, interval=0.01, message="a one-line batch over fake engines to complete")
+    done = wait_until(
+        lambda: (got := api.get(f"/v1/batches/{b['id']}").json())["status"] == "completed" and got,
+        timeout=10,
+        interval=0.01,
+        message="a one-line batch over fake engines to complete",
+    )
     assert strict(Batch, done).output_file_id
     other = api.post("/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/embeddings"}).json()
     r = api.post(f"/v1/batches/{other['id']}/cancel")
@@ -116,20 +120,49 @@ def test_an_errored_prompt_ends_with_a_chunk_of_openai_type(tmp_path):
     # The fake engine fails the prefill of prompts whose first token is listed: "Z..."
     # completion prompts, and every chat prompt (a conversation starts with "<").
     failing = FakeGenerationEngine(fail_prompts={ord("Z"), ord("<")})
-    with live(fake_app(chat=failing, data_dir=str(tmp_path))) as server, httpx.Client(base_url=server.url, timeout=30) as c:
-        chat = events(c.post("/v1/chat/completions", json={"model": "fake-chat", "messages": CONVS, "max_tokens": 3, "stream": True}))
-        completions = events(c.post("/v1/completions", json={"model": "fake-chat", "prompt": ["Zap", "ok"], "max_tokens": 3,
-                                                              "stream": True, "stream_options": {"include_usage": True}}))
+    with (
+        live(fake_app(chat=failing, data_dir=str(tmp_path))) as server,
+        httpx.Client(base_url=server.url, timeout=30) as c,
+    ):
+        chat = events(
+            c.post(
+                "/v1/chat/completions", json={"model": "fake-chat", "messages": CONVS, "max_tokens": 3, "stream": True}
+            )
+        )
+        completions = events(
+            c.post(
+                "/v1/completions",
+                json={
+                    "model": "fake-chat",
+                    "prompt": ["Zap", "ok"],
+                    "max_tokens": 3,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+        )
     for chunk in chat:
         strict(ChatCompletionChunk, chunk)
     for chunk in completions:
         strict(CompletionChunk, chunk)
     errored = [ch for chunk in chat + completions for ch in chunk["choices"] if "error" in ch]
-    assert [(ch["prompt_index"], ch["finish_reason"]) for ch in errored] == [(0, "content_filter"), (1, "content_filter"),
-                                                                            (0, "content_filter")]
+    assert [(ch["prompt_index"], ch["finish_reason"]) for ch in errored] == [
+        (0, "content_filter"),
+        (1, "content_filter"),
+        (0, "content_filter"),
+    ]
     for ch in errored:  # OpenAI's error object, plus where it belongs
         err = strict(ErrorObject, ch["error"])
-        assert (err.code, ch["error"]["status"], ch["error"]["prompt_index"], ch["error"]["index"]) == \
-            ("engine_error", 500, ch["prompt_index"], ch["index"])
-    finished = {ch["prompt_index"]: ch["finish_reason"] for chunk in completions for ch in chunk["choices"] if ch["finish_reason"]}
+        assert (err.code, ch["error"]["status"], ch["error"]["prompt_index"], ch["error"]["index"]) == (
+            "engine_error",
+            500,
+            ch["prompt_index"],
+            ch["index"],
+        )
+    finished = {
+        ch["prompt_index"]: ch["finish_reason"]
+        for chunk in completions
+        for ch in chunk["choices"]
+        if ch["finish_reason"]
+    }
     assert finished == {0: "content_filter", 1: "length"}  # the other prompt carried on

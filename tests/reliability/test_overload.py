@@ -1,5 +1,6 @@
 """Overload: ten times capacity for a bounded time. Every request ends in a result or a
 fast 429/503/504, none hangs, and memory returns to its baseline afterwards."""
+
 from __future__ import annotations
 
 import asyncio
@@ -23,10 +24,13 @@ async def burst(url: str, n: int, rate: float, seed: int) -> Counter:
     out: Counter = Counter()
     connector = aiohttp.TCPConnector(limit=200)
     async with aiohttp.ClientSession(base_url=url, connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as s:
+
         async def one(i: int) -> None:
             body = {"model": "fake-embed", "input": f"overload {i}", "latency_budget_ms": 500}
             try:
-                async with s.post("/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}) as r:
+                async with s.post(
+                    "/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
+                ) as r:
                     await r.read()
                     out[r.status] += 1
             except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
@@ -50,8 +54,9 @@ def gauges(url: str) -> dict[str, float]:
 
 
 def test_ten_times_capacity_gives_fast_refusals_and_no_leak():
-    gw = FakeGatewayProcess("--max-batch-size", str(BATCH), "--max-queue", "64", "--chat-model", "none",
-                            "--max-wait-ms", "2", delay=DELAY)
+    gw = FakeGatewayProcess(
+        "--max-batch-size", str(BATCH), "--max-queue", "64", "--chat-model", "none", "--max-wait-ms", "2", delay=DELAY
+    )
     try:
         n = int(RATE * SECONDS)
         asyncio.run(burst(gw.url, 200, RATE, seed=1))  # warm-up: allocator pools, connections
@@ -69,8 +74,12 @@ def test_ten_times_capacity_gives_fast_refusals_and_no_leak():
     assert settled["ferry_queue_depth"] == 0 and settled["ferry_requests_in_flight"] == 0
     growth = after - baseline
     assert growth < 32 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB"
-    record = {"requests": n, "outcomes": {str(k): v for k, v in outcomes.items()},
-              "rss_baseline_mib": round(baseline / 2**20, 1), "rss_after_mib": round(after / 2**20, 1)}
+    record = {
+        "requests": n,
+        "outcomes": {str(k): v for k, v in outcomes.items()},
+        "rss_baseline_mib": round(baseline / 2**20, 1),
+        "rss_after_mib": round(after / 2**20, 1),
+    }
     print("overload figures:", json.dumps(record))
     if path := os.environ.get("FERRY_RECORD"):
         with open(path, "a") as f:

@@ -8,6 +8,7 @@ Fixed seed and case count in CI; a long local run:
 
 `positive_data_acceptance` runs through tests/reliability/fuzz_hooks.py, which exempts only
 the refusals JSON Schema cannot state, and which gives the fuzzer valid batch input files."""
+
 from __future__ import annotations
 
 import base64
@@ -41,7 +42,9 @@ def api(tmp_path_factory):
     # A batch line with "HANG" holds the embedding engine this long (fuzz_hooks.SLOW): such a
     # batch is still running when the fuzzer cancels it.
     embed = FakeEmbeddingEngine(hang_seconds=0.5)
-    with live(fake_app(embed, admin_token="admin-secret", max_completion_tokens=64, max_prompts=8, data_dir=data_dir)) as server:
+    with live(
+        fake_app(embed, admin_token="admin-secret", max_completion_tokens=64, max_prompts=8, data_dir=data_dir)
+    ) as server:
         yield server
 
 
@@ -50,13 +53,35 @@ def schemathesis(url: str, report_dir: Path, *args: str, config: str | None = No
     if config is not None:
         (report_dir / "schemathesis.toml").write_text(config)
         cmd += ["--config-file", str(report_dir / "schemathesis.toml")]
-    cmd += ["run", url + "/openapi.json",
-           "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--mode", "all",
-           "--max-examples", str(EXAMPLES), "--seed", _seed,
-           "-H", "Authorization: Bearer admin-secret", "--generation-database", "none", "--no-color",
-           "--workers", "1", "--report-dir", str(report_dir), *args]
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "tests.reliability.fuzz_hooks",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd += [
+        "run",
+        url + "/openapi.json",
+        "--checks",
+        "all",
+        "--exclude-checks",
+        "positive_data_acceptance",
+        "--mode",
+        "all",
+        "--max-examples",
+        str(EXAMPLES),
+        "--seed",
+        _seed,
+        "-H",
+        "Authorization: Bearer admin-secret",
+        "--generation-database",
+        "none",
+        "--no-color",
+        "--workers",
+        "1",
+        "--report-dir",
+        str(report_dir),
+        *args,
+    ]
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "tests.reliability.fuzz_hooks",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
     run = subprocess.run(cmd, cwd=report_dir, env=env, capture_output=True, text=True, timeout=540)
     out = run.stdout + run.stderr
     assert run.returncode == 0, f"schemathesis (seed {_seed}) found problems:\n{out[-20000:]}"
@@ -102,18 +127,39 @@ def test_the_stateful_phase_reaches_real_batches(api, tmp_path):
     # Only the batch API (files and batches), so that scenarios chain upload -> create ->
     # get / cancel / output instead of spreading over every operation; scenarios of up to 20
     # steps (6 by default), as a fast batch completes only after a few reads (~20 ms).
-    out = schemathesis(api.url, tmp_path, "--phases", "stateful", "--include-tag", "batch", "--report", "ndjson",
-                       config="[phases.stateful]\nmax-steps = 20\n")
+    out = schemathesis(
+        api.url,
+        tmp_path,
+        "--phases",
+        "stateful",
+        "--include-tag",
+        "batch",
+        "--report",
+        "ndjson",
+        config="[phases.stateful]\nmax-steps = 20\n",
+    )
     steps = stateful_steps(tmp_path)
     created = {b["id"] for m, p, s, b in steps if (m, p, s) == ("POST", "/v1/batches", 200)}
     got = {p for m, p, s, _ in steps if m == "GET" and s == 200 and p.removeprefix("/v1/batches/") in created}
-    cancelled = {p for m, p, s, _ in steps
-                 if m == "POST" and s == 200 and p.endswith("/cancel") and p[len("/v1/batches/"):-len("/cancel")] in created}
-    outputs = {b["output_file_id"] for _, p, s, b in steps if s == 200 and p.startswith("/v1/batches") and b.get("output_file_id")}
-    read = {p for m, p, s, _ in steps
-            if m == "GET" and s == 200 and p.endswith("/content") and p[len("/v1/files/"):-len("/content")] in outputs}
+    cancelled = {
+        p
+        for m, p, s, _ in steps
+        if m == "POST" and s == 200 and p.endswith("/cancel") and p[len("/v1/batches/") : -len("/cancel")] in created
+    }
+    outputs = {
+        b["output_file_id"]
+        for _, p, s, b in steps
+        if s == 200 and p.startswith("/v1/batches") and b.get("output_file_id")
+    }
+    read = {
+        p
+        for m, p, s, _ in steps
+        if m == "GET" and s == 200 and p.endswith("/content") and p[len("/v1/files/") : -len("/content")] in outputs
+    }
     links = re.search(r"Scenarios:\s+(\d+)\s+API Links:\s+(\d+ covered / \d+ selected)", out)
-    summary = (f"{links and links.group(1)} scenarios, links {links and links.group(2)}: {len(created)} batches "
-               f"created, {len(got)} read, {len(cancelled)} cancelled, {len(read)} output files read (2xx, real ids)")
+    summary = (
+        f"{links and links.group(1)} scenarios, links {links and links.group(2)}: {len(created)} batches "
+        f"created, {len(got)} read, {len(cancelled)} cancelled, {len(read)} output files read (2xx, real ids)"
+    )
     assert created and got and cancelled and read, f"{summary}\n{out[-3000:]}"
     print(f"\nschemathesis stateful (seed {_seed}): {summary}")

@@ -1,4 +1,5 @@
 """A `ferry serve` subprocess over the torch-free fake engines, shared by the load-test tests."""
+
 from __future__ import annotations
 
 import os
@@ -27,4 +28,6 @@ def clean_env() -> dict[str, str]:
 
 
 def run(cmd: list[str], timeout: float, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *cmd], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, *cmd], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=timeout
+    )

@@ -1,5 +1,6 @@
 """`ferry tune` end to end on a 2 x 2 grid with short cells against a fake gateway, and its
 argument checks."""
+
 from __future__ import annotations
 
 import ast
@@ -20,8 +21,15 @@ SLO_MS = 500.0
 def independent_recommendation(rows: list[dict], slo_ms: float, max_error_rate: float, tol: float):
     """The documented rule, written again from the CSV alone: p99 within the SLO and few errors;
     the most throughput (ties within `tol`), then the lowest p99, max_wait_ms, max_batch_size."""
-    passing = [r for r in rows if r["p99_ms"] != "" and r["error"] == "" and float(r["ok"]) > 0
-               and float(r["p99_ms"]) <= slo_ms and float(r["error_rate"]) <= max_error_rate]
+    passing = [
+        r
+        for r in rows
+        if r["p99_ms"] != ""
+        and r["error"] == ""
+        and float(r["ok"]) > 0
+        and float(r["p99_ms"]) <= slo_ms
+        and float(r["error_rate"]) <= max_error_rate
+    ]
     if not passing:
         return None
     top = max(float(r["throughput_rps"]) for r in passing)
@@ -32,16 +40,47 @@ def independent_recommendation(rows: list[dict], slo_ms: float, max_error_rate: 
 
 def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_path):
     out = tmp_path / "tune"
-    proc = run(["-m", "gateway.cli", "tune", "--host", fake_gateway.url, "--admin-token", ADMIN_TOKEN,
-                "--model", "fake-embed", "--sizes", "1,8", "--waits", "0,5", "--policies", "fixed",
-                "--rates", "30", "--cell-seconds", "2", "--drain-seconds", "5", "--slo-ms", f"{SLO_MS:g}",
-                "--out", str(out)], timeout=150)
+    proc = run(
+        [
+            "-m",
+            "gateway.cli",
+            "tune",
+            "--host",
+            fake_gateway.url,
+            "--admin-token",
+            ADMIN_TOKEN,
+            "--model",
+            "fake-embed",
+            "--sizes",
+            "1,8",
+            "--waits",
+            "0,5",
+            "--policies",
+            "fixed",
+            "--rates",
+            "30",
+            "--cell-seconds",
+            "2",
+            "--drain-seconds",
+            "5",
+            "--slo-ms",
+            f"{SLO_MS:g}",
+            "--out",
+            str(out),
+        ],
+        timeout=150,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 4
-    assert {(r["max_batch_size"], r["max_wait_ms"]) for r in rows} == {("1", "0.0"), ("1", "5.0"), ("8", "0.0"), ("8", "5.0")}
+    assert {(r["max_batch_size"], r["max_wait_ms"]) for r in rows} == {
+        ("1", "0.0"),
+        ("1", "5.0"),
+        ("8", "0.0"),
+        ("8", "5.0"),
+    }
     for r in rows:
         assert r["error"] == "", r
         assert int(r["sent"]) > 0 and r["p99_ms"] != ""
@@ -58,7 +97,9 @@ def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_pa
     meta = json.loads((out / "results.json").read_text())
     assert len(meta["rows"]) == 4
     expected = independent_recommendation(rows, SLO_MS, meta["max_error_rate"], meta["tie_tolerance"])
-    printed = re.search(r"Recommended for p99 <= ([\d.]+) ms: policy=(\w+) max_batch_size=(\d+) max_wait_ms=([\d.]+)", proc.stdout)
+    printed = re.search(
+        r"Recommended for p99 <= ([\d.]+) ms: policy=(\w+) max_batch_size=(\d+) max_wait_ms=([\d.]+)", proc.stdout
+    )
     if expected is None:
         assert printed is None and "No setting kept p99 within" in proc.stdout
         assert meta["recommendation"] is None
@@ -73,8 +114,9 @@ def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_pa
     # The gateway's original setting is back.
     import httpx
 
-    got = httpx.get(f"{fake_gateway.url}/admin/models/fake-embed/batching",
-                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}).json()
+    got = httpx.get(
+        f"{fake_gateway.url}/admin/models/fake-embed/batching", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    ).json()
     assert (got["max_batch_size"], got["max_wait_ms"], got["policy"]) == (32, 2.0, "adaptive")
 
 
@@ -104,6 +146,11 @@ def test_the_product_never_imports_the_benchmarks():
     for package in ("gateway", "batcher", "engine", "tuner", "client"):
         for path in sorted((ROOT / package).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
-                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                    [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else []
+                names = (
+                    [a.name for a in node.names]
+                    if isinstance(node, ast.Import)
+                    else [node.module or ""]
+                    if isinstance(node, ast.ImportFrom) and node.level == 0
+                    else []
+                )
                 assert not any(n.split(".")[0] == "loadtests" for n in names), f"{path} imports loadtests"

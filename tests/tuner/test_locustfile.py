@@ -1,4 +1,5 @@
 """The locustfile runs headless against a fake gateway: every user class, no failures."""
+
 from __future__ import annotations
 
 import csv
@@ -20,10 +21,38 @@ CLASSES = {  # class -> (its weight option, the entries it must produce)
 def locust(url: str, tmp_path, *extra: str, seconds: int = 2) -> tuple[object, dict, dict]:
     prefix = tmp_path / "run"
     report = tmp_path / "report.json"
-    proc = run(["-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url, "-t", f"{seconds}s",
-                "--stop-timeout", "10", "--only-summary", "--csv", str(prefix), "--ferry-report", str(report),
-                "--ferry-chat-model", "fake-chat", "--ferry-embed-model", "fake-embed", "--chat-max-tokens", "4",
-                "--batch-max-tokens", "4", "--batch-conversations", "3", *extra], timeout=60)
+    proc = run(
+        [
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "--host",
+            url,
+            "-t",
+            f"{seconds}s",
+            "--stop-timeout",
+            "10",
+            "--only-summary",
+            "--csv",
+            str(prefix),
+            "--ferry-report",
+            str(report),
+            "--ferry-chat-model",
+            "fake-chat",
+            "--ferry-embed-model",
+            "fake-embed",
+            "--chat-max-tokens",
+            "4",
+            "--batch-max-tokens",
+            "4",
+            "--batch-conversations",
+            "3",
+            *extra,
+        ],
+        timeout=60,
+    )
     stats = {}
     if (tmp_path / "run_stats.csv").exists():
         with open(tmp_path / "run_stats.csv", newline="") as f:
@@ -56,8 +85,9 @@ def test_each_user_class_runs_open_loop_without_failures(fake_gateway, tmp_path,
 
 def test_tags_pick_the_mix_closed_loop(fake_gateway, tmp_path):
     """`--tags embeddings` leaves only embeddings; `--arrival-rate 0` is locust's closed loop of -u users."""
-    proc, stats, summary = locust(fake_gateway.url, tmp_path, "--tags", "embeddings", "--arrival-rate", "0",
-                                  "-u", "2", "-r", "10")
+    proc, stats, summary = locust(
+        fake_gateway.url, tmp_path, "--tags", "embeddings", "--arrival-rate", "0", "-u", "2", "-r", "10"
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert summary["mode"] == "closed"
     assert set(stats) == {"embeddings", "Aggregated"}
@@ -65,8 +95,17 @@ def test_tags_pick_the_mix_closed_loop(fake_gateway, tmp_path):
 
 
 def test_stepped_rates_mix_of_all_classes(fake_gateway, tmp_path):
-    proc, stats, summary = locust(fake_gateway.url, tmp_path, "--rate-steps", "6:1,18:1", "--arrivals", "uniform",
-                                  "--ferry-slo-ms", "5000", seconds=10)
+    proc, stats, summary = locust(
+        fake_gateway.url,
+        tmp_path,
+        "--rate-steps",
+        "6:1,18:1",
+        "--arrivals",
+        "uniform",
+        "--ferry-slo-ms",
+        "5000",
+        seconds=10,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # Evenly spaced arrivals: 6/s for 1 s then 18/s for 1 s, split over three classes; the
     # run ends with the last step (before -t).
@@ -78,7 +117,9 @@ def test_stepped_rates_mix_of_all_classes(fake_gateway, tmp_path):
 
 
 def test_refuses_a_non_loopback_host(tmp_path):
-    proc = run(["-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", "http://192.0.2.1:8000", "-t", "1s"], timeout=60)
+    proc = run(
+        ["-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", "http://192.0.2.1:8000", "-t", "1s"], timeout=60
+    )
     assert proc.returncode != 0
     assert "127.0.0.1 / localhost only" in proc.stderr
 
@@ -89,8 +130,20 @@ def test_arrivals_that_find_every_user_busy_are_counted_not_dropped(fake_gateway
     load that was not served, and `ferry tune` counts them as errors."""
     from tuner.sweep import cell_figures
 
-    proc, stats, summary = locust(fake_gateway.url, tmp_path, "--arrival-rate", "100", "--pool-size", "1",
-                                  "--weight-interactive", "0", "--weight-embed", "0", "--ferry-slo-ms", "1000")
+    proc, stats, summary = locust(
+        fake_gateway.url,
+        tmp_path,
+        "--arrival-rate",
+        "100",
+        "--pool-size",
+        "1",
+        "--weight-interactive",
+        "0",
+        "--weight-embed",
+        "0",
+        "--ferry-slo-ms",
+        "1000",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sent = int(stats["batch chat"]["Request Count"])
     assert summary["never_sent"] > 0

@@ -1,4 +1,5 @@
 """The SQLite store on its own: exactly-once line results, finalisation, the data-dir lock."""
+
 from __future__ import annotations
 
 import asyncio
@@ -15,8 +16,18 @@ def run(coro):
 
 
 def make_batch(s: st.Store, n: int) -> str:
-    row = {"id": "batch_x", "input_file_id": "file-x", "endpoint": "*", "completion_window": "24h", "expires_ts": 1e12,
-           "metadata": None, "status": "in_progress", "created_at": 1, "in_progress_at": 1, "total": n}
+    row = {
+        "id": "batch_x",
+        "input_file_id": "file-x",
+        "endpoint": "*",
+        "completion_window": "24h",
+        "expires_ts": 1e12,
+        "metadata": None,
+        "status": "in_progress",
+        "created_at": 1,
+        "in_progress_at": 1,
+        "total": n,
+    }
     s.create_batch(row, [(i, f"c{i}", "/v1/embeddings", "{}") for i in range(1, n + 1)])
     return row["id"]
 
@@ -44,7 +55,9 @@ def test_a_line_is_recorded_once_and_counts_follow(tmp_path):
     assert [p["line"] for p in pending] == [3, 4]
     assert info["swept"] == 2
     assert (batch["status"], batch["completed"], batch["failed"], batch["total"]) == ("cancelled", 1, 1, 4)
-    assert batch["cancelled_at"] and batch["output_file_id"] == info["output"] and batch["error_file_id"] == info["error"]
+    assert (
+        batch["cancelled_at"] and batch["output_file_id"] == info["output"] and batch["error_file_id"] == info["error"]
+    )
     assert out == b'{"a":1}\n' and out_meta["bytes"] == len(out) and out_meta["purpose"] == "batch_output"
     records = [orjson.loads(x) for x in err.splitlines()]
     assert records[0] == {"b": 2}

@@ -1,4 +1,5 @@
 """Live tuning over HTTP: GET and PATCH /admin/models/{model}/batching (fake engines)."""
+
 from __future__ import annotations
 
 import httpx
@@ -7,6 +8,7 @@ import pytest
 from batcher.settings import BatchingSettings
 
 DEFAULT_SIZE = BatchingSettings().max_batch_size
+
 
 def test_admin_routes_are_off_without_a_token(fake_server_factory):
     s = fake_server_factory()

@@ -1,4 +1,5 @@
 """/v1/chat/completions and /v1/completions over a real socket with the fake engine."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,7 @@ def sse_events(response: httpx.Response) -> list:
     events = []
     for line in response.iter_lines():
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -43,8 +44,16 @@ def test_two_conversations_with_per_prompt_parameters(fake_server_factory):
     assert body["object"] == "chat.completion"
 
 
-@pytest.mark.parametrize("field, value", [("temperature", [0.1, 0.2, 0.3]), ("max_completion_tokens", [4]),
-                                          ("seed", [1, 2, 3]), ("stop", [["a"], ["b"], ["c"]]), ("top_p", [0.5])])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", [0.1, 0.2, 0.3]),
+        ("max_completion_tokens", [4]),
+        ("seed", [1, 2, 3]),
+        ("stop", [["a"], ["b"], ["c"]]),
+        ("top_p", [0.5]),
+    ],
+)
 def test_wrong_per_prompt_list_length_is_422_naming_the_field(fake_server_factory, field, value):
     s = fake_server_factory()
     r = chat(s, messages=[CONV_A, CONV_B], **{field: value})
@@ -63,8 +72,13 @@ def test_independent_stopping_2_5_8(fake_server_factory):
 
 def test_streaming_is_demultiplexed_by_prompt_index(fake_server_factory):
     s = fake_server_factory()
-    body = {"model": "fake-chat", "messages": [CONV_A, CONV_B], "max_tokens": [3, 6], "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "fake-chat",
+        "messages": [CONV_A, CONV_B],
+        "max_tokens": [3, 6],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", s.url + "/v1/chat/completions", json=body, timeout=30) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
@@ -135,8 +149,9 @@ def test_client_disconnect_while_waiting_cancels(fake_server_factory):
             first = asyncio.create_task(c.post("/v1/chat/completions", json=blocker))
             await async_wait_until(lambda: engine.running, message="the blocker to start running")
             waiting = asyncio.create_task(c.post("/v1/chat/completions", json={**blocker, "max_tokens": 2}))
-            await async_wait_until(lambda: len(s.ferry.models["fake-chat"].batcher.queue),
-                                   message="the second request to queue")
+            await async_wait_until(
+                lambda: len(s.ferry.models["fake-chat"].batcher.queue), message="the second request to queue"
+            )
             waiting.cancel()  # the client gives up while queued
             return await first
 

@@ -1,4 +1,5 @@
 """/v1/embeddings over a real socket with the fake engine: shapes, errors, headers."""
+
 from __future__ import annotations
 
 import asyncio
@@ -85,10 +86,13 @@ def test_queue_full_gets_429_with_retry_after(fake_server_factory):
             first = asyncio.create_task(c.post("/v1/embeddings", json={"model": "fake-embed", "input": "a"}))
             # The first is on the engine; the next two fill the queue.
             await async_wait_until(lambda: engine.calls, message="the first request to reach the engine")
-            queued = [asyncio.create_task(c.post("/v1/embeddings", json={"model": "fake-embed", "input": f"q{i}"}))
-                      for i in range(2)]
-            await async_wait_until(lambda: len(s.ferry.models["fake-embed"].batcher.queue) >= 2,
-                                   message="two requests to queue")
+            queued = [
+                asyncio.create_task(c.post("/v1/embeddings", json={"model": "fake-embed", "input": f"q{i}"}))
+                for i in range(2)
+            ]
+            await async_wait_until(
+                lambda: len(s.ferry.models["fake-embed"].batcher.queue) >= 2, message="two requests to queue"
+            )
             rejected = await c.post("/v1/embeddings", json={"model": "fake-embed", "input": "late"})
             return rejected, await asyncio.gather(first, *queued)
 
@@ -119,7 +123,9 @@ def test_oom_batch_is_split_until_the_culprit_is_isolated(fake_server_factory):
     async def mixed():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             texts = ["a", "b", "OOM c", "d"]
-            return await asyncio.gather(*(c.post("/v1/embeddings", json={"model": "fake-embed", "input": t}) for t in texts))
+            return await asyncio.gather(
+                *(c.post("/v1/embeddings", json={"model": "fake-embed", "input": t}) for t in texts)
+            )
 
     rs = asyncio.run(mixed())
     assert [r.status_code for r in rs] == [200, 200, 500, 200]

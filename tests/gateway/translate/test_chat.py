@@ -1,5 +1,6 @@
 """gateway/translate/chat.py without HTTP: request bodies in, work items and response
 bodies out, over the fake generation engine."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -11,7 +12,13 @@ from engine.fake import FakeGenerationEngine
 from gateway.config import ServerConfig
 from gateway.errors import APIError
 from gateway.schemas import request_models
-from gateway.translate.chat import COMPLETIONS_MAX_TOKENS, StreamChunks, check_generation, generation_work, stops_per_prompt
+from gateway.translate.chat import (
+    COMPLETIONS_MAX_TOKENS,
+    StreamChunks,
+    check_generation,
+    generation_work,
+    stops_per_prompt,
+)
 
 CFG = ServerConfig()
 CONV_A = [{"role": "user", "content": "hi"}]
@@ -73,32 +80,46 @@ def test_max_tokens_never_exceed_what_the_context_leaves():
 
 
 def test_max_completion_tokens_wins_over_max_tokens_and_names_the_field():
-    (params,) = generation_work(chat_body(messages=CONV_A, max_tokens=9, max_completion_tokens=3),
-                                FakeGenerationEngine(), CFG).params
+    (params,) = generation_work(
+        chat_body(messages=CONV_A, max_tokens=9, max_completion_tokens=3), FakeGenerationEngine(), CFG
+    ).params
     assert params.max_tokens == 3
     err = refusal(lambda: check_generation(chat_body(messages=[CONV_A, CONV_B], max_completion_tokens=[1])))
     assert (err.status, err.code, err.param) == (422, "prompt_count_mismatch", "max_completion_tokens")
 
 
-@pytest.mark.parametrize("field, value", [("temperature", [0.1, 0.2, 0.3]), ("max_tokens", [4]), ("seed", [1, 2, 3]),
-                                          ("stop", [["a"], ["b"], ["c"]]), ("top_p", [0.5])])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", [0.1, 0.2, 0.3]),
+        ("max_tokens", [4]),
+        ("seed", [1, 2, 3]),
+        ("stop", [["a"], ["b"], ["c"]]),
+        ("top_p", [0.5]),
+    ],
+)
 def test_a_per_prompt_list_of_the_wrong_length_is_refused_naming_the_field(field, value):
     body = chat_body(messages=[CONV_A, CONV_B], **{field: value})
     err = refusal(lambda: check_generation(body))
     assert (err.status, err.code, err.param) == (422, "prompt_count_mismatch", field)
-    assert err.message == (f"{field} is a list of {len(value)} values but the request has 2 prompts; "
-                           "give one value per prompt or a single value for all")
+    assert err.message == (
+        f"{field} is a list of {len(value)} values but the request has 2 prompts; "
+        "give one value per prompt or a single value for all"
+    )
     # The same check, once, whether a batch file is validated or a request translated.
     assert refusal(lambda: generation_work(body, FakeGenerationEngine(), CFG)).message == err.message
 
 
-@pytest.mark.parametrize("stop, expected", [
-    (None, [[], []]),
-    ("x", [["x"], ["x"]]),
-    (["x", "y"], [["x", "y"], ["x", "y"]]),  # a list of strings is for every prompt (OpenAI)
-    ([["x"], None], [["x"], []]),
-    (["x", ["y", "z"]], [["x"], ["y", "z"]]),
-])
+@pytest.mark.parametrize(
+    "stop, expected",
+    [
+        (None, [[], []]),
+        ("x", [["x"], ["x"]]),
+        (["x", "y"], [["x", "y"], ["x", "y"]]),  # a list of strings is for every prompt (OpenAI)
+        ([["x"], None], [["x"], []]),
+        (["x", ["y", "z"]], [["x"], ["y", "z"]]),
+    ],
+)
 def test_stop_strings_per_prompt(stop, expected):
     assert stops_per_prompt(stop, 2) == expected
 
@@ -119,14 +140,17 @@ def test_max_prompt_tokens_lowers_the_prompt_limit():
     assert "at most 3 prompt tokens" in err.message
 
 
-@pytest.mark.parametrize("messages, param", [([{"role": "tool", "content": "x"}], "messages"),
-                                             ([CONV_A, [{"role": "tool", "content": "x"}]], "messages.1")])
+@pytest.mark.parametrize(
+    "messages, param",
+    [([{"role": "tool", "content": "x"}], "messages"), ([CONV_A, [{"role": "tool", "content": "x"}]], "messages.1")],
+)
 def test_a_conversation_the_template_refuses_names_the_prompt(messages, param):
     err = refusal(lambda: generation_work(chat_body(messages=messages), FakeGenerationEngine(), CFG))
     assert (err.status, err.code, err.param) == (422, "chat_template_error", param)
     index = param.rpartition(".")[2] if "." in param else "0"
-    assert err.message == (f"prompt {index}: the chat template of fake-chat refuses this conversation: "
-                           "Unsupported role: tool")
+    assert err.message == (
+        f"prompt {index}: the chat template of fake-chat refuses this conversation: Unsupported role: tool"
+    )
 
 
 def test_one_item_per_prompt_and_candidate_prompt_major_with_distinct_seeds():
@@ -148,10 +172,21 @@ def test_chat_response_body():
     assert list(body) == ["id", "object", "created", "model", "choices", "usage"]
     assert body["object"] == "chat.completion" and body["model"] == "fake-chat"
     assert body["choices"] == [
-        {"index": 0, "prompt_index": 0, "message": {"role": "assistant", "content": "w0 "}, "finish_reason": "length",
-         "logprobs": None},
-        {"index": 1, "prompt_index": 1, "message": {"role": "assistant", "content": "w0 w1 "}, "finish_reason": "stop",
-         "logprobs": None}]
+        {
+            "index": 0,
+            "prompt_index": 0,
+            "message": {"role": "assistant", "content": "w0 "},
+            "finish_reason": "length",
+            "logprobs": None,
+        },
+        {
+            "index": 1,
+            "prompt_index": 1,
+            "message": {"role": "assistant", "content": "w0 w1 "},
+            "finish_reason": "stop",
+            "logprobs": None,
+        },
+    ]
     prompt = len(work.prompts[0]) + len(work.prompts[1])
     assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
 
@@ -171,8 +206,15 @@ def test_chat_stream_chunks_carry_the_role_once_then_content():
     first, second, last = chunks.delta(1, "w0 ", None), chunks.delta(1, "w1 ", None), chunks.delta(1, "", "length")
     assert first["id"].startswith("chatcmpl-") and first["object"] == "chat.completion.chunk"
     assert {c["id"] for c in (first, second, last)} == {chunks.id}
-    assert first["choices"] == [{"index": 1, "prompt_index": 1, "finish_reason": None, "logprobs": None,
-                                 "delta": {"role": "assistant", "content": "w0 "}}]
+    assert first["choices"] == [
+        {
+            "index": 1,
+            "prompt_index": 1,
+            "finish_reason": None,
+            "logprobs": None,
+            "delta": {"role": "assistant", "content": "w0 "},
+        }
+    ]
     assert second["choices"][0]["delta"] == {"content": "w1 "}
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
 
@@ -189,13 +231,25 @@ def test_an_error_rides_on_the_item_s_own_final_chunk():
     chunk = StreamChunks(work).error(3, APIError(504, "too late", code="deadline_exceeded"))
     (choice,) = chunk["choices"]
     assert (choice["index"], choice["prompt_index"], choice["finish_reason"]) == (3, 1, "content_filter")
-    assert choice["error"] == {"message": "too late", "type": "timeout_error", "param": None, "code": "deadline_exceeded",
-                               "status": 504, "prompt_index": 1, "index": 3}
+    assert choice["error"] == {
+        "message": "too late",
+        "type": "timeout_error",
+        "param": None,
+        "code": "deadline_exceeded",
+        "status": 504,
+        "prompt_index": 1,
+        "index": 3,
+    }
 
 
 def test_usage_chunk_has_no_choices():
     chunks = StreamChunks(generation_work(chat_body(messages=CONV_A), FakeGenerationEngine(), CFG))
     prompt = len(chunks.work.prompts[0])
-    assert chunks.usage(5) == {"id": chunks.id, "object": "chat.completion.chunk", "created": chunks.created,
-                               "model": "fake-chat", "choices": [],
-                               "usage": {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5}}
+    assert chunks.usage(5) == {
+        "id": chunks.id,
+        "object": "chat.completion.chunk",
+        "created": chunks.created,
+        "model": "fake-chat",
+        "choices": [],
+        "usage": {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5},
+    }

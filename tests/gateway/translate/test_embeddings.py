@@ -1,4 +1,5 @@
 """gateway/translate/embeddings.py without HTTP, over the fake embedding engine."""
+
 from __future__ import annotations
 
 import base64
