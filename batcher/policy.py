@@ -17,7 +17,7 @@ from .cost import CostModel
 from .load import IDLE, Load
 from .queue import INF, RequestQueue
 from .settings import BatchingSettings
-from .types import DispatchReason, Priority, WorkItem
+from .types import DispatchReason, Priority, TokenCount, WorkItem
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +39,7 @@ def batch_cost(cost: CostModel, items: Sequence[WorkItem]) -> float:
     """Predicted execution time; inputs are padded to the longest member."""
     if not items:
         return 0.0
-    return cost.predict(len(items), max(i.cost for i in items) * len(items))
+    return cost.predict(len(items), TokenCount.of([i.cost for i in items]).padded)
 
 
 def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> int:
