@@ -122,7 +122,7 @@ class MicroBatcher(QueueingBatcher):
         finally:
             elapsed = self.clock.now() - start
             m.batch_seconds.labels(model, phase).observe(elapsed)
-        for item, result in zip(items, results):
+        for item, result in zip(items, results, strict=True):
             if isinstance(result, Exception):
                 m.engine_errors.labels(model, phase).inc()
                 self._finish(item, Outcome.ERROR, EngineError(f"model execution failed for this input: {result}"))

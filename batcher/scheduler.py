@@ -261,7 +261,7 @@ class GenerationScheduler(QueueingBatcher):
             results = split_in_halves(
                 engine.add, requests, after_failure=lambda group: engine.remove([r.seq_id for r in group])
             )
-            for request, result in zip(requests, results):
+            for request, result in zip(requests, results, strict=True):
                 if isinstance(result, Exception):
                     failed[request.seq_id] = result
                 else:

@@ -77,7 +77,7 @@ class FakeEmbeddingEngine:
             ValueError("simulated failure of one input")
             if "FAIL_ITEM" in t
             else EmbeddingResult(fake_vector(t, self.dim), len(ids))
-            for t, ids in zip(texts, batch)
+            for t, ids in zip(texts, batch, strict=True)
         ]
 
 

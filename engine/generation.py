@@ -158,7 +158,7 @@ class HFGenerationEngine:
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
         tokens = sample_next_tokens(logits, [s.sampler for s in batch.seqs])
-        outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens)]
+        outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens, strict=True)]
         finished = {i for i, out in enumerate(outputs) if out.finish_reason}
         if finished:
             batch.drop(finished)
@@ -195,7 +195,7 @@ class HFGenerationEngine:
         logits, cache = self._forward(input_ids, positions, mask, self._new_cache())
         seqs = [self._new_sequence(r) for r in requests]
         tokens = sample_next_tokens(logits, [s.sampler for s in seqs])
-        outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens)]
+        outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
         if alive:
             self._batch.admit(cache, mask, seqs, alive)

@@ -93,9 +93,11 @@ class RunningBatch(Generic[Row]):
         if len(alive) < len(seqs):
             index = torch.tensor(alive, device=mask.device)
             mask = mask.index_select(0, index)
-            layers = [(l.keys.index_select(0, index), l.values.index_select(0, index)) for l in cache.layers]
+            layers = [
+                (layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers
+            ]
         else:
-            layers = [(l.keys, l.values) for l in cache.layers]
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
         seqs = [seqs[i] for i in alive]
         width = mask.shape[1]
         if self.mask is None:
@@ -113,7 +115,7 @@ class RunningBatch(Generic[Row]):
         last = first + len(seqs)
         self.mask[first:last].zero_()
         self.mask[first:last, lo:hi] = mask
-        for layer, (keys, values) in zip(self.cache.layers, layers):
+        for layer, (keys, values) in zip(self.cache.layers, layers, strict=True):
             layer.keys[first:last, :, lo:hi] = keys
             layer.values[first:last, :, lo:hi] = values
         self.start = min(self.start, lo) if self.seqs else lo
@@ -132,7 +134,7 @@ class RunningBatch(Generic[Row]):
                 layer.keys[dst, :, cols] = layer.keys[src, :, cols]
                 layer.values[dst, :, cols] = layer.values[src, :, cols]
             self.mask[dst, cols] = self.mask[src, cols]
-            for hole, mover in zip(holes, movers):
+            for hole, mover in zip(holes, movers, strict=True):
                 self.seqs[hole] = self.seqs[mover]
         del self.seqs[keep:]
         if not self.seqs:
@@ -180,7 +182,7 @@ class RunningBatch(Generic[Row]):
 
         grown = [(regrown(layer.keys), regrown(layer.values)) for layer in self.cache.layers]
         # Allocated and copied first: an OOM above leaves the batch as it was.
-        for layer, (keys, values) in zip(self.cache.layers, grown):
+        for layer, (keys, values) in zip(self.cache.layers, grown, strict=True):
             layer.keys, layer.values = keys, values
         self.mask = grown_mask
         self.start, self.end = 0, width
@@ -194,9 +196,11 @@ class RunningBatch(Generic[Row]):
             src, dst = slice(self.start, self.end), slice(new_start, new_start + width)
             # Every copy first (an OOM here changes nothing), then the writes, which do not
             # allocate: a half-moved cache would give running rows misaligned keys.
-            moved = [(l.keys[:rows, :, src].clone(), l.values[:rows, :, src].clone()) for l in self.cache.layers]
+            moved = [
+                (layer.keys[:rows, :, src].clone(), layer.values[:rows, :, src].clone()) for layer in self.cache.layers
+            ]
             mask = self.mask[:rows, src].clone()
-            for layer, (keys, values) in zip(self.cache.layers, moved):
+            for layer, (keys, values) in zip(self.cache.layers, moved, strict=True):
                 layer.keys[:rows, :, dst] = keys
                 layer.values[:rows, :, dst] = values
             self.mask[:rows].zero_()

@@ -188,8 +188,10 @@ def run_priority(url: str, cap: float, duration: float) -> list[dict]:
             i, b = row["interactive"], row["batch"]
             print(
                 f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  interactive_first={first!s:5s}"
-                f"  interactive on time {i['attainment']:6.1%} (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
-                f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%} (429 {b['rejected']}, 504 {b['expired']})",
+                f"  interactive on time {i['attainment']:6.1%}"
+                f" (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
+                f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%}"
+                f" (429 {b['rejected']}, 504 {b['expired']})",
                 flush=True,
             )
     configure(url, interactive_first=True)  # the default again
@@ -257,8 +259,10 @@ def run_latency(url: str, cap: float, a) -> list[dict]:
         best = max((r for r in rows if r["config"].startswith("fixed")), key=lambda r: r["goodput"])
         for ada in (r for r in rows if r["config"].startswith("adaptive")):
             print(
-                f"  {load:4.0%}: {ada['config']} {ada['goodput']:6.1f}/s vs best fixed {best['goodput']:6.1f}/s ({best['config']})"
-                f" = {ada['goodput'] / best['goodput']:.2f}x; interactive attainment {ada['interactive']['attainment']:.1%}"
+                f"  {load:4.0%}: {ada['config']} {ada['goodput']:6.1f}/s"
+                f" vs best fixed {best['goodput']:6.1f}/s ({best['config']})"
+                f" = {ada['goodput'] / best['goodput']:.2f}x;"
+                f" interactive attainment {ada['interactive']['attainment']:.1%}"
                 f", 429 {ada['rejected']}, 504 {ada['expired']}"
             )
     return results

@@ -181,7 +181,13 @@ class LoadState:
         self._config = (
             schedule,
             weights,
-            dict(poisson=poisson, seed=seed, pool_size=pool_size, pool_latency_s=pool_latency_s, max_pool=max_pool),
+            {
+                "poisson": poisson,
+                "seed": seed,
+                "pool_size": pool_size,
+                "pool_latency_s": pool_latency_s,
+                "max_pool": max_pool,
+            },
         )
         self.schedule = schedule
         self.weights = {k: w for k, w in weights.items() if w > 0}

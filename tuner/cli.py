@@ -243,8 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     if estimate > args.max_minutes * 60:
         raise SystemExit(f"ferry tune: about {estimate / 60:.0f} min is more than --max-minutes {args.max_minutes:g}")
     if args.dry_run:
-        for c in cells:
-            print("  policy=%s max_batch_size=%d max_wait_ms=%g rate=%g" % c)
+        for policy, size, wait, rate in cells:
+            print(f"  policy={policy} max_batch_size={size:d} max_wait_ms={wait:g} rate={rate:g}")
         return 0
     if importlib.util.find_spec("locust") is None:
         raise SystemExit("ferry tune: locust is not installed: pip install -e '.[load]'")

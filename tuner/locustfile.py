@@ -201,7 +201,7 @@ def _on_init(environment, **_kw) -> None:
     for uc in environment.user_classes:
         key = _class_key(uc)
         if key in weights:
-            uc.weight = max(0, int(round(weights[key] * 100)))  # locust weights are integers
+            uc.weight = max(0, round(weights[key] * 100))  # locust weights are integers
         if uc.weight > 0 and uc.tasks:
             kept.append(uc)
     if not kept:

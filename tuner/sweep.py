@@ -163,14 +163,12 @@ def run_locust(
         cmd += ["--ferry-embed-model", models["embed"]]
     cmd += shlex.split(args.locust_args)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCUST_", "FERRY_LOAD_"))}
-    log = open(str(prefix) + ".log", "w", encoding="utf-8")
-    try:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-        rc, err = proc.returncode, ""
-    except subprocess.TimeoutExpired:
-        rc, err = -9, f"locust timed out after {timeout:.0f} s"
-    finally:
-        log.close()
+    with open(str(prefix) + ".log", "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            rc, err = proc.returncode, ""
+        except subprocess.TimeoutExpired:
+            rc, err = -9, f"locust timed out after {timeout:.0f} s"
     stats, report = {}, {}
     try:
         stats = read_locust_csv(Path(str(prefix) + "_stats.csv"))

@@ -546,7 +546,7 @@ class BatchJobWorker:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
-            for (_, fut), ok in zip(pending, flags):
+            for (_, fut), ok in zip(pending, flags, strict=True):
                 if not fut.done():
                     fut.set_result(ok)
 

@@ -54,7 +54,7 @@ class GenerationWork:
 
     def __post_init__(self) -> None:
         self.payloads, self.prompt_index = [], []
-        for p, (ids, sp) in enumerate(zip(self.prompts, self.params)):
+        for p, (ids, sp) in enumerate(zip(self.prompts, self.params, strict=True)):
             for j in range(self.n):
                 # Candidates of one seeded prompt differ from each other, reproducibly.
                 seed = None if sp.seed is None else sp.seed + j
@@ -70,7 +70,7 @@ class GenerationWork:
     def response(self, results: list[Any]) -> dict[str, Any]:
         """The non-streaming body: one choice per item, in item order."""
         choices = []
-        for k, (prompt_index, r) in enumerate(zip(self.prompt_index, results)):
+        for k, (prompt_index, r) in enumerate(zip(self.prompt_index, results, strict=True)):
             choice: dict[str, Any] = {"index": k, "prompt_index": prompt_index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": r.text}
@@ -204,7 +204,7 @@ def sampling_params(body: GenerationBody, prompts: list[list[int]], engine: Any,
     context = engine.max_context
     limit_prompt = min(context - 1, cfg.max_prompt_tokens or context)
     params = []
-    for i, (ids, req) in enumerate(zip(prompts, requested)):
+    for i, (ids, req) in enumerate(zip(prompts, requested, strict=True)):
         if len(ids) > limit_prompt:
             raise APIError(
                 422,
@@ -235,7 +235,7 @@ def prompt_params(body: GenerationBody, n: int) -> list[PromptParams]:
         per_prompt("seed", body.seed, n, None),
         stops_per_prompt(body.stop, n),
     )
-    return [PromptParams(*row) for row in zip(*columns)]
+    return [PromptParams(*row) for row in zip(*columns, strict=True)]
 
 
 def stops_per_prompt(stop: Any, n: int) -> list[list[str]]:
