@@ -68,7 +68,8 @@ class HFGenerationEngine:
             dtype=resolve_dtype(dtype, self.device.type),
             trust_remote_code=trust_remote_code,
         )
-        self.model.to(self.device).eval()
+        # transformers wraps `to` with functools.wraps(nn.Module.to), which types it as unbound.
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         # Prompts are tokenized on the event loop while the worker thread detokenizes; a
         # Rust tokenizer borrowed from two threads raises "Already borrowed" as soon as one
         # side changes its settings, so the detokenizer gets its own copy.

@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import time
+from typing import Any
 
 import httpx
 
@@ -37,7 +38,7 @@ CHAT_MODEL = "ferry-tiny-chat"
 BURST_IDLE_S, BURST_BUDGET_MS, CHAT_BURST_TOKENS = 30.0, 1000.0, 8
 PRIORITY_INTERACTIVE, PRIORITY_BATCH_LOADS = 0.10, (0.5, 1.0, 1.5, 2.0)
 FIXED_GRID = [(8, 0.0), (8, 10.0), (32, 0.0), (32, 10.0)]
-DEFAULTS = {"max_batch_size": 32, "max_wait_ms": 5.0}
+DEFAULTS: dict[str, Any] = {"max_batch_size": 32, "max_wait_ms": 5.0}
 
 
 def make_embed_send(seed: int, interactive_share: float = 0.3):

@@ -177,8 +177,8 @@ def _ms(values: list[float], q: float) -> float | None:
 REPORT = Report()
 
 
-def _class_key(user_class) -> str | None:
-    return getattr(user_class, "key", None)
+def _class_key(user_class) -> str:
+    return getattr(user_class, "key", "")
 
 
 @events.init.add_listener
@@ -401,7 +401,7 @@ class InteractiveChatUser(FerryUser):
             resp.request_meta["response_length"] = nbytes
             if resp.status_code != 200:
                 _fail_http(resp)
-            elif problem:
+            elif problem or ttft is None:  # read_stream names a problem whenever no token came
                 resp.failure(problem)
             else:
                 resp.success()

@@ -4,6 +4,7 @@ offered rate, one line per setting, the recommended cell starred."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .recommend import setting_key, setting_label
 
@@ -19,7 +20,7 @@ def plot(out: Path, rows: list[dict], slo_ms: float, rec: dict | None, title: st
         by_setting.setdefault(setting_key(r), []).append(r)
     keys = sorted(by_setting)
     cmap = plt.get_cmap("tab20" if len(keys) > 10 else "tab10")
-    styles = {
+    styles: dict[tuple, dict[str, Any]] = {
         k: {
             "color": cmap(i % cmap.N),
             "marker": "os^Dv<>ph*"[i % 10],

@@ -90,8 +90,8 @@ def cell_figures(stats: dict[str, dict], report: dict, classes: Iterable[str], s
         good += int(entries.get(SLO_ENTRIES[c], {}).get("within_slo", 0))
         slo_row = stats.get(SLO_ENTRIES[c])
         for key, col in (("p50_ms", "50%"), ("p95_ms", "95%"), ("p99_ms", "99%"), ("max_ms", "Max Response Time")):
-            v = _num(slo_row, col)
-            if v is not None and (worst[key] is None or v > worst[key]):  # the worst class decides
+            v, current = _num(slo_row, col), worst[key]
+            if v is not None and (current is None or v > current):  # the worst class decides
                 worst[key] = v
     unfinished = max(0, scheduled - sent)
     ok = sent - failures
