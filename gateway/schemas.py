@@ -6,10 +6,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
+
+if TYPE_CHECKING:
+    from .config import ServerConfig
 
 
 def _integral(v: Any) -> Any:
@@ -310,7 +313,7 @@ class Limits:
     max_stop_strings: int
 
     @classmethod
-    def of(cls, cfg: Any) -> Limits:
+    def of(cls, cfg: ServerConfig) -> Limits:
         return cls(cfg.max_prompts, cfg.max_inputs, cfg.max_completion_tokens, cfg.max_stop_strings)
 
 
@@ -321,7 +324,7 @@ class RequestModels:
     completions: type[CompletionRequest]
 
 
-def request_models(cfg: Any) -> RequestModels:
+def request_models(cfg: ServerConfig) -> RequestModels:
     return _bounded(Limits.of(cfg))
 
 
