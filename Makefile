@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test bench clean prometheus
+.PHONY: setup serve test lint bench clean prometheus
 
 setup: $(STAMP)
 
@@ -23,8 +23,14 @@ $(STAMP): pyproject.toml
 serve: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/ferry serve --host $(HOST) --port $(PORT)
 
-test: setup prometheus
+# Lint and type checks first (configured in pyproject.toml): a new finding fails CI.
+test: setup prometheus lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 # Prometheus + promtool (Debian package) for the end-to-end test in tests/observability.
 # Installed only when missing and only as root; otherwise (or if apt fails) that test skips.
@@ -38,4 +44,4 @@ prometheus:
 	  fi; }
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build *.egg-info

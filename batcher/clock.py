@@ -10,7 +10,7 @@ import asyncio
 import heapq
 import itertools
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Clock(Protocol):
@@ -73,7 +73,7 @@ class FakeClock:
         if timeout is not None and timeout <= 0:
             return False
         waiter = asyncio.ensure_future(event.wait())
-        pending = {waiter}
+        pending: set[asyncio.Future[Any]] = {waiter}
         timer = None
         if timeout is not None:
             timer = self._timer(timeout)

@@ -27,7 +27,7 @@ def split_in_halves(
     accepts, `after_failure(items)` undoes what the failed call may have left behind and
     each half is run the same way. Other exceptions propagate and fail every item."""
     try:
-        results = list(run(items))
+        results: list[R | Exception] = list(run(items))
     except Exception as exc:
         if not retry_if(exc):
             raise

@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import dataclass
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, Literal, Union, cast, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import JsonDict
 
 # Longest time a millisecond knob may name: an hour.
 MAX_MS = 3_600_000
@@ -49,7 +50,7 @@ def knob(
     null: what null (None) means, for a knob that may be null.
     bounds: pydantic's ge, gt, le, lt.
     """
-    extra = {"unit": unit, "live": live, "gauge": gauge, "option": option, "null": null}
+    extra: JsonDict = {"unit": unit, "live": live, "gauge": gauge, "option": option, "null": null}
     if isinstance(default, list):
         return Field(default_factory=lambda: list(default), description=help, json_schema_extra=extra, **bounds)
     return Field(default, description=help, json_schema_extra=extra, **bounds)
@@ -137,12 +138,13 @@ def knobs(model: type[BaseModel]) -> tuple[Knob, ...]:
     """The knobs a model declares, in declaration order."""
     out = []
     for name, f in model.model_fields.items():
-        extra = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
+        extra: dict[str, Any] = f.json_schema_extra if isinstance(f.json_schema_extra, dict) else {}
         args = get_args(f.annotation)
         nullable = get_origin(f.annotation) in (Union, types.UnionType) and type(None) in args
         inner = next(a for a in args if a is not type(None)) if nullable else f.annotation
         choices = get_args(inner) if get_origin(inner) is Literal else None
-        kind = str if choices else (get_origin(inner) or inner)
+        # A class for every knob type: a generic's origin (list) or the annotation itself.
+        kind = cast(type, str if choices else (get_origin(inner) or inner))
         bounds = {k: getattr(m, k) for m in f.metadata for k in ("ge", "gt", "le", "lt") if hasattr(m, k)}
         out.append(
             Knob(

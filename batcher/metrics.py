@@ -39,6 +39,8 @@ Histogram buckets (seconds unless said otherwise) are chosen for this workload:
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .knobs import Knob, knobs
@@ -66,7 +68,7 @@ LATENCY_BUCKETS = (
     60.0,
 )
 STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
-EXECUTION_BUCKETS = STEP_BUCKETS + (5.0, 10.0, 30.0)
+EXECUTION_BUCKETS = (*STEP_BUCKETS, 5.0, 10.0, 30.0)
 SIZE_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
@@ -99,7 +101,8 @@ class Metrics:
         )
         self.rejections = Counter(
             "ferry_rejections_total",
-            "Items refused before queuing: queue_full, deadline_infeasible (admission), invalid (bad input, counted by the gateway; model is empty when the body could not be parsed).",
+            "Items refused before queuing: queue_full, deadline_infeasible (admission), invalid (bad input, "
+            "counted by the gateway; model is empty when the body could not be parsed).",
             ["model", "reason"],
             registry=r,
         )
@@ -151,7 +154,8 @@ class Metrics:
         )
         self.slowdown = Gauge(
             "ferry_cost_model_slowdown",
-            "90th percentile of observed / predicted batch time lately, within 1-1.5: what interactive deadlines and admission allow for.",
+            "90th percentile of observed / predicted batch time lately, within 1-1.5: "
+            "what interactive deadlines and admission allow for.",
             ["model", "phase"],
             registry=r,
         )
@@ -217,10 +221,8 @@ class Metrics:
             if value is not None:
                 gauge.labels(model).set(value * knob.gauge_scale)
             else:  # a null setting (no default budget: no SLO line) has no series
-                try:
+                with contextlib.suppress(KeyError):
                     gauge.remove(model)
-                except KeyError:
-                    pass
 
     def init_model(self, model: str) -> None:
         """Create the model's counters whose label values are known, at zero (idempotent)."""

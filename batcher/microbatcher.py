@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from .errors import EngineError, ShuttingDown
 from .policy import Dispatch, batch_cost, get_policy
 from .protocols import Execute
 from .queueing import QueueingBatcher, seconds_until
+from .settings import BatchingSettings
 from .types import Batch, DispatchReason, Outcome, TokenCount
 
 log = logging.getLogger("ferry.batcher")
@@ -23,7 +25,9 @@ log = logging.getLogger("ferry.batcher")
 class MicroBatcher(QueueingBatcher):
     """Runs each dispatched batch through `execute` (see batcher.protocols.Execute)."""
 
-    def __init__(self, model: str, execute: Execute, settings, *, phase: str = "embed", **kw):
+    def __init__(
+        self, model: str, execute: Execute, settings: BatchingSettings, *, phase: str = "embed", **kw: Any
+    ) -> None:
         super().__init__(model, settings, **kw)
         self.execute = execute
         self.phase = phase
@@ -122,7 +126,7 @@ class MicroBatcher(QueueingBatcher):
         finally:
             elapsed = self.clock.now() - start
             m.batch_seconds.labels(model, phase).observe(elapsed)
-        for item, result in zip(items, results):
+        for item, result in zip(items, results, strict=True):
             if isinstance(result, Exception):
                 m.engine_errors.labels(model, phase).inc()
                 self._finish(item, Outcome.ERROR, EngineError(f"model execution failed for this input: {result}"))

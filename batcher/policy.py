@@ -85,13 +85,20 @@ def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel
     return deadline - batch_cost(cost, items) - s.margin
 
 
+def max_wait_due(q: RequestQueue, s: BatchingSettings) -> float:
+    """When the oldest queued item will have waited max_wait (the queue is not empty)."""
+    oldest = q.oldest_arrival
+    assert oldest is not None, "an empty queue has no oldest item"
+    return oldest + s.max_wait
+
+
 def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> Decision:
     n = len(q)
     if n == 0:
         return WaitUntil(None)
     if n >= s.max_batch_size:
         return Dispatch(s.max_batch_size, DispatchReason.FULL)
-    due = q.oldest_arrival + s.max_wait
+    due = max_wait_due(q, s)
     if now >= due:
         return Dispatch(n, DispatchReason.MAX_WAIT)
     return WaitUntil(due)
@@ -108,7 +115,7 @@ def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     start_by = latest_start(items[:cap], s, cost)
     if now >= start_by:
         return Dispatch(cap, DispatchReason.DEADLINE)
-    return WaitUntil(min(base.t, start_by))
+    return WaitUntil(min(max_wait_due(q, s), start_by))  # base waits until max_wait_due
 
 
 def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> Decision:
@@ -132,7 +139,7 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if n >= target or cap < n:  # big enough, or a deadline/reserve already binds: waiting cannot help
         return Dispatch(cap, DispatchReason.ADAPTIVE)
     start_by = latest_start(items[:cap], s, cost)
-    due = q.oldest_arrival + s.max_wait
+    due = max_wait_due(q, s)
     fill_at = now + (target - n) / rate if rate > 0 else INF
     if now >= start_by:
         return Dispatch(cap, DispatchReason.DEADLINE)
@@ -195,11 +202,11 @@ def _admit(
         return Dispatch(k, DispatchReason.ADAPTIVE), group
     if k == min(load.free_slots, s.max_batch_size) or k < len(q):
         return Dispatch(k, DispatchReason.FULL), group
-    if now >= q.oldest_arrival + s.max_wait:
+    if now >= max_wait_due(q, s):
         return Dispatch(k, DispatchReason.MAX_WAIT), group
     if k >= target:
         return Dispatch(k, DispatchReason.ADAPTIVE), group
-    return WaitUntil(q.oldest_arrival + s.max_wait), group
+    return WaitUntil(max_wait_due(q, s)), group
 
 
 def _by_first_token_deadline(

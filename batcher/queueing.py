@@ -8,6 +8,7 @@ supply the loop that decides what runs when.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Callable
@@ -269,10 +270,8 @@ class QueueingBatcher:
         self._closing = True
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
-            except (asyncio.CancelledError, Exception):
-                pass
             self._task = None
         self._fail_all(ShuttingDown("server stopped"))
 

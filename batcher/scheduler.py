@@ -28,6 +28,7 @@ from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
 from .protocols import EngineCaller, MakeRequest, PrefillRequest, SequenceStep, SteppingEngine
 from .queueing import QueueingBatcher, seconds_until
+from .settings import BatchingSettings
 from .types import Delta, DispatchReason, GenResult, Outcome, TokenCount, WorkItem
 
 log = logging.getLogger("ferry.batcher")
@@ -58,11 +59,11 @@ class GenerationScheduler(QueueingBatcher):
         model: str,
         engine: SteppingEngine,
         engine_thread: EngineCaller,
-        settings,
+        settings: BatchingSettings,
         *,
         make_request: MakeRequest,
-        **kw,
-    ):
+        **kw: Any,
+    ) -> None:
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
         # Children looked up once: these are touched for every generated token.
@@ -182,8 +183,8 @@ class GenerationScheduler(QueueingBatcher):
                     pending = await self._iteration(admitted, deliver)
                     continue
                 if pending is not None:
-                    pending, deliver = None, pending
-                    deliver()
+                    last_delivery, pending = pending, None
+                    last_delivery()
                     continue
                 if not self.busy:
                     self._idle.set()
@@ -227,11 +228,11 @@ class GenerationScheduler(QueueingBatcher):
         now = self.clock.now()
         _apportion(result, now - started)
         self._observe(result, requests)
-        for seq_id, exc in result.failed.items():
+        for seq_id, error in result.failed.items():
             seq = self._running.pop(seq_id, None)
             if seq is not None:
                 self.metrics.engine_errors.labels(self.model, "prefill").inc()
-                self._finish(seq.item, Outcome.ERROR, EngineError(f"model execution failed for this prompt: {exc}"))
+                self._finish(seq.item, Outcome.ERROR, EngineError(f"model execution failed for this prompt: {error}"))
         # Finished sequences leave the running set now, so the next admission sees their slots.
         finished = {}
         for out in result.outputs:
@@ -261,7 +262,7 @@ class GenerationScheduler(QueueingBatcher):
             results = split_in_halves(
                 engine.add, requests, after_failure=lambda group: engine.remove([r.seq_id for r in group])
             )
-            for request, result in zip(requests, results):
+            for request, result in zip(requests, results, strict=True):
                 if isinstance(result, Exception):
                     failed[request.seq_id] = result
                 else:

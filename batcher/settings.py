@@ -11,9 +11,9 @@ __all__ = ["BatchingSettings", "PolicyName", "SettingsError"]
 
 # batcher/policy.py implements each name (POLICIES, GENERATION_POLICIES); a test keeps them equal.
 PolicyName = Literal["fixed", "deadline", "adaptive"]
-COUNT = {"ge": 1, "le": 1_000_000}
-WAIT = {"unit": "ms", "ge": 0, "lt": MAX_MS}
-BUDGET = {"unit": "ms", "gt": 0, "lt": MAX_MS}
+COUNT: dict[str, Any] = {"ge": 1, "le": 1_000_000}
+WAIT: dict[str, Any] = {"unit": "ms", "ge": 0, "lt": MAX_MS}
+BUDGET: dict[str, Any] = {"unit": "ms", "gt": 0, "lt": MAX_MS}
 
 
 class BatchingSettings(Knobs):

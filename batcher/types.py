@@ -85,6 +85,13 @@ class WorkItem:
     def finished(self) -> bool:
         return self.outcome > Outcome.PENDING
 
+    @property
+    def result_future(self) -> asyncio.Future[Any]:
+        """The future a batcher gave this item when it accepted it (`future`, never None then)."""
+        if self.future is None:
+            raise RuntimeError("a work item gets its future when a batcher accepts it")
+        return self.future
+
     def finish(self, outcome: Outcome, value: Any = None) -> bool:
         """Move to a terminal state once; later calls are ignored and return False."""
         if self.finished:

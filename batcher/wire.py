@@ -13,7 +13,7 @@ A message for a key the receiver no longer knows is dropped (see `docs/architect
 from __future__ import annotations
 
 from array import array
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -150,8 +150,8 @@ class SettingsAnswer(msgspec.Struct, tag="settings_answer", array_like=True):
     error: str | None = None
 
 
-ToCore = Union[Submit, Cancel, SettingsChange]
-ToFrontEnd = Union[Admitted, Refused, Result, TokenDelta, SettingsAnswer]
+ToCore = Submit | Cancel | SettingsChange
+ToFrontEnd = Admitted | Refused | Result | TokenDelta | SettingsAnswer
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

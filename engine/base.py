@@ -102,3 +102,7 @@ class GenerationEngine(Protocol):
     @property
     def running(self) -> int:
         """Number of sequences in the running set."""
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV-cache token positions the running rows attend over (for the metric)."""

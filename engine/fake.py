@@ -12,11 +12,20 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from .base import ChatTemplateError, EmbeddingResult
+from .base import ChatTemplateError, EmbeddingResult, GenerationEngine
+
+
+class _Clock(Protocol):
+    """What the simulations need of a clock (batcher.clock.FakeClock in tests); the engine
+    package does not import the batcher."""
+
+    def now(self) -> float: ...
+
+    async def sleep(self, seconds: float) -> None: ...
 
 
 class FakeOOM(RuntimeError):
@@ -77,7 +86,7 @@ class FakeEmbeddingEngine:
             ValueError("simulated failure of one input")
             if "FAIL_ITEM" in t
             else EmbeddingResult(fake_vector(t, self.dim), len(ids))
-            for t, ids in zip(texts, batch)
+            for t, ids in zip(texts, batch, strict=True)
         ]
 
 
@@ -90,7 +99,7 @@ class SimulatedExecutor:
 
     def __init__(
         self,
-        clock: Any,
+        clock: _Clock,
         fixed: float = 0.010,
         per_item: float = 0.002,
         fail_items: set[Any] | None = None,
@@ -114,7 +123,7 @@ class SimulatedEngineThread:
     """Stands in for the generation scheduler's engine thread in tests: each engine call costs
     fixed + per_row * running rows of simulated time on `clock`, then runs inline."""
 
-    def __init__(self, clock: Any, engine: Any, fixed: float = 0.010, per_row: float = 0.001):
+    def __init__(self, clock: _Clock, engine: GenerationEngine, fixed: float = 0.010, per_row: float = 0.001):
         self.clock, self.engine, self.fixed, self.per_row = clock, engine, fixed, per_row
 
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -68,7 +68,8 @@ class HFGenerationEngine:
             dtype=resolve_dtype(dtype, self.device.type),
             trust_remote_code=trust_remote_code,
         )
-        self.model.to(self.device).eval()
+        # transformers wraps `to` with functools.wraps(nn.Module.to), which types it as unbound.
+        self.model.to(self.device).eval()  # type: ignore[arg-type]
         # Prompts are tokenized on the event loop while the worker thread detokenizes; a
         # Rust tokenizer borrowed from two threads raises "Already borrowed" as soon as one
         # side changes its settings, so the detokenizer gets its own copy.
@@ -158,7 +159,7 @@ class HFGenerationEngine:
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
         tokens = sample_next_tokens(logits, [s.sampler for s in batch.seqs])
-        outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens)]
+        outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens, strict=True)]
         finished = {i for i, out in enumerate(outputs) if out.finish_reason}
         if finished:
             batch.drop(finished)
@@ -195,7 +196,7 @@ class HFGenerationEngine:
         logits, cache = self._forward(input_ids, positions, mask, self._new_cache())
         seqs = [self._new_sequence(r) for r in requests]
         tokens = sample_next_tokens(logits, [s.sampler for s in seqs])
-        outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens)]
+        outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
         if alive:
             self._batch.admit(cache, mask, seqs, alive)

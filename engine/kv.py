@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Generic, TypeVar
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer
 
 Row = TypeVar("Row")  # what the engine keeps per running sequence; opaque here
 
@@ -24,6 +24,10 @@ class SlotLayer(DynamicLayer):
     decode step writes one column in place and attends over a view of columns
     [start, end] instead of concatenating the whole cache, as DynamicLayer does every step.
     """
+
+    # Allocated before the layer is (DynamicLayer's may be None until its first update).
+    keys: torch.Tensor
+    values: torch.Tensor
 
     def __init__(self, owner: RunningBatch, keys: torch.Tensor, values: torch.Tensor) -> None:
         super().__init__()
@@ -63,8 +67,10 @@ class RunningBatch(Generic[Row]):
         self.slots = slots
         self.seqs: list[Row] = []
         self.start = self.end = 0
-        self.mask: torch.Tensor | None = None  # [slots, capacity] int64, 1 = real token
-        self.cache: Any = None  # transformers Cache over SlotLayer views
+        # [slots, capacity], 1 = real token; no columns until the first admission allocates.
+        self.mask = torch.zeros((slots, 0), dtype=torch.int64)
+        self.layers: list[SlotLayer] = []
+        self.cache: Cache | None = None  # transformers Cache over `layers`
 
     @property
     def rows(self) -> int:
@@ -76,7 +82,7 @@ class RunningBatch(Generic[Row]):
 
     @property
     def capacity(self) -> int:
-        return 0 if self.mask is None else self.mask.shape[1]
+        return self.mask.shape[1]
 
     def decode_mask(self) -> torch.Tensor:
         """Open the next column for every row; the 2D mask for a one-token forward."""
@@ -93,12 +99,14 @@ class RunningBatch(Generic[Row]):
         if len(alive) < len(seqs):
             index = torch.tensor(alive, device=mask.device)
             mask = mask.index_select(0, index)
-            layers = [(l.keys.index_select(0, index), l.values.index_select(0, index)) for l in cache.layers]
+            layers = [
+                (layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers
+            ]
         else:
-            layers = [(l.keys, l.values) for l in cache.layers]
+            layers = [(layer.keys, layer.values) for layer in cache.layers]
         seqs = [seqs[i] for i in alive]
         width = mask.shape[1]
-        if self.mask is None:
+        if self.cache is None:
             self._allocate(layers, max(256, 2 * width), mask.dtype)
         if not self.seqs:
             self.start = self.end = 0
@@ -113,7 +121,7 @@ class RunningBatch(Generic[Row]):
         last = first + len(seqs)
         self.mask[first:last].zero_()
         self.mask[first:last, lo:hi] = mask
-        for layer, (keys, values) in zip(self.cache.layers, layers):
+        for layer, (keys, values) in zip(self.layers, layers, strict=True):
             layer.keys[first:last, :, lo:hi] = keys
             layer.values[first:last, :, lo:hi] = values
         self.start = min(self.start, lo) if self.seqs else lo
@@ -128,11 +136,11 @@ class RunningBatch(Generic[Row]):
             dst = torch.tensor(holes, device=self.mask.device)
             src = torch.tensor(movers, device=self.mask.device)
             cols = slice(self.start, self.end)
-            for layer in self.cache.layers:
+            for layer in self.layers:
                 layer.keys[dst, :, cols] = layer.keys[src, :, cols]
                 layer.values[dst, :, cols] = layer.values[src, :, cols]
             self.mask[dst, cols] = self.mask[src, cols]
-            for hole, mover in zip(holes, movers):
+            for hole, mover in zip(holes, movers, strict=True):
                 self.seqs[hole] = self.seqs[mover]
         del self.seqs[keep:]
         if not self.seqs:
@@ -145,14 +153,12 @@ class RunningBatch(Generic[Row]):
     # -- buffers ---------------------------------------------------------------------
 
     def _allocate(self, layers: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
-        from transformers.cache_utils import Cache
-
-        slot_layers = [
+        self.layers = [
             SlotLayer(self, slot_buffer(k, self.slots, capacity), slot_buffer(v, self.slots, capacity))
             for k, v in layers
         ]
         self.mask = torch.zeros((self.slots, capacity), dtype=dtype, device=layers[0][0].device)
-        self.cache = Cache(layers=slot_layers)
+        self.cache = Cache(layers=[*self.layers])
 
     def _ensure_room(self, needed: int) -> None:
         """Make columns [start, start + needed) fit: compact to the left, else grow.
@@ -178,9 +184,9 @@ class RunningBatch(Generic[Row]):
             new[:, :, :width] = old[:, :, cols]
             return new
 
-        grown = [(regrown(layer.keys), regrown(layer.values)) for layer in self.cache.layers]
+        grown = [(regrown(layer.keys), regrown(layer.values)) for layer in self.layers]
         # Allocated and copied first: an OOM above leaves the batch as it was.
-        for layer, (keys, values) in zip(self.cache.layers, grown):
+        for layer, (keys, values) in zip(self.layers, grown, strict=True):
             layer.keys, layer.values = keys, values
         self.mask = grown_mask
         self.start, self.end = 0, width
@@ -194,9 +200,9 @@ class RunningBatch(Generic[Row]):
             src, dst = slice(self.start, self.end), slice(new_start, new_start + width)
             # Every copy first (an OOM here changes nothing), then the writes, which do not
             # allocate: a half-moved cache would give running rows misaligned keys.
-            moved = [(l.keys[:rows, :, src].clone(), l.values[:rows, :, src].clone()) for l in self.cache.layers]
+            moved = [(layer.keys[:rows, :, src].clone(), layer.values[:rows, :, src].clone()) for layer in self.layers]
             mask = self.mask[:rows, src].clone()
-            for layer, (keys, values) in zip(self.cache.layers, moved):
+            for layer, (keys, values) in zip(self.layers, moved, strict=True):
                 layer.keys[:rows, :, dst] = keys
                 layer.values[:rows, :, dst] = values
             self.mask[:rows].zero_()

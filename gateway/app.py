@@ -55,11 +55,12 @@ def create_app(
 ) -> Starlette:
     config = config or ServerConfig()
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
+    jobs = ferry.jobs = BatchJobWorker(ferry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         loader = asyncio.create_task(ferry.load())
-        ferry.jobs.start(loader)  # resumes unfinished batch jobs once the models are loaded
+        jobs.start(loader)  # resumes unfinished batch jobs once the models are loaded
         try:
             yield
         finally:
@@ -70,10 +71,9 @@ def create_app(
             failed = await ferry.drain(config.drain_timeout)
             if failed:
                 log.warning("drain timeout: %d accepted items ended with an error", failed)
-            await ferry.jobs.close()
+            await jobs.close()
             await ferry.close()
 
-    ferry.jobs = BatchJobWorker(ferry)
     app = Starlette(routes=routes(), lifespan=lifespan, exception_handlers={404: _http_error, 405: _http_error})
     app.state.ferry = ferry
     return app

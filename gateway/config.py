@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import field, fields, make_dataclass
-from typing import Annotated, Any
+from dataclasses import Field, field, fields, make_dataclass
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import BeforeValidator
 
 from batcher.knobs import Knob, Knobs, SettingsError, knob, knobs
 from batcher.settings import BatchingSettings
 
-AT_LEAST_ONE = {"ge": 1}
-SECONDS = {"unit": "s", "gt": 0}
+AT_LEAST_ONE: dict[str, Any] = {"ge": 1}
+SECONDS: dict[str, Any] = {"unit": "s", "gt": 0}
 
 
 def _fspath(value: Any) -> Any:
@@ -84,6 +84,11 @@ OPTIONS: dict[str, Knob] = {k.option: k for k in SERVER_KNOBS + BATCHING_KNOBS}
 class _ServerConfigMethods:
     """What ServerConfig (below) does beyond holding values."""
 
+    if TYPE_CHECKING:
+        # The attributes are made from the knob declarations at run time (below).
+        def __getattr__(self, option: str) -> Any: ...
+        def __setattr__(self, option: str, value: Any) -> None: ...
+
     def batching_settings(self, **overrides: Any) -> BatchingSettings:
         """The batching settings of a model: these options, then its own `overrides`."""
         values = {k.name: getattr(self, k.option) for k in BATCHING_KNOBS}
@@ -107,11 +112,23 @@ def _default(k: Knob) -> Any:
 
 # Every knob as a plain attribute, not validated until `validate()`: embedded mode builds one
 # with port 0 (pick a free port) and checks it with the port it will get.
-ServerConfig = make_dataclass(
-    "ServerConfig", [(name, k.annotation, _default(k)) for name, k in OPTIONS.items()], bases=(_ServerConfigMethods,)
-)
-ServerConfig.__module__ = __name__
-ServerConfig.__doc__ = "The values of every `ferry serve` knob, by option name (ServerSettings, BatchingSettings)."
+if TYPE_CHECKING:
+
+    class ServerConfig(_ServerConfigMethods):
+        """A dataclass whose fields a type checker cannot see: each knob, by option name."""
+
+        __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
+
+        def __init__(self, **values: Any) -> None: ...
+
+else:
+    ServerConfig = make_dataclass(
+        "ServerConfig",
+        [(name, k.annotation, _default(k)) for name, k in OPTIONS.items()],
+        bases=(_ServerConfigMethods,),
+    )
+    ServerConfig.__module__ = __name__
+    ServerConfig.__doc__ = "The values of every `ferry serve` knob, by option name (ServerSettings, BatchingSettings)."
 
 
 def parser() -> argparse.ArgumentParser:

@@ -26,14 +26,21 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import httpx
 
 from ferry_client import AsyncFerryClient, FerryClient
 
 from .config import ServerConfig
-from .model_loading import CHAT, EMBEDDING
+from .model_loading import CHAT, EMBEDDING, ModelSpec
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from .metrics import GatewayMetrics
+    from .state import GatewayState
 
 log = logging.getLogger("ferry.embedded")
 
@@ -141,8 +148,8 @@ class Ferry:
         *,
         host: str = "127.0.0.1",
         port: int = 0,
-        specs: list | None = None,
-        metrics: Any = None,
+        specs: list[ModelSpec] | None = None,
+        metrics: GatewayMetrics | None = None,
         ready_timeout: float = 120.0,
         log_level: str | None = "warning",
         **settings: Any,
@@ -174,8 +181,8 @@ class Ferry:
         self.host, self.port = host, int(port)
         self.specs, self.metrics = specs, metrics
         self.ready_timeout, self.log_level = float(ready_timeout), log_level
-        self.app: Any = None
-        self._server: Any = None
+        self.app: Starlette | None = None
+        self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
         self._error: BaseException | None = None
@@ -200,9 +207,9 @@ class Ferry:
         return self._thread is not None and self._thread.is_alive()
 
     @property
-    def state(self) -> Any:
-        """The gateway's process state (gateway.state.GatewayState): models, batchers, metrics."""
-        return None if self.app is None else self.app.state.ferry
+    def state(self) -> GatewayState | None:
+        """The gateway's process state: models, batchers, metrics."""
+        return None if self.app is None else cast("GatewayState", self.app.state.ferry)
 
     @property
     def models(self) -> list[str]:
@@ -261,8 +268,8 @@ class Ferry:
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._threads_before = set(threading.enumerate())
-        self._sock = self._bind()
-        self.port = self._sock.getsockname()[1]
+        sock = self._sock = self._bind()
+        self.port = sock.getsockname()[1]
         self.config.port = self.port
         try:
             self.app = create_app(self.config, self.specs, self.metrics or GatewayMetrics())
@@ -276,10 +283,12 @@ class Ferry:
                 lifespan="on",
                 timeout_graceful_shutdown=5,
             )
-            self._server = uvicorn.Server(config)
-            self._thread = threading.Thread(target=self._serve, name=f"ferry-embedded-{self.port}", daemon=True)
-            self._thread.start()
-            self._wait_ready()
+            server = self._server = uvicorn.Server(config)
+            thread = self._thread = threading.Thread(
+                target=self._serve, args=(server, sock), name=f"ferry-embedded-{self.port}", daemon=True
+            )
+            thread.start()
+            self._wait_ready(server, thread)
         except BaseException:
             self.stop()
             raise
@@ -297,11 +306,11 @@ class Ferry:
             raise OSError(exc.errno, f"Ferry cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
         return sock
 
-    def _serve(self) -> None:
+    def _serve(self, server: uvicorn.Server, sock: socket.socket) -> None:
         loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)
         try:
-            loop.run_until_complete(self._server.serve(sockets=[self._sock]))
+            loop.run_until_complete(server.serve(sockets=[sock]))
         except BaseException as exc:  # uvicorn exits with SystemExit on startup failure
             self._error = exc
         finally:
@@ -312,9 +321,8 @@ class Ferry:
                 asyncio.set_event_loop(None)
                 loop.close()
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, server: uvicorn.Server, thread: threading.Thread) -> None:
         deadline = time.monotonic() + self.ready_timeout
-        server, thread = self._server, self._thread
         while not server.started:
             if not thread.is_alive():
                 raise RuntimeError(f"the Ferry server failed to start: {self._error!r}")
@@ -348,7 +356,7 @@ class Ferry:
         server, thread = self._server, self._thread
         if server is not None:
             server.should_exit = True
-        if thread is not None and thread.is_alive():
+        if server is not None and thread is not None and thread.is_alive():
             thread.join(self.config.drain_timeout + 15.0)
             if thread.is_alive():
                 log.warning("ferry embedded server did not stop in time; forcing exit")
@@ -365,14 +373,15 @@ class Ferry:
         for t in threading.enumerate():
             if t in self._threads_before or t.name != "tqdm_monitor" or not hasattr(t, "tqdm_cls"):
                 continue
-            cls = t.tqdm_cls
+            monitor: Any = t  # tqdm's TMonitor, with its own tqdm_cls and exit()
+            cls = monitor.tqdm_cls
             with contextlib.suppress(Exception):
                 with cls.get_lock():
                     if cls._instances:
                         continue
                     if getattr(cls, "monitor", None) is t:
                         cls.monitor = None
-                t.exit()
+                monitor.exit()
 
     def __repr__(self) -> str:
         state = "running" if self.running else ("stopped" if self._started else "not started")

@@ -15,6 +15,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import APIError
+from .state import gateway_state
 from .submission import ClientGone
 
 log = logging.getLogger("ferry.access")
@@ -47,7 +48,7 @@ def check_key(request: Request, keys: list[str], header: str = "authorization") 
 
 def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
-        ferry = request.app.state.ferry
+        ferry = gateway_state(request)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         if len(rid) > 128 or not rid.isprintable():
             rid = uuid.uuid4().hex

@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final, Generic, Literal, TypeVar, cast
 
 from batcher.cost import CostModel
 from batcher.engine_thread import EngineThread
@@ -16,28 +16,34 @@ from batcher.isolation import split_in_halves
 from batcher.metrics import Metrics
 from batcher.microbatcher import MicroBatcher
 from batcher.queueing import QueueingBatcher
+from batcher.settings import BatchingSettings
+from engine.base import EmbeddingEngine, GenerationEngine
 
 from .config import ServerConfig
 
 log = logging.getLogger("ferry.gateway")
 
-EMBEDDING, CHAT = "embedding", "chat"
+ModelKind = Literal["embedding", "chat"]
+EMBEDDING: Final = "embedding"
+CHAT: Final = "chat"
+# The engine a served model runs: an EmbeddingEngine for EMBEDDING, a GenerationEngine for CHAT.
+E = TypeVar("E", bound=EmbeddingEngine | GenerationEngine, covariant=True)
 
 
 @dataclass
 class ModelSpec:
     """How to load one model. `load` runs on a worker thread and returns an engine."""
 
-    kind: str
-    load: Callable[[], Any]
+    kind: ModelKind
+    load: Callable[[], EmbeddingEngine | GenerationEngine]
     settings: dict[str, Any] = field(default_factory=dict)  # per-model overrides
 
 
 @dataclass
-class ServedModel:
+class ServedModel(Generic[E]):
     name: str
-    kind: str
-    engine: Any
+    kind: ModelKind
+    engine: E
     batcher: QueueingBatcher
     engine_thread: EngineThread
     created: int = field(default_factory=lambda: int(time.time()))
@@ -124,7 +130,7 @@ def _thread_setup(cfg: ServerConfig):
     return setup
 
 
-async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> ServedModel:
+async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> ServedModel[Any]:
     loop = asyncio.get_running_loop()
     engine = await loop.run_in_executor(None, spec.load)
     engine_thread = EngineThread(
@@ -134,32 +140,52 @@ async def start_model(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> S
         replace_on_timeout=spec.kind == EMBEDDING,
     )
     settings = cfg.batching_settings(**spec.settings)
+    # The spec's kind says which engine its `load` returns.
     if spec.kind == EMBEDDING:
-        cost = CostModel()
-        if cfg.warmup and hasattr(engine, "warmup"):
-            cost.seed(await engine_thread(engine.warmup))
-        from engine.device import is_oom
-
-        def embed(payloads: list[Any]) -> list[Any]:
-            # A batch that runs out of memory is retried by halves until the input that
-            # fails alone is found; only that input fails.
-            return split_in_halves(engine.embed, payloads, retry_if=is_oom)
-
-        async def execute(payloads: list[Any]) -> list[Any]:
-            return await engine_thread(embed, payloads)
-
-        batcher: QueueingBatcher = MicroBatcher(
-            engine.name, execute, settings, cost=cost, metrics=metrics, phase="embed"
-        )
+        batcher = await _embedding_batcher(cast(EmbeddingEngine, engine), engine_thread, settings, cfg, metrics)
     else:
-        from batcher.scheduler import GenerationScheduler
-        from engine.base import sequence_request
-
-        batcher = GenerationScheduler(
-            engine.name, engine, engine_thread, settings, make_request=sequence_request, metrics=metrics
-        )
-        if cfg.warmup:
-            await batcher.warmup()
+        batcher = await _generation_batcher(cast(GenerationEngine, engine), engine_thread, settings, cfg, metrics)
     await batcher.start()
     log.info("serving %s model %s", spec.kind, engine.name)
     return ServedModel(engine.name, spec.kind, engine, batcher, engine_thread)
+
+
+async def _embedding_batcher(
+    engine: EmbeddingEngine,
+    engine_thread: EngineThread,
+    settings: BatchingSettings,
+    cfg: ServerConfig,
+    metrics: Metrics,
+) -> QueueingBatcher:
+    cost = CostModel()
+    if cfg.warmup and hasattr(engine, "warmup"):
+        cost.seed(await engine_thread(engine.warmup))
+    from engine.device import is_oom
+
+    def embed(payloads: list[Any]) -> list[Any]:
+        # A batch that runs out of memory is retried by halves until the input that
+        # fails alone is found; only that input fails.
+        return split_in_halves(engine.embed, payloads, retry_if=is_oom)
+
+    async def execute(payloads: list[Any]) -> list[Any]:
+        return await engine_thread(embed, payloads)
+
+    return MicroBatcher(engine.name, execute, settings, cost=cost, metrics=metrics, phase="embed")
+
+
+async def _generation_batcher(
+    engine: GenerationEngine,
+    engine_thread: EngineThread,
+    settings: BatchingSettings,
+    cfg: ServerConfig,
+    metrics: Metrics,
+) -> QueueingBatcher:
+    from batcher.scheduler import GenerationScheduler
+    from engine.base import sequence_request
+
+    scheduler = GenerationScheduler(
+        engine.name, engine, engine_thread, settings, make_request=sequence_request, metrics=metrics
+    )
+    if cfg.warmup:
+        await scheduler.warmup()
+    return scheduler

@@ -14,9 +14,10 @@ from starlette.requests import Request
 from . import schemas as s
 from .config import ServerConfig
 from .jobs.validate import BatchCreate
-from .model_loading import CHAT, EMBEDDING
+from .model_loading import CHAT, EMBEDDING, ServedModel
 from .responses import json_response
 from .routes import admin
+from .state import gateway_state
 
 REF = "#/components/schemas/{model}"
 ERRORS = {
@@ -106,13 +107,17 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
     return {"application/json": {"schema": _ref(model)}}
 
 
-def build(cfg: ServerConfig | None = None, models: dict[str, Any] | None = None) -> dict[str, Any]:
+def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] | None = None) -> dict[str, Any]:
     """The description for a server with this config; `models` (name -> ServedModel), once
     loaded, add the served model names and embedding sizes."""
     req = s.request_models(cfg or ServerConfig())
     ops = _operations(req)
-    batch_models = [s.FileObject, s.BatchObject, s.BatchList]
-    wanted = {m for op in ops for m in (op[3], op[4]) if m is not None} | {s.ErrorResponse, BatchCreate, *batch_models}
+    batch_models: list[type[BaseModel]] = [s.FileObject, s.BatchObject, s.BatchList]
+    wanted: set[type[BaseModel]] = {m for op in ops for m in (op[3], op[4]) if m is not None} | {
+        s.ErrorResponse,
+        BatchCreate,
+        *batch_models,
+    }
     ordered = sorted(wanted, key=lambda m: m.__name__)
     _, defs = models_json_schema([(m, "validation") for m in ordered], ref_template=REF)
     components = defs.get("$defs", {})
@@ -176,7 +181,7 @@ def build(cfg: ServerConfig | None = None, models: dict[str, Any] | None = None)
     }
 
 
-def _served_facts(components: dict[str, Any], models: dict[str, Any]) -> None:
+def _served_facts(components: dict[str, Any], models: dict[str, ServedModel[Any]]) -> None:
     """What the request models cannot know: which models each route serves (another name is
     a 404) and the size each embedding model produces (`dimensions` is only that size)."""
     names = {kind: sorted(n for n, m in models.items() if m.kind == kind) for kind in (EMBEDDING, CHAT)}
@@ -330,7 +335,7 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
 
 
 async def openapi(request: Request):
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     cached = getattr(request.app.state, "openapi", None)
     if cached is not None:
         return json_response(cached)

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 from starlette.requests import Request
 
 from .errors import APIError
@@ -50,7 +51,7 @@ async def parse(request: Request, model: type[M], limit: int) -> M:
 def validation_error(exc: ValidationError) -> APIError:
     # A union field reports one error per branch; the one that got deepest into the value
     # names the real problem ("messages.0.role", not "messages.0: should be a list").
-    def where(e: dict) -> list[str]:
+    def where(e: ErrorDetails) -> list[str]:
         return [str(p) for p in e["loc"] if not _is_type_tag(p)]
 
     err = max(exc.errors(), key=lambda e: len(where(e)))

@@ -6,10 +6,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 from pydantic_core import PydanticCustomError
+
+if TYPE_CHECKING:
+    from .config import ServerConfig
 
 
 def _integral(v: Any) -> Any:
@@ -107,7 +110,7 @@ TopP = Annotated[float, Field(gt=0, le=1)]
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000), Integral]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Integral]
 StopList = Annotated[list[str], Field(max_length=16)]
-Stop = Union[str, StopList, list[str | StopList | None], None]
+Stop = str | StopList | list[str | StopList | None] | None
 
 
 def stop_lists(stop: Stop) -> tuple[bool, list[list[str]]]:
@@ -310,7 +313,7 @@ class Limits:
     max_stop_strings: int
 
     @classmethod
-    def of(cls, cfg: Any) -> Limits:
+    def of(cls, cfg: ServerConfig) -> Limits:
         return cls(cfg.max_prompts, cfg.max_inputs, cfg.max_completion_tokens, cfg.max_stop_strings)
 
 
@@ -321,7 +324,7 @@ class RequestModels:
     completions: type[CompletionRequest]
 
 
-def request_models(cfg: Any) -> RequestModels:
+def request_models(cfg: ServerConfig) -> RequestModels:
     return _bounded(Limits.of(cfg))
 
 
@@ -358,12 +361,13 @@ def _cap_stops(prop: dict, limit: int) -> None:
 
 @functools.cache
 def _bounded(lim: Limits) -> RequestModels:
-    P, I, T, S = lim.max_prompts, lim.max_inputs, lim.max_completion_tokens, lim.max_stop_strings
 
     def check_prompts(n: int, v: Any) -> Any:
-        if n > P:
+        if n > lim.max_prompts:
             raise PydanticCustomError(
-                "too_many_prompts", "request has {n} prompts; at most {limit} are allowed", {"n": n, "limit": P}
+                "too_many_prompts",
+                "request has {n} prompts; at most {limit} are allowed",
+                {"n": n, "limit": lim.max_prompts},
             )
         return v
 
@@ -376,18 +380,20 @@ def _bounded(lim: Limits) -> RequestModels:
 
     def check_tokens(v: Any) -> Any:
         for x in v if isinstance(v, list) else [v]:
-            if x is not None and x > T:
-                raise PydanticCustomError("invalid_value", "{x} exceeds the limit of {limit}", {"x": x, "limit": T})
+            if x is not None and x > lim.max_completion_tokens:
+                raise PydanticCustomError(
+                    "invalid_value", "{x} exceeds the limit of {limit}", {"x": x, "limit": lim.max_completion_tokens}
+                )
         return v
 
     def check_stops(v: Any) -> Any:
         _, groups = stop_lists(v)
         for i, stops in enumerate(groups):
-            if len(stops) > S:
+            if len(stops) > lim.max_stop_strings:
                 raise PydanticCustomError(
                     "too_many_stop_strings",
                     "prompt {i} has {n} stop strings; at most {limit} are allowed",
-                    {"i": i, "n": len(stops), "limit": S},
+                    {"i": i, "n": len(stops), "limit": lim.max_stop_strings},
                 )
             if any(not s for s in stops):
                 raise PydanticCustomError("invalid_value", "stop strings must not be empty")
@@ -397,19 +403,19 @@ def _bounded(lim: Limits) -> RequestModels:
         props = schema["properties"]
         for name in ("max_tokens", "max_completion_tokens"):
             if name in props:
-                _cap_tokens(props[name], T)
-        _cap_stops(props["stop"], S)
+                _cap_tokens(props[name], lim.max_completion_tokens)
+        _cap_stops(props["stop"], lim.max_stop_strings)
 
     def chat_schema(schema: dict) -> None:
         patch_generation(schema)
-        schema["properties"]["messages"]["anyOf"][0]["maxItems"] = P
+        schema["properties"]["messages"]["anyOf"][0]["maxItems"] = lim.max_prompts
 
     def completions_schema(schema: dict) -> None:
         patch_generation(schema)
-        schema["properties"]["prompt"]["anyOf"][1]["maxItems"] = P
+        schema["properties"]["prompt"]["anyOf"][1]["maxItems"] = lim.max_prompts
 
     def embeddings_schema(schema: dict) -> None:
-        schema["properties"]["input"]["anyOf"][1]["maxItems"] = I
+        schema["properties"]["input"]["anyOf"][1]["maxItems"] = lim.max_inputs
 
     class Chat(ChatCompletionRequest):
         __qualname__ = "ChatCompletionRequest"  # its name in /openapi.json
@@ -443,11 +449,11 @@ def _bounded(lim: Limits) -> RequestModels:
         @classmethod
         def _inputs(cls, v: Any) -> Any:
             n = len(one_or_many(v))
-            if n > I:
+            if n > lim.max_inputs:
                 raise PydanticCustomError(
                     "too_many_inputs",
                     "input has {n} items; at most {limit} are allowed per request",
-                    {"n": n, "limit": I},
+                    {"n": n, "limit": lim.max_inputs},
                 )
             return v
 

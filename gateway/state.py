@@ -6,12 +6,19 @@ import asyncio
 import gc
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
+
+from starlette.requests import HTTPConnection
+
+from engine.base import EmbeddingEngine, GenerationEngine
 
 from .config import ServerConfig
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
-from .model_loading import ModelSpec, ServedModel, start_model
+from .model_loading import ModelKind, ModelSpec, ServedModel, start_model
+
+if TYPE_CHECKING:
+    from .jobs.worker import BatchJobWorker
 
 log = logging.getLogger("ferry.gateway")
 
@@ -21,13 +28,13 @@ class GatewayState:
     config: ServerConfig
     metrics: GatewayMetrics
     specs: list[ModelSpec]
-    models: dict[str, ServedModel] = field(default_factory=dict)
+    models: dict[str, ServedModel[Any]] = field(default_factory=dict)
     ready: bool = False
     draining: bool = False
     load_error: str | None = None
     streams: int = 0
     last_request_at: float = 0.0  # time.monotonic() of the latest request, for the drain linger
-    jobs: Any = None  # gateway.jobs.BatchJobWorker, set by create_app
+    jobs: BatchJobWorker | None = None  # set by create_app
     freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
 
     async def load(self) -> None:
@@ -49,7 +56,14 @@ class GatewayState:
             log.exception("model loading failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
 
-    def model(self, name: str, kind: str) -> ServedModel:
+    @overload
+    def model(self, name: str, kind: Literal["embedding"]) -> ServedModel[EmbeddingEngine]: ...
+    @overload
+    def model(self, name: str, kind: Literal["chat"]) -> ServedModel[GenerationEngine]: ...
+    @overload
+    def model(self, name: str, kind: ModelKind) -> ServedModel[EmbeddingEngine | GenerationEngine]: ...
+
+    def model(self, name: str, kind: ModelKind) -> ServedModel[Any]:
         if self.draining:
             raise APIError(503, "server is shutting down", code="shutting_down", retry_after=1)
         if not self.ready:
@@ -77,3 +91,8 @@ class GatewayState:
         for m in self.models.values():
             await m.batcher.stop()
             m.engine_thread.close()
+
+
+def gateway_state(conn: HTTPConnection) -> GatewayState:
+    """The state of the gateway serving this request (create_app keeps it on `app.state.ferry`)."""
+    return cast(GatewayState, conn.app.state.ferry)

@@ -63,10 +63,11 @@ async def wait_disconnect(request: Request) -> None:
 async def wait_items(request: Request, batcher: QueueingBatcher, items: list[WorkItem]) -> list[Any]:
     """Results in item order. If the client leaves first, its items are cancelled (and
     never computed if still queued). If one item fails, its siblings are cancelled."""
-    gathered = asyncio.gather(*(i.future for i in items))
+    gathered = asyncio.gather(*(i.result_future for i in items))
     watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
-        await asyncio.wait({gathered, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {gathered, watcher}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         cancel_all(batcher, items)
         gathered.add_done_callback(_consume)
@@ -96,12 +97,12 @@ def cancel_all(batcher: QueueingBatcher, items: list[WorkItem], by_client: bool 
 
 def timing_headers(items: list[WorkItem]) -> dict[str, str]:
     """The slowest item speaks for the request: its queue wait, batch size and reason."""
-    done = [i for i in items if i.dispatched_at is not None]
-    if not done:
+    waits = [(i.dispatched_at - i.arrival, i) for i in items if i.dispatched_at is not None]
+    if not waits:
         return {}
-    worst = max(done, key=lambda i: i.dispatched_at - i.arrival)
+    wait, worst = max(waits, key=lambda w: w[0])
     headers = {
-        "X-Ferry-Queue-Ms": f"{(worst.dispatched_at - worst.arrival) * 1000.0:.3f}",
+        "X-Ferry-Queue-Ms": f"{wait * 1000.0:.3f}",
         "X-Ferry-Batch-Size": str(worst.batch_size),
         "X-Ferry-Dispatch-Reason": worst.reason.value if worst.reason else "",
     }

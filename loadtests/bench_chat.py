@@ -20,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import httpx
 import orjson
@@ -126,13 +127,14 @@ def transformers_serve(model_path: str):
         "2048",
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    log = tempfile.NamedTemporaryFile(prefix="tf-serve-", suffix=".log", delete=False)
+    # The server's stderr, kept open as long as it runs, so no `with`.
+    log = tempfile.NamedTemporaryFile(prefix="tf-serve-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(open(log.name).read()[-3000:])
+            raise RuntimeError(Path(log.name).read_text()[-3000:])
         try:
             httpx.get(url + "/v1/models", timeout=2)
             return proc, url

@@ -22,6 +22,7 @@ import asyncio
 import json
 import random
 import time
+from typing import Any
 
 import httpx
 
@@ -37,7 +38,7 @@ CHAT_MODEL = "ferry-tiny-chat"
 BURST_IDLE_S, BURST_BUDGET_MS, CHAT_BURST_TOKENS = 30.0, 1000.0, 8
 PRIORITY_INTERACTIVE, PRIORITY_BATCH_LOADS = 0.10, (0.5, 1.0, 1.5, 2.0)
 FIXED_GRID = [(8, 0.0), (8, 10.0), (32, 0.0), (32, 10.0)]
-DEFAULTS = {"max_batch_size": 32, "max_wait_ms": 5.0}
+DEFAULTS: dict[str, Any] = {"max_batch_size": 32, "max_wait_ms": 5.0}
 
 
 def make_embed_send(seed: int, interactive_share: float = 0.3):
@@ -188,8 +189,10 @@ def run_priority(url: str, cap: float, duration: float) -> list[dict]:
             i, b = row["interactive"], row["batch"]
             print(
                 f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  interactive_first={first!s:5s}"
-                f"  interactive on time {i['attainment']:6.1%} (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
-                f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%} (429 {b['rejected']}, 504 {b['expired']})",
+                f"  interactive on time {i['attainment']:6.1%}"
+                f" (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
+                f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%}"
+                f" (429 {b['rejected']}, 504 {b['expired']})",
                 flush=True,
             )
     configure(url, interactive_first=True)  # the default again
@@ -257,8 +260,10 @@ def run_latency(url: str, cap: float, a) -> list[dict]:
         best = max((r for r in rows if r["config"].startswith("fixed")), key=lambda r: r["goodput"])
         for ada in (r for r in rows if r["config"].startswith("adaptive")):
             print(
-                f"  {load:4.0%}: {ada['config']} {ada['goodput']:6.1f}/s vs best fixed {best['goodput']:6.1f}/s ({best['config']})"
-                f" = {ada['goodput'] / best['goodput']:.2f}x; interactive attainment {ada['interactive']['attainment']:.1%}"
+                f"  {load:4.0%}: {ada['config']} {ada['goodput']:6.1f}/s"
+                f" vs best fixed {best['goodput']:6.1f}/s ({best['config']})"
+                f" = {ada['goodput'] / best['goodput']:.2f}x;"
+                f" interactive attainment {ada['interactive']['attainment']:.1%}"
                 f", 429 {ada['rejected']}, 504 {ada['expired']}"
             )
     return results

@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -50,13 +51,14 @@ class GatewayProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-        # Logs go to a file: an unread pipe fills up and blocks the server.
-        self.log = tempfile.NamedTemporaryFile(prefix="ferry-bench-", suffix=".log", delete=False)
+        # Logs go to a file: an unread pipe fills up and blocks the server. It stays open as
+        # long as the server runs, so no `with`.
+        self.log = tempfile.NamedTemporaryFile(prefix="ferry-bench-", suffix=".log", delete=False)  # noqa: SIM115
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited: {open(self.log.name).read()[-2000:]}")
+                raise RuntimeError(f"gateway exited: {Path(self.log.name).read_text()[-2000:]}")
             try:
                 if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return

@@ -5,6 +5,7 @@ import os
 import pytest
 from prometheus_client import CollectorRegistry
 
+# Before the imports below: huggingface_hub, tokenizers and OpenMP read these when they load.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

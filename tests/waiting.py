@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import TypeVar, Union
+from typing import TypeVar
 
 T = TypeVar("T")
 # A description of what is awaited ("the first batch to reach the engine"), or a function
 # that writes one when the wait gives up (to show the last state seen).
-Message = Union[str, Callable[[], str]]
+Message = str | Callable[[], str]
 
 TIMEOUT = 30.0
 INTERVAL = 0.02

@@ -30,6 +30,7 @@ import math
 import random
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from locust import LoadTestShape
 
@@ -178,11 +179,14 @@ class LoadState:
         pool_latency_s: float = 2.0,
         max_pool: int = 1000,
     ) -> None:
-        self._config = (
-            schedule,
-            weights,
-            dict(poisson=poisson, seed=seed, pool_size=pool_size, pool_latency_s=pool_latency_s, max_pool=max_pool),
-        )
+        options: dict[str, Any] = {
+            "poisson": poisson,
+            "seed": seed,
+            "pool_size": pool_size,
+            "pool_latency_s": pool_latency_s,
+            "max_pool": max_pool,
+        }
+        self._config = (schedule, weights, options)
         self.schedule = schedule
         self.weights = {k: w for k, w in weights.items() if w > 0}
         total = sum(self.weights.values()) or 1.0
@@ -240,6 +244,7 @@ class ArrivalRateShape(LoadTestShape):
     use_common_options = True  # this shape reads -t, and -u/-r in closed-loop mode
 
     def tick(self):
+        assert self.runner is not None, "locust gives a shape its runner before the first tick"
         opts = self.runner.environment.parsed_options
         run_time = getattr(opts, "run_time", None) if opts is not None else None
         sched = LOAD.schedule

@@ -183,18 +183,20 @@ def resolve_traffic(args, served: list[dict]) -> tuple[str, dict[str, float], di
     def first(kind: str) -> str | None:
         return next((m for m, k in kinds.items() if k == kind), None)
 
-    models = {}
+    wanted: dict[str, str | None] = {}
     if "embed" in classes:
-        models["embed"] = args.embed_model or (
+        wanted["embed"] = args.embed_model or (
             args.model if args.model and kinds[args.model] == "embedding" else first("embedding")
         )
     if {"interactive", "batch"} & set(classes):
-        models["chat"] = args.chat_model or (
+        wanted["chat"] = args.chat_model or (
             args.model if args.model and kinds[args.model] == "chat" else first("chat")
         )
-    for kind, name in models.items():
+    models: dict[str, str] = {}
+    for kind, name in wanted.items():
         if not name:
             raise SystemExit(f"ferry tune: no {kind} model is served for this traffic")
+        models[kind] = name
     model = args.model or models.get("embed") or models["chat"]
     return model, classes, models
 
@@ -243,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if estimate > args.max_minutes * 60:
         raise SystemExit(f"ferry tune: about {estimate / 60:.0f} min is more than --max-minutes {args.max_minutes:g}")
     if args.dry_run:
-        for c in cells:
-            print("  policy=%s max_batch_size=%d max_wait_ms=%g rate=%g" % c)
+        for policy, size, wait, rate in cells:
+            print(f"  policy={policy} max_batch_size={size:d} max_wait_ms={wait:g} rate={rate:g}")
         return 0
     if importlib.util.find_spec("locust") is None:
         raise SystemExit("ferry tune: locust is not installed: pip install -e '.[load]'")

@@ -177,8 +177,8 @@ def _ms(values: list[float], q: float) -> float | None:
 REPORT = Report()
 
 
-def _class_key(user_class) -> str | None:
-    return getattr(user_class, "key", None)
+def _class_key(user_class) -> str:
+    return getattr(user_class, "key", "")
 
 
 @events.init.add_listener
@@ -201,7 +201,7 @@ def _on_init(environment, **_kw) -> None:
     for uc in environment.user_classes:
         key = _class_key(uc)
         if key in weights:
-            uc.weight = max(0, int(round(weights[key] * 100)))  # locust weights are integers
+            uc.weight = max(0, round(weights[key] * 100))  # locust weights are integers
         if uc.weight > 0 and uc.tasks:
             kept.append(uc)
     if not kept:
@@ -401,7 +401,7 @@ class InteractiveChatUser(FerryUser):
             resp.request_meta["response_length"] = nbytes
             if resp.status_code != 200:
                 _fail_http(resp)
-            elif problem:
+            elif problem or ttft is None:  # read_stream names a problem whenever no token came
                 resp.failure(problem)
             else:
                 resp.success()

@@ -4,6 +4,7 @@ offered rate, one line per setting, the recommended cell starred."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from .recommend import setting_key, setting_label
 
@@ -19,8 +20,12 @@ def plot(out: Path, rows: list[dict], slo_ms: float, rec: dict | None, title: st
         by_setting.setdefault(setting_key(r), []).append(r)
     keys = sorted(by_setting)
     cmap = plt.get_cmap("tab20" if len(keys) > 10 else "tab10")
-    styles = {
-        k: dict(color=cmap(i % cmap.N), marker="os^Dv<>ph*"[i % 10], linestyle=["-", "--", ":", "-."][(i // 10) % 4])
+    styles: dict[tuple, dict[str, Any]] = {
+        k: {
+            "color": cmap(i % cmap.N),
+            "marker": "os^Dv<>ph*"[i % 10],
+            "linestyle": ["-", "--", ":", "-."][(i // 10) % 4],
+        }
         for i, k in enumerate(keys)
     }
 
@@ -33,7 +38,7 @@ def plot(out: Path, rows: list[dict], slo_ms: float, rec: dict | None, title: st
                 if x is not None and y is not None
             ]
             if pts:
-                ax.plot(*zip(*pts), label=setting_label(by_setting[k][0]), **styles[k])
+                ax.plot(*zip(*pts, strict=True), label=setting_label(by_setting[k][0]), **styles[k])
         if extra:
             extra(ax)
         if logy:

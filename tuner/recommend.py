@@ -66,9 +66,11 @@ def evidence(rows: list[dict], rec: dict | None, args) -> str:
         rs = sorted(rs, key=lambda r: float(r["rate"]))
         good = [r for r in rs if passes(r, slo, args.max_error_rate)]
         bad = [r for r in rs if not passes(r, slo, args.max_error_rate)]
+        last_good = good[-1] if good else None
         left = (
-            f"{float(good[-1]['rate']):g}/s -> {float(good[-1]['throughput_rps']):.1f}/s p99 {fmt_ms(good[-1]['p99_ms'])}"
-            if good
+            f"{float(last_good['rate']):g}/s -> {float(last_good['throughput_rps']):.1f}/s"
+            f" p99 {fmt_ms(last_good['p99_ms'])}"
+            if last_good
             else "none"
         )
         right = f"{float(bad[0]['rate']):g}/s: {why(bad[0], slo, args.max_error_rate)}" if bad else "none failed"

@@ -90,8 +90,8 @@ def cell_figures(stats: dict[str, dict], report: dict, classes: Iterable[str], s
         good += int(entries.get(SLO_ENTRIES[c], {}).get("within_slo", 0))
         slo_row = stats.get(SLO_ENTRIES[c])
         for key, col in (("p50_ms", "50%"), ("p95_ms", "95%"), ("p99_ms", "99%"), ("max_ms", "Max Response Time")):
-            v = _num(slo_row, col)
-            if v is not None and (worst[key] is None or v > worst[key]):  # the worst class decides
+            v, current = _num(slo_row, col), worst[key]
+            if v is not None and (current is None or v > current):  # the worst class decides
                 worst[key] = v
     unfinished = max(0, scheduled - sent)
     ok = sent - failures
@@ -163,14 +163,12 @@ def run_locust(
         cmd += ["--ferry-embed-model", models["embed"]]
     cmd += shlex.split(args.locust_args)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCUST_", "FERRY_LOAD_"))}
-    log = open(str(prefix) + ".log", "w", encoding="utf-8")
-    try:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
-        rc, err = proc.returncode, ""
-    except subprocess.TimeoutExpired:
-        rc, err = -9, f"locust timed out after {timeout:.0f} s"
-    finally:
-        log.close()
+    with open(str(prefix) + ".log", "w", encoding="utf-8") as log:
+        try:
+            proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
+            rc, err = proc.returncode, ""
+        except subprocess.TimeoutExpired:
+            rc, err = -9, f"locust timed out after {timeout:.0f} s"
     stats, report = {}, {}
     try:
         stats = read_locust_csv(Path(str(prefix) + "_stats.csv"))

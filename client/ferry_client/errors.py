@@ -57,7 +57,7 @@ class FerryError(Exception):
         return (_rebuild_error, (type(self), self.message, dict(self.__dict__)))
 
 
-def _rebuild_error(cls: type, message: str, state: dict) -> FerryError:
+def _rebuild_error(cls: type[FerryError], message: str, state: dict) -> FerryError:
     err = cls.__new__(cls)
     Exception.__init__(err, message)
     err.__dict__.update(state)
@@ -177,7 +177,7 @@ def make_error(
         err = {"message": err if isinstance(err, str) else (default_message or f"HTTP {status}")}
     code, type_ = err.get("code"), err.get("type")
     if status is None:  # an error event inside a stream
-        status = _STATUS_OF_CODE.get(code) or _STATUS_OF_TYPE.get(type_, 500)
+        status = _STATUS_OF_CODE.get(code or "") or _STATUS_OF_TYPE.get(type_ or "", 500)
     prompt_index = err.get("prompt_index")
     return error_class(status)(
         str(err.get("message") or f"HTTP {status}"),

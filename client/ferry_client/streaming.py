@@ -5,7 +5,7 @@ prompt."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Generator, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -48,7 +48,7 @@ class ChatStream(_StreamBase):
         super().__init__(response, assembler, cls)
         self._it = self._events()
 
-    def _events(self) -> Iterator[StreamEvent]:
+    def _events(self) -> Generator[StreamEvent, None, None]:
         sse = SSEDecoder()
         try:
             try:
@@ -94,7 +94,7 @@ class AsyncChatStream(_StreamBase):
         super().__init__(response, assembler, cls)
         self._it = self._events()
 
-    async def _events(self) -> AsyncIterator[StreamEvent]:
+    async def _events(self) -> AsyncGenerator[StreamEvent, None]:
         sse = SSEDecoder()
         try:
             try:

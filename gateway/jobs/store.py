@@ -324,7 +324,8 @@ class Store:
         return [dict(r) for r in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[dict]:
-        q = f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE status IN ({', '.join('?' * len(ACTIVE))}) ORDER BY seq"
+        statuses = ", ".join("?" * len(ACTIVE))
+        q = f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE status IN ({statuses}) ORDER BY seq"
         return [dict(r) for r in self._conn().execute(q, ACTIVE)]
 
     def status_counts(self) -> dict[str, int]:

@@ -25,21 +25,24 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import APIError
-from ..model_loading import CHAT, EMBEDDING
+from ..model_loading import CHAT, EMBEDDING, ModelKind, ServedModel
 from ..request_body import validation_error
-from ..schemas import request_models
-from ..translate.chat import check_generation, generation_work
+from ..schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest, request_models
+from ..translate.chat import GenerationBody, check_generation, generation_work
 from ..translate.embeddings import check_embeddings, embedding_work
 from ..translate.work import Work
 
+if TYPE_CHECKING:
+    from ..state import GatewayState
+
 CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
-ROUTES: dict[str, str] = {CHAT_URL: CHAT, COMPLETIONS_URL: CHAT, EMBEDDINGS_URL: EMBEDDING}  # url -> model kind
+ROUTES: dict[str, ModelKind] = {CHAT_URL: CHAT, COMPLETIONS_URL: CHAT, EMBEDDINGS_URL: EMBEDDING}  # url -> model kind
 ANY_ENDPOINT = "*"  # Ferry extension: lines may use any of ROUTES
 
 MAX_FILE_BYTES = 100 * 1024 * 1024
@@ -113,7 +116,7 @@ class ValidLine:
     body: str  # compact JSON of the request body
 
 
-def validate_file(ferry: Any, content: bytes, endpoint: str) -> tuple[list[ValidLine], list[LineError]]:
+def validate_file(ferry: GatewayState, content: bytes, endpoint: str) -> tuple[list[ValidLine], list[LineError]]:
     """Every line checked; returns the lines, or the errors (never both non-empty)."""
     good: list[ValidLine] = []
     errors: list[LineError] = []
@@ -146,7 +149,7 @@ class _Bad(Exception):
         self.message, self.param, self.code = message, param, code
 
 
-def _check_line(ferry: Any, n: int, raw: str, endpoint: str, seen: dict[str, int]) -> ValidLine:
+def _check_line(ferry: GatewayState, n: int, raw: str, endpoint: str, seen: dict[str, int]) -> ValidLine:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -178,7 +181,7 @@ def _check_line(ferry: Any, n: int, raw: str, endpoint: str, seen: dict[str, int
         raise _Bad("body must be a JSON object", param="body")
     try:
         parsed = parse_body(ferry, url, body)
-        check_body(ferry, url, parsed)
+        check_body(ferry, parsed)
     except APIError as exc:
         if exc.status >= 500:  # not ready / draining: the whole request fails, not this line
             raise
@@ -187,10 +190,15 @@ def _check_line(ferry: Any, n: int, raw: str, endpoint: str, seen: dict[str, int
     return ValidLine(n, cid, url, orjson.dumps(body).decode())
 
 
-def parse_body(ferry: Any, url: str, body: dict) -> BaseModel:
+def parse_body(ferry: GatewayState, url: str, body: dict) -> EmbeddingsRequest | GenerationBody:
     """The route's own request model, with this server's limits."""
     models = request_models(ferry.config)
-    schema = {CHAT_URL: models.chat, COMPLETIONS_URL: models.completions, EMBEDDINGS_URL: models.embeddings}[url]
+    schemas: dict[str, type[EmbeddingsRequest] | type[ChatCompletionRequest] | type[CompletionRequest]] = {
+        CHAT_URL: models.chat,
+        COMPLETIONS_URL: models.completions,
+        EMBEDDINGS_URL: models.embeddings,
+    }
+    schema = schemas[url]
     try:
         parsed = schema.model_validate(body)
     except ValidationError as exc:
@@ -200,24 +208,25 @@ def parse_body(ferry: Any, url: str, body: dict) -> BaseModel:
     return parsed
 
 
-def _served(ferry: Any, url: str, body: Any) -> Any:
-    return ferry.model(body.model, ROUTES[url])  # 404 model_not_found (or 503 while not ready / draining)
+# Each check looks up the model first: 404 model_not_found (or 503 while not ready / draining).
 
 
-def check_body(ferry: Any, url: str, body: Any) -> None:
+def check_body(ferry: GatewayState, body: EmbeddingsRequest | GenerationBody) -> None:
     """The translation layer's tokenizer-free checks (limits, per-prompt lists, known model)."""
-    served = _served(ferry, url, body)
-    if url == EMBEDDINGS_URL:
-        check_embeddings(body, served.engine)
+    if isinstance(body, EmbeddingsRequest):
+        check_embeddings(body, ferry.model(body.model, EMBEDDING).engine)
     else:
+        ferry.model(body.model, CHAT)
         check_generation(body)
 
 
-def prepare(ferry: Any, url: str, body_json: str) -> tuple[Any, Work]:
+def prepare(ferry: GatewayState, url: str, body_json: str) -> tuple[ServedModel[Any], Work]:
     """The line's served model and its work, translated as the route would translate it.
     Runs on the event loop, like the routes (tokenizers are not shared across threads).
     Raises APIError for a line that fails as a direct request would."""
     body = parse_body(ferry, url, orjson.loads(body_json))
-    served = _served(ferry, url, body)
-    translate = embedding_work if url == EMBEDDINGS_URL else generation_work
-    return served, translate(body, served.engine, ferry.config)
+    if isinstance(body, EmbeddingsRequest):
+        embedder = ferry.model(body.model, EMBEDDING)
+        return embedder, embedding_work(body, embedder.engine, ferry.config)
+    generator = ferry.model(body.model, CHAT)
+    return generator, generation_work(body, generator.engine, ferry.config)

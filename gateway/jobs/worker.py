@@ -27,19 +27,23 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from batcher.errors import BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, QueueFull, ShuttingDown
+from batcher.queueing import QueueingBatcher
 from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
-from ..model_loading import CHAT
+from ..model_loading import CHAT, ServedModel
 from ..responses import json_bytes, json_response
 from . import store as st
 from .metrics import JobMetrics
 from .validate import MAX_REPORTED, BatchCreate, LineError, check_create, prepare, validate_file
+
+if TYPE_CHECKING:
+    from ..state import GatewayState
 
 log = logging.getLogger("ferry.jobs")
 
@@ -78,7 +82,7 @@ class InvalidFile(APIError):
 @dataclass(eq=False)
 class LineRun:
     line: int
-    batcher: Any = None
+    batcher: QueueingBatcher | None = None
     items: list[WorkItem] = field(default_factory=list)
     task: asyncio.Task | None = None
 
@@ -112,7 +116,7 @@ class Share:
         self.changed = asyncio.Event()
 
     @staticmethod
-    def limit(served: Any) -> int:
+    def limit(served: ServedModel[Any]) -> int:
         s = served.batcher.settings
         if served.kind == CHAT:
             return max(1, int(s.max_running * GEN_SHARE))
@@ -124,7 +128,7 @@ class Share:
 
 
 class BatchJobWorker:
-    def __init__(self, ferry: Any, *, in_flight: int = LINES_IN_FLIGHT):
+    def __init__(self, ferry: GatewayState, *, in_flight: int = LINES_IN_FLIGHT):
         self.ferry = ferry
         self.store = st.Store(ferry.config.data_dir)
         self.metrics = JobMetrics(ferry.metrics)
@@ -246,12 +250,14 @@ class BatchJobWorker:
             )
         self._check_ready()
         content = await self.store.read(self.store.file_content, body.input_file_id)
+        if content is None:  # deleted since the check above
+            raise APIError(404, f"No such file: {body.input_file_id}", code="file_not_found", param="input_file_id")
         good, errors = await asyncio.to_thread(validate_file, self.ferry, content, body.endpoint)
         if errors:
             raise InvalidFile(body.input_file_id, errors)
         self._check_ready()
         now = time.time()
-        row = {
+        row: dict[str, Any] = {
             "id": "batch_" + uuid.uuid4().hex,
             "input_file_id": body.input_file_id,
             "endpoint": body.endpoint,
@@ -492,17 +498,17 @@ class BatchJobWorker:
                     delay = min(delay * 2, RETRY_MAX)
                 except ShuttingDown:
                     return None
-            results, exc = await _gather(batcher, run.items)
+            outcome = await _gather(batcher, run.items)
         finally:
             share.release(n)
-        if exc is None:
-            return st.COMPLETED, self._record(job, row, rid, 200, work.response(results))
-        if isinstance(exc, (Cancelled, ShuttingDown, DeadlineExceeded)):
+        if not isinstance(outcome, BaseException):
+            return st.COMPLETED, self._record(job, row, rid, 200, work.response(outcome))
+        if isinstance(outcome, (Cancelled, ShuttingDown, DeadlineExceeded)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
         err = (
-            APIError.from_batching(exc)
-            if isinstance(exc, BatchingError)
-            else APIError(500, f"{type(exc).__name__}: {exc}")
+            APIError.from_batching(outcome)
+            if isinstance(outcome, BatchingError)
+            else APIError(500, f"{type(outcome).__name__}: {outcome}")
         )
         return st.FAILED, self._record(
             job, row, rid, err.status, error_body(err.status, err.message, err.code, err.param)
@@ -546,7 +552,7 @@ class BatchJobWorker:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
-            for (_, fut), ok in zip(pending, flags):
+            for (_, fut), ok in zip(pending, flags, strict=True):
                 if not fut.done():
                     fut.set_result(ok)
 
@@ -561,9 +567,9 @@ async def _first(*aws: Any) -> None:
             t.cancel()
 
 
-async def _gather(batcher: Any, items: list[WorkItem]) -> tuple[list[Any] | None, BaseException | None]:
+async def _gather(batcher: QueueingBatcher, items: list[WorkItem]) -> list[Any] | BaseException:
     """Results in order, or the first failure (the line's other items are then cancelled)."""
-    futs = [i.future for i in items]
+    futs = [i.result_future for i in items]
     try:
         await asyncio.wait(futs, return_when=asyncio.FIRST_EXCEPTION)
     except asyncio.CancelledError:
@@ -572,10 +578,10 @@ async def _gather(batcher: Any, items: list[WorkItem]) -> tuple[list[Any] | None
         raise
     first = next((f.exception() for f in futs if f.done() and not f.cancelled() and f.exception() is not None), None)
     if first is None:
-        return [f.result() for f in futs], None
+        return [f.result() for f in futs]
     for item in items:
         batcher.cancel(item)
     for f in futs:  # mark every exception retrieved
         if f.done() and not f.cancelled():
             f.exception()
-    return None, first
+    return first

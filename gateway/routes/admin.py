@@ -22,6 +22,7 @@ from ..errors import APIError
 from ..request_body import parse
 from ..responses import json_response
 from ..schemas import Integral, Strict
+from ..state import gateway_state
 
 log = logging.getLogger("ferry.admin")
 KNOBS = knobs(BatchingSettings)
@@ -53,6 +54,9 @@ def _patch_field(k: Knob) -> tuple[Any, Any]:
 
 
 _NULLABLE = [k for k in KNOBS if k.live and k.nullable]
+# Typed as Any: mypy checks a ** argument against create_model's own keyword parameters too.
+_PATCH_FIELDS: dict[str, Any] = {k.name: _patch_field(k) for k in KNOBS if k.live}
+_OUT_FIELDS: dict[str, Any] = {k.name: (k.annotation, Field(..., description=_describe(k, True))) for k in KNOBS}
 BatchingPatch = create_model(
     "BatchingPatch",
     __base__=Strict,
@@ -60,20 +64,20 @@ BatchingPatch = create_model(
     __doc__="Only the fields sent change. "
     + " and ".join(f"`{k.name}`" for k in _NULLABLE)
     + f" may be null ({', '.join(k.null or 'none' for k in _NULLABLE)}); the others may not.",
-    **{k.name: _patch_field(k) for k in KNOBS if k.live},
+    **_PATCH_FIELDS,
 )
 BatchingSettingsOut = create_model(
     "BatchingSettingsOut",
     __base__=BaseModel,
     __module__=__name__,
     __doc__="Every batching setting of the model; the GET also gives the fitted cost models.",
-    **{k.name: (k.annotation, Field(..., description=_describe(k, True))) for k in KNOBS},
+    **_OUT_FIELDS,
     cost_model=(dict[str, Any] | None, Field(None, description="The fitted cost model of each phase (GET only).")),
 )
 
 
 def _authorize(request: Request):
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     token = ferry.config.admin_token
     if not token:
         raise APIError(404, "Not Found", code="not_found")

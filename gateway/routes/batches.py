@@ -5,7 +5,7 @@ Handlers parse HTTP and render OpenAI objects; `gateway.jobs.BatchJobWorker` doe
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import orjson
@@ -17,9 +17,11 @@ from starlette.routing import Route
 
 from ..endpoint import Ctx, endpoint, route
 from ..errors import APIError
+from ..jobs import BatchJobWorker
 from ..jobs.validate import MAX_FILE_BYTES, BatchCreate
 from ..request_body import parse, read_body
 from ..responses import json_response
+from ..state import gateway_state
 
 PURPOSES = ("batch",)
 
@@ -67,8 +69,10 @@ def batch_object(row: dict) -> dict:
     return out
 
 
-def _jobs(request: Request):
-    return request.app.state.ferry.jobs
+def _jobs(request: Request) -> BatchJobWorker:
+    jobs = gateway_state(request).jobs
+    assert jobs is not None, "create_app gives every gateway its batch job worker"
+    return jobs
 
 
 # -- files ---------------------------------------------------------------------------------
@@ -107,7 +111,7 @@ async def create_file(request: Request, ctx: Ctx) -> Response:
     return json_response(file_object(row))
 
 
-async def _limited(request: Request, limit: int) -> AsyncIterator[bytes]:
+async def _limited(request: Request, limit: int) -> AsyncGenerator[bytes, None]:
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -154,7 +158,7 @@ async def file_content(request: Request, ctx: Ctx) -> Response:
 
 # -- batches -------------------------------------------------------------------------------
 async def create_batch(request: Request, ctx: Ctx) -> Response:
-    body = await parse(request, BatchCreate, request.app.state.ferry.config.max_body_bytes)
+    body = await parse(request, BatchCreate, gateway_state(request).config.max_body_bytes)
     return json_response(batch_object(await _jobs(request).create(body)))
 
 

@@ -4,28 +4,33 @@ submit, then answer with one JSON body or stream the deltas as server-sent event
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from batcher.errors import BatchingError
 from batcher.types import Delta, WorkItem
+from engine.base import GenerationEngine
 
 from ..endpoint import Ctx, finish
 from ..errors import APIError
-from ..model_loading import CHAT
+from ..model_loading import CHAT, ServedModel
 from ..request_body import parse
 from ..responses import json_bytes, json_response
 from ..schemas import request_models
+from ..state import gateway_state
 from ..submission import cancel_all, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages
 
 
 async def chat_completions(request: Request, ctx: Ctx):
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     body = await parse(request, request_models(ferry.config).chat, ferry.config.max_body_bytes)
     served = ferry.model(body.model, CHAT)
     ctx.model = served.name
@@ -35,7 +40,7 @@ async def chat_completions(request: Request, ctx: Ctx):
 
 
 async def completions(request: Request, ctx: Ctx):
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     body = await parse(request, request_models(ferry.config).completions, ferry.config.max_body_bytes)
     served = ferry.model(body.model, CHAT)
     ctx.model = served.name
@@ -44,8 +49,8 @@ async def completions(request: Request, ctx: Ctx):
     return await _generate(request, ctx, served, body)
 
 
-async def _generate(request: Request, ctx: Ctx, served: Any, body: GenerationBody):
-    ferry = request.app.state.ferry
+async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEngine], body: GenerationBody):
+    ferry = gateway_state(request)
     work = generation_work(body, served.engine, ferry.config)
     budget, priority = scheduling(request, body)
     if body.stream:
@@ -108,23 +113,28 @@ class EventStream(StreamingResponse):
     """SSE response whose clean-up runs however it ends, even when the client leaves before
     the first byte: then the generator never starts and its own `finally` never runs."""
 
-    def __init__(self, gen: Any, on_close: Any):
+    def __init__(self, gen: AsyncGenerator[bytes, None], on_close: Callable[[], None]):
         super().__init__(
             gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
+        self._gen = gen
         self._on_close = on_close
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
+            await self._gen.aclose()
             self._on_close()
 
 
 async def _stream(
-    work: GenerationWork, items: list[WorkItem], deltas: asyncio.Queue, include_usage: bool, state: StreamState
-):
+    work: GenerationWork,
+    items: list[WorkItem],
+    deltas: asyncio.Queue[Delta | WorkItem],
+    include_usage: bool,
+    state: StreamState,
+) -> AsyncGenerator[bytes, None]:
     chunks = StreamChunks(work)
     index_of = {item.id: k for k, item in enumerate(items)}
     open_items = state.open = {item.id for item in items}
@@ -138,7 +148,7 @@ async def _stream(
         deltas.put_nowait(item)
 
     for item in items:
-        item.future.add_done_callback(lambda f, item=item: ended(f, item))
+        item.result_future.add_done_callback(functools.partial(ended, item=item))
     while open_items:
         events = [await deltas.get()]
         while not deltas.empty():  # whatever else is already here goes out in one write
@@ -153,7 +163,7 @@ async def _stream(
                 continue
             if ev.id not in open_items:
                 continue
-            exc = ev.future.exception()
+            exc = ev.result_future.exception()
             if exc is None:  # cannot happen: a result always follows a final delta
                 continue
             open_items.discard(ev.id)

@@ -9,12 +9,13 @@ from ..model_loading import EMBEDDING
 from ..request_body import parse
 from ..responses import json_response
 from ..schemas import request_models
+from ..state import gateway_state
 from ..submission import scheduling, submit, timing_headers, wait_items
 from ..translate.embeddings import embedding_work
 
 
 async def create_embeddings(request: Request, ctx: Ctx):
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     cfg = ferry.config
     body = await parse(request, request_models(cfg).embeddings, cfg.max_body_bytes)
     served = ferry.model(body.model, EMBEDDING)

@@ -9,6 +9,7 @@ from starlette.responses import Response
 from ..endpoint import Ctx
 from ..errors import APIError
 from ..responses import json_response
+from ..state import gateway_state
 
 
 async def healthz(request: Request) -> Response:
@@ -16,7 +17,7 @@ async def healthz(request: Request) -> Response:
 
 
 async def readyz(request: Request) -> Response:
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     if ferry.draining:
         return json_response({"status": "draining"}, 503, {"Retry-After": "1", "Connection": "close"})
     if not ferry.ready:
@@ -29,7 +30,7 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    registry = request.app.state.ferry.metrics.registry
+    registry = gateway_state(request).metrics.registry
     return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -38,12 +39,12 @@ def _model_card(m) -> dict:
 
 
 async def list_models(request: Request, ctx: Ctx) -> Response:
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     return json_response({"object": "list", "data": [_model_card(m) for m in ferry.models.values()]})
 
 
 async def get_model(request: Request, ctx: Ctx) -> Response:
-    ferry = request.app.state.ferry
+    ferry = gateway_state(request)
     name = request.path_params["model"]
     m = ferry.models.get(name)
     if m is None:

@@ -13,13 +13,16 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from batcher.types import GenRequest
-from engine.base import ChatTemplateError, SamplingParams
+from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
 
 from ..errors import APIError, error_body
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
+
+if TYPE_CHECKING:
+    from ..config import ServerConfig
 
 GenerationBody = ChatCompletionRequest | CompletionRequest
 
@@ -54,7 +57,7 @@ class GenerationWork:
 
     def __post_init__(self) -> None:
         self.payloads, self.prompt_index = [], []
-        for p, (ids, sp) in enumerate(zip(self.prompts, self.params)):
+        for p, (ids, sp) in enumerate(zip(self.prompts, self.params, strict=True)):
             for j in range(self.n):
                 # Candidates of one seeded prompt differ from each other, reproducibly.
                 seed = None if sp.seed is None else sp.seed + j
@@ -70,7 +73,7 @@ class GenerationWork:
     def response(self, results: list[Any]) -> dict[str, Any]:
         """The non-streaming body: one choice per item, in item order."""
         choices = []
-        for k, (prompt_index, r) in enumerate(zip(self.prompt_index, results)):
+        for k, (prompt_index, r) in enumerate(zip(self.prompt_index, results, strict=True)):
             choice: dict[str, Any] = {"index": k, "prompt_index": prompt_index}
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": r.text}
@@ -152,7 +155,7 @@ def response_id(chat: bool) -> str:
 
 
 # -- from request to work --------------------------------------------------------------------
-def generation_work(body: GenerationBody, engine: Any, cfg: Any) -> GenerationWork:
+def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerConfig) -> GenerationWork:
     """Tokenize the prompts and settle each one's parameters. Every refusal
     (chat_template_error, prompt_count_mismatch, context_length_exceeded) comes before
     anything is queued."""
@@ -173,7 +176,7 @@ def template_messages(conversation: list[ChatMessage]) -> list[dict[str, str]]:
     return [{"role": m.role, "content": m.text()} for m in conversation]
 
 
-def encode_prompts(body: GenerationBody, engine: Any) -> list[list[int]]:
+def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[int]]:
     """Token ids per prompt: conversations through the model's chat template, completion
     prompts as they are. A conversation the template refuses is the client's error (422
     naming the prompt and quoting the template)."""
@@ -195,7 +198,9 @@ def encode_prompts(body: GenerationBody, engine: Any) -> list[list[int]]:
     return prompts
 
 
-def sampling_params(body: GenerationBody, prompts: list[list[int]], engine: Any, cfg: Any) -> list[SamplingParams]:
+def sampling_params(
+    body: GenerationBody, prompts: list[list[int]], engine: GenerationEngine, cfg: ServerConfig
+) -> list[SamplingParams]:
     """Each prompt checked against the context, and its max tokens settled: the request's,
     else the route's default, never more than the context leaves."""
     requested = prompt_params(body, len(prompts))
@@ -204,7 +209,7 @@ def sampling_params(body: GenerationBody, prompts: list[list[int]], engine: Any,
     context = engine.max_context
     limit_prompt = min(context - 1, cfg.max_prompt_tokens or context)
     params = []
-    for i, (ids, req) in enumerate(zip(prompts, requested)):
+    for i, (ids, req) in enumerate(zip(prompts, requested, strict=True)):
         if len(ids) > limit_prompt:
             raise APIError(
                 422,
@@ -235,7 +240,7 @@ def prompt_params(body: GenerationBody, n: int) -> list[PromptParams]:
         per_prompt("seed", body.seed, n, None),
         stops_per_prompt(body.stop, n),
     )
-    return [PromptParams(*row) for row in zip(*columns)]
+    return [PromptParams(*row) for row in zip(*columns, strict=True)]
 
 
 def stops_per_prompt(stop: Any, n: int) -> list[list[str]]:

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import base64
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..errors import APIError
 from ..schemas import EmbeddingsRequest
+
+if TYPE_CHECKING:
+    from engine.base import EmbeddingEngine
+
+    from ..config import ServerConfig
 
 
 @dataclass
@@ -41,7 +46,7 @@ class EmbeddingWork:
         }
 
 
-def check_embeddings(body: EmbeddingsRequest, engine: Any) -> None:
+def check_embeddings(body: EmbeddingsRequest, engine: EmbeddingEngine) -> None:
     """The checks that need the model but no tokenizer (batch files are validated with
     them); the request model has checked the number of inputs."""
     dim = engine.dim
@@ -54,7 +59,7 @@ def check_embeddings(body: EmbeddingsRequest, engine: Any) -> None:
         )
 
 
-def embedding_work(body: EmbeddingsRequest, engine: Any, cfg: Any) -> EmbeddingWork:
+def embedding_work(body: EmbeddingsRequest, engine: EmbeddingEngine, cfg: ServerConfig) -> EmbeddingWork:
     """Check and tokenize every input (the engine truncates to its own max length);
     an input still over `--max-prompt-tokens` is refused."""
     check_embeddings(body, engine)

@@ -14,6 +14,7 @@ tests/batcher/conftest.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -237,10 +238,8 @@ async def burst_after(r: Rig, past, idle: float, new_size: int | None, n: int, b
     await b.start()
     for gap, count, bud, prio in past:
         await r.clock.advance(gap)
-        try:
+        with contextlib.suppress(BatchingError):
             b.submit_many(list(range(count)), budget=bud, priority=prio)
-        except BatchingError:
-            pass
     await r.clock.run_until_idle()
     await r.clock.advance(idle)
     if new_size is not None:
@@ -269,7 +268,7 @@ def test_a_burst_the_engine_can_serve_is_admitted_in_full_after_any_history(past
     r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=10_000, default_budget_ms=None)
     n = 4 * (new_size or size)
     budget = n * cost(1) * slack + 2 * MARGIN
-    start, items, refused, finished, expired = run(burst_after(r, past, idle, new_size, n, budget))
+    start, _items, refused, finished, expired = run(burst_after(r, past, idle, new_size, n, budget))
     assert refused == 0, "a burst that the engine serves within its budget was refused"
     assert len(finished) == n and not expired
     for t, payloads in r.engine.runs:
@@ -292,7 +291,7 @@ def test_a_burst_the_engine_cannot_serve_is_refused_at_once_not_left_to_expire(p
     n = 4 * size
     fastest = math.ceil(n / size) * cost(size)
     budget = fastest * fraction
-    start, items, refused, finished, expired = run(burst_after(r, past, idle, None, n, budget))
+    _start, items, refused, finished, expired = run(burst_after(r, past, idle, None, n, budget))
     assert refused >= 1 and refused + len(items) == n
     assert not expired, "admitted, then expired: admission should have refused it at once"
     assert len(finished) == len(items)
@@ -364,7 +363,7 @@ def test_interactive_first_no_interactive_request_is_refused_or_late_whatever_ba
         default_budget_ms=None,
         interactive_first=True,
     )
-    interactive, refused, batch_items, batch_refused = run(mixed(r, gaps, waves, budget))
+    interactive, refused, batch_items, _batch_refused = run(mixed(r, gaps, waves, budget))
     assert refused == 0, "an interactive request was refused while batch-class work was served"
     done_at = {}
     for t, payloads in r.engine.runs:
@@ -392,11 +391,10 @@ def test_total_throughput_first_lets_batch_class_load_size_batches():
         )
         b = r.batcher
         await b.start()
-        for k in range(40):  # one second: an interactive request and 10 batch-class items (1 s budget) a tick
-            try:
+        for _k in range(40):  # one second: an interactive request and 10 batch-class items (1 s budget) a tick
+            # Throughput first: no room left for it, refused at once.
+            with contextlib.suppress(BatchingError):
                 b.submit("i", budget=budget)
-            except BatchingError:
-                pass  # throughput first: no room left for it, refused at once
             for _ in range(10):
                 b.submit("b", budget=1.0, priority=Priority.BATCH)
             await r.clock.advance(tick)

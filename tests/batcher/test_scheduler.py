@@ -63,13 +63,13 @@ async def _exercise(mode: str):
     await r.clock.advance(0.001)  # the group of three is prefilled: iteration 1
     d = r.submit(4)  # just after them
     await r.clock.run_until_idle()
-    results = {k: i.future.result() for k, i in zip("abcd", (a, b, c, d))}
+    results = {k: i.future.result() for k, i in zip("abcd", (a, b, c, d), strict=True)}
     await r.sched.stop()
     return r, (a, b, c, d), results
 
 
 def test_static_batching_makes_the_fourth_request_wait_for_the_whole_group():
-    r, (a, b, c, d), results = run(_exercise("static"))
+    r, (_a, _b, c, d), results = run(_exercise("static"))
     assert [results[k].completion_tokens for k in "abc"] == [2, 5, 8]
     assert all(results[k].finish_reason == "length" for k in "abcd")
     assert r.finished_at(c) == 8
@@ -79,7 +79,7 @@ def test_static_batching_makes_the_fourth_request_wait_for_the_whole_group():
 
 
 def test_continuous_batching_lets_the_fourth_join_when_the_first_finishes():
-    r, (a, b, c, d), results = run(_exercise("continuous"))
+    r, (a, _b, _c, d), results = run(_exercise("continuous"))
     assert [results[k].completion_tokens for k in "abcd"] == [2, 5, 8, 4]
     assert r.finished_at(a) == 2
     assert r.admitted_at(d) == 3  # the slot freed by the first request

@@ -261,10 +261,12 @@ def test_retry_honours_retry_after_of_a_full_queue(fake_server_factory):
 
         # A Retry-After beyond max_retry_wait is never retried early.
         attempts: list[tuple[int, str, float]] = []
-        record = lambda attempt, e, delay: attempts.append((attempt, e.code, delay))  # noqa: E731
-        with FerryClient(s.url, retries=3, max_retry_wait=0.5, on_retry=record) as c:
-            with pytest.raises(RateLimited):
-                c.embed(EMBED, "refused")
+
+        def record(attempt: int, e: RateLimited, delay: float) -> None:
+            attempts.append((attempt, e.code, delay))
+
+        with FerryClient(s.url, retries=3, max_retry_wait=0.5, on_retry=record) as c, pytest.raises(RateLimited):
+            c.embed(EMBED, "refused")
         assert attempts == []
 
         # With retries: wait what Retry-After says (the wait is replaced by opening the gate).
@@ -306,9 +308,11 @@ def test_no_retry_without_opt_in_or_on_client_errors(client):
     client.on_retry = lambda *a: calls.append(a)
     with pytest.raises(UnprocessableEntity):
         client.chat(CHAT, [CONV_A], max_tokens=[1, 2])
-    with FerryClient(client.base_url, retries=5, on_retry=lambda *a: calls.append(a)) as c:
-        with pytest.raises(UnprocessableEntity):
-            c.chat(CHAT, [CONV_A], max_tokens=[1, 2])
+    with (
+        FerryClient(client.base_url, retries=5, on_retry=lambda *a: calls.append(a)) as c,
+        pytest.raises(UnprocessableEntity),
+    ):
+        c.chat(CHAT, [CONV_A], max_tokens=[1, 2])
     assert calls == []
 
 

@@ -19,7 +19,7 @@ from engine.sampling import SequenceSampler, make_generator, sample_next_tokens
 
 pytestmark = pytest.mark.model
 
-SEEDED = dict(temperature=0.8, top_p=0.9, seed=7)
+SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 7}
 
 
 class Transcript:
@@ -353,7 +353,7 @@ def test_churn_through_compaction_and_growth_keeps_every_row_exact(engine, promp
             solo[key] = run_alone(engine, prompt, max_tokens=48, temperature=0).tokens[1]
         return solo[key][:max_tokens]
 
-    for prompt in pool + [wide]:
+    for prompt in [*pool, wide]:
         expected(prompt, 1)
     engine._batch = RunningBatch(engine.max_running)  # fresh buffers, sized by short prompts
     transcript, asked, cancelled = Transcript(), {}, set()

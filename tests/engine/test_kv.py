@@ -45,7 +45,7 @@ def decode(batch: RunningBatch[int], lengths: dict[int, int]) -> None:
 
 def assert_rows_exact(batch: RunningBatch[int], lengths: dict[int, int]) -> None:
     assert sorted(batch.seqs) == sorted(lengths)
-    if batch.mask is None:  # nothing admitted yet
+    if batch.cache is None:  # nothing admitted yet
         return
     cols = slice(batch.start, batch.end)
     for row, seq in enumerate(batch.seqs):

@@ -177,7 +177,7 @@ def test_embedded_with_the_real_default_models():
         client = ferry.client()
         vectors = client.embed("sentence-transformers/all-MiniLM-L6-v2", ["hello ferry", "goodbye ferry"], numpy=True)
         assert vectors.shape == (2, 384)
-        a, b = client.chat("ferry-tiny-chat", [CONV, CONV], temperature=0.0, max_completion_tokens=[1, 4])
+        a, _b = client.chat("ferry-tiny-chat", [CONV, CONV], temperature=0.0, max_completion_tokens=[1, 4])
         assert a.usage.completion_tokens <= 5 and a.finish_reason in ("length", "stop")
         port = ferry.port
     assert new_threads(threads) == []

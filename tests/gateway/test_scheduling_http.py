@@ -75,7 +75,7 @@ def test_deadline_passing_in_the_queue_gives_504(fake_server_factory):
             late = await c.post("/v1/embeddings", json={**EMB, "latency_budget_ms": 40})
             return late, await busy
 
-    late, busy = asyncio.run(scenario())
+    late, _busy = asyncio.run(scenario())
     assert late.status_code == 504 and late.json()["error"]["code"] == "deadline_exceeded"
     assert engine.calls == [1]  # the expired item never reached the engine
     assert (

@@ -63,7 +63,7 @@ def test_mixed_job_matches_direct_requests(jobs_server):
 
 def test_whole_file_is_validated_and_bad_lines_are_named(jobs_server):
     embed, chat = FakeEmbeddingEngine(), FakeGenerationEngine()
-    s, api = jobs_server(embed, chat)
+    _s, api = jobs_server(embed, chat)
     good = chat_line("ok-1", "fine")
     lines = [
         good,  # 1
@@ -103,7 +103,7 @@ def test_whole_file_is_validated_and_bad_lines_are_named(jobs_server):
 
 
 def test_request_level_errors(jobs_server):
-    s, api = jobs_server()
+    _s, api = jobs_server()
     h = api.http
     assert h.post("/v1/files", files={"file": ("a.jsonl", b"x\n")}, data={"purpose": "fine-tune"}).status_code == 422
     assert h.post("/v1/files", data={"purpose": "batch"}).status_code == 422
@@ -129,7 +129,7 @@ def test_request_level_errors(jobs_server):
 
 
 def test_list_is_newest_first_and_paginated(jobs_server):
-    s, api = jobs_server()
+    _s, api = jobs_server()
     ids = [api.create([embed_line("a", f"x{i}")])["id"] for i in range(3)]
     page = api.http.get("/v1/batches", params={"limit": 2}).json()
     assert page["object"] == "list" and [b["id"] for b in page["data"]] == ids[::-1][:2] and page["has_more"]
@@ -140,7 +140,7 @@ def test_list_is_newest_first_and_paginated(jobs_server):
 
 def test_cancel_mid_job_computes_nothing_more(jobs_server):
     embed = FakeEmbeddingEngine(fixed=0.05)
-    s, api = jobs_server(embed, max_batch_size=2)
+    _s, api = jobs_server(embed, max_batch_size=2)
     lines = [embed_line(f"l{i}", f"text {i}") for i in range(40)]
     batch = api.create(lines, endpoint="/v1/embeddings")
     api.wait(batch["id"], lambda b: b["request_counts"]["completed"] >= 2)
@@ -168,7 +168,7 @@ def test_cancel_mid_job_computes_nothing_more(jobs_server):
 
 def test_completion_window_expires_with_partial_results(jobs_server):
     embed = FakeEmbeddingEngine(fixed=0.1)
-    s, api = jobs_server(embed, max_batch_size=1)
+    _s, api = jobs_server(embed, max_batch_size=1)
     lines = [embed_line(f"l{i}", f"text {i}") for i in range(30)]
     batch = api.create(lines, window="1s")
     assert batch["expires_at"] - batch["created_at"] in (0, 1, 2)
@@ -205,11 +205,12 @@ def test_graceful_restart_resumes_without_rerunning(fake_server_factory, tmp_pat
 def test_metrics_and_openai_client(jobs_server, tmp_path):
     import openai
 
-    s, api = jobs_server()
+    s, _api = jobs_server()
     client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
     path = tmp_path / "in.jsonl"
     path.write_bytes(jsonl([embed_line(f"e{i}", f"words {i}") for i in range(5)]))
-    f = client.files.create(file=open(path, "rb"), purpose="batch")
+    with open(path, "rb") as upload:
+        f = client.files.create(file=upload, purpose="batch")
     assert f.object == "file" and f.purpose == "batch" and f.bytes == path.stat().st_size
     b = client.batches.create(
         input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h", metadata={"team": "evals"}
@@ -234,7 +235,7 @@ def test_metrics_and_openai_client(jobs_server, tmp_path):
 
 def test_batch_work_leaves_running_slots_for_interactive_prompts(jobs_server):
     chat = FakeGenerationEngine(step_delay=0.002)
-    s, api = jobs_server(chat=chat, max_running=4)
+    _s, api = jobs_server(chat=chat, max_running=4)
     done = api.wait(api.create([chat_line(f"c{i}", f"prompt {i}", max_tokens=6) for i in range(12)])["id"])
     assert done["request_counts"]["completed"] == 12
     # Batch sequences never held more than half of max_running at once.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import random
 
 from prometheus_client import CollectorRegistry
@@ -71,7 +72,7 @@ def test_batch_job_fills_capacity_while_interactive_budgets_hold():
                 item.future.exception()
         return b, interactive, job_items, engine, registry
 
-    b, interactive, job_items, engine, registry = asyncio.run(scenario())
+    _b, interactive, job_items, engine, registry = asyncio.run(scenario())
 
     # Every interactive request was served, within its budget (the batcher's own SLO count).
     assert len(interactive) > 400
@@ -91,4 +92,4 @@ def test_batch_job_fills_capacity_while_interactive_budgets_hold():
     assert done > 600
     assert all(len(p) == SIZE for _, p in engine.runs[1:])  # the first left at once, alone: the engine was idle
     starts = [t for t, _ in engine.runs]
-    assert all(b_ - a <= batch_time(SIZE) + 1e-9 for a, b_ in zip(starts, starts[1:]))
+    assert all(b_ - a <= batch_time(SIZE) + 1e-9 for a, b_ in itertools.pairwise(starts))

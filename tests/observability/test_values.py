@@ -87,7 +87,7 @@ def test_micro_batcher_metrics_after_a_known_sequence():
         await b.stop()
         return registry, engine, first, late, ok
 
-    registry, engine, first, late, ok = asyncio.run(scenario())
+    registry, engine, _first, late, ok = asyncio.run(scenario())
     v = Reader(registry)
     assert [p for _, p in engine.runs] == [["a", "b", "c", "bad"], ["e", "f"], ["j"]]
     assert v("ferry_batches_total", model="m", reason="full") == 1

@@ -88,7 +88,10 @@ CASES = [
     ),
     (
         C,
-        b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]], "seed": [1]}',
+        (
+            b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "a"}], '
+            b'[{"role": "user", "content": "b"}]], "seed": [1]}'
+        ),
         422,
         "prompt_count_mismatch",
         "seed",
@@ -119,7 +122,10 @@ CASES = [
     ),
     (
         C,
-        b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "x"}], [{"role": "developer", "content": "x"}]]}',
+        (
+            b'{"model": "fake-chat", "messages": [[{"role": "user", "content": "x"}], '
+            b'[{"role": "developer", "content": "x"}]]}'
+        ),
         422,
         "chat_template_error",
         "messages.1",

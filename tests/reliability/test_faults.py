@@ -23,7 +23,7 @@ def test_mixed_faults_fail_only_what_they_touched(fake_server_factory):
     s = fake_server_factory(embed=engine, max_batch_size=4, max_wait_ms=20, policy="fixed")
     texts = [f"fine {i}" for i in range(12)] + ["FAIL_ITEM one", "FAIL_ITEM two", "OOM here"]
     rs = asyncio.run(_fire(s.url, texts))
-    by_text = dict(zip(texts, rs))
+    by_text = dict(zip(texts, rs, strict=True))
     assert all(by_text[f"fine {i}"].status_code == 200 for i in range(12))
     assert [by_text[t].status_code for t in texts[12:]] == [500, 500, 500]
     outcomes = s.ferry.models[MODEL].batcher.outcomes

@@ -38,9 +38,9 @@ CONVS = [[{"role": "user", "content": "a"}], [{"role": "system", "content": "s"}
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory):
-    with live(fake_app(data_dir=str(tmp_path_factory.mktemp("jobs")))) as server:
-        with httpx.Client(base_url=server.url, timeout=30) as client:
-            yield client
+    app = fake_app(data_dir=str(tmp_path_factory.mktemp("jobs")))
+    with live(app) as server, httpx.Client(base_url=server.url, timeout=30) as client:
+        yield client
 
 
 def strict(model, raw):

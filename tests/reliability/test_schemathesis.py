@@ -4,7 +4,8 @@ phases, against a real uvicorn with fake engines; then a stateful run over the b
 alone, which follows the OpenAPI links from uploaded files to real batches.
 
 Fixed seed and case count in CI; a long local run:
-    FERRY_FUZZ_EXAMPLES=1000 FERRY_FUZZ_SEED=random .venv/bin/python -m pytest -q -s tests/reliability/test_schemathesis.py
+    FERRY_FUZZ_EXAMPLES=1000 FERRY_FUZZ_SEED=random .venv/bin/python -m pytest -q -s \\
+        tests/reliability/test_schemathesis.py
 
 `positive_data_acceptance` runs through tests/reliability/fuzz_hooks.py, which exempts only
 the refusals JSON Schema cannot state, and which gives the fuzzer valid batch input files."""

@@ -125,11 +125,13 @@ def test_client_disconnect_mid_stream_cancels_the_sequence(fake_server_factory):
     body = {"model": "fake-chat", "messages": CONV_A, "max_tokens": 400, "stream": True}
 
     async def leave_early():
-        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
-            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        break  # got a token; hang up
+        async with (
+            httpx.AsyncClient(base_url=s.url, timeout=30) as c,
+            c.stream("POST", "/v1/chat/completions", json=body) as r,
+        ):
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    break  # got a token; hang up
 
     asyncio.run(leave_early())
     registry = s.ferry.metrics.registry

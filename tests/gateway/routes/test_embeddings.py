@@ -26,7 +26,7 @@ def test_list_input_keeps_order_and_usage(fake_server_factory):
     assert r.status_code == 200, r.text
     body = r.json()
     assert [d["index"] for d in body["data"]] == [0, 1, 2]
-    for d, t in zip(body["data"], texts):
+    for d, t in zip(body["data"], texts, strict=True):
         np.testing.assert_allclose(d["embedding"], fake_vector(t, 8), rtol=1e-6)
     assert body["usage"] == {"prompt_tokens": 3 + 4 + 5, "total_tokens": 12}
     assert body["model"] == "fake-embed" and body["object"] == "list"
