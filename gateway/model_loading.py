@@ -85,7 +85,7 @@ def fake_specs_from_env() -> list[ModelSpec]:
 
     class LoggedEmbed(FakeEmbeddingEngine):
         def embed(self, batch):
-            record("embed", [self._texts.get(tuple(ids), "") for ids in batch])
+            record("embed", [self.text_of(ids) for ids in batch])
             return super().embed(batch)
 
     class LoggedChat(FakeGenerationEngine):
