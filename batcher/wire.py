@@ -174,7 +174,7 @@ def decode_to_front_end(raw: bytes) -> ToFrontEnd:
 _ERRORS: dict[str, type[errors.BatchingError]] = {
     cls.code: cls for cls in (errors.QueueFull, errors.DeadlineInfeasible, errors.RequestTooLarge,
                               errors.DeadlineExceeded, errors.Cancelled, errors.EngineError,
-                              errors.ShuttingDown)
+                              errors.ShuttingDown, errors.ModelUnavailable)
 }
 
 

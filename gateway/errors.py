@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 
 from batcher.errors import (BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, EngineError,
-                            QueueFull, RequestTooLarge, ShuttingDown)
+                            ModelUnavailable, QueueFull, RequestTooLarge, ShuttingDown)
 
 from .responses import json_response
 
@@ -27,6 +27,7 @@ STATUS_OF = {
     DeadlineInfeasible: 429,
     DeadlineExceeded: 504,
     ShuttingDown: 503,
+    ModelUnavailable: 503,
     EngineError: 500,
     Cancelled: 499,
 }

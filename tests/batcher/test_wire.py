@@ -75,7 +75,8 @@ def test_settings_round_trip_with_nulls():
 
 
 @pytest.mark.parametrize("cls", [errors.QueueFull, errors.DeadlineInfeasible, errors.RequestTooLarge,
-                                 errors.DeadlineExceeded, errors.Cancelled, errors.EngineError, errors.ShuttingDown])
+                                 errors.DeadlineExceeded, errors.Cancelled, errors.EngineError, errors.ShuttingDown,
+                                 errors.ModelUnavailable])
 def test_errors_cross_as_code_message_retry_after_and_keep_their_class(cls):
     refused = wire.decode_to_front_end(wire.encode(wire.refusal(5, cls("no room", retry_after=2))))
     exc = wire.error_of(refused.code, refused.message, refused.retry_after)
