@@ -121,7 +121,7 @@ class Result(msgspec.Struct, tag="result", array_like=True):
     retry_after: float | None = None
 
 
-class Delta(msgspec.Struct, tag="delta", array_like=True):
+class NewTokens(msgspec.Struct, tag="delta", array_like=True):
     """New output of item `index` of `req`, in order: the new token ids and, until
     detokenization moves to the front end, the text they decode to."""
 
@@ -150,7 +150,7 @@ class SettingsAnswer(msgspec.Struct, tag="settings_answer", array_like=True):
 
 
 ToCore = Union[Submit, Cancel, SettingsChange]
-ToFrontEnd = Union[Admitted, Refused, Result, Delta, SettingsAnswer]
+ToFrontEnd = Union[Admitted, Refused, Result, NewTokens, SettingsAnswer]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
