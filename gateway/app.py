@@ -49,6 +49,8 @@ async def _http_error(request, exc):
 def create_app(config: ServerConfig | None = None, specs: list[ModelSpec] | None = None,
                metrics: GatewayMetrics | None = None) -> Starlette:
     config = config or ServerConfig()
+    if config.engine_cores and specs is not None:
+        raise ValueError("engine cores load their models from the configuration; specs cannot cross processes")
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
 
     @contextlib.asynccontextmanager

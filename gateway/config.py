@@ -52,6 +52,10 @@ class ServerSettings(Knobs):
     drain_timeout: float = knob(30.0, "time to finish accepted work after SIGTERM", **SECONDS)
     engine_timeout: float = knob(120.0, "time one engine call may take before its items fail and the engine moves to "
                                         "a fresh thread", **SECONDS)
+    engine_cores: bool = knob(False, "run each embeddings model in its own engine-core process (its queue, batcher and "
+                                     "engine there; HTTP and tokenization here), so the model's torch threads never "
+                                     "wait on this process's interpreter lock; chat models stay in this process for "
+                                     "now (docs/architecture.md)")
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")
     # A path object is as good as its string (embedded mode may pass either).

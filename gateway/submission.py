@@ -4,6 +4,7 @@ cancelling them, and the timing headers they report."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 from starlette.requests import Request
@@ -41,9 +42,11 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
     return (None if budget_ms is None else budget_ms / 1000.0), priority
 
 
-def submit(batcher: QueueingBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
+async def submit(batcher: QueueingBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
+    """A batcher in an engine core (gateway/remote_batcher.py) admits asynchronously."""
     try:
-        return batcher.submit_many(payloads, **kw)
+        items = batcher.submit_many(payloads, **kw)
+        return await items if inspect.isawaitable(items) else items
     except BatchingError as exc:
         raise APIError.from_batching(exc) from None
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 import uuid
@@ -30,7 +31,8 @@ from typing import Any
 
 import orjson
 
-from batcher.errors import BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, QueueFull, ShuttingDown
+from batcher.errors import (BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, ModelUnavailable,
+                            QueueFull, ShuttingDown)
 from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
@@ -432,22 +434,23 @@ class BatchJobWorker:
                 if job.stop is not None or batcher.closing or budget <= 0:
                     return None
                 try:
-                    run.items = batcher.submit_many(work.payloads, costs=work.costs, budget=budget,
-                                                    priority=Priority.BATCH, request_id=rid,
-                                                    count_rejection=False)  # retried, not refused
+                    items = batcher.submit_many(work.payloads, costs=work.costs, budget=budget,
+                                                priority=Priority.BATCH, request_id=rid,
+                                                count_rejection=False)  # retried, not refused
+                    run.items = await items if inspect.isawaitable(items) else items  # an engine core's
                     break
                 except (QueueFull, DeadlineInfeasible):
                     self.admission_retries += 1
                     await job.sleep(delay)
                     delay = min(delay * 2, RETRY_MAX)
-                except ShuttingDown:
+                except (ShuttingDown, ModelUnavailable):
                     return None
             results, exc = await _gather(batcher, run.items)
         finally:
             share.release(n)
         if exc is None:
             return st.COMPLETED, self._record(job, row, rid, 200, work.response(results))
-        if isinstance(exc, (Cancelled, ShuttingDown, DeadlineExceeded)):
+        if isinstance(exc, (Cancelled, ShuttingDown, DeadlineExceeded, ModelUnavailable)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
         err = APIError.from_batching(exc) if isinstance(exc, BatchingError) else APIError(500, f"{type(exc).__name__}: {exc}")
         return st.FAILED, self._record(job, row, rid, err.status, error_body(err.status, err.message, err.code, err.param))

@@ -52,7 +52,7 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: GenerationBod
             raise APIError(429, f"too many concurrent streams (limit {ferry.config.max_streams})", code="too_many_streams",
                            retry_after=1)
         deltas: asyncio.Queue[Delta | WorkItem] = asyncio.Queue()  # deltas, then endings
-        items = submit(served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority,
+        items = await submit(served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority,
                        request_id=ctx.request_id, on_delta=deltas.put_nowait)
         state = StreamState(time.perf_counter())
         ferry.streams += 1
@@ -69,7 +69,7 @@ async def _generate(request: Request, ctx: Ctx, served: Any, body: GenerationBod
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(_stream(work, items, deltas, include_usage, state), close)
-    items = submit(served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority,
+    items = await submit(served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority,
                    request_id=ctx.request_id)
     results = await wait_items(request, served.batcher, items)
     out = work.response(results)
