@@ -19,6 +19,7 @@ import asyncio
 import functools
 import gc
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -156,8 +157,10 @@ def run_core(cfg: ServerConfig, index: int, address: str, conn: Any) -> None:
 
 def failure_line(spec: ModelSpec, exc: BaseException) -> str:
     """One line for the operator: which model, from where, and why it did not load."""
-    reason = (str(exc).strip().splitlines() or [""])[0]
-    return f"cannot load the {spec.kind} model {spec.source or '(unnamed)'}: {type(exc).__name__}: {reason}"
+    reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    if spec.source.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(spec.source)):
+        reason = "no such file or directory"  # what the loader's complaint about a repo id means here
+    return f"cannot load the {spec.kind} model {spec.source or '(unnamed)'}: {reason}"
 
 
 async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any) -> int:
