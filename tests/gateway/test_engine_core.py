@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Iterator
 
 import httpx
+import numpy as np
 import psutil
 import pytest
 
-from engine.fake import fake_tokens
+from engine.fake import fake_tokens, fake_vector
 from loadtests.openloop import GatewayProcess, free_port
 from tests.waiting import wait_until
 
@@ -182,3 +183,26 @@ def test_a_core_that_cannot_load_its_model_fails_start_up_with_one_line(tmp_path
     last = proc.stderr.strip().splitlines()[-1]
     assert last == f"ferry: cannot load the embedding model {missing}: no such file or directory", proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_core_does_not_outlive_a_killed_server():
+    with serve("--engine-cores") as gw:
+        core = core_of(gw)
+        gw.proc.send_signal(signal.SIGKILL)  # no drain, no atexit: only the closed pipe tells the core
+        gw.proc.wait(30)
+        wait_until(lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE,
+                   message="the engine core to exit after its server")
+
+
+def test_embedded_mode_starts_and_stops_its_cores(monkeypatch):
+    from gateway import Ferry
+
+    monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # read by the core too (it inherits the environment)
+    me = psutil.Process()
+    with Ferry(engine_cores=True, warmup=False) as ferry:
+        cores = [p for p in me.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(cores) == 1
+        vectors = ferry.client().embed("fake-embed", ["hello", "ferry"], numpy=True)
+        np.testing.assert_array_equal(vectors, np.stack([fake_vector(t, 8) for t in ("hello", "ferry")]))
+    wait_until(lambda: not cores[0].is_running() or cores[0].status() == psutil.STATUS_ZOMBIE,
+               message="the engine core to exit with its Ferry")
