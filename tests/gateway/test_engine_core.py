@@ -206,3 +206,23 @@ def test_embedded_mode_starts_and_stops_its_cores(monkeypatch):
         np.testing.assert_array_equal(vectors, np.stack([fake_vector(t, 8) for t in ("hello", "ferry")]))
     wait_until(lambda: not cores[0].is_running() or cores[0].status() == psutil.STATUS_ZOMBIE,
                message="the engine core to exit with its Ferry")
+
+
+def test_batch_job_lines_run_in_the_core(tmp_path):
+    from tests.jobs.conftest import Api, embed_line
+
+    with serve("--engine-cores", "--data-dir", str(tmp_path / "data")) as gw:
+        api = Api(gw.url)
+        texts = [f"line {i}" for i in range(6)]
+        batch = api.create([embed_line(f"e{i}", t) for i, t in enumerate(texts)] + [embed_line("bad", "FAIL_ITEM")])
+        done = api.wait(batch["id"], timeout=60)
+        counts = done["request_counts"]
+        assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (6, 1), done
+        out = {r["custom_id"]: r["response"] for r in api.content(done["output_file_id"])}
+        for i, t in enumerate(texts):
+            assert out[f"e{i}"]["status_code"] == 200
+            np.testing.assert_allclose(out[f"e{i}"]["body"]["data"][0]["embedding"], fake_vector(t, 8), rtol=1e-6)
+        [bad] = api.content(done["error_file_id"])
+        assert (bad["custom_id"], bad["response"]["status_code"]) == ("bad", 500)
+        assert bad["response"]["body"]["error"]["code"] == "engine_error"
+        stops_cleanly(gw)
