@@ -81,7 +81,7 @@ class RemoteBatcher:
         self._settings = settings
         self.failed: str | None = None
         self._closing = False
-        self._draining = False
+        self._leaving = False  # the server drains or stops: the core's exit is expected
         self.sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.connect(address)
@@ -134,6 +134,9 @@ class RemoteBatcher:
             # Gone before the answer: whatever the core decides, withdraw it.
             if self._pending.pop(req, None) is None:
                 self._withdraw(req, by_client=True)
+                for item in items:  # nobody holds these items: their errors are nobody's to read
+                    if item.future.done():
+                        item.future.exception()
             else:
                 self._send_quietly(wire.Cancel(req))
             raise
@@ -188,7 +191,7 @@ class RemoteBatcher:
     async def drain(self, timeout: float) -> int:
         """Stop admitting; the core finishes accepted work within `timeout` and exits.
         Returns how many items ended with an error for it."""
-        self._closing = self._draining = True
+        self._closing = self._leaving = True
         before = self.shut_down_items
         if self.core is not None:
             await self.core.drain(timeout)
@@ -196,7 +199,7 @@ class RemoteBatcher:
         return self.shut_down_items - before
 
     async def stop(self) -> None:
-        self._closing = True
+        self._closing = self._leaving = True
         if self.core is not None:
             await self.core.stop()
         if self._receiver is not None:
@@ -214,14 +217,14 @@ class RemoteBatcher:
         on. After a clean exit (a drain) the results it sent last are read first; then every
         request still open fails at once."""
         self._closing = True
-        if not self._draining:
+        if not self._leaving:
             self.failed = reason
             log.error("engine core of %s lost: %s", self.model, reason)
         loop = asyncio.get_running_loop()
         end = loop.time() + (LATE_RESULTS_S if clean else 0.0)
         while (self._requests or self._pending) and loop.time() < end:
             await asyncio.sleep(0.01)
-        if self._draining:
+        if self._leaving:
             self._fail_all(ShuttingDown("server shut down before this request could finish"))
         else:
             self._fail_all(ModelUnavailable(f"model {self.model} is unavailable: {reason}"))
@@ -244,7 +247,7 @@ class RemoteBatcher:
     def _refuse_if_closed(self, draining_ok: bool = False) -> None:
         if self.failed is not None:
             raise ModelUnavailable(f"model {self.model} is unavailable: {self.failed}")
-        if self._closing and not (draining_ok and self._draining):
+        if self._closing and not (draining_ok and self._leaving):
             raise ShuttingDown("server is shutting down", retry_after=1)
 
     # -- messages -------------------------------------------------------------------------
