@@ -118,10 +118,13 @@ def test_refusals_admin_and_disconnects_cross_the_process_boundary(tmp_path):
                 second = await running(c, "second one")
                 with pytest.raises(httpx.ReadTimeout):  # queued behind it, then its client leaves
                     await embed(c, "left early", timeout=0.2)
-                last = await embed(c, "last")
-                while last.status_code == 429 and last.json()["error"]["code"] == "queue_full":
-                    await asyncio.sleep(0.02)  # the server has yet to see that client leave
-                    last = await embed(c, "last")
+
+                def admitted_last() -> httpx.Response | None:
+                    r = httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": "last"}, timeout=30)
+                    full = r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+                    return None if full else r  # full: the server has yet to see that client leave
+
+                last = await asyncio.to_thread(wait_until, admitted_last, message="the slot of the client that left")
                 return late, sorted(two, key=lambda r: r.status_code), await first, await second, last
 
         late, (admitted, full), *served = asyncio.run(scenario())
