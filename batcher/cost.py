@@ -122,3 +122,17 @@ def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     if fixed < 0:
         return 0.0, float((x * t).sum() / (x * x).sum())
     return float(fixed), float(slope)
+
+
+def cost_report(models: dict[str, CostModel]) -> dict[str, dict[str, float]]:
+    """Each phase's fitted cost, in milliseconds, as the admin API shows it."""
+    out = {}
+    for phase, model in models.items():
+        p = model.params
+        out[phase] = {
+            "fixed_ms": p.fixed * 1e3,
+            "per_item_ms": p.per_item * 1e3,
+            "per_token_ms": p.per_token * 1e3,
+            "observations": model.observations,
+        }
+    return out

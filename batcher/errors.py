@@ -44,3 +44,9 @@ class EngineError(BatchingError):
 
 class ShuttingDown(BatchingError):
     code = "shutting_down"
+
+
+class ModelUnavailable(BatchingError):
+    """The model cannot serve at all now: its engine core exited or stopped reading."""
+
+    code = "model_unavailable"

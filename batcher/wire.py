@@ -122,7 +122,7 @@ class Result(msgspec.Struct, tag="result", array_like=True):
     retry_after: float | None = None
 
 
-class TokenDelta(msgspec.Struct, tag="delta", array_like=True):
+class NewTokens(msgspec.Struct, tag="delta", array_like=True):
     """New output of item `index` of `req`, in order: the new token ids and, until
     detokenization moves to the front end, the text they decode to."""
 
@@ -151,7 +151,7 @@ class SettingsAnswer(msgspec.Struct, tag="settings_answer", array_like=True):
 
 
 ToCore = Submit | Cancel | SettingsChange
-ToFrontEnd = Admitted | Refused | Result | TokenDelta | SettingsAnswer
+ToFrontEnd = Admitted | Refused | Result | NewTokens | SettingsAnswer
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
@@ -182,6 +182,7 @@ _ERRORS: dict[str, type[errors.BatchingError]] = {
         errors.Cancelled,
         errors.EngineError,
         errors.ShuttingDown,
+        errors.ModelUnavailable,
     )
 }
 

@@ -5,6 +5,11 @@ and gateway. Torch-free. Special inputs inject faults:
 - ``FAIL_BATCH``: the whole engine call raises;
 - ``OOM``: the call raises an out-of-memory error (the gateway splits and retries);
 - ``HANG``: the call blocks for `hang_seconds`.
+
+The fake embeddings are a function of the token ids, as a real model's are, and the fake
+tokenizer is the same in every process: an engine core computes from the ids a front end
+made exactly what the front end's own engine would. A word holding a fault marker becomes
+a reserved id, so the fault crosses the process boundary with it.
 """
 
 from __future__ import annotations
@@ -33,10 +38,40 @@ class FakeOOM(RuntimeError):
         super().__init__("CUDA out of memory (simulated)")
 
 
-def fake_vector(text: str, dim: int) -> np.ndarray:
-    seed = int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+FAULTS = ("FAIL_ITEM", "FAIL_BATCH", "OOM", "HANG")
+_FAULT_IDS = 1 << 30  # word ids stay below; a word with markers is this plus their bits
+
+
+def _word_id(word: str) -> int:
+    bits = sum(1 << i for i, marker in enumerate(FAULTS) if marker in word)
+    if bits:
+        return _FAULT_IDS + bits
+    return int.from_bytes(hashlib.blake2b(word.encode(), digest_size=4).digest(), "little") % _FAULT_IDS
+
+
+def fake_tokens(text: str, max_length: int = 512) -> list[int]:
+    """The fake tokenizer: one id per word between [101] and [102], truncated."""
+    return ([101] + [_word_id(w) for w in text.split()] + [102])[:max_length]
+
+
+def _faults(ids: Sequence[int]) -> set[str]:
+    bits = 0
+    for i in ids:
+        if i > _FAULT_IDS:
+            bits |= i - _FAULT_IDS
+    return {marker for i, marker in enumerate(FAULTS) if bits & (1 << i)}
+
+
+def _vector_of(ids: Sequence[int], dim: int) -> np.ndarray:
+    raw = np.asarray(ids, dtype="<i8").tobytes()
+    seed = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little")
     v = np.random.default_rng(seed).standard_normal(dim).astype(np.float32)
     return v / np.linalg.norm(v)
+
+
+def fake_vector(text: str, dim: int, max_length: int = 512) -> np.ndarray:
+    """The embedding the fake engine gives `text`."""
+    return _vector_of(fake_tokens(text, max_length), dim)
 
 
 class FakeEmbeddingEngine:
@@ -55,16 +90,20 @@ class FakeEmbeddingEngine:
         self.name, self.dim, self.max_length = name, dim, max_length
         self.fixed, self.per_item, self.per_token, self.hang_seconds = fixed, per_item, per_token, hang_seconds
         self.calls: list[int] = []  # batch sizes seen, in order
-        self._texts: dict[tuple[int, ...], str] = {}
+        self._texts: dict[tuple[int, ...], str] = {}  # what this instance tokenized, for logs
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         out = []
         for text in texts:
-            ids = [101] + [hash(w) % 30000 for w in text.split()] + [102]
-            ids = ids[: self.max_length]
+            ids = fake_tokens(text, self.max_length)
             self._texts[tuple(ids)] = text
             out.append(ids)
         return out
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """The text these ids came from, if this instance tokenized it, else the ids
+        spelled out (an engine core sees only ids)."""
+        return self._texts.get(tuple(ids)) or " ".join(map(str, ids))
 
     def cost(self, batch: Sequence[Sequence[int]]) -> float:
         longest = max((len(b) for b in batch), default=0)
@@ -72,21 +111,21 @@ class FakeEmbeddingEngine:
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingResult | Exception]:
         self.calls.append(len(batch))
-        texts = [self._texts.get(tuple(ids), " ".join(map(str, ids))) for ids in batch]
-        if any("HANG" in t for t in texts):
+        faults = [_faults(ids) for ids in batch]
+        if any("HANG" in f for f in faults):
             time.sleep(self.hang_seconds)
-        if any("FAIL_BATCH" in t for t in texts):
+        if any("FAIL_BATCH" in f for f in faults):
             raise RuntimeError("simulated engine failure")
-        if any("OOM" in t for t in texts):
+        if any("OOM" in f for f in faults):
             raise FakeOOM()
         delay = self.cost(batch)
         if delay > 0:
             time.sleep(delay)
         return [
             ValueError("simulated failure of one input")
-            if "FAIL_ITEM" in t
-            else EmbeddingResult(fake_vector(t, self.dim), len(ids))
-            for t, ids in zip(texts, batch, strict=True)
+            if "FAIL_ITEM" in f
+            else EmbeddingResult(_vector_of(ids, self.dim), len(ids))
+            for f, ids in zip(faults, batch, strict=True)
         ]
 
 

@@ -54,6 +54,8 @@ def create_app(
     config: ServerConfig | None = None, specs: list[ModelSpec] | None = None, metrics: GatewayMetrics | None = None
 ) -> Starlette:
     config = config or ServerConfig()
+    if config.engine_cores and specs is not None:
+        raise ValueError("engine cores load their models from the configuration; specs cannot cross processes")
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
     jobs = ferry.jobs = BatchJobWorker(ferry)
 

@@ -69,6 +69,13 @@ class ServerSettings(Knobs):
     engine_timeout: float = knob(
         120.0, "time one engine call may take before its items fail and the engine moves to a fresh thread", **SECONDS
     )
+    engine_cores: bool = knob(
+        False,
+        "run each embeddings model in its own engine-core process (its queue, batcher and "
+        "engine there; HTTP and tokenization here), so the model's torch threads never "
+        "wait on this process's interpreter lock; for now chat models stay in this process "
+        "and a core's batching metrics are not in /metrics (docs/operations.md)",
+    )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")
     # A path object is as good as its string (embedded mode may pass either).

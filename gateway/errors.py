@@ -10,6 +10,7 @@ from batcher.errors import (
     DeadlineExceeded,
     DeadlineInfeasible,
     EngineError,
+    ModelUnavailable,
     QueueFull,
     RequestTooLarge,
     ShuttingDown,
@@ -36,6 +37,7 @@ STATUS_OF = {
     DeadlineInfeasible: 429,
     DeadlineExceeded: 504,
     ShuttingDown: 503,
+    ModelUnavailable: 503,
     EngineError: 500,
     Cancelled: 499,
 }

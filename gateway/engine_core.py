@@ -1,0 +1,243 @@
+"""An engine-core process: one model's engine and batcher, served to front ends over ZMQ
+(docs/architecture.md, "Processes"). No HTTP here (nothing imports starlette): the queue,
+admission, policies, cost model and engine run in this process, so torch never waits on
+the interpreter lock of a process that parses HTTP.
+
+`gateway/core_process.py` starts `run_core` with multiprocessing's `spawn` and a pipe. On the
+pipe the core reports `("ready", facts)` or `("failed", one line)` once, then takes
+`("drain", seconds)`; the pipe's end (the server gone) stops the core at once. SIGTERM
+drains too; SIGINT is ignored, the server decides when its cores stop.
+
+Served on a ROUTER socket, in the core's event loop: `Submit` is admitted or refused at
+once (`Admitted` / `Refused`), then each item's `Result` follows when its future resolves;
+`Cancel` withdraws a request's unfinished items; `SettingsChange` updates the batcher (or
+only reads it) and is answered by `SettingsAnswer`. A message for an unknown key is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+import logging
+import os
+import signal
+import sys
+from typing import Any, cast
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from batcher import wire
+from batcher.cost import cost_report
+from batcher.metrics import Metrics
+from batcher.queueing import QueueingBatcher
+from batcher.settings import SettingsError
+from batcher.types import Outcome, Priority, WorkItem
+
+from .config import ServerConfig
+from .model_loading import GIL_SWITCH_INTERVAL_S, ModelSpec, default_specs, start_model
+
+log = logging.getLogger("ferry.core")
+
+# Results still unsent when the core exits are given this long to reach the front end.
+LINGER_MS = 2000
+
+
+class EngineCore:
+    """Serves one batcher on a ROUTER socket bound to `address`; `serve()` until cancelled."""
+
+    def __init__(self, batcher: QueueingBatcher, address: str, ctx: zmq.asyncio.Context | None = None):
+        self.batcher = batcher
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self.sock.bind(address)
+        self.address = address
+        self.requests: dict[tuple[bytes, int], list[WorkItem]] = {}  # (front end, req) -> items
+        self.dropped = 0  # messages for keys this core does not know
+
+    async def serve(self) -> None:
+        while True:
+            peer, raw = await self.sock.recv_multipart()
+            try:
+                message = wire.decode_to_core(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("undecodable message dropped: %s", exc)
+                continue
+            if isinstance(message, wire.Submit):
+                self.submit(peer, message)
+            elif isinstance(message, wire.Cancel):
+                self.cancel(peer, message)
+            else:
+                self.settings(peer, message)
+
+    def _send(self, peer: bytes, message: msgspec.Struct) -> None:
+        # A ROUTER never blocks: a message to a front end past its high-water mark, or gone,
+        # is dropped by ZMQ, and that front end's clients are gone with it. Non-blocking
+        # sends finish at once, so the future is done here.
+        if self.sock.closed:
+            return  # stopping: nobody waits for this any more
+        sent = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, wire.encode(message)], flags=zmq.NOBLOCK))
+        if sent.exception() is not None:
+            log.warning("message to a front end not sent: %s", sent.exception())
+
+    def submit(self, peer: bytes, m: wire.Submit) -> None:
+        key = (peer, m.req)
+        if key in self.requests:
+            self.dropped += 1  # a repeat; the first one holds the key
+            return
+        budget = None if m.deadline is None else m.deadline - self.batcher.clock.now()
+        try:
+            items = self.batcher.submit_many(
+                [wire.ids_of(p) for p in m.payloads],
+                costs=list(m.costs),
+                budget=budget,
+                priority=Priority(m.priority),
+                request_id=m.request_id,
+                count_rejection=m.count_rejection,
+            )
+        except Exception as exc:  # BatchingError or a bug: either way refused, at once
+            self._send(peer, wire.refusal(m.req, exc))
+            return
+        self._send(peer, wire.Admitted(m.req, items[0].best_effort))
+        self.requests[key] = items
+        for item in items:
+            item.result_future.add_done_callback(functools.partial(self._finished, key, item))
+
+    def _finished(self, key: tuple[bytes, int], item: WorkItem, fut: asyncio.Future) -> None:
+        peer, req = key
+        self._send(peer, result(req, item, fut))
+        items = self.requests.get(key)
+        if items is not None and all(i.finished for i in items):
+            del self.requests[key]
+
+    def cancel(self, peer: bytes, m: wire.Cancel) -> None:
+        items = self.requests.get((peer, m.req))
+        if items is None:
+            self.dropped += 1  # finished already, or never admitted
+            return
+        for item in items:
+            self.batcher.cancel(item, by_client=m.by_client)  # idempotent per item
+
+    def settings(self, peer: bytes, m: wire.SettingsChange) -> None:
+        b = self.batcher
+        try:
+            if m.changes:
+                b.update(**m.changes)
+        except SettingsError as exc:
+            self._send(peer, wire.SettingsAnswer(m.seq, field=exc.field, error=exc.message))
+            return
+        costs = cost_report(getattr(b, "cost_models", {"embed": b.cost}))
+        self._send(peer, wire.SettingsAnswer(m.seq, b.settings.to_dict(), costs))
+
+    async def close(self) -> None:
+        await asyncio.sleep(0)  # items failed just now send their results first (done-callbacks)
+        self.sock.close(linger=LINGER_MS)
+
+
+def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
+    """The `Result` message of a resolved item (an embeddings result or an error)."""
+    timing = wire.Timing(
+        item.arrival,
+        item.dispatched_at,
+        item.batch_size,
+        item.reason.value if item.reason is not None else None,
+        item.best_effort,
+    )
+    if item.outcome is Outcome.RESULT:
+        value = fut.result()
+        return wire.Result(
+            req,
+            item.prompt_index,
+            int(Outcome.RESULT),
+            timing,
+            vector=wire.floats(value.vector),
+            prompt_tokens=value.tokens,
+        )
+    exc: Any = None if fut.cancelled() else fut.exception()
+    return wire.Result(
+        req,
+        item.prompt_index,
+        int(item.outcome),
+        timing,
+        code=getattr(exc, "code", "internal_error"),
+        message=getattr(exc, "message", str(exc)),
+        retry_after=getattr(exc, "retry_after", None),
+    )
+
+
+# -- the process ---------------------------------------------------------------------------------
+def run_core(cfg: ServerConfig, index: int, address: str, conn: Any) -> None:
+    """The process target: load `default_specs(cfg)[index]`, report on `conn`, serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    from .logs import setup_logging
+
+    setup_logging()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread hands every batch back to this loop
+    sys.exit(asyncio.run(_run(cfg, default_specs(cfg)[index], address, conn)))
+
+
+def failure_line(spec: ModelSpec, exc: BaseException) -> str:
+    """One line for the operator: which model, from where, and why it did not load."""
+    reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
+    if spec.source.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(spec.source)):
+        reason = "no such file or directory"  # what the loader's complaint about a repo id means here
+    return f"cannot load the {spec.kind} model {spec.source or '(unnamed)'}: {reason}"
+
+
+async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any) -> int:
+    try:
+        served = await start_model(spec, cfg, Metrics())
+        assert isinstance(served.batcher, QueueingBatcher)  # start_model runs it here, in the core
+        core = EngineCore(served.batcher, address)
+    except Exception as exc:
+        log.debug("model loading failed", exc_info=True)
+        conn.send(("failed", failure_line(spec, exc)))
+        return 1
+    engine, batcher = served.engine, served.batcher
+    conn.send(
+        (
+            "ready",
+            {
+                "facts": {"name": engine.name, "dim": engine.dim, "max_length": engine.max_length},
+                "settings": batcher.settings.to_dict(),
+            },
+        )
+    )
+    gc.collect()
+    gc.freeze()  # this process is the core's alone (see GatewayState.load)
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future = loop.create_future()
+
+    def from_server() -> None:
+        try:
+            command, value = conn.recv()
+        except (EOFError, OSError):  # the server is gone: nobody can take results any more
+            command, value = "gone", 0.0
+        if not stop.done() and command in ("drain", "gone"):
+            stop.set_result(value)
+
+    loop.add_reader(conn.fileno(), from_server)
+
+    def on_sigterm() -> None:
+        if not stop.done():
+            stop.set_result(cfg.drain_timeout)
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    serving = asyncio.create_task(core.serve())
+    timeout = await stop
+    loop.remove_reader(conn.fileno())
+    if timeout > 0:
+        failed = await batcher.drain(timeout)
+        if failed:
+            log.warning("drain timeout: %d accepted items ended with an error", failed)
+    serving.cancel()
+    await batcher.stop()
+    if served.engine_thread is not None:
+        served.engine_thread.close()
+    await core.close()
+    core.ctx.term()  # waits up to LINGER_MS for the last results to leave
+    log.info("engine core of %s stopped", served.name)
+    return 0

@@ -1,0 +1,364 @@
+"""The front end's view of a batcher that runs in an engine core (gateway/engine_core.py):
+the surface the gateway uses of a QueueingBatcher, over a ZMQ DEALER socket.
+
+What differs from a local batcher, and why:
+- `submit_many` is a coroutine: admission is the core's, so it answers when the core's
+  `Admitted` or `Refused` arrives (a refusal raises the same BatchingError, still before
+  any response byte). The items exist from the moment the core admitted them, so no
+  `Result` can arrive for a request this side does not know yet.
+- Cancelling is per request on the wire: `cancel(item)` withdraws every unfinished item of
+  the item's request in the core and resolves them here at once (the gateway only ever
+  cancels all of a request's items).
+- `update` and `describe` (the admin GET) are coroutines answered by the core.
+- Dispatches are not reported until an item ends, so `item in batcher.queue` holds for
+  every unfinished item.
+- When the core is lost (`lost`, called by whoever watches its process), every request in
+  flight ends at once with `503 model_unavailable` and `failed` says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol, cast
+
+import msgspec
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from batcher import wire
+from batcher.errors import Cancelled, ModelUnavailable, ShuttingDown
+from batcher.settings import BatchingSettings, SettingsError
+from batcher.types import DispatchReason, Outcome, Priority, WorkItem
+from engine.base import EmbeddingResult
+
+log = logging.getLogger("ferry.gateway")
+
+# Results a core sent just before it exited may still be on their way when its exit is
+# seen; they get this long to arrive before the items still open fail.
+LATE_RESULTS_S = 0.5
+# An admin request the core does not answer in this time fails (a stuck core).
+ANSWER_TIMEOUT_S = 10.0
+
+
+class CoreControl(Protocol):
+    """What the batcher asks of the engine core behind it, beyond messages."""
+
+    async def drain(self, timeout: float) -> None: ...  # finish accepted work, then exit
+
+    async def stop(self) -> None: ...  # exit now
+
+
+class _Unfinished:
+    """`item in batcher.queue` for a remote batcher (see the module's docstring)."""
+
+    def __init__(self, requests: dict[int, int]):
+        self._req_of = requests
+
+    def __contains__(self, item: WorkItem) -> bool:
+        return not item.finished and item.id in self._req_of
+
+
+class _Pending:
+    """A submit waiting for the core's answer, with the items it will return."""
+
+    __slots__ = ("answer", "items")
+
+    def __init__(self, items: list[WorkItem], answer: asyncio.Future):
+        self.items, self.answer = items, answer
+
+
+class RemoteBatcher:
+    phase = "embed"
+
+    def __init__(
+        self,
+        model: str,
+        address: str,
+        settings: BatchingSettings,
+        *,
+        core: CoreControl | None = None,
+        ctx: zmq.asyncio.Context | None = None,
+    ):
+        self.model = model
+        self.address = address
+        self.core = core
+        self._settings = settings
+        self.failed: str | None = None
+        self._closing = False
+        self._leaving = False  # the server drains or stops: the core's exit is expected
+        self.sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self._reqs = itertools.count(1)
+        self._seqs = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}  # req -> submit awaiting Admitted/Refused
+        self._requests: dict[int, list[WorkItem]] = {}  # req -> admitted items, until all finish
+        self._req_of: dict[int, int] = {}  # WorkItem.id -> req
+        self._answers: dict[int, asyncio.Future] = {}  # seq -> SettingsAnswer
+        self.queue = _Unfinished(self._req_of)
+        self.dropped = 0  # messages for requests this side no longer knows
+        self.shut_down_items = 0  # items ended with shutting_down, here or in the core (drain counts them)
+        self._receiver: asyncio.Task | None = None
+
+    # -- the surface of a QueueingBatcher -------------------------------------------------
+    @property
+    def settings(self) -> BatchingSettings:
+        """As of the core's last answer (start-up, or an admin GET or PATCH)."""
+        return self._settings
+
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    async def start(self) -> None:
+        if self._receiver is None:
+            self._receiver = asyncio.create_task(self._receive(), name=f"ferry-remote-{self.model}")
+
+    async def submit_many(
+        self,
+        payloads: list[Any],
+        *,
+        costs: list[int] | None = None,
+        cost: int = 1,
+        budget: float | None = None,
+        priority: Priority = Priority.INTERACTIVE,
+        request_id: str = "",
+        on_delta: Callable[[Any], None] | None = None,
+        count_rejection: bool = True,
+    ) -> list[WorkItem]:
+        if on_delta is not None:
+            raise TypeError("streaming (on_delta) is not served by an engine core yet")
+        self._refuse_if_closed()
+        now = time.monotonic()
+        deadline = None if budget is None else now + budget  # one clock for every process on the host
+        costs = list(costs) if costs is not None else [cost] * len(payloads)
+        req = next(self._reqs)
+        loop = asyncio.get_running_loop()
+        items = [
+            WorkItem(
+                payload=p,
+                arrival=now,
+                deadline=deadline,
+                priority=priority,
+                cost=costs[i],
+                request_id=request_id,
+                prompt_index=i,
+                future=loop.create_future(),
+            )
+            for i, p in enumerate(payloads)
+        ]
+        pending = self._pending[req] = _Pending(items, loop.create_future())
+        try:
+            self._send(
+                wire.Submit(
+                    req,
+                    self.model,
+                    [wire.ids(p) for p in payloads],
+                    costs,
+                    deadline,
+                    int(priority),
+                    request_id,
+                    False,
+                    None,
+                    count_rejection,
+                )
+            )
+            answer = await pending.answer
+        except asyncio.CancelledError:
+            # Gone before the answer: whatever the core decides, withdraw it.
+            if self._pending.pop(req, None) is None:
+                self._withdraw(req, by_client=True)
+                for item in items:  # nobody holds these items: their errors are nobody's to read
+                    if item.result_future.done():
+                        item.result_future.exception()
+            else:
+                self._send_quietly(wire.Cancel(req))
+            raise
+        finally:
+            self._pending.pop(req, None)
+        if isinstance(answer, wire.Refused):
+            raise wire.error_of(answer.code, answer.message, answer.retry_after)
+        return items
+
+    def cancel(self, item: WorkItem, *, by_client: bool = True) -> bool:
+        """Idempotent: a finished or unknown item is skipped."""
+        if item.finished:
+            return False
+        req = self._req_of.get(item.id)
+        if req is None:
+            return False
+        self._withdraw(req, by_client)
+        return True
+
+    def _withdraw(self, req: int, by_client: bool) -> None:
+        self._send_quietly(wire.Cancel(req, by_client))
+        for item in self._forget(req):
+            item.finish(Outcome.CANCELLED, Cancelled("request cancelled by the client"))
+
+    async def update(self, **changes: Any) -> BatchingSettings:
+        """Apply new knobs in the core; raises SettingsError as a local batcher does."""
+        await self._ask(changes)
+        return self._settings
+
+    async def describe(self) -> dict[str, Any]:
+        """The admin GET: every setting and the fitted cost models, from the core."""
+        answer = await self._ask({})
+        return {**(answer.settings or {}), "cost_model": answer.cost_model}
+
+    async def _ask(self, changes: dict[str, Any]) -> wire.SettingsAnswer:
+        self._refuse_if_closed(draining_ok=True)
+        seq = next(self._seqs)
+        fut = self._answers[seq] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(wire.SettingsChange(seq, self.model, changes))
+            answer = await asyncio.wait_for(fut, ANSWER_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise ModelUnavailable(
+                f"the engine core of {self.model} did not answer in {ANSWER_TIMEOUT_S:g} s"
+            ) from None
+        finally:
+            self._answers.pop(seq, None)
+        if answer.error is not None:
+            raise SettingsError(answer.field or "", answer.error)
+        self._settings = BatchingSettings(**answer.settings)
+        return answer
+
+    # -- lifecycle ------------------------------------------------------------------------
+    async def drain(self, timeout: float) -> int:
+        """Stop admitting; the core finishes accepted work within `timeout` and exits.
+        Returns how many items ended with an error for it."""
+        self._closing = self._leaving = True
+        before = self.shut_down_items
+        if self.core is not None:
+            await self.core.drain(timeout)
+        self._fail_all(ShuttingDown("server shut down before this request could finish"))
+        return self.shut_down_items - before
+
+    async def stop(self) -> None:
+        self._closing = self._leaving = True
+        if self.core is not None:
+            await self.core.stop()
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._receiver
+            self._receiver = None
+        self._fail_all(ShuttingDown("server stopped"))
+        self.sock.close(linger=0)
+
+    async def lost(self, reason: str, *, clean: bool = False) -> None:
+        """The core exited: unless the server is draining, the model is unavailable from now
+        on. After a clean exit (a drain) the results it sent last are read first; then every
+        request still open fails at once."""
+        self._closing = True
+        if not self._leaving:
+            self.failed = reason
+            log.error("engine core of %s lost: %s", self.model, reason)
+        loop = asyncio.get_running_loop()
+        end = loop.time() + (LATE_RESULTS_S if clean else 0.0)
+        # A bounded wait for the last results of a clean exit; nothing signals "all read".
+        while (self._requests or self._pending) and loop.time() < end:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        if self._leaving:
+            self._fail_all(ShuttingDown("server shut down before this request could finish"))
+        else:
+            self._fail_all(ModelUnavailable(f"model {self.model} is unavailable: {reason}"))
+
+    def _fail_all(self, exc: Exception) -> int:
+        failed = 0
+        for pending in list(self._pending.values()):
+            if not pending.answer.done():
+                pending.answer.set_exception(exc)
+        for fut in self._answers.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        for req in list(self._requests):
+            for item in self._forget(req):
+                failed += item.finish(Outcome.ERROR, exc)
+        if isinstance(exc, ShuttingDown):
+            self.shut_down_items += failed
+        return failed
+
+    def _refuse_if_closed(self, draining_ok: bool = False) -> None:
+        if self.failed is not None:
+            raise ModelUnavailable(f"model {self.model} is unavailable: {self.failed}")
+        if self._closing and not (draining_ok and self._leaving):
+            raise ShuttingDown("server is shutting down", retry_after=1)
+
+    # -- messages -------------------------------------------------------------------------
+    def _send(self, message: msgspec.Struct) -> None:
+        """Never queues in this process: a core that does not read (its high-water mark
+        reached) is answered at once with 503."""
+        # done at once, sent or not (a NOBLOCK send on an asyncio socket returns a done future)
+        sent = cast("asyncio.Future[Any]", self.sock.send(wire.encode(message), flags=zmq.NOBLOCK))
+        if sent.exception() is not None:
+            raise ModelUnavailable(f"the engine core of {self.model} is not reading ({sent.exception()})")
+
+    def _send_quietly(self, message: msgspec.Struct) -> None:
+        with contextlib.suppress(ModelUnavailable):  # a cancel the core cannot take: its items end here all the same
+            self._send(message)
+
+    def _forget(self, req: int) -> list[WorkItem]:
+        items = self._requests.pop(req, [])
+        for item in items:
+            self._req_of.pop(item.id, None)
+        return [i for i in items if not i.finished]
+
+    async def _receive(self) -> None:
+        while True:
+            raw = await self.sock.recv()
+            try:
+                message = wire.decode_to_front_end(raw)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.error("undecodable message from the engine core of %s dropped: %s", self.model, exc)
+                continue
+            if isinstance(message, wire.Result):
+                self._result(message)
+            elif isinstance(message, (wire.Admitted, wire.Refused)):
+                self._answer(message)
+            elif isinstance(message, wire.SettingsAnswer):
+                fut = self._answers.get(message.seq)
+                if fut is not None and not fut.done():
+                    fut.set_result(message)
+            else:
+                self.dropped += 1  # NewTokens: generation does not run in a core yet
+
+    def _answer(self, m: wire.Admitted | wire.Refused) -> None:
+        pending = self._pending.pop(m.req, None)
+        if pending is None or pending.answer.done():
+            self.dropped += 1
+            if isinstance(m, wire.Admitted):  # its submitter left; nobody will take the results
+                self._send_quietly(wire.Cancel(m.req))
+            return
+        if isinstance(m, wire.Admitted):
+            self._requests[m.req] = pending.items
+            for item in pending.items:
+                item.best_effort = m.best_effort
+                self._req_of[item.id] = m.req
+        pending.answer.set_result(m)
+
+    def _result(self, m: wire.Result) -> None:
+        items = self._requests.get(m.req)
+        if items is None or not 0 <= m.index < len(items):
+            self.dropped += 1
+            return
+        item = items[m.index]
+        t = m.timing
+        item.arrival, item.dispatched_at, item.batch_size = t.arrival, t.dispatched_at, t.batch_size
+        item.reason = DispatchReason(t.reason) if t.reason else None
+        item.best_effort = t.best_effort
+        outcome = Outcome(m.outcome)
+        if outcome is Outcome.RESULT:
+            item.finish(outcome, EmbeddingResult(np.frombuffer(m.vector or b"", dtype="<f4"), m.prompt_tokens))
+        else:
+            if m.code == ShuttingDown.code:
+                self.shut_down_items += 1
+            item.finish(outcome, wire.error_of(m.code, m.message, m.retry_after))
+        if all(i.finished for i in items):
+            self._forget(m.req)

@@ -1,0 +1,259 @@
+"""`ferry serve --engine-cores` over real processes (the fake engines, FERRY_FAKE_ENGINES=1):
+each embeddings model in its own engine-core process (gateway/engine_core.py), the server
+talking to it through gateway/remote_batcher.py. Every server and every process it
+started are killed when a test ends, whatever happened in it."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+
+from engine.fake import fake_tokens, fake_vector
+from loadtests.openloop import GatewayProcess, free_port
+from tests.waiting import wait_until
+
+EMBED = "/v1/embeddings"
+ADMIN = "/admin/models/fake-embed/batching"
+TOKEN = {"Authorization": "Bearer t"}
+
+
+@contextlib.contextmanager
+def serve(*args: str, delay: float = 0.0, log: Path | None = None) -> Iterator[GatewayProcess]:
+    env = {"FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": str(delay), "FERRY_FAKE_LOG": str(log or "")}
+    gw = GatewayProcess("--admin-token", "t", *args, env=env, ready_timeout=120)
+    tree = [gw.proc.pid] + [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
+    try:
+        yield gw
+    finally:
+        for pid in tree:  # no stray process, even after a failed assertion
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            gw.proc.wait(10)
+
+
+def core_of(gw: GatewayProcess) -> psutil.Process:
+    cores = [p for p in psutil.Process(gw.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    assert len(cores) == 1, cores  # the embeddings model's core; chat stays in the server
+    return cores[0]
+
+
+def computed(log: Path) -> list[str]:
+    """What the core's fake engine computed: the ids of each input (it never sees texts)."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [line.split("\t", 1)[1] for line in lines if line.startswith("embed\t")]
+
+
+def spelled(text: str) -> str:
+    return " ".join(map(str, fake_tokens(text)))
+
+
+def stops_cleanly(gw: GatewayProcess) -> None:
+    """SIGTERM: the server drains, its core exits with it, and no process is left."""
+    family = [psutil.Process(gw.proc.pid), *psutil.Process(gw.proc.pid).children(recursive=True)]
+    assert len(family) >= 2
+    gw.proc.send_signal(signal.SIGTERM)
+    assert gw.proc.wait(60) == 0
+    wait_until(
+        lambda: not [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE],
+        message=lambda: f"every process of the server to exit: {family}",
+    )
+
+
+def test_embeddings_through_a_core_are_those_of_the_in_process_path():
+    body = {
+        "model": "fake-embed",
+        "input": ["hello", "two words", "three little words", " spaced  out ", "punctuation, too: fine!"],
+    }
+    answers = {}
+    for flag in ("--no-engine-cores", "--engine-cores"):
+        with serve(flag) as gw:
+            floats = httpx.post(gw.url + EMBED, json=body, timeout=30)
+            b64 = httpx.post(gw.url + EMBED, json={**body, "encoding_format": "base64"}, timeout=30)
+            failed = httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": ["ok", "FAIL_ITEM"]}, timeout=30)
+            assert floats.status_code == b64.status_code == 200, floats.text
+            assert floats.headers["X-Ferry-Batch-Size"] == "5" and float(floats.headers["X-Ferry-Queue-Ms"]) >= 0
+            answers[flag] = (floats.json(), b64.json(), failed.status_code, failed.json()["error"]["code"])
+            if flag == "--engine-cores":
+                core_of(gw)
+                stops_cleanly(gw)
+    local, remote = answers.values()
+    assert remote == local
+    assert local[2:] == (500, "engine_error")  # an input's failure crosses as itself
+    assert [len(base64.b64decode(d["embedding"])) for d in remote[1]["data"]] == [32] * 5
+
+
+def test_refusals_admin_and_disconnects_cross_the_process_boundary(tmp_path):
+    log = tmp_path / "computed.log"
+    with serve("--engine-cores", delay=1.0, log=log) as gw:
+        admin = httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30)
+        assert admin.status_code == 200 and admin.json()["max_queue"] == 1024
+        assert set(admin.json()["cost_model"]["embed"]) == {"fixed_ms", "per_item_ms", "per_token_ms", "observations"}
+        patched = httpx.patch(gw.url + ADMIN, headers=TOKEN, json={"max_queue": 1, "max_wait_ms": 0}, timeout=30)
+        assert patched.status_code == 200 and patched.json()["max_queue"] == 1
+        assert httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30).json()["max_queue"] == 1  # the core's own
+        bad = httpx.patch(gw.url + ADMIN, headers=TOKEN, json={"max_queue": 0}, timeout=30)
+        assert (bad.status_code, bad.json()["error"]["param"]) == (422, "max_queue")
+
+        def embed(c: httpx.AsyncClient, text: str, **kw):
+            return c.post(EMBED, json={"model": "fake-embed", "input": text, **kw.pop("body", {})}, **kw)
+
+        async def running(c: httpx.AsyncClient, text: str) -> asyncio.Task:
+            """A request whose input the core's engine is computing now (for a second)."""
+            task = asyncio.create_task(embed(c, text))
+            await asyncio.to_thread(wait_until, lambda: spelled(text) in computed(log), message=f"{text!r} to run")
+            return task
+
+        async def scenario() -> tuple:
+            async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+                first = await running(c, "first one")
+                late = await embed(c, "late", body={"latency_budget_ms": 1})  # cannot finish in 1 ms
+                two = await asyncio.gather(embed(c, "one of two"), embed(c, "two of two"))  # the queue holds one
+                second = await running(c, "second one")
+                with pytest.raises(httpx.ReadTimeout):  # queued behind it, then its client leaves
+                    await embed(c, "left early", timeout=0.2)
+
+                def admitted_last() -> httpx.Response | None:
+                    r = httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": "last"}, timeout=30)
+                    full = r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+                    return None if full else r  # full: the server has yet to see that client leave
+
+                last = await asyncio.to_thread(wait_until, admitted_last, message="the slot of the client that left")
+                return late, sorted(two, key=lambda r: r.status_code), await first, await second, last
+
+        late, (admitted, full), *served = asyncio.run(scenario())
+        for refused, code in ((late, "deadline_infeasible"), (full, "queue_full")):
+            assert refused.status_code == 429, refused.text
+            assert refused.json()["error"]["code"] == code and int(refused.headers["Retry-After"]) >= 1
+        assert [r.status_code for r in [admitted, *served]] == [200] * 4
+        one = admitted.request.content.decode().split('"input":"')[1].split('"')[0]
+        assert computed(log) == [spelled(t) for t in ("first one", one, "second one", "last")]  # "left early" never ran
+        stops_cleanly(gw)
+
+
+def test_a_killed_core_fails_its_requests_at_once_and_its_model_then_answers_503(tmp_path):
+    log = tmp_path / "computed.log"
+    with serve("--engine-cores", log=log) as gw:
+        core = core_of(gw)
+
+        async def scenario() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=gw.url, timeout=20) as c:
+                # HANG holds the fake engine for 30 s: only the core's death can end it sooner.
+                hung = asyncio.create_task(c.post(EMBED, json={"model": "fake-embed", "input": "HANG here"}))
+                await asyncio.to_thread(wait_until, lambda: computed(log), message="the hanging input to be computed")
+                core.send_signal(signal.SIGKILL)
+                return await hung
+
+        hung = asyncio.run(scenario())
+        assert hung.status_code == 503 and hung.json()["error"]["code"] == "model_unavailable", hung.text
+        assert "SIGKILL" in hung.json()["error"]["message"]
+        later = httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": "after"}, timeout=30)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "model_unavailable"
+        ready = httpx.get(gw.url + "/readyz", timeout=30)
+        assert ready.status_code == 503 and "fake-embed" in ready.json()["error"]
+        chat = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        assert httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200  # in-process
+        stops_cleanly(gw)
+
+
+def test_sigterm_lets_the_core_finish_accepted_work(tmp_path):
+    with serve("--engine-cores", delay=0.5, log=tmp_path / "computed.log") as gw:
+
+        async def scenario() -> httpx.Response:
+            async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+                running = asyncio.create_task(c.post(EMBED, json={"model": "fake-embed", "input": "accepted"}))
+                await asyncio.to_thread(
+                    wait_until, lambda: computed(tmp_path / "computed.log"), message="the input to be computed"
+                )
+                gw.proc.send_signal(signal.SIGTERM)
+                return await running
+
+        assert asyncio.run(scenario()).status_code == 200
+        assert gw.proc.wait(60) == 0
+
+
+def test_a_core_that_cannot_load_its_model_fails_start_up_with_one_line(tmp_path):
+    missing = tmp_path / "no-such-model"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gateway.cli",
+            "serve",
+            "--engine-cores",
+            "--port",
+            str(free_port()),
+            "--embedding-model",
+            str(missing),
+            "--chat-model",
+            "none",
+        ],
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == f"ferry: cannot load the embedding model {missing}: no such file or directory", proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_core_does_not_outlive_a_killed_server():
+    with serve("--engine-cores") as gw:
+        core = core_of(gw)
+        gw.proc.send_signal(signal.SIGKILL)  # no drain, no atexit: only the closed pipe tells the core
+        gw.proc.wait(30)
+        wait_until(
+            lambda: not core.is_running() or core.status() == psutil.STATUS_ZOMBIE,
+            message="the engine core to exit after its server",
+        )
+
+
+def test_embedded_mode_starts_and_stops_its_cores(monkeypatch):
+    from gateway import Ferry
+
+    monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # read by the core too (it inherits the environment)
+    me = psutil.Process()
+    with Ferry(engine_cores=True, warmup=False) as ferry:
+        cores = [p for p in me.children() if "spawn_main" in " ".join(p.cmdline())]
+        assert len(cores) == 1
+        vectors = ferry.client().embed("fake-embed", ["hello", "ferry"], numpy=True)
+        np.testing.assert_array_equal(vectors, np.stack([fake_vector(t, 8) for t in ("hello", "ferry")]))
+    wait_until(
+        lambda: not cores[0].is_running() or cores[0].status() == psutil.STATUS_ZOMBIE,
+        message="the engine core to exit with its Ferry",
+    )
+
+
+def test_batch_job_lines_run_in_the_core(tmp_path):
+    from tests.jobs.conftest import Api, embed_line
+
+    with serve("--engine-cores", "--data-dir", str(tmp_path / "data")) as gw:
+        api = Api(gw.url)
+        texts = [f"line {i}" for i in range(6)]
+        batch = api.create([embed_line(f"e{i}", t) for i, t in enumerate(texts)] + [embed_line("bad", "FAIL_ITEM")])
+        done = api.wait(batch["id"], timeout=60)
+        counts = done["request_counts"]
+        assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (6, 1), done
+        out = {r["custom_id"]: r["response"] for r in api.content(done["output_file_id"])}
+        for i, t in enumerate(texts):
+            assert out[f"e{i}"]["status_code"] == 200
+            np.testing.assert_allclose(out[f"e{i}"]["body"]["data"][0]["embedding"], fake_vector(t, 8), rtol=1e-6)
+        [bad] = api.content(done["error_file_id"])
+        assert (bad["custom_id"], bad["response"]["status_code"]) == ("bad", 500)
+        assert bad["response"]["body"]["error"]["code"] == "engine_error"
+        stops_cleanly(gw)

@@ -1,0 +1,196 @@
+"""gateway/remote_batcher.py against a real engine core (gateway/engine_core.py) in the same
+event loop: a MicroBatcher over the fake embeddings engine, served on an ipc:// socket.
+The process around a core is tests/gateway/test_engine_core.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq.asyncio
+
+from batcher.errors import (
+    Cancelled,
+    DeadlineInfeasible,
+    ModelUnavailable,
+    QueueFull,
+    RequestTooLarge,
+    ShuttingDown,
+)
+from batcher.microbatcher import MicroBatcher
+from batcher.settings import BatchingSettings, SettingsError
+from batcher.types import Outcome, Priority
+from engine.fake import FakeEmbeddingEngine, fake_vector
+from gateway.engine_core import EngineCore
+from gateway.remote_batcher import RemoteBatcher
+from gateway.submission import timing_headers
+from tests.waiting import async_wait_until
+
+
+@contextlib.asynccontextmanager
+async def core_and_front(tmp_path, engine: FakeEmbeddingEngine, **settings: Any) -> AsyncIterator[tuple]:
+    async def execute(payloads):
+        return await asyncio.to_thread(engine.embed, payloads)
+
+    batcher = MicroBatcher(engine.name, execute, BatchingSettings(**settings))
+    await batcher.start()
+    ctx = zmq.asyncio.Context()
+    core = EngineCore(batcher, f"ipc://{tmp_path}/core", ctx)
+    serving = asyncio.create_task(core.serve())
+    remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx)
+    await remote.start()
+    try:
+        yield batcher, core, remote
+    finally:
+        await remote.stop()
+        serving.cancel()
+        await batcher.stop()
+        await core.close()
+        ctx.term()
+
+
+def run(coro) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_results_are_the_engine_s_own_with_the_timing_headers(tmp_path):
+    engine = FakeEmbeddingEngine()
+    texts = ["hello", "two words", "three little words"]
+
+    async def main():
+        async with core_and_front(tmp_path, engine) as (_, core, remote):
+            items = await remote.submit_many(engine.tokenize(texts), costs=[3, 4, 5], request_id="r1")
+            results = await asyncio.gather(*(i.future for i in items))
+            assert [len(r.vector) for r in results] == [8, 8, 8]
+            for r, t in zip(results, texts, strict=True):
+                assert r.vector.dtype == np.float32
+                np.testing.assert_array_equal(r.vector, fake_vector(t, 8))
+            assert [r.tokens for r in results] == [3, 4, 5]
+            assert all(i.outcome is Outcome.RESULT and i.batch_size == 3 for i in items)
+            headers = timing_headers(items)
+            assert headers["X-Ferry-Batch-Size"] == "3" and float(headers["X-Ferry-Queue-Ms"]) >= 0
+            assert headers["X-Ferry-Dispatch-Reason"] in {"full", "max_wait", "adaptive", "deadline"}
+            await async_wait_until(lambda: not core.requests, message="the core to forget the finished request")
+            assert remote.queue._req_of == {}
+
+    run(main())
+
+
+def test_refusals_raise_the_local_errors_with_retry_after(tmp_path):
+    engine = FakeEmbeddingEngine(fixed=0.3)
+
+    async def main():
+        async with core_and_front(tmp_path, engine, max_queue=2, max_wait_ms=0) as (_, __, remote):
+            with pytest.raises(RequestTooLarge):
+                await remote.submit_many([[1], [2], [3]])
+            running = await remote.submit_many([[1, 2]])
+            await async_wait_until(lambda: engine.calls, message="the first batch to reach the engine")
+            with pytest.raises(DeadlineInfeasible) as late:  # behind a 0.3 s batch
+                await remote.submit_many([[4]], budget=0.001, priority=Priority.INTERACTIVE)
+            assert late.value.retry_after is not None
+            queued = await remote.submit_many([[1], [2]])
+            with pytest.raises(QueueFull) as full:
+                await remote.submit_many([[3]])
+            assert full.value.retry_after is not None and full.value.retry_after > 0
+            await asyncio.gather(*(i.future for i in running + queued))
+
+    run(main())
+
+
+def test_cancel_withdraws_the_whole_request_in_the_core_before_it_runs(tmp_path):
+    engine = FakeEmbeddingEngine(fixed=0.3)
+
+    async def main():
+        async with core_and_front(tmp_path, engine, max_wait_ms=0) as (batcher, _, remote):
+            first = await remote.submit_many(engine.tokenize(["first"]))
+            await async_wait_until(lambda: engine.calls, message="the first batch to reach the engine")
+            queued = await remote.submit_many(engine.tokenize(["queued one", "queued two"]))
+            await async_wait_until(lambda: len(batcher.queue) == 2, message="both items queued in the core")
+            assert queued[0] in remote.queue
+            assert remote.cancel(queued[0]) is True
+            assert all(i.outcome is Outcome.CANCELLED for i in queued)  # at once, here
+            for item in queued:
+                with pytest.raises(Cancelled):
+                    await item.future
+            assert remote.cancel(queued[1]) is False  # idempotent
+            await async_wait_until(lambda: len(batcher.queue) == 0, message="the core to drop the cancelled items")
+            await first[0].future
+            assert engine.calls == [1]  # the cancelled items never reached the engine
+            assert batcher.metrics.cancellations.labels(engine.name, "queued")._value.get() == 2
+
+    run(main())
+
+
+def test_a_submit_cancelled_while_awaiting_admission_is_withdrawn(tmp_path):
+    engine = FakeEmbeddingEngine(fixed=0.3)
+
+    async def main():
+        async with core_and_front(tmp_path, engine, max_wait_ms=0) as (batcher, core, remote):
+            first = await remote.submit_many(engine.tokenize(["first"]))
+            await async_wait_until(lambda: engine.calls, message="the first batch to reach the engine")
+            task = asyncio.create_task(remote.submit_many(engine.tokenize(["left early"])))
+            await asyncio.sleep(0)  # sent, not yet answered
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await async_wait_until(
+                lambda: batcher.outcomes[Outcome.CANCELLED] == 1, message="the core to cancel the abandoned request"
+            )
+            await first[0].future
+            await async_wait_until(lambda: not core.requests, message="the core to forget both requests")
+            assert engine.calls == [1] and remote._pending == {} and remote._requests == {}
+
+    run(main())
+
+
+def test_settings_change_and_read_through_the_core(tmp_path):
+    engine = FakeEmbeddingEngine()
+
+    async def main():
+        async with core_and_front(tmp_path, engine) as (batcher, _, remote):
+            new = await remote.update(max_wait_ms=2.5, policy="fixed")
+            assert new.max_wait_ms == 2.5 and batcher.settings.policy == "fixed"
+            assert remote.settings == batcher.settings
+            with pytest.raises(SettingsError) as bad:
+                await remote.update(max_batch_size=0)
+            assert bad.value.field == "max_batch_size"
+            assert batcher.settings.max_batch_size == 32
+            described = await remote.describe()
+            assert described["max_wait_ms"] == 2.5
+            assert set(described["cost_model"]["embed"]) == {"fixed_ms", "per_item_ms", "per_token_ms", "observations"}
+
+    run(main())
+
+
+def test_a_lost_core_fails_every_open_request_at_once_and_every_later_one(tmp_path):
+    engine = FakeEmbeddingEngine(fixed=0.5)
+
+    async def main():
+        async with core_and_front(tmp_path, engine, max_wait_ms=0) as (_, __, remote):
+            items = await remote.submit_many(engine.tokenize(["in flight"]))
+            await remote.lost("engine core killed by SIGKILL")
+            with pytest.raises(ModelUnavailable) as gone:
+                await items[0].future
+            assert "SIGKILL" in gone.value.message and remote.failed == "engine core killed by SIGKILL"
+            with pytest.raises(ModelUnavailable):
+                await remote.submit_many([[1]])
+            with pytest.raises(ModelUnavailable):
+                await remote.describe()
+
+    run(main())
+
+
+def test_a_closing_remote_refuses_new_work_as_shutting_down(tmp_path):
+    engine = FakeEmbeddingEngine()
+
+    async def main():
+        async with core_and_front(tmp_path, engine) as (_, __, remote):
+            await remote.drain(1.0)  # no core process behind it: only this side closes
+            with pytest.raises(ShuttingDown):
+                await remote.submit_many([[1]])
+
+    run(main())
