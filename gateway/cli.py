@@ -18,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return tune_main(args[1:])
     command, cfg = from_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.torch_threads))  # before torch is imported
+    # Before torch is imported; an engine core sets its own count when it loads its engine.
+    os.environ.setdefault("OMP_NUM_THREADS", str(cfg.torch_threads or 1))
     from .logs import setup_logging
 
     setup_logging()

@@ -38,10 +38,13 @@ class ServerSettings(Knobs):
     )
     device: str = knob("auto", "`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)")
     dtype: str = knob("auto", "`float32`, `float16`, `bfloat16` or `auto` (float16 on cuda, float32 on cpu)")
-    torch_threads: int = knob(
-        1,
-        "intra-op torch threads (default 1: on 2 shared cores two threads collapse to a third "
-        "of their speed when anything else needs a core)",
+    torch_threads: int | None = knob(
+        None,
+        "intra-op torch threads of each engine. Default: in an engine core (`--engine-cores`), "
+        "every core the process may use (os.sched_getaffinity; measured: 1.13x the throughput "
+        "of one thread on 2 vCPUs, docs/benchmarks.md); in the server's own process 1 (there "
+        "a second thread competes with the event loop and collapses)",
+        null="auto",
         **AT_LEAST_ONE,
     )
     torchscript: bool = knob(

@@ -17,6 +17,7 @@ only reads it) and is answered by `SettingsAnswer`. A message for an unknown key
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import gc
 import logging
@@ -176,7 +177,16 @@ def run_core(cfg: ServerConfig, index: int, address: str, conn: Any) -> None:
 
     setup_logging()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread hands every batch back to this loop
+    cfg = with_core_threads(cfg)
     sys.exit(asyncio.run(_run(cfg, default_specs(cfg)[index], address, conn)))
+
+
+def with_core_threads(cfg: ServerConfig) -> ServerConfig:
+    """`--torch-threads` auto (None) in an engine core: every core this process may use is
+    the engine's, since nothing else here needs one (the server's own default stays 1)."""
+    if cfg.torch_threads is not None:
+        return cfg
+    return dataclasses.replace(cfg, torch_threads=len(os.sched_getaffinity(0)))
 
 
 def failure_line(spec: ModelSpec, exc: BaseException) -> str:

@@ -80,7 +80,11 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
             from engine.embeddings import HFEmbeddingEngine
 
             return HFEmbeddingEngine(
-                path, device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads, torchscript=cfg.torchscript
+                path,
+                device=cfg.device,
+                dtype=cfg.dtype,
+                torch_threads=cfg.torch_threads or 1,
+                torchscript=cfg.torchscript,
             )
 
         def embeddings_front(facts: dict[str, Any]):
@@ -98,13 +102,16 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
 
             if cfg.chat_model == "default":
                 return HFGenerationEngine.tiny_default(
-                    device=cfg.device, dtype=cfg.dtype, torch_threads=cfg.torch_threads, max_running=cfg.max_running
+                    device=cfg.device,
+                    dtype=cfg.dtype,
+                    torch_threads=cfg.torch_threads or 1,
+                    max_running=cfg.max_running,
                 )
             return HFGenerationEngine(
                 cfg.chat_model,
                 device=cfg.device,
                 dtype=cfg.dtype,
-                torch_threads=cfg.torch_threads,
+                torch_threads=cfg.torch_threads or 1,
                 max_running=cfg.max_running,
             )
 
@@ -158,7 +165,7 @@ def _thread_setup(cfg: ServerConfig):
         if "torch" in sys.modules:
             from engine.device import configure_threads
 
-            configure_threads(cfg.torch_threads)
+            configure_threads(cfg.torch_threads or 1)
 
     return setup
 
