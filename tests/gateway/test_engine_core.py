@@ -250,19 +250,24 @@ def test_embedded_mode_starts_and_stops_its_cores(monkeypatch):
 
 
 def test_batch_job_lines_run_in_the_core(tmp_path):
-    from tests.jobs.conftest import Api, embed_line
+    from tests.jobs.conftest import Api, chat_line, completion_line, embed_line
 
     with serve("--engine-cores", "--data-dir", str(tmp_path / "data")) as gw:
         api = Api(gw.url)
         texts = [f"line {i}" for i in range(6)]
-        batch = api.create([embed_line(f"e{i}", t) for i, t in enumerate(texts)] + [embed_line("bad", "FAIL_ITEM")])
+        lines = [embed_line(f"e{i}", t) for i, t in enumerate(texts)] + [embed_line("bad", "FAIL_ITEM")]
+        lines += [chat_line("chat", "hi", n=2), completion_line("completion", ["a", "b"], max_tokens=4, stop="w2")]
+        batch = api.create(lines)
         done = api.wait(batch["id"], timeout=60)
         counts = done["request_counts"]
-        assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (6, 1), done
+        assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (8, 1), done
         out = {r["custom_id"]: r["response"] for r in api.content(done["output_file_id"])}
         for i, t in enumerate(texts):
             assert out[f"e{i}"]["status_code"] == 200
             np.testing.assert_allclose(out[f"e{i}"]["body"]["data"][0]["embedding"], fake_vector(t, 8), rtol=1e-6)
+        chat, completion = out["chat"]["body"]["choices"], out["completion"]["body"]["choices"]
+        assert [c["message"]["content"] for c in chat] == ["w0 w1 w2 "] * 2  # the chat model's core
+        assert [(c["text"], c["finish_reason"]) for c in completion] == [("w0 w1 ", "stop")] * 2
         [bad] = api.content(done["error_file_id"])
         assert (bad["custom_id"], bad["response"]["status_code"]) == ("bad", 500)
         assert bad["response"]["body"]["error"]["code"] == "engine_error"
