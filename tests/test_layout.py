@@ -19,6 +19,7 @@ ALLOWED: dict[str, set[str]] = {
         "gateway/settings_docs.py",
         "tuner/cli.py",
         "loadtests/bench_chat.py",
+        "loadtests/bench_cores.py",
         "loadtests/bench_embeddings.py",
         "loadtests/bench_latency.py",
     },
