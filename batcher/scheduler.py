@@ -320,7 +320,7 @@ class GenerationScheduler(QueueingBatcher):
         if out.text:
             seq.pieces.append(out.text)
         if item.on_delta is not None and (out.text or out.finish_reason):
-            item.on_delta(Delta(item, out.text, produced, out.finish_reason))
+            item.on_delta(Delta(item, out.text, produced, out.finish_reason, out.token_ids))
         if out.finish_reason is not None:
             prompt_tokens = len(item.payload.prompt_ids)
             self._finish(

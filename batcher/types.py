@@ -155,9 +155,11 @@ class GenResult:
 
 @dataclass(slots=True)
 class Delta:
-    """One streamed piece of one sequence, handed to `WorkItem.on_delta`."""
+    """One streamed piece of one sequence, handed to `WorkItem.on_delta`: its new text,
+    how many tokens it holds and, where the engine reports them, their ids."""
 
     item: WorkItem
     text: str
     tokens: int
     finish_reason: str | None = None
+    token_ids: Sequence[int] = ()

@@ -20,11 +20,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import jinja2
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .base import ChatTemplateError, SamplingParams, SequenceRequest, StepOutput
+from .base import SamplingParams, SequenceRequest, StepOutput
+from .chat_tokenizer import encode_chat
 from .detokenize import IncrementalDetokenizer, StopStringFilter
 from .device import configure_threads, resolve_device, resolve_dtype
 from .kv import RunningBatch
@@ -109,15 +109,7 @@ class HFGenerationEngine:
         return [seq.seq_id for seq in self._batch.seqs]
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        if not self.tokenizer.chat_template:
-            raise ChatTemplateError(f"model {self.name!r} has no chat template")
-        try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined name it needs
-            raise ChatTemplateError(exc.message or type(exc).__name__) from None
-        return list(ids)
+        return encode_chat(self.tokenizer, self.name, messages)
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

@@ -74,10 +74,10 @@ class ServerSettings(Knobs):
     )
     engine_cores: bool = knob(
         False,
-        "run each embeddings model in its own engine-core process (its queue, batcher and "
-        "engine there; HTTP and tokenization here), so the model's torch threads never "
-        "wait on this process's interpreter lock; for now chat models stay in this process "
-        "and a core's batching metrics are not in /metrics (docs/operations.md)",
+        "run each model (embeddings and chat) in its own engine-core process (its queue, "
+        "batcher or scheduler and engine there; HTTP, tokenization and chat templates here), "
+        "so the model's torch threads never wait on this process's interpreter lock; for now "
+        "a core's batching metrics are not in /metrics (docs/operations.md)",
     )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")

@@ -9,7 +9,8 @@ pipe the core reports `("ready", facts)` or `("failed", one line)` once, then ta
 drains too; SIGINT is ignored, the server decides when its cores stop.
 
 Served on a ROUTER socket, in the core's event loop: `Submit` is admitted or refused at
-once (`Admitted` / `Refused`), then each item's `Result` follows when its future resolves;
+once (`Admitted` / `Refused`), then each item's `Result` follows when its future resolves
+(after its `NewTokens`, one per delta, when the request streams);
 `Cancel` withdraws a request's unfinished items; `SettingsChange` updates the batcher (or
 only reads it) and is answered by `SettingsAnswer`. A message for an unknown key is dropped.
 """
@@ -35,10 +36,11 @@ from batcher.cost import cost_report
 from batcher.metrics import Metrics
 from batcher.queueing import QueueingBatcher
 from batcher.settings import SettingsError
-from batcher.types import Outcome, Priority, WorkItem
+from batcher.types import Delta, GenRequest, GenResult, Outcome, Priority, WorkItem
+from engine.base import SamplingParams
 
 from .config import ServerConfig
-from .model_loading import GIL_SWITCH_INTERVAL_S, ModelSpec, default_specs, start_model
+from .model_loading import CHAT, GIL_SWITCH_INTERVAL_S, ModelSpec, ServedModel, default_specs, start_model
 
 log = logging.getLogger("ferry.core")
 
@@ -92,11 +94,12 @@ class EngineCore:
         budget = None if m.deadline is None else m.deadline - self.batcher.clock.now()
         try:
             items = self.batcher.submit_many(
-                [wire.ids_of(p) for p in m.payloads],
+                payloads(m),
                 costs=list(m.costs),
                 budget=budget,
                 priority=Priority(m.priority),
                 request_id=m.request_id,
+                on_delta=functools.partial(self._delta, key) if m.stream else None,
                 count_rejection=m.count_rejection,
             )
         except Exception as exc:  # BatchingError or a bug: either way refused, at once
@@ -106,6 +109,12 @@ class EngineCore:
         self.requests[key] = items
         for item in items:
             item.result_future.add_done_callback(functools.partial(self._finished, key, item))
+
+    def _delta(self, key: tuple[bytes, int], d: Delta) -> None:
+        # Called by the scheduler before the item's future resolves, so on this one socket
+        # an item's deltas always precede its Result.
+        peer, req = key
+        self._send(peer, wire.NewTokens(req, d.item.prompt_index, wire.ids(list(d.token_ids)), d.text, d.finish_reason))
 
     def _finished(self, key: tuple[bytes, int], item: WorkItem, fut: asyncio.Future) -> None:
         peer, req = key
@@ -138,8 +147,20 @@ class EngineCore:
         self.sock.close(linger=LINGER_MS)
 
 
+def payloads(m: wire.Submit) -> list[Any]:
+    """What the core's batcher takes: token ids for one-shot models; for generation, the
+    GenRequest the in-process route builds (gateway/translate/chat.py)."""
+    prompts = [wire.ids_of(p) for p in m.payloads]
+    if m.sampling is None:
+        return prompts
+    return [
+        GenRequest(ids, SamplingParams(s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop)))
+        for ids, s in zip(prompts, m.sampling, strict=True)
+    ]
+
+
 def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
-    """The `Result` message of a resolved item (an embeddings result or an error)."""
+    """The `Result` message of a resolved item (an embedding, a generation or an error)."""
     timing = wire.Timing(
         item.arrival,
         item.dispatched_at,
@@ -149,6 +170,17 @@ def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
     )
     if item.outcome is Outcome.RESULT:
         value = fut.result()
+        if isinstance(value, GenResult):
+            return wire.Result(
+                req,
+                item.prompt_index,
+                int(Outcome.RESULT),
+                timing,
+                text=value.text,
+                finish_reason=value.finish_reason,
+                prompt_tokens=value.prompt_tokens,
+                completion_tokens=value.completion_tokens,
+            )
         return wire.Result(
             req,
             item.prompt_index,
@@ -189,6 +221,14 @@ def with_core_threads(cfg: ServerConfig) -> ServerConfig:
     return dataclasses.replace(cfg, torch_threads=len(os.sched_getaffinity(0)))
 
 
+def facts(served: ServedModel[Any]) -> dict[str, Any]:
+    """What the front end's half of the engine (the spec's `front`) is built from."""
+    engine = served.engine
+    if served.kind == CHAT:
+        return {"name": engine.name, "max_context": engine.max_context}
+    return {"name": engine.name, "dim": engine.dim, "max_length": engine.max_length}
+
+
 def failure_line(spec: ModelSpec, exc: BaseException) -> str:
     """One line for the operator: which model, from where, and why it did not load."""
     reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
@@ -206,16 +246,8 @@ async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any) -> i
         log.debug("model loading failed", exc_info=True)
         conn.send(("failed", failure_line(spec, exc)))
         return 1
-    engine, batcher = served.engine, served.batcher
-    conn.send(
-        (
-            "ready",
-            {
-                "facts": {"name": engine.name, "dim": engine.dim, "max_length": engine.max_length},
-                "settings": batcher.settings.to_dict(),
-            },
-        )
-    )
+    batcher = served.batcher
+    conn.send(("ready", {"facts": facts(served), "settings": batcher.settings.to_dict()}))
     gc.collect()
     gc.freeze()  # this process is the core's alone (see GatewayState.load)
     loop = asyncio.get_running_loop()

@@ -48,8 +48,9 @@ class ModelSpec:
     """How to load one model. `load` runs on a worker thread and returns an engine.
 
     When the engine runs in an engine core (`--engine-cores`), the server calls `front`
-    instead, with the facts the core reports (name, dim, max_length): it returns what the
-    front end needs of the engine (its tokenizer), without the weights. `source` names the
+    instead, with the facts the core reports (name, and dim and max_length for embeddings,
+    max_context for chat): it returns what the front end needs of the engine (its
+    tokenizer, and a chat model's template), without the weights. `source` names the
     model in a message that it failed to load."""
 
     kind: ModelKind
@@ -115,8 +116,17 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
                 max_running=cfg.max_running,
             )
 
+        def chat_front(facts: dict[str, Any]):
+            from engine.chat_tokenizer import ChatTokenizer
+
+            if cfg.chat_model == "default":
+                from engine.tiny_chat import ensure_tiny_chat
+
+                return ChatTokenizer(ensure_tiny_chat(), **facts)  # the core has built it by now
+            return ChatTokenizer(cfg.chat_model, **facts)
+
         source = "ferry-tiny-chat (random weights)" if cfg.chat_model == "default" else cfg.chat_model
-        specs.append(ModelSpec(CHAT, load_chat, source=source))
+        specs.append(ModelSpec(CHAT, load_chat, front=chat_front, source=source))
     return specs
 
 
@@ -124,7 +134,8 @@ def fake_specs_from_env() -> list[ModelSpec]:
     """Testing aid, not a feature: FERRY_FAKE_ENGINES=1 makes `ferry serve` serve the torch-free
     fakes of engine/fake.py ("fake-embed", "fake-chat"), so tests can run the real CLI in a
     subprocess (kill it, restart it). FERRY_FAKE_DELAY: seconds each engine call takes.
-    FERRY_FAKE_LOG: a file to which every computed input is appended ("<kind>\t<text>")."""
+    FERRY_FAKE_LOG: a file to which every computed input is appended ("<kind>\t<text>"), and
+    for chat each decode step's number of running sequences ("chat-step\t<n>")."""
     from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
 
     delay = float(os.environ.get("FERRY_FAKE_DELAY", "0") or 0)
@@ -145,6 +156,10 @@ def fake_specs_from_env() -> list[ModelSpec]:
             record("chat", ["".join(map(chr, r.prompt_ids)) for r in requests])
             return super().add(requests)
 
+        def step(self):
+            record("chat-step", [str(self.running)])
+            return super().step()
+
     return [
         ModelSpec(
             EMBEDDING,
@@ -152,7 +167,12 @@ def fake_specs_from_env() -> list[ModelSpec]:
             front=lambda facts: FakeEmbeddingEngine(**facts),
             source="fake-embed",
         ),
-        ModelSpec(CHAT, lambda: LoggedChat(step_delay=delay), source="fake-chat"),
+        ModelSpec(
+            CHAT,
+            lambda: LoggedChat(step_delay=delay),
+            front=lambda facts: FakeGenerationEngine(**facts),
+            source="fake-chat",
+        ),
     ]
 
 

@@ -9,6 +9,8 @@ What differs from a local batcher, and why:
 - Cancelling is per request on the wire: `cancel(item)` withdraws every unfinished item of
   the item's request in the core and resolves them here at once (the gateway only ever
   cancels all of a request's items).
+- Generation items stream: the core's `NewTokens` become `Delta`s for the item's
+  `on_delta`, in order, before its `Result` (a `GenResult`) resolves it.
 - `update` and `describe` (the admin GET) are coroutines answered by the core.
 - Dispatches are not reported until an item ends, so `item in batcher.queue` holds for
   every unfinished item.
@@ -34,8 +36,8 @@ import zmq.asyncio
 from batcher import wire
 from batcher.errors import Cancelled, ModelUnavailable, ShuttingDown
 from batcher.settings import BatchingSettings, SettingsError
-from batcher.types import DispatchReason, Outcome, Priority, WorkItem
-from engine.base import EmbeddingResult
+from batcher.types import Delta, DispatchReason, GenRequest, GenResult, Outcome, Priority, WorkItem
+from engine.base import EmbeddingResult, SamplingParams
 
 log = logging.getLogger("ferry.gateway")
 
@@ -71,6 +73,10 @@ class _Pending:
 
     def __init__(self, items: list[WorkItem], answer: asyncio.Future):
         self.items, self.answer = items, answer
+
+
+def sampling_of(params: SamplingParams) -> wire.Sampling:
+    return wire.Sampling(params.max_tokens, params.temperature, params.top_p, params.seed, list(params.stop))
 
 
 class RemoteBatcher:
@@ -132,8 +138,6 @@ class RemoteBatcher:
         on_delta: Callable[[Any], None] | None = None,
         count_rejection: bool = True,
     ) -> list[WorkItem]:
-        if on_delta is not None:
-            raise TypeError("streaming (on_delta) is not served by an engine core yet")
         self._refuse_if_closed()
         now = time.monotonic()
         deadline = None if budget is None else now + budget  # one clock for every process on the host
@@ -149,23 +153,28 @@ class RemoteBatcher:
                 cost=costs[i],
                 request_id=request_id,
                 prompt_index=i,
+                on_delta=on_delta,
                 future=loop.create_future(),
             )
             for i, p in enumerate(payloads)
         ]
+        # Generation items (GenRequest) cross as their prompt's ids and sampling parameters.
+        generation = bool(payloads) and isinstance(payloads[0], GenRequest)
+        sampling = [sampling_of(g.params) for g in payloads] if generation else None
+        prompts = [g.prompt_ids for g in payloads] if generation else payloads
         pending = self._pending[req] = _Pending(items, loop.create_future())
         try:
             self._send(
                 wire.Submit(
                     req,
                     self.model,
-                    [wire.ids(p) for p in payloads],
+                    [wire.ids(p) for p in prompts],
                     costs,
                     deadline,
                     int(priority),
                     request_id,
-                    False,
-                    None,
+                    on_delta is not None,
+                    sampling,
                     count_rejection,
                 )
             )
@@ -322,12 +331,22 @@ class RemoteBatcher:
                 self._result(message)
             elif isinstance(message, (wire.Admitted, wire.Refused)):
                 self._answer(message)
-            elif isinstance(message, wire.SettingsAnswer):
+            elif isinstance(message, wire.NewTokens):
+                self._new_tokens(message)
+            else:
                 fut = self._answers.get(message.seq)
                 if fut is not None and not fut.done():
                     fut.set_result(message)
-            else:
-                self.dropped += 1  # NewTokens: generation does not run in a core yet
+
+    def _new_tokens(self, m: wire.NewTokens) -> None:
+        items = self._requests.get(m.req)
+        if items is None or not 0 <= m.index < len(items) or items[m.index].finished:
+            self.dropped += 1  # cancelled here already: its sequence is stopping in the core
+            return
+        item = items[m.index]
+        if item.on_delta is not None:
+            ids = wire.ids_of(m.token_ids)
+            item.on_delta(Delta(item, m.text, len(ids), m.finish_reason, ids))
 
     def _answer(self, m: wire.Admitted | wire.Refused) -> None:
         pending = self._pending.pop(m.req, None)
@@ -354,8 +373,10 @@ class RemoteBatcher:
         item.reason = DispatchReason(t.reason) if t.reason else None
         item.best_effort = t.best_effort
         outcome = Outcome(m.outcome)
-        if outcome is Outcome.RESULT:
-            item.finish(outcome, EmbeddingResult(np.frombuffer(m.vector or b"", dtype="<f4"), m.prompt_tokens))
+        if outcome is Outcome.RESULT and m.vector is not None:
+            item.finish(outcome, EmbeddingResult(np.frombuffer(m.vector, dtype="<f4"), m.prompt_tokens))
+        elif outcome is Outcome.RESULT:  # a generation's
+            item.finish(outcome, GenResult(m.text or "", m.finish_reason or "", m.prompt_tokens, m.completion_tokens))
         else:
             if m.code == ShuttingDown.code:
                 self.shut_down_items += 1

@@ -16,7 +16,7 @@ from .config import ServerConfig
 from .core_process import CoreFailed, start_in_core
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
-from .model_loading import EMBEDDING, ModelKind, ModelSpec, ServedModel, start_model
+from .model_loading import ModelKind, ModelSpec, ServedModel, start_model
 
 if TYPE_CHECKING:
     from .jobs.worker import BatchJobWorker
@@ -43,7 +43,7 @@ class GatewayState:
     async def load(self) -> None:
         try:
             for index, spec in enumerate(self.specs):
-                if self.config.engine_cores and spec.kind == EMBEDDING:
+                if self.config.engine_cores:
                     served = await start_in_core(spec, index, self.config)
                 else:
                     served = await start_model(spec, self.config, self.metrics)

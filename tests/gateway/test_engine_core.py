@@ -1,6 +1,6 @@
 """`ferry serve --engine-cores` over real processes (the fake engines, FERRY_FAKE_ENGINES=1):
-each embeddings model in its own engine-core process (gateway/engine_core.py), the server
-talking to it through gateway/remote_batcher.py. Every server and every process it
+each model (embeddings and chat) in its own engine-core process (gateway/engine_core.py), the
+server talking to it through gateway/remote_batcher.py. Every server and every process it
 started are killed when a test ends, whatever happened in it."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+import openai
 import psutil
 import pytest
 
@@ -25,6 +27,8 @@ from loadtests.openloop import GatewayProcess, free_port
 from tests.waiting import wait_until
 
 EMBED = "/v1/embeddings"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 ADMIN = "/admin/models/fake-embed/batching"
 TOKEN = {"Authorization": "Bearer t"}
 
@@ -44,10 +48,16 @@ def serve(*args: str, delay: float = 0.0, log: Path | None = None) -> Iterator[G
             gw.proc.wait(10)
 
 
-def core_of(gw: GatewayProcess) -> psutil.Process:
-    cores = [p for p in psutil.Process(gw.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
-    assert len(cores) == 1, cores  # the embeddings model's core; chat stays in the server
-    return cores[0]
+def cores_of(pid: int) -> list[psutil.Process]:
+    """The engine cores of a server, in the order of its models (they start one by one)."""
+    cores = [p for p in psutil.Process(pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    return sorted(cores, key=lambda p: p.create_time())
+
+
+def core_of(gw: GatewayProcess, kind: str = "embedding") -> psutil.Process:
+    cores = cores_of(gw.proc.pid)
+    assert len(cores) == 2, cores  # fake-embed's core, then fake-chat's
+    return cores[0 if kind == "embedding" else 1]
 
 
 def computed(log: Path) -> list[str]:
@@ -164,7 +174,7 @@ def test_a_killed_core_fails_its_requests_at_once_and_its_model_then_answers_503
         ready = httpx.get(gw.url + "/readyz", timeout=30)
         assert ready.status_code == 503 and "fake-embed" in ready.json()["error"]
         chat = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        assert httpx.post(gw.url + "/v1/chat/completions", json=chat, timeout=30).status_code == 200  # in-process
+        assert httpx.post(gw.url + CHAT, json=chat, timeout=30).status_code == 200  # its own core lives on
         stops_cleanly(gw)
 
 
@@ -229,31 +239,181 @@ def test_embedded_mode_starts_and_stops_its_cores(monkeypatch):
     monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # read by the core too (it inherits the environment)
     me = psutil.Process()
     with Ferry(engine_cores=True, warmup=False) as ferry:
-        cores = [p for p in me.children() if "spawn_main" in " ".join(p.cmdline())]
-        assert len(cores) == 1
+        cores = cores_of(me.pid)
+        assert len(cores) == 2
         vectors = ferry.client().embed("fake-embed", ["hello", "ferry"], numpy=True)
         np.testing.assert_array_equal(vectors, np.stack([fake_vector(t, 8) for t in ("hello", "ferry")]))
     wait_until(
-        lambda: not cores[0].is_running() or cores[0].status() == psutil.STATUS_ZOMBIE,
-        message="the engine core to exit with its Ferry",
+        lambda: all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in cores),
+        message="the engine cores to exit with their Ferry",
     )
 
 
 def test_batch_job_lines_run_in_the_core(tmp_path):
-    from tests.jobs.conftest import Api, embed_line
+    from tests.jobs.conftest import Api, chat_line, completion_line, embed_line
 
     with serve("--engine-cores", "--data-dir", str(tmp_path / "data")) as gw:
         api = Api(gw.url)
         texts = [f"line {i}" for i in range(6)]
-        batch = api.create([embed_line(f"e{i}", t) for i, t in enumerate(texts)] + [embed_line("bad", "FAIL_ITEM")])
+        lines = [embed_line(f"e{i}", t) for i, t in enumerate(texts)] + [embed_line("bad", "FAIL_ITEM")]
+        lines += [chat_line("chat", "hi", n=2), completion_line("completion", ["a", "b"], max_tokens=4, stop="w2")]
+        batch = api.create(lines)
         done = api.wait(batch["id"], timeout=60)
         counts = done["request_counts"]
-        assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (6, 1), done
+        assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (8, 1), done
         out = {r["custom_id"]: r["response"] for r in api.content(done["output_file_id"])}
         for i, t in enumerate(texts):
             assert out[f"e{i}"]["status_code"] == 200
             np.testing.assert_allclose(out[f"e{i}"]["body"]["data"][0]["embedding"], fake_vector(t, 8), rtol=1e-6)
+        chat, completion = out["chat"]["body"]["choices"], out["completion"]["body"]["choices"]
+        assert [c["message"]["content"] for c in chat] == ["w0 w1 w2 "] * 2  # the chat model's core
+        assert [(c["text"], c["finish_reason"]) for c in completion] == [("w0 w1 ", "stop")] * 2
         [bad] = api.content(done["error_file_id"])
         assert (bad["custom_id"], bad["response"]["status_code"]) == ("bad", 500)
         assert bad["response"]["body"]["error"]["code"] == "engine_error"
+        stops_cleanly(gw)
+
+
+# -- chat models in engine cores (step 3) ----------------------------------------------------
+def chat_body(content: str, **kw) -> dict:
+    return {"model": "fake-chat", "messages": [{"role": "user", "content": content}], **kw}
+
+
+GENERATIONS = [
+    (CHAT, chat_body("hi", max_tokens=4, n=2)),
+    (CHAT, {**chat_body("x", max_tokens=6, stop=["w3"]), "messages": [[{"role": "user", "content": "a"}]] * 2}),
+    (CHAT, chat_body("roles", max_tokens=2, messages=[{"role": "developer", "content": "?"}])),  # the template refuses
+    (COMPLETIONS, {"model": "fake-chat", "prompt": ["one", "two", "three"], "max_tokens": [2, 3, 5], "stop": "w1"}),
+    (COMPLETIONS, {"model": "fake-chat", "prompt": "p", "max_tokens": 5, "n": 2, "stop": [" w2", "w4"]}),
+]
+
+
+def answer(r: httpx.Response) -> tuple[int, object]:
+    """A response without what differs between any two calls (ids, times)."""
+    body = r.json()
+    for key in ("id", "created"):
+        body.pop(key, None)
+    return r.status_code, body
+
+
+def streamed(gw: GatewayProcess, path: str, body: dict) -> tuple[int, dict, list]:
+    """A streamed answer as each choice's chunks in order (choices interleave as their
+    steps come), then the usage chunk and the end."""
+    by_choice: dict[int, list] = {}
+    tail = []
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", gw.url + path, json=body, timeout=30) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            if line == "data: [DONE]":
+                tail.append("[DONE]")
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            for key in ("id", "created"):
+                chunk.pop(key, None)
+            if chunk.get("choices"):
+                by_choice.setdefault(chunk["choices"][0]["index"], []).append(chunk)
+            else:
+                tail.append(chunk)
+        return r.status_code, by_choice, tail
+
+
+def test_chat_and_completions_through_a_core_are_those_of_the_in_process_path():
+    answers = {}
+    for flag in ("--no-engine-cores", "--engine-cores"):
+        with serve(flag) as gw:
+            plain = [answer(httpx.post(gw.url + path, json=body, timeout=30)) for path, body in GENERATIONS]
+            streams = [streamed(gw, path, body) for path, body in GENERATIONS if "developer" not in str(body)]
+            answers[flag] = plain, streams
+            if flag == "--engine-cores":
+                core_of(gw, "chat")
+                stops_cleanly(gw)
+    local, remote = answers.values()
+    assert remote == local
+    plain, streams = remote
+    assert [status for status, _ in plain] == [200, 200, 422, 200, 200]
+    assert plain[2][1]["error"]["code"] == "chat_template_error"
+    [first, second] = plain[1][1]["choices"]  # two conversations, each cut before its stop string
+    assert (first["prompt_index"], second["prompt_index"]) == (0, 1)
+    assert first["message"]["content"] == "w0 w1 w2 " and first["finish_reason"] == "stop"
+    assert [c["text"] for c in plain[3][1]["choices"]] == ["w0 ", "w0 ", "w0 "]
+    status, by_choice, tail = streams[0]
+    assert status == 200 and sorted(by_choice) == [0, 1] and tail[-1] == "[DONE]"
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in by_choice[1]) == "w0 w1 w2 w3 "
+    assert tail[0]["usage"]["completion_tokens"] == 8
+
+
+def chat_steps(log: Path) -> list[int]:
+    """How many sequences ran in each decode step of the core's fake chat engine."""
+    lines = log.read_text().splitlines() if log.exists() else []
+    return [int(line.split("\t", 1)[1]) for line in lines if line.startswith("chat-step\t")]
+
+
+def test_a_client_gone_mid_stream_stops_its_sequence_in_the_core(tmp_path):
+    log = tmp_path / "computed.log"
+    with serve("--engine-cores", delay=0.05, log=log) as gw:
+        # 400 tokens at 50 ms a step: 20 s, unless the client's leaving stops it.
+        with httpx.stream("POST", gw.url + CHAT, json=chat_body("long", max_tokens=400, stream=True), timeout=30) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")).startswith("data: {")
+        # Gone: once the core hears of it, a short request runs alone in its steps.
+
+        def alone() -> bool:
+            before = len(chat_steps(log))
+            short = httpx.post(gw.url + CHAT, json=chat_body("short", max_tokens=3), timeout=30)
+            assert short.status_code == 200
+            return chat_steps(log)[before:] == [1, 1]
+
+        wait_until(alone, message="the abandoned sequence to leave the core's running set")
+        stops_cleanly(gw)
+
+
+def test_a_killed_chat_core_ends_its_streams_with_an_error_at_once(tmp_path):
+    log = tmp_path / "computed.log"
+    with serve("--engine-cores", delay=0.5, log=log) as gw:
+        chat_core = core_of(gw, "chat")
+        chunks = []
+        body = chat_body("doomed", max_tokens=400, n=2, stream=True)  # 200 s unless the core dies
+        with httpx.stream("POST", gw.url + CHAT, json=body, timeout=20) as r:
+            for line in r.iter_lines():
+                if not line:
+                    continue
+                chunks.append(line)
+                if len(chunks) == 1:
+                    chat_core.send_signal(signal.SIGKILL)
+        assert chunks[-1] == "data: [DONE]"
+        errors = [json.loads(c.removeprefix("data: "))["choices"][0] for c in chunks[:-1]]
+        errors = [c for c in errors if c.get("error")]
+        assert sorted(c["index"] for c in errors) == [0, 1]
+        assert {(c["error"]["status"], c["error"]["code"]) for c in errors} == {(503, "model_unavailable")}
+        later = httpx.post(gw.url + CHAT, json=chat_body("after", max_tokens=2), timeout=30)
+        assert later.status_code == 503 and later.json()["error"]["code"] == "model_unavailable"
+        assert "SIGKILL" in later.json()["error"]["message"]
+        assert httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": "still"}, timeout=30).status_code == 200
+        stops_cleanly(gw)
+
+
+def test_the_openai_client_streams_through_a_core():
+    with serve("--engine-cores") as gw:
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+        stream = client.chat.completions.create(
+            model="fake-chat",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=5,
+            stop=["w3"],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, finish, usage = [], None, None
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                pieces.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        assert ("".join(pieces), finish) == ("w0 w1 w2 ", "stop")
+        assert usage is not None and usage.completion_tokens == 4
+        completion = client.completions.create(model="fake-chat", prompt="hi", max_tokens=2)
+        assert completion.choices[0].text == "w0 w1 "
         stops_cleanly(gw)

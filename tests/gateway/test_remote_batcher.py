@@ -194,3 +194,51 @@ def test_a_closing_remote_refuses_new_work_as_shutting_down(tmp_path):
                 await remote.submit_many([[1]])
 
     run(main())
+
+
+def test_generation_streams_each_delta_before_its_result(tmp_path):
+    from batcher.engine_thread import EngineThread
+    from batcher.scheduler import GenerationScheduler
+    from batcher.types import Delta, GenRequest, GenResult
+    from engine.base import SamplingParams, sequence_request
+    from engine.fake import FakeGenerationEngine
+
+    engine = FakeGenerationEngine()
+    thread = EngineThread(engine.name, replace_on_timeout=False)
+
+    async def main():
+        batcher = GenerationScheduler(engine.name, engine, thread, BatchingSettings(), make_request=sequence_request)
+        await batcher.start()
+        ctx = zmq.asyncio.Context()
+        core = EngineCore(batcher, f"ipc://{tmp_path}/core", ctx)
+        serving = asyncio.create_task(core.serve())
+        remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx)
+        await remote.start()
+        try:
+            events: list[Any] = []
+            payloads = [
+                GenRequest(engine.encode_prompt("ab"), SamplingParams(max_tokens=3)),
+                GenRequest(engine.encode_prompt("cde"), SamplingParams(max_tokens=9, stop=["w2"], seed=7)),
+            ]
+            items = await remote.submit_many(payloads, costs=[2, 3], on_delta=events.append)
+            for item in items:
+                item.result_future.add_done_callback(lambda _, item=item: events.append(item))
+            results = await asyncio.gather(*(i.result_future for i in items))
+            assert results == [GenResult("w0 w1 w2 ", "length", 2, 3), GenResult("w0 w1 ", "stop", 3, 3)]
+            for item, result in zip(items, results, strict=True):
+                mine = [e for e in events if e is item or (isinstance(e, Delta) and e.item is item)]
+                deltas, end = mine[:-1], mine[-1]
+                assert end is item and all(isinstance(d, Delta) for d in deltas)  # deltas, then the end
+                assert "".join(d.text for d in deltas) == result.text
+                assert sum(d.tokens for d in deltas) == result.completion_tokens
+                assert [list(d.token_ids) for d in deltas] == [[1], [2], [3]]  # the fake engine's ids
+                assert [d.finish_reason for d in deltas] == [None, None, result.finish_reason]
+        finally:
+            await remote.stop()
+            serving.cancel()
+            await batcher.stop()
+            await core.close()
+            ctx.term()
+            thread.close()
+
+    run(main())
