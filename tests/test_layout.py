@@ -19,7 +19,9 @@ ALLOWED: dict[str, set[str]] = {
         "gateway/settings_docs.py",
         "tuner/cli.py",
         "loadtests/bench_chat.py",
+        "loadtests/bench_cores.py",
         "loadtests/bench_embeddings.py",
+        "loadtests/bench_gateway.py",
         "loadtests/bench_latency.py",
     },
     # The two sides of the wire: the server's pydantic models, whose class names are the
