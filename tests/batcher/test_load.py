@@ -64,6 +64,32 @@ def test_the_reserve_holds_while_interactive_requests_arrive_and_lapses_after_re
     assert t.reserve(later, s, COST, keep_up=cost(1)) is None and t.interactive_rate(later) == 0
 
 
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 1.5), st.floats(0.02, 2.0), st.sampled_from(list(Priority))),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_the_reserve_follows_the_tightest_interactive_budget_still_in_the_window(offers):
+    """Checked against a scan of every offer: arrivals come in time order, and the tightest
+    budget lapses RESERVE_HORIZON after its arrival, then the next tightest counts."""
+    t, s, keep_up = LoadTracker(), BatchingSettings(deadline_margin_ms=5), cost(1)
+    now, seen = 0.0, []
+    for gap, budget, priority in offers:
+        now += gap
+        t.offered(now, 1, budget, priority)
+        seen.append((now, budget, priority))
+        window = [b for a, b, p in seen if p is Priority.INTERACTIVE and a >= now - RESERVE_HORIZON]
+        if not window:
+            assert t.reserve(now, s, COST, keep_up=keep_up) is None
+            continue
+        usable = (min(window) - 2.0 * s.margin) / COST.slowdown
+        expected = max(max(usable - max(cost(1), keep_up), 0.0), keep_up)
+        assert t.reserve(now, s, COST, keep_up=keep_up) == pytest.approx(expected)
+        assert t.interactive_rate(now) == pytest.approx(len(window) / RESERVE_HORIZON)
+
+
 def test_typical_tokens_follow_the_admitted_costs():
     t = LoadTracker()
     assert t.typical_tokens == 1
