@@ -76,6 +76,8 @@ class LoadTracker:
         self._tightest: deque[tuple[float, float]] = deque()
         self._typical_cost = 1.0
         self._drained: deque[tuple[float, int, float]] = deque()  # (finished, items, seconds)
+        # Running totals of the window: a sum over it per admission cost O(batches per second).
+        self._drained_items, self._drained_seconds = 0, 0.0
 
     # -- recording ----------------------------------------------------------------
     def offered(self, now: float, n: int, budget: float | None, priority: Priority) -> None:
@@ -101,10 +103,13 @@ class LoadTracker:
         fast the queue drains under their limits. Batches after a quiet spell never count."""
         if backlogged and seconds > 0:
             self._drained.append((now, n, seconds))
+            self._drained_items += n
+            self._drained_seconds += seconds
 
     def forget_drain(self) -> None:
         """Settings changed: batches formed under the old ones say nothing of the new."""
         self._drained.clear()
+        self._drained_items, self._drained_seconds = 0, 0.0
 
     # -- reading --------------------------------------------------------------------
     @property
@@ -137,10 +142,14 @@ class LoadTracker:
         """Items per second of engine time over recent backlogged batches."""
         q = self._drained
         while q and q[0][0] < now - DRAIN_HORIZON:
-            q.popleft()
+            _, n, t = q.popleft()
+            self._drained_items -= n
+            self._drained_seconds -= t
+        if not q:
+            self._drained_seconds = 0.0  # no rounding left over from the subtractions
         if len(q) < DRAIN_MIN_BATCHES:
             return None
-        return sum(n for _, n, _ in q) / sum(t for _, _, t in q)
+        return self._drained_items / self._drained_seconds
 
     def floor(self, now: float, queue: RequestQueue, s: BatchingSettings, cost: CostModel) -> tuple[int, float]:
         """(items, predicted seconds) of the smallest batch whose throughput covers the load

@@ -236,6 +236,32 @@ def test_drain_rate_counts_only_recent_backlogged_batches_and_forgets_on_setting
     assert t.drain_rate(10.5) is None
 
 
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 1.5), st.integers(1, 64), st.floats(0.001, 0.5), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_drain_rate_is_the_ratio_of_the_window_sums(batches):
+    """Kept as running sums; checked against summing the window, also across forget_drain."""
+    t, now, window = LoadTracker(), 0.0, []
+    for gap, n, seconds, backlogged, forget in batches:
+        now += gap
+        if forget:
+            t.forget_drain()
+            window.clear()
+        t.served(now, n, seconds, backlogged)
+        if backlogged:
+            window.append((now, n, seconds))
+        recent = [(n, s) for f, n, s in window if f >= now - DRAIN_HORIZON]
+        rate = t.drain_rate(now)
+        if len(recent) < DRAIN_MIN_BATCHES:
+            assert rate is None
+        else:
+            assert rate == pytest.approx(sum(n for n, _ in recent) / sum(s for _, s in recent))
+
+
 # -- after any history: bursts ------------------------------------------------------------
 history = st.lists(
     st.tuples(
