@@ -5,7 +5,12 @@ skeleton of loadtests/skeleton.py, both driven by `wrk` (Debian package; `make w
 it) with POST /v1/embeddings and a small JSON body. The two alternate, side by side in one run,
 so a noisy or shared machine hits both alike; medians are printed with the ratio.
 
-    python -m loadtests.bench_gateway [--rounds 3] [--duration 10] [--connections 64]
+    python -m loadtests.bench_gateway [--rounds 3] [--duration 10] [--connections 64] [--baseline DIR]
+
+`--baseline DIR` adds a third server to each round: Ferry from another checkout (say
+`git archive <commit> | tar -x -C DIR`), to measure a change before and after in one run.
+The ratio printed per server is the median of its per-round ratios to the skeleton of the
+same round, which a shared machine disturbs less than a ratio of medians.
 
 One front end only: several front ends (`--api-workers`) are a later step of that issue.
 """
@@ -70,6 +75,9 @@ def run_once(name: str, lua: str, a: argparse.Namespace) -> float:
     server: Skeleton | GatewayProcess
     if name == "skeleton":
         server = Skeleton()
+    elif name == "baseline":
+        env = {"FERRY_FAKE_ENGINES": "1", "PYTHONPATH": a.baseline}
+        server = GatewayProcess("--chat-model", "none", env=env, cwd=a.baseline)
     else:
         server = GatewayProcess("--chat-model", "none", env={"FERRY_FAKE_ENGINES": "1"})
     try:
@@ -90,6 +98,7 @@ def main() -> None:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--baseline", help="directory of another Ferry checkout to run beside this one")
     a = p.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: run `make wrk` (Debian package 'wrk')")
@@ -98,17 +107,20 @@ def main() -> None:
     lua = f.name
     try:
         runs: dict[str, list[float]] = {"skeleton": [], "ferry": []}
+        if a.baseline:
+            runs["baseline"] = []
         for r in range(a.rounds):
             print(f"round {r + 1}/{a.rounds}", flush=True)
             for name in runs:
                 runs[name].append(run_once(name, lua, a))
     finally:
         Path(lua).unlink(missing_ok=True)
-    sk, fe = statistics.median(runs["skeleton"]), statistics.median(runs["ferry"])
+    skeleton = runs.pop("skeleton")
     print(f"\nwrk -t{a.threads} -c{a.connections} -d{a.duration:g}s, medians of {a.rounds} alternations:")
-    print(f"  skeleton {sk:9.0f} req/s")
-    print(f"  ferry    {fe:9.0f} req/s (one front end)")
-    print(f"  ratio ferry/skeleton: {fe / sk:.2f}x")
+    print(f"  skeleton {statistics.median(skeleton):9.0f} req/s")
+    for name, rps in runs.items():
+        ratio = statistics.median(r / s for r, s in zip(rps, skeleton, strict=True))
+        print(f"  {name:8s} {statistics.median(rps):9.0f} req/s, {ratio:.2f}x the skeleton (one front end)")
 
 
 if __name__ == "__main__":
