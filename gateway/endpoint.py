@@ -72,7 +72,9 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
         except Exception:
             log.exception("unhandled error on %s", route)
             response = APIError(500, "internal server error", code="internal_error").response()
-        response.headers["X-Request-Id"] = rid
+        # Appended to the raw list: no handler sets it, so MutableHeaders' scan to replace
+        # an earlier value would find none.
+        response.raw_headers.append((b"x-request-id", rid.encode("latin-1")))
         if ferry.draining:
             response.headers["Connection"] = "close"  # no more requests on this connection
         if isinstance(response, StreamingResponse):
