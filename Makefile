@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test lint bench clean prometheus
+.PHONY: setup serve test lint bench clean prometheus wrk
 
 setup: $(STAMP)
 
@@ -41,6 +41,15 @@ prometheus:
 	      || echo "note: could not install prometheus; the Prometheus end-to-end test will be skipped"; \
 	  else \
 	    echo "note: prometheus not found and not root: run 'sudo make prometheus' (Debian package 'prometheus'), or the Prometheus end-to-end test is skipped"; \
+	  fi; }
+
+# wrk (Debian package) drives loadtests/bench_gateway.py; not needed by `make test`.
+wrk:
+	@command -v wrk >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends wrk; \
+	  else \
+	    echo "wrk not found and not root: run 'sudo make wrk' (Debian package 'wrk')"; exit 1; \
 	  fi; }
 
 clean:

@@ -70,9 +70,14 @@ class LoadTracker:
 
     def __init__(self) -> None:
         self._arrivals: dict[Priority, deque[float]] = {p: deque() for p in Priority}
-        self._interactive_budgets: deque[tuple[float, float]] = deque()  # (arrival, budget)
+        self._interactive_arrivals: deque[float] = deque()
+        # (arrival, budget), budgets strictly increasing: the window's tightest budget is the
+        # first, kept in O(1) per arrival (a scan of the window cost O(arrivals/s) per request).
+        self._tightest: deque[tuple[float, float]] = deque()
         self._typical_cost = 1.0
         self._drained: deque[tuple[float, int, float]] = deque()  # (finished, items, seconds)
+        # Running totals of the window: a sum over it per admission cost O(batches per second).
+        self._drained_items, self._drained_seconds = 0, 0.0
 
     # -- recording ----------------------------------------------------------------
     def offered(self, now: float, n: int, budget: float | None, priority: Priority) -> None:
@@ -82,7 +87,11 @@ class LoadTracker:
         if budget <= URGENT_BUDGET:
             self._arrivals[priority].extend([now] * n)
         if priority is Priority.INTERACTIVE:
-            self._interactive_budgets.append((now, budget))
+            self._interactive_arrivals.append(now)
+            t = self._tightest
+            while t and t[-1][1] >= budget:
+                t.pop()  # a later arrival with a budget as tight outlives it in the window
+            t.append((now, budget))
 
     def admitted(self, costs: list[int]) -> None:
         for c in costs:
@@ -94,10 +103,13 @@ class LoadTracker:
         fast the queue drains under their limits. Batches after a quiet spell never count."""
         if backlogged and seconds > 0:
             self._drained.append((now, n, seconds))
+            self._drained_items += n
+            self._drained_seconds += seconds
 
     def forget_drain(self) -> None:
         """Settings changed: batches formed under the old ones say nothing of the new."""
         self._drained.clear()
+        self._drained_items, self._drained_seconds = 0, 0.0
 
     # -- reading --------------------------------------------------------------------
     @property
@@ -114,23 +126,30 @@ class LoadTracker:
                 total += len(q)
         return total / RATE_HORIZON
 
-    def _recent_interactive(self, now: float) -> deque[tuple[float, float]]:
-        q = self._interactive_budgets
-        while q and q[0][0] < now - RESERVE_HORIZON:
+    def _recent_interactive(self, now: float) -> int:
+        """Interactive arrivals within RESERVE_HORIZON; drops older ones from both windows."""
+        q, t, since = self._interactive_arrivals, self._tightest, now - RESERVE_HORIZON
+        while q and q[0] < since:
             q.popleft()
-        return q
+        while t and t[0][0] < since:
+            t.popleft()
+        return len(q)
 
     def interactive_rate(self, now: float) -> float:
-        return len(self._recent_interactive(now)) / RESERVE_HORIZON
+        return self._recent_interactive(now) / RESERVE_HORIZON
 
     def drain_rate(self, now: float) -> float | None:
         """Items per second of engine time over recent backlogged batches."""
         q = self._drained
         while q and q[0][0] < now - DRAIN_HORIZON:
-            q.popleft()
+            _, n, t = q.popleft()
+            self._drained_items -= n
+            self._drained_seconds -= t
+        if not q:
+            self._drained_seconds = 0.0  # no rounding left over from the subtractions
         if len(q) < DRAIN_MIN_BATCHES:
             return None
-        return sum(n for _, n, _ in q) / sum(t for _, _, t in q)
+        return self._drained_items / self._drained_seconds
 
     def floor(self, now: float, queue: RequestQueue, s: BatchingSettings, cost: CostModel) -> tuple[int, float]:
         """(items, predicted seconds) of the smallest batch whose throughput covers the load
@@ -162,11 +181,10 @@ class LoadTracker:
         typical item alone, and at least the keep-up batch; the reserve never cuts below
         the keep-up batch. None: no interactive traffic lately.
         """
-        q = self._recent_interactive(now)
-        if not q:
+        if not self._recent_interactive(now):
             return None
         alone = cost.predict(1, self.typical_tokens)
-        usable = (min(b for _, b in q) - 2.0 * s.margin) / cost.slowdown
+        usable = (self._tightest[0][1] - 2.0 * s.margin) / cost.slowdown
         protect = max(usable - max(alone, keep_up), 0.0)
         return max(protect, keep_up)
 

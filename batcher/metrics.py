@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import contextlib
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from .knobs import Knob, knobs
+from .metric_types import Counter, Gauge, Histogram
 from .settings import BatchingSettings
 from .types import DispatchReason, Priority, Stage
 

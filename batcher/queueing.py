@@ -149,7 +149,7 @@ class QueueingBatcher:
             item.best_effort = best_effort
             item.future = loop.create_future()
             self.queue.push(item)
-        self._publish_depth()
+        self._publish_depth(priority)  # the other classes' depths did not change
         self._wake.set()
         return items
 
@@ -212,8 +212,9 @@ class QueueingBatcher:
         self._publish_depth()
         return items
 
-    def _publish_depth(self) -> None:
-        for p in Priority:
+    def _publish_depth(self, *priorities: Priority) -> None:
+        """The queue depth gauge of the given classes (all when none are given)."""
+        for p in priorities or Priority:
             self.metrics.queue_depth.labels(self.model, p.label).set(self.queue.count(p))
 
     # -- lifecycle ----------------------------------------------------------------

@@ -14,6 +14,7 @@ a reserved id, so the fault crosses the process boundary with it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -42,6 +43,7 @@ FAULTS = ("FAIL_ITEM", "FAIL_BATCH", "OOM", "HANG")
 _FAULT_IDS = 1 << 30  # word ids stay below; a word with markers is this plus their bits
 
 
+@functools.lru_cache(maxsize=65536)  # a hash per word made the fake tokenizer far from zero-cost
 def _word_id(word: str) -> int:
     bits = sum(1 << i for i, marker in enumerate(FAULTS) if marker in word)
     if bits:

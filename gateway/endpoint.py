@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -49,9 +49,9 @@ def check_key(request: Request, keys: list[str], header: str = "authorization") 
 def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
         ferry = gateway_state(request)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.headers.get("x-request-id") or new_request_id()
         if len(rid) > 128 or not rid.isprintable():
-            rid = uuid.uuid4().hex
+            rid = new_request_id()
         ctx = Ctx(route, rid)
         ferry.last_request_at = time.monotonic()
         m = ferry.metrics
@@ -72,7 +72,9 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
         except Exception:
             log.exception("unhandled error on %s", route)
             response = APIError(500, "internal server error", code="internal_error").response()
-        response.headers["X-Request-Id"] = rid
+        # Appended to the raw list: no handler sets it, so MutableHeaders' scan to replace
+        # an earlier value would find none.
+        response.raw_headers.append((b"x-request-id", rid.encode("latin-1")))
         if ferry.draining:
             response.headers["Connection"] = "close"  # no more requests on this connection
         if isinstance(response, StreamingResponse):
@@ -84,6 +86,11 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
     return wrapped
 
 
+def new_request_id() -> str:
+    """32 random hex digits, as uuid4().hex gave, without building a UUID per request."""
+    return os.urandom(16).hex()
+
+
 def finish(ferry, ctx: Ctx, status: int, start: float) -> None:
     elapsed = time.perf_counter() - start
     m = ferry.metrics
@@ -91,17 +98,17 @@ def finish(ferry, ctx: Ctx, status: int, start: float) -> None:
     if ctx.model:
         m.request_latency.labels(ctx.route, ctx.model).observe(elapsed)
     if log.isEnabledFor(logging.INFO):
-        log.info(
-            "request",
-            extra={
-                "request_id": ctx.request_id,
-                "route": ctx.route,
-                "model": ctx.model,
-                "status": status,
-                "latency_ms": round(elapsed * 1000.0, 3),
-                **ctx.extra,
-            },
-        )
+        fields = {
+            "request_id": ctx.request_id,
+            "route": ctx.route,
+            "model": ctx.model,
+            "status": status,
+            "latency_ms": round(elapsed * 1000.0, 3),
+            **ctx.extra,
+        }
+        # log.info() would also walk the stack for the caller's file and line, which the
+        # JSON lines never show: one line per request, so the record is made directly.
+        log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra=fields))
 
 
 def route(path: str, **handlers: Callable[[Request], Awaitable[Response]]) -> Route:

@@ -14,8 +14,9 @@ Label values:
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
+from batcher.metric_types import Counter, Gauge, Histogram
 from batcher.metrics import LATENCY_BUCKETS, Metrics
 
 

@@ -68,7 +68,8 @@ async def wait_disconnect(request: Request) -> None:
 async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkItem]) -> list[Any]:
     """Results in item order. If the client leaves first, its items are cancelled (and
     never computed if still queued). If one item fails, its siblings are cancelled."""
-    gathered = asyncio.gather(*(i.result_future for i in items))
+    # One item (most requests) is awaited as it is; gather() would wrap it in another future.
+    gathered = items[0].result_future if len(items) == 1 else asyncio.gather(*(i.result_future for i in items))
     watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
         either: set[asyncio.Future[Any]] = {gathered, watcher}
@@ -84,7 +85,7 @@ async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkI
         gathered.add_done_callback(_consume)
         raise ClientGone()
     try:
-        return gathered.result()
+        return [gathered.result()] if len(items) == 1 else gathered.result()
     except BatchingError as exc:
         cancel_all(batcher, items, by_client=False)  # one failed: its siblings' work is moot
         raise APIError.from_batching(exc) from None

@@ -46,7 +46,9 @@ def free_port() -> int:
 class GatewayProcess:
     """`ferry serve` in a subprocess on a free loopback port."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0):
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0, cwd: str | None = None
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
@@ -54,7 +56,7 @@ class GatewayProcess:
         # Logs go to a file: an unread pipe fills up and blocks the server. It stays open as
         # long as the server runs, so no `with`.
         self.log = tempfile.NamedTemporaryFile(prefix="ferry-bench-", suffix=".log", delete=False)  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.DEVNULL, stderr=self.log)
+        self.proc = subprocess.Popen(cmd, env=full_env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=self.log)
         deadline = time.monotonic() + ready_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
         "loadtests/bench_chat.py",
         "loadtests/bench_cores.py",
         "loadtests/bench_embeddings.py",
+        "loadtests/bench_gateway.py",
         "loadtests/bench_latency.py",
     },
     # The two sides of the wire: the server's pydantic models, whose class names are the

@@ -64,6 +64,32 @@ def test_the_reserve_holds_while_interactive_requests_arrive_and_lapses_after_re
     assert t.reserve(later, s, COST, keep_up=cost(1)) is None and t.interactive_rate(later) == 0
 
 
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 1.5), st.floats(0.02, 2.0), st.sampled_from(list(Priority))),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_the_reserve_follows_the_tightest_interactive_budget_still_in_the_window(offers):
+    """Checked against a scan of every offer: arrivals come in time order, and the tightest
+    budget lapses RESERVE_HORIZON after its arrival, then the next tightest counts."""
+    t, s, keep_up = LoadTracker(), BatchingSettings(deadline_margin_ms=5), cost(1)
+    now, seen = 0.0, []
+    for gap, budget, priority in offers:
+        now += gap
+        t.offered(now, 1, budget, priority)
+        seen.append((now, budget, priority))
+        window = [b for a, b, p in seen if p is Priority.INTERACTIVE and a >= now - RESERVE_HORIZON]
+        if not window:
+            assert t.reserve(now, s, COST, keep_up=keep_up) is None
+            continue
+        usable = (min(window) - 2.0 * s.margin) / COST.slowdown
+        expected = max(max(usable - max(cost(1), keep_up), 0.0), keep_up)
+        assert t.reserve(now, s, COST, keep_up=keep_up) == pytest.approx(expected)
+        assert t.interactive_rate(now) == pytest.approx(len(window) / RESERVE_HORIZON)
+
+
 def test_typical_tokens_follow_the_admitted_costs():
     t = LoadTracker()
     assert t.typical_tokens == 1
@@ -208,6 +234,32 @@ def test_drain_rate_counts_only_recent_backlogged_batches_and_forgets_on_setting
         t.served(10.0 + k * 0.1, 4, 0.05, backlogged=True)
     t.forget_drain()
     assert t.drain_rate(10.5) is None
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 1.5), st.integers(1, 64), st.floats(0.001, 0.5), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_drain_rate_is_the_ratio_of_the_window_sums(batches):
+    """Kept as running sums; checked against summing the window, also across forget_drain."""
+    t, now, window = LoadTracker(), 0.0, []
+    for gap, n, seconds, backlogged, forget in batches:
+        now += gap
+        if forget:
+            t.forget_drain()
+            window.clear()
+        t.served(now, n, seconds, backlogged)
+        if backlogged:
+            window.append((now, n, seconds))
+        recent = [(n, s) for f, n, s in window if f >= now - DRAIN_HORIZON]
+        rate = t.drain_rate(now)
+        if len(recent) < DRAIN_MIN_BATCHES:
+            assert rate is None
+        else:
+            assert rate == pytest.approx(sum(n for n, _ in recent) / sum(s for _, s in recent))
 
 
 # -- after any history: bursts ------------------------------------------------------------
