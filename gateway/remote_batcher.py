@@ -47,6 +47,9 @@ log = logging.getLogger("ferry.gateway")
 LATE_RESULTS_S = 0.5
 # An admin request the core does not answer in this time fails (a stuck core).
 ANSWER_TIMEOUT_S = 10.0
+# A /metrics scrape leaves out a core that does not answer in this time, well inside
+# Prometheus' default scrape timeout (10 s), so one stuck core does not fail the scrape.
+SCRAPE_TIMEOUT_S = 2.0
 
 
 class CoreControl(Protocol):
@@ -223,7 +226,7 @@ class RemoteBatcher:
 
     async def scrape(self) -> str:
         """The core's metrics in the OpenMetrics text format."""
-        answer: wire.MetricsAnswer = await self._request(wire.MetricsRequest)
+        answer: wire.MetricsAnswer = await self._request(wire.MetricsRequest, SCRAPE_TIMEOUT_S)
         return answer.text
 
     async def _ask(self, changes: dict[str, Any]) -> wire.SettingsAnswer:
@@ -233,17 +236,15 @@ class RemoteBatcher:
         self._settings = BatchingSettings(**answer.settings)
         return answer
 
-    async def _request(self, message: Callable[[int], msgspec.Struct]) -> Any:
+    async def _request(self, message: Callable[[int], msgspec.Struct], timeout: float = ANSWER_TIMEOUT_S) -> Any:
         self._refuse_if_closed(draining_ok=True)
         seq = next(self._seqs)
         fut = self._answers[seq] = asyncio.get_running_loop().create_future()
         try:
             self._send(message(seq))
-            return await asyncio.wait_for(fut, ANSWER_TIMEOUT_S)
+            return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
-            raise ModelUnavailable(
-                f"the engine core of {self.model} did not answer in {ANSWER_TIMEOUT_S:g} s"
-            ) from None
+            raise ModelUnavailable(f"the engine core of {self.model} did not answer in {timeout:g} s") from None
         finally:
             self._answers.pop(seq, None)
 
