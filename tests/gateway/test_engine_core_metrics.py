@@ -10,8 +10,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.observability.artifacts import catalogue
+from tests.waiting import wait_until
 
-from .test_engine_core import CHAT, EMBED, chat_body, serve
+from .test_engine_core import CHAT, EMBED, chat_body, core_of, serve
 
 MODELS = ("fake-embed", "fake-chat")
 
@@ -70,3 +71,16 @@ def test_one_scrape_shows_every_cores_batching_series_once_with_the_values_the_r
         # A second scrape: the counters of the core carry on, not counted twice.
         _, again = scrape(gw.url)
         assert value(again, "ferry_items_total", model="fake-embed", status="result") == 6
+
+
+def test_a_dead_core_is_left_out_of_the_scrape_and_the_others_still_show():
+    with serve("--engine-cores") as gw:
+        r = httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": ["a"]}, timeout=30)
+        assert r.status_code == 200
+        core_of(gw, "chat").kill()
+        wait_until(lambda: httpx.get(gw.url + "/readyz", timeout=30).status_code == 503, message="the lost core seen")
+        _, samples = scrape(gw.url)
+        models = {dict(labels).get("model") for _, labels in samples}
+        assert "fake-chat" not in models
+        assert value(samples, "ferry_items_total", model="fake-embed", status="result") == 1
+        assert value(samples, "ferry_requests_total", route=EMBED, model="fake-embed", status="200") == 1
