@@ -150,8 +150,20 @@ class SettingsAnswer(msgspec.Struct, tag="settings_answer", array_like=True):
     error: str | None = None
 
 
-ToCore = Submit | Cancel | SettingsChange
-ToFrontEnd = Admitted | Refused | Result | NewTokens | SettingsAnswer
+class MetricsRequest(msgspec.Struct, tag="metrics", array_like=True):
+    """A /metrics scrape of the server asks each core for its own series; answered by
+    `MetricsAnswer` with the same `seq` (docs/architecture.md, step 6)."""
+
+    seq: int
+
+
+class MetricsAnswer(msgspec.Struct, tag="metrics_answer", array_like=True):
+    seq: int
+    text: str  # the core's registry in the OpenMetrics text format (keeps `_created` in its family)
+
+
+ToCore = Submit | Cancel | SettingsChange | MetricsRequest
+ToFrontEnd = Admitted | Refused | Result | NewTokens | SettingsAnswer | MetricsAnswer
 
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)

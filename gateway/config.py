@@ -76,8 +76,8 @@ class ServerSettings(Knobs):
         False,
         "run each model (embeddings and chat) in its own engine-core process (its queue, "
         "batcher or scheduler and engine there; HTTP, tokenization and chat templates here), "
-        "so the model's torch threads never wait on this process's interpreter lock; for now "
-        "a core's batching metrics are not in /metrics (docs/operations.md)",
+        "so the model's torch threads never wait on this process's interpreter lock; "
+        "/metrics merges every core's series in (docs/operations.md)",
     )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")

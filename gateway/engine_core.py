@@ -12,7 +12,9 @@ Served on a ROUTER socket, in the core's event loop: `Submit` is admitted or ref
 once (`Admitted` / `Refused`), then each item's `Result` follows when its future resolves
 (after its `NewTokens`, one per delta, when the request streams);
 `Cancel` withdraws a request's unfinished items; `SettingsChange` updates the batcher (or
-only reads it) and is answered by `SettingsAnswer`. A message for an unknown key is dropped.
+only reads it) and is answered by `SettingsAnswer`; `MetricsRequest` is answered by
+`MetricsAnswer`, the core's metrics in the OpenMetrics text format (the server merges them into
+its /metrics). A message for an unknown key is dropped.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any, cast
 import msgspec
 import zmq
 import zmq.asyncio
+from prometheus_client import CollectorRegistry
+from prometheus_client.openmetrics.exposition import generate_latest
 
 from batcher import wire
 from batcher.cost import cost_report
@@ -51,8 +55,15 @@ LINGER_MS = 2000
 class EngineCore:
     """Serves one batcher on a ROUTER socket bound to `address`; `serve()` until cancelled."""
 
-    def __init__(self, batcher: QueueingBatcher, address: str, ctx: zmq.asyncio.Context | None = None):
+    def __init__(
+        self,
+        batcher: QueueingBatcher,
+        address: str,
+        ctx: zmq.asyncio.Context | None = None,
+        registry: CollectorRegistry | None = None,
+    ):
         self.batcher = batcher
+        self.registry = registry  # the batcher's metrics, for MetricsRequest
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -73,6 +84,9 @@ class EngineCore:
                 self.submit(peer, message)
             elif isinstance(message, wire.Cancel):
                 self.cancel(peer, message)
+            elif isinstance(message, wire.MetricsRequest):
+                text = generate_latest(self.registry).decode() if self.registry is not None else ""
+                self._send(peer, wire.MetricsAnswer(message.seq, text))
             else:
                 self.settings(peer, message)
 
@@ -239,9 +253,10 @@ def failure_line(spec: ModelSpec, exc: BaseException) -> str:
 
 async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any) -> int:
     try:
-        served = await start_model(spec, cfg, Metrics())
+        metrics = Metrics()
+        served = await start_model(spec, cfg, metrics)
         assert isinstance(served.batcher, QueueingBatcher)  # start_model runs it here, in the core
-        core = EngineCore(served.batcher, address)
+        core = EngineCore(served.batcher, address, registry=metrics.registry)
     except Exception as exc:
         log.debug("model loading failed", exc_info=True)
         conn.send(("failed", failure_line(spec, exc)))

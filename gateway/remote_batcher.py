@@ -11,7 +11,8 @@ What differs from a local batcher, and why:
   cancels all of a request's items).
 - Generation items stream: the core's `NewTokens` become `Delta`s for the item's
   `on_delta`, in order, before its `Result` (a `GenResult`) resolves it.
-- `update` and `describe` (the admin GET) are coroutines answered by the core.
+- `update` and `describe` (the admin GET) are coroutines answered by the core; so is
+  `scrape`, the core's metrics for the server's /metrics.
 - Dispatches are not reported until an item ends, so `item in batcher.queue` holds for
   every unfinished item.
 - When the core is lost (`lost`, called by whoever watches its process), every request in
@@ -46,6 +47,9 @@ log = logging.getLogger("ferry.gateway")
 LATE_RESULTS_S = 0.5
 # An admin request the core does not answer in this time fails (a stuck core).
 ANSWER_TIMEOUT_S = 10.0
+# A /metrics scrape leaves out a core that does not answer in this time, well inside
+# Prometheus' default scrape timeout (10 s), so one stuck core does not fail the scrape.
+SCRAPE_TIMEOUT_S = 2.0
 
 
 class CoreControl(Protocol):
@@ -106,7 +110,7 @@ class RemoteBatcher:
         self._pending: dict[int, _Pending] = {}  # req -> submit awaiting Admitted/Refused
         self._requests: dict[int, list[WorkItem]] = {}  # req -> admitted items, until all finish
         self._req_of: dict[int, int] = {}  # WorkItem.id -> req
-        self._answers: dict[int, asyncio.Future] = {}  # seq -> SettingsAnswer
+        self._answers: dict[int, asyncio.Future] = {}  # seq -> SettingsAnswer or MetricsAnswer
         self.queue = _Unfinished(self._req_of)
         self.dropped = 0  # messages for requests this side no longer knows
         self.shut_down_items = 0  # items ended with shutting_down, here or in the core (drain counts them)
@@ -220,23 +224,29 @@ class RemoteBatcher:
         answer = await self._ask({})
         return {**(answer.settings or {}), "cost_model": answer.cost_model}
 
+    async def scrape(self) -> str:
+        """The core's metrics in the OpenMetrics text format."""
+        answer: wire.MetricsAnswer = await self._request(wire.MetricsRequest, SCRAPE_TIMEOUT_S)
+        return answer.text
+
     async def _ask(self, changes: dict[str, Any]) -> wire.SettingsAnswer:
-        self._refuse_if_closed(draining_ok=True)
-        seq = next(self._seqs)
-        fut = self._answers[seq] = asyncio.get_running_loop().create_future()
-        try:
-            self._send(wire.SettingsChange(seq, self.model, changes))
-            answer = await asyncio.wait_for(fut, ANSWER_TIMEOUT_S)
-        except asyncio.TimeoutError:
-            raise ModelUnavailable(
-                f"the engine core of {self.model} did not answer in {ANSWER_TIMEOUT_S:g} s"
-            ) from None
-        finally:
-            self._answers.pop(seq, None)
+        answer = await self._request(lambda seq: wire.SettingsChange(seq, self.model, changes))
         if answer.error is not None:
             raise SettingsError(answer.field or "", answer.error)
         self._settings = BatchingSettings(**answer.settings)
         return answer
+
+    async def _request(self, message: Callable[[int], msgspec.Struct], timeout: float = ANSWER_TIMEOUT_S) -> Any:
+        self._refuse_if_closed(draining_ok=True)
+        seq = next(self._seqs)
+        fut = self._answers[seq] = asyncio.get_running_loop().create_future()
+        try:
+            self._send(message(seq))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ModelUnavailable(f"the engine core of {self.model} did not answer in {timeout:g} s") from None
+        finally:
+            self._answers.pop(seq, None)
 
     # -- lifecycle ------------------------------------------------------------------------
     async def drain(self, timeout: float) -> int:

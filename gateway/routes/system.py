@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..endpoint import Ctx
 from ..errors import APIError
+from ..metrics_merge import merged_exposition
+from ..remote_batcher import RemoteBatcher
 from ..responses import json_response
 from ..state import gateway_state
 
@@ -30,8 +34,14 @@ async def readyz(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
-    registry = gateway_state(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    ferry = gateway_state(request)
+    registry = ferry.metrics.registry
+    cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
+    if not cores:  # in-process models: the server's registry holds everything
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
+    texts = [a for a in answers if isinstance(a, str)]  # a lost or stuck core is left out
+    return Response(merged_exposition(registry, texts), media_type=CONTENT_TYPE_LATEST)
 
 
 def _model_card(m) -> dict:
