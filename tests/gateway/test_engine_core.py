@@ -468,3 +468,42 @@ def test_the_openai_client_streams_through_a_core():
         completion = client.completions.create(model="fake-chat", prompt="hi", max_tokens=2)
         assert completion.choices[0].text == "w0 w1 "
         stops_cleanly(gw)
+
+
+def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(monkeypatch, tmp_path):
+    from gateway.config import ServerConfig
+    from gateway.core_process import Supervisor, start_in_core
+    from gateway.metrics import GatewayMetrics
+    from gateway.model_loading import default_specs
+    from tests.waiting import async_wait_until
+
+    missing = tmp_path / "no-such-model"
+    cfg = ServerConfig(embedding_model=str(missing), chat_model="none")
+    monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # the first core serves the fake model ...
+    metrics = GatewayMetrics()
+    me = psutil.Process()
+
+    async def scenario() -> None:
+        served = await start_in_core(default_specs(cfg)[0], 0, cfg, metrics)
+        batcher = served.batcher
+        first = cores_of(me.pid)
+        assert len(first) == 1
+        monkeypatch.delenv("FERRY_FAKE_ENGINES")  # ... its restart (a fresh spawn) loads the missing one
+        first[0].send_signal(signal.SIGKILL)
+        await async_wait_until(
+            lambda: batcher.failed and "restarted core failed" in batcher.failed and not batcher.restarting,
+            timeout=120,
+            message=lambda: f"the restart to fail (failed: {batcher.failed})",
+        )
+        assert "SIGKILL" in batcher.failed and "no such file or directory" in batcher.failed
+        assert metrics.core_restarts.labels("fake-embed")._value.get() == 1
+        assert isinstance(batcher.core, Supervisor) and len(batcher.core.restarts) == 1  # tried once, not again
+        with pytest.raises(Exception, match="unavailable"):
+            await batcher.submit_many([[1, 2]])
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    wait_until(
+        lambda: all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in cores_of(me.pid)),
+        message="no engine core left",
+    )
