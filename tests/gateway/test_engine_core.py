@@ -507,3 +507,37 @@ def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(m
         lambda: all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in cores_of(me.pid)),
         message="no engine core left",
     )
+
+
+def test_restarts_are_bounded(monkeypatch):
+    from gateway import core_process
+    from gateway.config import ServerConfig
+    from gateway.metrics import GatewayMetrics
+    from gateway.model_loading import default_specs
+    from tests.waiting import async_wait_until
+
+    monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")
+    monkeypatch.setattr(core_process, "MAX_RESTARTS", 1)
+    cfg, metrics, me = ServerConfig(), GatewayMetrics(), psutil.Process()
+
+    async def scenario() -> None:
+        served = await core_process.start_in_core(default_specs(cfg)[0], 0, cfg, metrics)
+        batcher = served.batcher
+        restarts = metrics.core_restarts.labels("fake-embed")
+        [first] = cores_of(me.pid)
+        first.send_signal(signal.SIGKILL)
+        await async_wait_until(  # restarted once ...
+            lambda: restarts._value.get() == 1 and batcher.failed is None, timeout=120, message="the first restart"
+        )
+        [vector] = await batcher.submit_many([[1, 2]])
+        assert (await vector.result_future).tokens == 2
+        [second] = cores_of(me.pid)
+        second.send_signal(signal.SIGKILL)
+        # ... not twice: the model stays unavailable, and says why (decided as the death is seen)
+        await async_wait_until(lambda: batcher.failed is not None, message="the second death to be seen")
+        assert "not restarted: 1 restarts in the last 300 s" in batcher.failed
+        assert not batcher.restarting and cores_of(me.pid) == []
+        assert restarts._value.get() == 1
+        await batcher.stop()
+
+    asyncio.run(scenario())
