@@ -4,29 +4,49 @@ model, wait until it has loaded, watch it, drain it and stop it.
 A core is a `spawn`ed child (a fresh interpreter: no copy of the server's threads, locks
 or event loop) that loads `default_specs(cfg)[index]` itself, so the server never loads
 the weights. It dies with the server: it stops when its end of the pipe closes, whatever
-ended the server (a SIGKILL included). A core that dies is not restarted yet
-(docs/architecture.md, step 4): its model answers `503 model_unavailable` from then on.
+ended the server (a SIGKILL included).
+
+A core that dies while the server is not draining or stopping (an exception, an OOM kill,
+SIGKILL) is restarted by its `Supervisor` (docs/architecture.md, step 4): its requests in
+flight end at once with `503 model_unavailable`, the model answers 503 (with Retry-After)
+and /readyz is not ready until the new core, started with the model's current batching
+settings, reports ready. Restarts are bounded (`MAX_RESTARTS` in `RESTART_WINDOW_S`, with
+backoff), and a core that cannot load its model on a restart is not tried again: either
+way the model stays unavailable and the log says why.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import logging
 import multiprocessing
 import shutil
 import signal
 import tempfile
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 from batcher.settings import BatchingSettings
 
 from . import engine_core
 from .config import ServerConfig
+from .metrics import GatewayMetrics
 from .model_loading import ModelSpec, ServedModel
 from .remote_batcher import RemoteBatcher
 
+log = logging.getLogger("ferry.gateway")
+
 # How long a core may take beyond its drain timeout, or to stop when told, before SIGKILL.
 STOP_GRACE_S = 5.0
+# At most this many restarts of one model's core within this many seconds; past that the
+# core is left down (a core that keeps dying would otherwise cycle forever).
+MAX_RESTARTS = 5
+RESTART_WINDOW_S = 300.0
+# The wait before a restart: this, doubled for each earlier restart in the window.
+RESTART_BACKOFF_S = 0.25
 
 
 class CoreFailed(Exception):
@@ -43,14 +63,17 @@ def describe_exit(code: int | None) -> str:
 
 
 class CoreProcess:
-    def __init__(self, cfg: ServerConfig, index: int):
+    def __init__(self, cfg: ServerConfig, index: int, settings: BatchingSettings | None = None):
         mp = multiprocessing.get_context("spawn")
         # The socket lives in a directory of the server's own, removed when the core stops.
         self.dir = tempfile.mkdtemp(prefix="ferry-core-")
         self.address = f"ipc://{self.dir}/core"
         self.conn, child = mp.Pipe()
         self.process = mp.Process(
-            target=engine_core.run_core, args=(cfg, index, self.address, child), name=f"ferry-core-{index}", daemon=True
+            target=engine_core.run_core,
+            args=(cfg, index, self.address, child, None if settings is None else settings.to_dict()),
+            name=f"ferry-core-{index}",
+            daemon=True,
         )
         self.process.start()
         child.close()  # the core holds the only other end: its exit closes the pipe, and ours closes its
@@ -84,8 +107,8 @@ class CoreProcess:
         await asyncio.to_thread(self.process.join, STOP_GRACE_S)
         raise CoreFailed(f"{describe_exit(self.process.exitcode)} before its model loaded")
 
-    def watch(self, batcher: RemoteBatcher) -> None:
-        """When the process ends, tell `batcher` (every request still open then fails)."""
+    def watch(self, on_exit: Callable[[int | None], Awaitable[None]]) -> None:
+        """When the process ends, call `on_exit` with its exit code."""
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
 
@@ -95,16 +118,15 @@ class CoreProcess:
 
         loop.add_reader(self.process.sentinel, end)
 
-        async def on_exit() -> None:
+        async def exited() -> None:
             try:
                 await ended
             finally:
                 loop.remove_reader(self.process.sentinel)
             await asyncio.to_thread(self.process.join)
-            code = self.process.exitcode
-            await batcher.lost(describe_exit(code), clean=code == 0)
+            await on_exit(self.process.exitcode)
 
-        self._exit = asyncio.create_task(on_exit(), name=f"ferry-watch-{self.process.name}")
+        self._exit = asyncio.create_task(exited(), name=f"ferry-watch-{self.process.name}")
 
     async def drain(self, timeout: float) -> None:
         """Ask the core to finish its accepted work within `timeout` and exit; wait for that
@@ -139,7 +161,88 @@ class CoreProcess:
             await asyncio.to_thread(self.process.join)
 
 
-async def start_in_core(spec: ModelSpec, index: int, cfg: ServerConfig) -> ServedModel:
+class Supervisor:
+    """The `core` of a RemoteBatcher: drains or stops the engine core that runs now, and
+    starts a fresh one when it dies unexpectedly (see the module's docstring)."""
+
+    def __init__(self, cfg: ServerConfig, index: int, core: CoreProcess, metrics: GatewayMetrics | None = None):
+        self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
+        self.batcher: RemoteBatcher | None = None
+        self.restarts: collections.deque[float] = collections.deque()  # when each recent restart began
+        self._leaving = False
+        self._restart: asyncio.Task | None = None
+
+    def watch(self, batcher: RemoteBatcher) -> None:
+        self.batcher = batcher
+        self.core.watch(self._exited)
+
+    async def _exited(self, code: int | None) -> None:
+        assert self.batcher is not None
+        reason = describe_exit(code)
+        if self._leaving:
+            await self.batcher.lost(reason, clean=code == 0)
+            return
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+            self.restarts.popleft()
+        if len(self.restarts) >= MAX_RESTARTS:
+            reason += f"; not restarted: {len(self.restarts)} restarts in the last {RESTART_WINDOW_S:g} s"
+            await self.batcher.lost(reason, clean=code == 0)
+            return
+        await self.batcher.lost(reason + "; restarting", clean=code == 0, restarting=True)
+        delay = RESTART_BACKOFF_S * 2 ** len(self.restarts)
+        self.restarts.append(now)
+        self._restart = asyncio.create_task(self._start_again(reason, delay), name=f"ferry-restart-{self.index}")
+
+    async def _start_again(self, reason: str, delay: float) -> None:
+        batcher = self.batcher
+        assert batcher is not None
+        await asyncio.sleep(delay)
+        if self._leaving:
+            return
+        log.warning("engine core of %s restarting (%s, restart %d)", batcher.model, reason, len(self.restarts))
+        if self.metrics is not None:
+            self.metrics.core_restarts.labels(batcher.model).inc()
+        old = self.core
+        await old.stop()  # reaped already; this removes its socket's directory
+        core = self.core = CoreProcess(self.cfg, self.index, batcher.settings)
+        try:
+            await core.ready()
+        except CoreFailed as exc:
+            if not self._leaving:  # not started again: it would fail the same way
+                log.error("engine core of %s not restarted: %s", batcher.model, exc)
+                batcher.failed = f"{reason}; the restarted core failed: {exc}"
+                batcher.restarting = False
+            await core.stop()
+            return
+        if self._leaving:
+            await core.stop()
+            return
+        await batcher.reconnect(core.address)
+        core.watch(self._exited)
+        log.info("engine core of %s restarted", batcher.model)
+
+    async def drain(self, timeout: float) -> None:
+        self._leaving = True
+        await self.core.drain(timeout)
+        await self._settled()
+
+    async def stop(self) -> None:
+        self._leaving = True
+        await self.core.stop()
+        await self._settled()
+
+    async def _settled(self) -> None:
+        """A restart under way ends (its new core is stopped) before the server goes on."""
+        if self._restart is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._restart
+            await self.core.stop()
+
+
+async def start_in_core(
+    spec: ModelSpec, index: int, cfg: ServerConfig, metrics: GatewayMetrics | None = None
+) -> ServedModel:
     """Serve `spec` (the `index`-th of `default_specs(cfg)`) from its own engine core."""
     if spec.front is None:
         raise CoreFailed(f"the {spec.kind} model {spec.source or '(unnamed)'} cannot run in an engine core")
@@ -150,7 +253,8 @@ async def start_in_core(spec: ModelSpec, index: int, cfg: ServerConfig) -> Serve
     except BaseException:
         await core.stop()
         raise
-    batcher = RemoteBatcher(engine.name, core.address, BatchingSettings(**info["settings"]), core=core)
+    supervisor = Supervisor(cfg, index, core, metrics)
+    batcher = RemoteBatcher(engine.name, core.address, BatchingSettings(**info["settings"]), core=supervisor)
     await batcher.start()
-    core.watch(batcher)
+    supervisor.watch(batcher)
     return ServedModel(engine.name, spec.kind, engine, batcher, None)

@@ -216,15 +216,16 @@ def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
 
 
 # -- the process ---------------------------------------------------------------------------------
-def run_core(cfg: ServerConfig, index: int, address: str, conn: Any) -> None:
-    """The process target: load `default_specs(cfg)[index]`, report on `conn`, serve."""
+def run_core(cfg: ServerConfig, index: int, address: str, conn: Any, settings: dict[str, Any] | None = None) -> None:
+    """The process target: load `default_specs(cfg)[index]`, report on `conn`, serve.
+    `settings`: the batching settings to start with (a restarted core's, as its model last had)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from .logs import setup_logging
 
     setup_logging()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread hands every batch back to this loop
     cfg = with_core_threads(cfg)
-    sys.exit(asyncio.run(_run(cfg, default_specs(cfg)[index], address, conn)))
+    sys.exit(asyncio.run(_run(cfg, default_specs(cfg)[index], address, conn, settings)))
 
 
 def with_core_threads(cfg: ServerConfig) -> ServerConfig:
@@ -251,11 +252,13 @@ def failure_line(spec: ModelSpec, exc: BaseException) -> str:
     return f"cannot load the {spec.kind} model {spec.source or '(unnamed)'}: {reason}"
 
 
-async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any) -> int:
+async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, settings: dict[str, Any] | None) -> int:
     try:
         metrics = Metrics()
         served = await start_model(spec, cfg, metrics)
         assert isinstance(served.batcher, QueueingBatcher)  # start_model runs it here, in the core
+        if settings is not None and settings != served.batcher.settings.to_dict():
+            served.batcher.update(**settings)
         core = EngineCore(served.batcher, address, registry=metrics.registry)
     except Exception as exc:
         log.debug("model loading failed", exc_info=True)

@@ -1,4 +1,5 @@
-"""The gateway's metrics: HTTP requests by route, status and latency.
+"""The gateway's metrics: HTTP requests by route, status and latency, and the restarts of
+the engine cores the server watches (`--engine-cores`).
 
 Everything else (queues, batches, generation, SLO, settings, batch jobs) is the batcher's,
 in batcher/metrics.py. `GatewayMetrics` is both on one registry, so that one /metrics
@@ -38,3 +39,10 @@ class GatewayMetrics(Metrics):
             registry=r,
         )
         self.in_flight = Gauge("ferry_requests_in_flight", "Requests being served now.", ["route"], registry=r)
+        # Counted by the server that watches its engine cores (gateway/core_process.py).
+        self.core_restarts = Counter(
+            "ferry_engine_core_restarts_total",
+            "Engine cores restarted after an unexpected exit (--engine-cores).",
+            ["model"],
+            registry=r,
+        )

@@ -16,7 +16,8 @@ What differs from a local batcher, and why:
 - Dispatches are not reported until an item ends, so `item in batcher.queue` holds for
   every unfinished item.
 - When the core is lost (`lost`, called by whoever watches its process), every request in
-  flight ends at once with `503 model_unavailable` and `failed` says why.
+  flight ends at once with `503 model_unavailable` and `failed` says why. While a new core
+  starts (`restarting`) the 503s carry a Retry-After; `reconnect` then serves from it.
 """
 
 from __future__ import annotations
@@ -100,11 +101,11 @@ class RemoteBatcher:
         self.core = core
         self._settings = settings
         self.failed: str | None = None
+        self.restarting = False  # `failed` until a new core serves (gateway/core_process.py)
         self._closing = False
         self._leaving = False  # the server drains or stops: the core's exit is expected
-        self.sock = (ctx or zmq.asyncio.Context.instance()).socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self._ctx = ctx or zmq.asyncio.Context.instance()
+        self.sock = self._connect(address)
         self._reqs = itertools.count(1)
         self._seqs = itertools.count(1)
         self._pending: dict[int, _Pending] = {}  # req -> submit awaiting Admitted/Refused
@@ -126,9 +127,22 @@ class RemoteBatcher:
     def closing(self) -> bool:
         return self._closing
 
+    def _connect(self, address: str) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        return sock
+
     async def start(self) -> None:
         if self._receiver is None:
             self._receiver = asyncio.create_task(self._receive(), name=f"ferry-remote-{self.model}")
+
+    async def _stop_receiving(self) -> None:
+        if self._receiver is not None:
+            self._receiver.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._receiver
+            self._receiver = None
 
     async def submit_many(
         self,
@@ -263,21 +277,17 @@ class RemoteBatcher:
         self._closing = self._leaving = True
         if self.core is not None:
             await self.core.stop()
-        if self._receiver is not None:
-            self._receiver.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._receiver
-            self._receiver = None
+        await self._stop_receiving()
         self._fail_all(ShuttingDown("server stopped"))
         self.sock.close(linger=0)
 
-    async def lost(self, reason: str, *, clean: bool = False) -> None:
+    async def lost(self, reason: str, *, clean: bool = False, restarting: bool = False) -> None:
         """The core exited: unless the server is draining, the model is unavailable from now
-        on. After a clean exit (a drain) the results it sent last are read first; then every
-        request still open fails at once."""
+        on (until `reconnect`, when `restarting`). After a clean exit (a drain) the results
+        it sent last are read first; then every request still open fails at once."""
         self._closing = True
         if not self._leaving:
-            self.failed = reason
+            self.failed, self.restarting = reason, restarting
             log.error("engine core of %s lost: %s", self.model, reason)
         loop = asyncio.get_running_loop()
         end = loop.time() + (LATE_RESULTS_S if clean else 0.0)
@@ -287,7 +297,20 @@ class RemoteBatcher:
         if self._leaving:
             self._fail_all(ShuttingDown("server shut down before this request could finish"))
         else:
-            self._fail_all(ModelUnavailable(f"model {self.model} is unavailable: {reason}"))
+            self._fail_all(self._unavailable())
+
+    async def reconnect(self, address: str) -> None:
+        """Serve from a new core at `address` (a restarted one): the model is available again."""
+        await self._stop_receiving()
+        self.sock.close(linger=0)
+        self.address, self.sock = address, self._connect(address)
+        self.failed, self.restarting, self._closing = None, False, self._leaving
+        await self.start()
+
+    def _unavailable(self) -> ModelUnavailable:
+        return ModelUnavailable(
+            f"model {self.model} is unavailable: {self.failed}", retry_after=1 if self.restarting else None
+        )
 
     def _fail_all(self, exc: Exception) -> int:
         failed = 0
@@ -306,7 +329,7 @@ class RemoteBatcher:
 
     def _refuse_if_closed(self, draining_ok: bool = False) -> None:
         if self.failed is not None:
-            raise ModelUnavailable(f"model {self.model} is unavailable: {self.failed}")
+            raise self._unavailable()
         if self._closing and not (draining_ok and self._leaving):
             raise ShuttingDown("server is shutting down", retry_after=1)
 

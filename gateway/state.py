@@ -44,10 +44,11 @@ class GatewayState:
         try:
             for index, spec in enumerate(self.specs):
                 if self.config.engine_cores:
-                    served = await start_in_core(spec, index, self.config)
+                    served = await start_in_core(spec, index, self.config, self.metrics)
                 else:
                     served = await start_model(spec, self.config, self.metrics)
                 self.models[served.name] = served
+                self.metrics.core_restarts.labels(served.name)  # at zero from the start, engine cores or not
             if self.freeze_gc:
                 # Libraries, models and warm-up leave ~400,000 long-lived objects; a full
                 # collection scanning them stalled every request for ~180 ms (bench_latency:
@@ -87,7 +88,12 @@ class GatewayState:
         if served is None or served.kind != kind:
             raise not_found_model(name, [m.name for m in self.models.values() if m.kind == kind])
         if served.batcher.failed:
-            raise APIError(503, f"model {name} is unavailable: {served.batcher.failed}", code="model_unavailable")
+            raise APIError(
+                503,
+                f"model {name} is unavailable: {served.batcher.failed}",
+                code="model_unavailable",
+                retry_after=1 if getattr(served.batcher, "restarting", False) else None,  # an engine core's restart
+            )
         return served
 
     async def drain(self, timeout: float) -> int:

@@ -41,6 +41,8 @@ def serve(*args: str, delay: float = 0.0, log: Path | None = None) -> Iterator[G
     try:
         yield gw
     finally:
+        with contextlib.suppress(psutil.Error):  # cores started since (restarts) too
+            tree += [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
         for pid in tree:  # no stray process, even after a failed assertion
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
@@ -153,28 +155,75 @@ def test_refusals_admin_and_disconnects_cross_the_process_boundary(tmp_path):
         stops_cleanly(gw)
 
 
-def test_a_killed_core_fails_its_requests_at_once_and_its_model_then_answers_503(tmp_path):
+def restarts(gw: GatewayProcess, model: str) -> float:
+    """ferry_engine_core_restarts_total of `model`, from the server's /metrics."""
+    prefix = f'ferry_engine_core_restarts_total{{model="{model}"}} '
+    lines = httpx.get(gw.url + "/metrics", timeout=30).text.splitlines()
+    return next((float(line.removeprefix(prefix)) for line in lines if line.startswith(prefix)), 0.0)
+
+
+def ready_again(gw: GatewayProcess) -> None:
+    wait_until(
+        lambda: httpx.get(gw.url + "/readyz", timeout=30).status_code == 200,
+        timeout=120,
+        message="/readyz to be ready again after the restart",
+    )
+
+
+def replaced(gw: GatewayProcess, core: psutil.Process) -> bool:
+    """Two cores serve, `core` (killed) gone and reaped: a new one took its place."""
+    cores = cores_of(gw.proc.pid)
+    return len(cores) == 2 and core.pid not in [p.pid for p in cores] and not core.is_running()
+
+
+def test_a_killed_core_fails_its_requests_at_once_and_is_restarted_with_its_settings(tmp_path):
     log = tmp_path / "computed.log"
     with serve("--engine-cores", log=log) as gw:
         core = core_of(gw)
+        changes = {"max_queue": 77, "max_wait_ms": 7}
+        assert httpx.patch(gw.url + ADMIN, headers=TOKEN, json=changes, timeout=30).status_code == 200
+        assert restarts(gw, "fake-embed") == 0
 
-        async def scenario() -> httpx.Response:
+        async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(base_url=gw.url, timeout=20) as c:
-                # HANG holds the fake engine for 30 s: only the core's death can end it sooner.
+                # HANG holds the fake engine for 30 s: only the core's death can end it, or
+                # the requests queued behind it, sooner.
                 hung = asyncio.create_task(c.post(EMBED, json={"model": "fake-embed", "input": "HANG here"}))
                 await asyncio.to_thread(wait_until, lambda: computed(log), message="the hanging input to be computed")
+                queued = [
+                    asyncio.create_task(c.post(EMBED, json={"model": "fake-embed", "input": f"queued {i}"}))
+                    for i in range(5)
+                ]
+                await asyncio.sleep(0.2)  # not needed for the assertions: gives the queued ones time to arrive
                 core.send_signal(signal.SIGKILL)
-                return await hung
+                answers = await asyncio.gather(hung, *queued)
+                return (
+                    list(answers),
+                    await c.post(EMBED, json={"model": "fake-embed", "input": "x"}),
+                    await c.get("/readyz"),
+                )
 
-        hung = asyncio.run(scenario())
-        assert hung.status_code == 503 and hung.json()["error"]["code"] == "model_unavailable", hung.text
-        assert "SIGKILL" in hung.json()["error"]["message"]
-        later = httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": "after"}, timeout=30)
-        assert later.status_code == 503 and later.json()["error"]["code"] == "model_unavailable"
-        ready = httpx.get(gw.url + "/readyz", timeout=30)
-        assert ready.status_code == 503 and "fake-embed" in ready.json()["error"]
+        in_flight, during, ready = asyncio.run(scenario())
+        for r in in_flight:
+            assert r.status_code == 503 and r.json()["error"]["code"] == "model_unavailable", r.text
+            assert "SIGKILL" in r.json()["error"]["message"] and int(r.headers["Retry-After"]) >= 1
+        # Right after the kill the new core is most likely still starting; whenever it is,
+        # the model answers 503 with a Retry-After and /readyz names it.
+        if during.status_code != 200:
+            assert during.status_code == 503 and during.json()["error"]["code"] == "model_unavailable", during.text
+            assert int(during.headers["Retry-After"]) >= 1
+        if ready.status_code != 200:
+            assert ready.status_code == 503 and "fake-embed" in ready.json()["error"]
+        ready_again(gw)
+        after = httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": "after"}, timeout=30)
+        assert after.status_code == 200, after.text
+        np.testing.assert_allclose(after.json()["data"][0]["embedding"], fake_vector("after", 8), rtol=1e-6)
+        settings = httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30).json()  # the new core's own
+        assert {k: settings[k] for k in changes} == changes
+        assert restarts(gw, "fake-embed") == 1 and restarts(gw, "fake-chat") == 0
+        assert replaced(gw, core)
         chat = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
-        assert httpx.post(gw.url + CHAT, json=chat, timeout=30).status_code == 200  # its own core lives on
+        assert httpx.post(gw.url + CHAT, json=chat, timeout=30).status_code == 200  # its own core lived on
         stops_cleanly(gw)
 
 
@@ -369,7 +418,7 @@ def test_a_client_gone_mid_stream_stops_its_sequence_in_the_core(tmp_path):
         stops_cleanly(gw)
 
 
-def test_a_killed_chat_core_ends_its_streams_with_an_error_at_once(tmp_path):
+def test_a_killed_chat_core_ends_its_streams_with_an_error_at_once_and_is_restarted(tmp_path):
     log = tmp_path / "computed.log"
     with serve("--engine-cores", delay=0.5, log=log) as gw:
         chat_core = core_of(gw, "chat")
@@ -387,9 +436,11 @@ def test_a_killed_chat_core_ends_its_streams_with_an_error_at_once(tmp_path):
         errors = [c for c in errors if c.get("error")]
         assert sorted(c["index"] for c in errors) == [0, 1]
         assert {(c["error"]["status"], c["error"]["code"]) for c in errors} == {(503, "model_unavailable")}
+        assert all("SIGKILL" in c["error"]["message"] for c in errors)
+        ready_again(gw)
         later = httpx.post(gw.url + CHAT, json=chat_body("after", max_tokens=2), timeout=30)
-        assert later.status_code == 503 and later.json()["error"]["code"] == "model_unavailable"
-        assert "SIGKILL" in later.json()["error"]["message"]
+        assert later.status_code == 200 and later.json()["choices"][0]["message"]["content"] == "w0 w1 "
+        assert restarts(gw, "fake-chat") == 1 and replaced(gw, chat_core)
         assert httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": "still"}, timeout=30).status_code == 200
         stops_cleanly(gw)
 
@@ -417,3 +468,76 @@ def test_the_openai_client_streams_through_a_core():
         completion = client.completions.create(model="fake-chat", prompt="hi", max_tokens=2)
         assert completion.choices[0].text == "w0 w1 "
         stops_cleanly(gw)
+
+
+def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(monkeypatch, tmp_path):
+    from gateway.config import ServerConfig
+    from gateway.core_process import Supervisor, start_in_core
+    from gateway.metrics import GatewayMetrics
+    from gateway.model_loading import default_specs
+    from tests.waiting import async_wait_until
+
+    missing = tmp_path / "no-such-model"
+    cfg = ServerConfig(embedding_model=str(missing), chat_model="none")
+    monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # the first core serves the fake model ...
+    metrics = GatewayMetrics()
+    me = psutil.Process()
+
+    async def scenario() -> None:
+        served = await start_in_core(default_specs(cfg)[0], 0, cfg, metrics)
+        batcher = served.batcher
+        first = cores_of(me.pid)
+        assert len(first) == 1
+        monkeypatch.delenv("FERRY_FAKE_ENGINES")  # ... its restart (a fresh spawn) loads the missing one
+        first[0].send_signal(signal.SIGKILL)
+        await async_wait_until(
+            lambda: batcher.failed and "restarted core failed" in batcher.failed and not batcher.restarting,
+            timeout=120,
+            message=lambda: f"the restart to fail (failed: {batcher.failed})",
+        )
+        assert "SIGKILL" in batcher.failed and "no such file or directory" in batcher.failed
+        assert metrics.core_restarts.labels("fake-embed")._value.get() == 1
+        assert isinstance(batcher.core, Supervisor) and len(batcher.core.restarts) == 1  # tried once, not again
+        with pytest.raises(Exception, match="unavailable"):
+            await batcher.submit_many([[1, 2]])
+        await batcher.stop()
+
+    asyncio.run(scenario())
+    wait_until(
+        lambda: all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in cores_of(me.pid)),
+        message="no engine core left",
+    )
+
+
+def test_restarts_are_bounded(monkeypatch):
+    from gateway import core_process
+    from gateway.config import ServerConfig
+    from gateway.metrics import GatewayMetrics
+    from gateway.model_loading import default_specs
+    from tests.waiting import async_wait_until
+
+    monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")
+    monkeypatch.setattr(core_process, "MAX_RESTARTS", 1)
+    cfg, metrics, me = ServerConfig(), GatewayMetrics(), psutil.Process()
+
+    async def scenario() -> None:
+        served = await core_process.start_in_core(default_specs(cfg)[0], 0, cfg, metrics)
+        batcher = served.batcher
+        restarts = metrics.core_restarts.labels("fake-embed")
+        [first] = cores_of(me.pid)
+        first.send_signal(signal.SIGKILL)
+        await async_wait_until(  # restarted once ...
+            lambda: restarts._value.get() == 1 and batcher.failed is None, timeout=120, message="the first restart"
+        )
+        [vector] = await batcher.submit_many([[1, 2]])
+        assert (await vector.result_future).tokens == 2
+        [second] = cores_of(me.pid)
+        second.send_signal(signal.SIGKILL)
+        # ... not twice: the model stays unavailable, and says why (decided as the death is seen)
+        await async_wait_until(lambda: batcher.failed is not None, message="the second death to be seen")
+        assert "not restarted: 1 restarts in the last 300 s" in batcher.failed
+        assert not batcher.restarting and cores_of(me.pid) == []
+        assert restarts._value.get() == 1
+        await batcher.stop()
+
+    asyncio.run(scenario())
