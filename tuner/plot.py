@@ -58,36 +58,29 @@ def plot(out: Path, rows: list[dict], slo_ms: float, rec: dict | None, title: st
         v = r.get(k)
         return None if v in (None, "") else float(v)
 
+    def recommended(ax, x: float, y: float) -> None:
+        ax.plot(
+            [x],
+            [y],
+            marker="*",
+            markersize=18,
+            color="gold",
+            markeredgecolor="black",
+            linestyle="none",
+            label="recommended",
+            zorder=5,
+        )
+
     def slo_line(ax) -> None:
         ax.axhline(slo_ms, color="crimson", linestyle="--", linewidth=1, label=f"SLO p99 {slo_ms:g} ms")
         if rec is not None and num(rec, "p99_ms") is not None:
-            ax.plot(
-                [float(rec["throughput_rps"])],
-                [float(rec["p99_ms"])],
-                marker="*",
-                markersize=18,
-                color="gold",
-                markeredgecolor="black",
-                linestyle="none",
-                label="recommended",
-                zorder=5,
-            )
+            recommended(ax, float(rec["throughput_rps"]), float(rec["p99_ms"]))
 
     def offered(ax) -> None:
         rates = sorted({float(r["rate"]) for r in rows})
         ax.plot(rates, rates, color="grey", linestyle=":", linewidth=1, label="offered rate")
         if rec is not None:
-            ax.plot(
-                [float(rec["rate"])],
-                [float(rec["goodput_rps"])],
-                marker="*",
-                markersize=18,
-                color="gold",
-                markeredgecolor="black",
-                linestyle="none",
-                label="recommended",
-                zorder=5,
-            )
+            recommended(ax, float(rec["rate"]), float(rec["goodput_rps"]))
 
     return [
         figure(
