@@ -160,14 +160,18 @@ async def post_json(session, path: str, body: dict, headers: dict | None = None)
         return r.status, dict(r.headers)
 
 
-def summarise(samples: list[Sample], duration: float) -> dict[str, float]:
+def summarise(samples: list[Sample], duration: float, slo_ms: float | None = None) -> dict[str, float]:
+    """Counts, throughput (200s per second), p50/p99 of the 200s, and with `slo_ms` the
+    goodput: 200s answered within the SLO, per second."""
     ok = [s for s in samples if s.status == 200]
     lat = [s.latency * 1000 for s in ok]
     span = max((s.sent + s.latency for s in samples), default=0) - min((s.sent for s in samples), default=0)
+    within = sum(1 for ms in lat if slo_ms is not None and ms <= slo_ms)
     return {
         "sent": len(samples),
         "ok": len(ok),
         "throughput": len(ok) / max(span, duration),
+        "goodput": within / max(span, duration),
         "p50_ms": percentile(lat, 50),
         "p99_ms": percentile(lat, 99),
         "rejected": sum(1 for s in samples if s.status in (429, 503)),
