@@ -12,7 +12,8 @@ so a noisy or shared machine hits both alike; medians are printed with the ratio
 The ratio printed per server is the median of its per-round ratios to the skeleton of the
 same round, which a shared machine disturbs less than a ratio of medians.
 
-One front end only: several front ends (`--api-workers`) are a later step of that issue.
+`--front-ends 1,2` (the default) runs Ferry with one front-end process and with two
+(`--api-workers 2`, engine cores behind them), each beside the skeleton in every round.
 """
 
 from __future__ import annotations
@@ -79,7 +80,9 @@ def run_once(name: str, lua: str, a: argparse.Namespace) -> float:
         env = {"FERRY_FAKE_ENGINES": "1", "PYTHONPATH": a.baseline}
         server = GatewayProcess("--chat-model", "none", env=env, cwd=a.baseline)
     else:
-        server = GatewayProcess("--chat-model", "none", env={"FERRY_FAKE_ENGINES": "1"})
+        workers = int(name.removeprefix("ferry x")) if name.startswith("ferry x") else 1
+        extra = ["--api-workers", str(workers)] if workers > 1 else []
+        server = GatewayProcess("--chat-model", "none", *extra, env={"FERRY_FAKE_ENGINES": "1"})
     try:
         wrk(server.url, lua, a.warmup, a.connections, a.threads)
         rps, bad = wrk(server.url, lua, a.duration, a.connections, a.threads)
@@ -87,7 +90,7 @@ def run_once(name: str, lua: str, a: argparse.Namespace) -> float:
         server.stop()
     if bad:
         raise RuntimeError(f"{name}: {bad} non-2xx answers")
-    print(f"  {name:8s} {rps:9.0f} req/s", flush=True)
+    print(f"  {name:9s} {rps:9.0f} req/s", flush=True)
     return rps
 
 
@@ -99,6 +102,7 @@ def main() -> None:
     p.add_argument("--connections", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--baseline", help="directory of another Ferry checkout to run beside this one")
+    p.add_argument("--front-ends", default="1,2", help="Ferry cells: counts of front-end processes (--api-workers)")
     a = p.parse_args()
     if shutil.which("wrk") is None:
         sys.exit("wrk not found: run `make wrk` (Debian package 'wrk')")
@@ -106,7 +110,9 @@ def main() -> None:
         f.write(LUA)
     lua = f.name
     try:
-        runs: dict[str, list[float]] = {"skeleton": [], "ferry": []}
+        runs: dict[str, list[float]] = {"skeleton": []}
+        for n in (int(x) for x in a.front_ends.split(",")):
+            runs["ferry" if n == 1 else f"ferry x{n}"] = []
         if a.baseline:
             runs["baseline"] = []
         for r in range(a.rounds):
@@ -120,7 +126,8 @@ def main() -> None:
     print(f"  skeleton {statistics.median(skeleton):9.0f} req/s")
     for name, rps in runs.items():
         ratio = statistics.median(r / s for r, s in zip(rps, skeleton, strict=True))
-        print(f"  {name:8s} {statistics.median(rps):9.0f} req/s, {ratio:.2f}x the skeleton (one front end)")
+        fronts = "one front end" if name in ("ferry", "baseline") else f"{name.removeprefix('ferry x')} front ends"
+        print(f"  {name:9s} {statistics.median(rps):9.0f} req/s, {ratio:.2f}x the skeleton ({fronts})")
 
 
 if __name__ == "__main__":
