@@ -59,8 +59,8 @@ def _assets() -> dict[str, tuple[bytes, str]]:
     """Every file the page may load, read once: nothing outside this list is ever served."""
     out = {}
     for path in STATIC.rglob("*"):
-        media = TYPES.get(path.suffix)
-        if path.is_file() and media is not None:
+        if path.is_file():  # LICENSE and README as plain text
+            media = TYPES.get(path.suffix, "text/plain; charset=utf-8")
             out[path.relative_to(STATIC).as_posix()] = (path.read_bytes(), media)
     return out
 

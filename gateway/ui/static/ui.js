@@ -59,7 +59,7 @@
   }
 
   function timeChart(view, box, title, labels, unit) {
-    const holder = el("div", { class: "chart", "data-chart": title, "data-points": "0" }, el("h3", {}, title));
+    const holder = el("div", { class: "chart", "data-chart": title, "data-points": "0", "data-marks": "0" }, el("h3", {}, title));
     box.append(holder);
     const series = [{}].concat(
       labels.map((label, i) => ({ label: label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false })),
@@ -318,7 +318,10 @@
       view.marks.push({ t: t, text: text });
       const when = new Date(t * 1000).toLocaleTimeString();
       view.marksList.append(el("li", { class: "mark" }, when + ": " + text));
-      for (const c of [view.rates, view.latency, view.queue]) c.plot.redraw(false);
+      for (const c of [view.rates, view.latency, view.queue]) {
+        c.plot.redraw(false);
+        c.holder.setAttribute("data-marks", String(view.marks.length));
+      }
     }
     view.lastChanges = model.config_changes;
     view.lastKnobs = model.knobs;
