@@ -32,6 +32,10 @@
     return x.toFixed(d);
   }
 
+  function show(v) {
+    return v === null || v === undefined ? "none" : String(v);
+  }
+
   // A vertical line at each knob change, so before and after can be compared.
   function marksPlugin(view) {
     return {
@@ -288,7 +292,7 @@
     const parts = [];
     for (const s of specs) {
       if (before && after && before[s.name] !== after[s.name]) {
-        parts.push(s.name + " " + fmt(before[s.name]) + " → " + fmt(after[s.name]));
+        parts.push(s.name + " " + show(before[s.name]) + " → " + show(after[s.name]));
       }
     }
     return parts.join(", ") || "settings changed";
