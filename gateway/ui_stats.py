@@ -66,6 +66,8 @@ class _View:
         total = 0.0
         for labels, value in samples.get(name, {}).items():
             d = dict(labels)
+            if d.get("route", "").startswith("/admin"):
+                continue  # request figures are the model's API calls, not the operator's
             if d.get("model") == self.model and all(d.get(k) == v for k, v in match.items()):
                 total += value
         return total

@@ -69,7 +69,7 @@
       labels.map((label, i) => ({ label: label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false })),
     );
     const opts = {
-      width: 380,
+      width: 320,
       height: 190,
       series: series,
       scales: { x: { time: true } },
@@ -96,7 +96,7 @@
     box.append(holder);
     const plot = new uPlot(
       {
-        width: 380,
+        width: 320,
         height: 190,
         series: [{ label: "items" }],
         scales: { x: { time: false } },
