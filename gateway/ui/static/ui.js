@@ -62,6 +62,10 @@
     };
   }
 
+  function chartWidth(holder) {
+    return Math.max(260, Math.floor(holder.clientWidth) - 8); // the grid cell's width
+  }
+
   function timeChart(view, box, title, labels, unit) {
     const holder = el("div", { class: "chart", "data-chart": title, "data-points": "0", "data-marks": "0" }, el("h3", {}, title));
     box.append(holder);
@@ -69,7 +73,7 @@
       labels.map((label, i) => ({ label: label, stroke: COLORS[i % COLORS.length], width: 1.5, spanGaps: false })),
     );
     const opts = {
-      width: 320,
+      width: chartWidth(holder),
       height: 190,
       series: series,
       scales: { x: { time: true } },
@@ -96,7 +100,7 @@
     box.append(holder);
     const plot = new uPlot(
       {
-        width: 320,
+        width: chartWidth(holder),
         height: 190,
         series: [{ label: "items" }],
         scales: { x: { time: false } },
@@ -263,6 +267,7 @@
     const section = el("section", { class: "model" });
     section.dataset.model = model.name; // an attribute value, never markup
     section.append(el("h2", {}, el("span", { class: "model-name" }, model.name), el("span", { class: "kind" }, model.kind)));
+    document.getElementById("models").append(section); // first: the charts size to their cells
     const charts = el("div", { class: "charts" });
     section.append(charts);
     view.rates = timeChart(view, charts, "Arrivals and completions", ["arrivals/s", "completions/s"], "per s");
@@ -283,7 +288,6 @@
     const marksPanel = panel("Knob changes (dashed lines on the charts)");
     view.marksList = el("ol", { class: "marks" });
     marksPanel.append(view.marksList);
-    document.getElementById("models").append(section);
     views.set(model.name, view);
     return view;
   }
