@@ -124,9 +124,8 @@ async def stats(request: Request) -> Response:
     families = await all_families(ferry)
     infos = await asyncio.gather(*(_info(m) for m in ferry.models.values()))
     body = ferry.ui_ring.stats(families, infos)
-    body.update(
-        {"ready": ferry.ready, "draining": ferry.draining, "admin": bool(ferry.config.admin_token), "knobs": KNOB_SPECS}
-    )
+    admin = bool(ferry.config.admin_token)  # off: the page's knobs are read-only
+    body.update({"ready": ferry.ready, "draining": ferry.draining, "admin": admin, "knob_specs": KNOB_SPECS})
     return json_response(body, headers={**HEADERS, "Cache-Control": "no-store"})
 
 

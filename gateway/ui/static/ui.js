@@ -365,7 +365,7 @@
       const stats = await response.json();
       const t = Date.now() / 1000;
       admin = stats.admin;
-      specs = stats.knobs;
+      specs = stats.knob_specs;
       for (const model of stats.models) update(views.get(model.name) || createView(model), model, t);
       tokenNote();
       const state = stats.draining ? "draining" : stats.ready ? "ready" : "loading";

@@ -46,6 +46,7 @@ def test_ui_is_open_like_metrics_whatever_the_api_key(fake_server_factory):
     assert httpx.get(s.url + "/v1/models").status_code == 401
     for path in ("/metrics", "/ui", "/ui/stats"):
         assert httpx.get(s.url + path).status_code == 200, path
+    assert httpx.get(s.url + "/ui/stats").json()["admin"] is False  # no --admin-token: the page's knobs are read-only
 
 
 def test_stats_show_no_prompt_key_or_token(fake_server_factory):
@@ -60,7 +61,7 @@ def test_stats_show_no_prompt_key_or_token(fake_server_factory):
     for secret in ("secret-prompt", "k-123", "admin-secret"):
         assert secret not in stats.text
     body = stats.json()
-    assert body["admin"] is True and [k["name"] for k in body["knobs"]] == list(PAGE_KNOBS)
+    assert body["admin"] is True and [k["name"] for k in body["knob_specs"]] == list(PAGE_KNOBS)
     embed = next(m for m in body["models"] if m["name"] == "fake-embed")
     assert embed["latency"]["request"]["count"] == 1  # the request since the first snapshot
     assert embed["rates"]["completions"] > 0
