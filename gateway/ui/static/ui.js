@@ -138,22 +138,18 @@
       });
       chart.phases = phases;
     }
-    // uPlot shares one x array: the union of predicted sizes and observed means, ascending.
-    const xs = new Set();
-    for (const ph of phases) {
-      cost[ph].predicted.forEach((p) => xs.add(p[0]));
-      chart.observed[ph].forEach((p) => xs.add(p[0]));
-    }
-    const x = Array.from(xs).sort((a, b) => a - b);
-    const data = [x];
+    // uPlot shares one x array: one row per point (predicted or observed), ascending in x
+    // (equal sizes may repeat), each row holding the value of its own series only.
+    const rows = [];
     let points = 0;
-    for (const ph of phases) {
-      const pred = new Map(cost[ph].predicted.map((p) => [p[0], p[1]]));
-      const obs = new Map(chart.observed[ph].map((p) => [p[0], p[1]]));
-      data.push(x.map((v) => (pred.has(v) ? pred.get(v) : null)));
-      data.push(x.map((v) => (obs.has(v) ? obs.get(v) : null)));
+    phases.forEach((ph, i) => {
+      cost[ph].predicted.forEach((p) => rows.push([p[0], 2 * i, p[1]]));
+      chart.observed[ph].forEach((p) => rows.push([p[0], 2 * i + 1, p[1]]));
       points += chart.observed[ph].length;
-    }
+    });
+    rows.sort((a, b) => a[0] - b[0]);
+    const data = [rows.map((r) => r[0])];
+    for (let k = 0; k < 2 * phases.length; k++) data.push(rows.map((r) => (r[1] === k ? r[2] : null)));
     chart.plot.setData(data);
     chart.holder.setAttribute("data-points", String(points));
   }
