@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test lint bench clean prometheus wrk
+.PHONY: setup serve test lint bench clean prometheus chromium wrk
 
 setup: $(STAMP)
 
@@ -24,7 +24,7 @@ serve: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/ferry serve --host $(HOST) --port $(PORT)
 
 # Lint and type checks first (configured in pyproject.toml): a new finding fails CI.
-test: setup prometheus lint
+test: setup prometheus chromium lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: setup
@@ -41,6 +41,18 @@ prometheus:
 	      || echo "note: could not install prometheus; the Prometheus end-to-end test will be skipped"; \
 	  else \
 	    echo "note: prometheus not found and not root: run 'sudo make prometheus' (Debian package 'prometheus'), or the Prometheus end-to-end test is skipped"; \
+	  fi; }
+
+# Chromium + chromedriver (Debian packages) for the live page's browser test
+# (tests/observability/test_live_page.py). Installed only when missing and only as root;
+# otherwise (or if apt fails) that test skips.
+chromium:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium chromium-driver) \
+	      || echo "note: could not install chromium; the live page's browser test will be skipped"; \
+	  else \
+	    echo "note: chromium/chromedriver not found and not root: run 'sudo make chromium' (Debian packages 'chromium' and 'chromium-driver'), or the live page's browser test is skipped"; \
 	  fi; }
 
 # wrk (Debian package) drives loadtests/bench_gateway.py; not needed by `make test`.

@@ -17,7 +17,7 @@ from .errors import APIError
 from .jobs import BatchJobWorker
 from .metrics import GatewayMetrics
 from .model_loading import ModelSpec, default_specs
-from .routes import admin, batches, chat, embeddings, system
+from .routes import admin, batches, chat, embeddings, system, ui
 from .state import GatewayState
 
 log = logging.getLogger("ferry.gateway")
@@ -42,6 +42,7 @@ def routes() -> list[Route]:
             get=endpoint("/admin/batching", admin.get_batching, public=True),
             patch=endpoint("/admin/batching", admin.patch_batching, public=True),
         ),
+        *ui.ui_routes(),
     ]
 
 

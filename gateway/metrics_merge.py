@@ -24,6 +24,12 @@ def merged_exposition(registry: CollectorRegistry, texts: Iterable[str]) -> byte
     """The text format of `registry`'s families with those parsed from `texts` (OpenMetrics,
     which, unlike Prometheus' text format, keeps a counter's `_created` in its family and
     so parses back into the families `registry.collect()` yields) merged in."""
+    return generate_latest(_Fixed(merged_families(registry, texts)))
+
+
+def merged_families(registry: CollectorRegistry, texts: Iterable[str]) -> list[Metric]:
+    """The families of `registry` and of `texts`, merged as `merged_exposition` says (the
+    live page, gateway/ui_stats.py, reads the same figures as the scrape)."""
     families: dict[str, Metric] = {}
     values: dict[tuple[str, str, tuple[tuple[str, str], ...]], Sample] = {}
     sources = [registry.collect(), *(text_string_to_metric_families(t) for t in texts)]
@@ -42,7 +48,7 @@ def merged_exposition(registry: CollectorRegistry, texts: Iterable[str]) -> byte
                     values[key] = seen._replace(value=seen.value + s.value)
     for (name, _, _), s in values.items():
         families[name].samples.append(s)
-    return generate_latest(_Fixed(families.values()))
+    return list(families.values())
 
 
 class _Fixed:

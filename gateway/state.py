@@ -17,6 +17,7 @@ from .core_process import CoreFailed, start_in_core
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
 from .model_loading import ModelKind, ModelSpec, ServedModel, start_model
+from .ui_stats import StatsRing
 
 if TYPE_CHECKING:
     from .jobs.worker import BatchJobWorker
@@ -39,6 +40,7 @@ class GatewayState:
     freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
     fatal: str | None = None  # why the server cannot run at all (`ferry serve` exits with it)
     on_fatal: Any = None  # called once `fatal` is set (`ferry serve` stops)
+    ui_ring: StatsRing = field(default_factory=StatsRing)  # the live page's recent snapshots (gateway/routes/ui.py)
 
     async def load(self) -> None:
         try:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import asyncio
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.metrics_core import Metric
 from starlette.requests import Request
 from starlette.responses import Response
 
 from ..endpoint import Ctx
 from ..errors import APIError
-from ..metrics_merge import merged_exposition
+from ..metrics_merge import merged_exposition, merged_families
 from ..remote_batcher import RemoteBatcher
 from ..responses import json_response
 from ..state import gateway_state
@@ -36,12 +37,27 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     ferry = gateway_state(request)
     registry = ferry.metrics.registry
-    cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
-    if not cores:  # in-process models: the server's registry holds everything
+    texts = await _core_texts(ferry)
+    if texts is None:  # in-process models: the server's registry holds everything
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-    answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
-    texts = [a for a in answers if isinstance(a, str)]  # a lost or stuck core is left out
     return Response(merged_exposition(registry, texts), media_type=CONTENT_TYPE_LATEST)
+
+
+async def _core_texts(ferry) -> list[str] | None:
+    """Each engine core's metrics text (None: no model runs in a core)."""
+    cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
+    if not cores:
+        return None
+    answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
+    return [a for a in answers if isinstance(a, str)]  # a lost or stuck core is left out
+
+
+async def all_families(ferry) -> list[Metric]:
+    """The metric families one /metrics scrape shows (the live page reads these)."""
+    texts = await _core_texts(ferry)
+    if texts is None:
+        return list(ferry.metrics.registry.collect())
+    return merged_families(ferry.metrics.registry, texts)
 
 
 def _model_card(m) -> dict:

@@ -90,3 +90,26 @@ def test_a_stuck_core_is_left_out_of_the_scrape_and_the_others_still_show():
         assert chat_series <= {"ferry_engine_core_restarts_total", "ferry_engine_core_restarts_created"}
         assert value(samples, "ferry_items_total", model="fake-embed", status="result") == 1
         assert value(samples, "ferry_requests_total", route=EMBED, model="fake-embed", status="200") == 1
+
+
+def test_the_live_page_shows_the_cores_figures_settings_and_fitted_cost_models():
+    """/ui/stats reads the same merged scrape, and each model's settings and cost model from
+    its core (what the admin GET answers there)."""
+    with serve("--engine-cores") as gw:
+        assert httpx.get(gw.url + "/ui/stats", timeout=30).status_code == 200  # the window's start
+        inputs = [["a", "b"], ["c"], ["d", "e", "f"]]
+        for batch in inputs:
+            assert (
+                httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": batch}, timeout=30).status_code == 200
+            )
+        admin = {"Authorization": "Bearer t"}
+        r = httpx.patch(gw.url + "/admin/models/fake-embed/batching", json={"max_batch_size": 3}, headers=admin)
+        assert r.status_code == 200
+        stats = httpx.get(gw.url + "/ui/stats", timeout=30).json()
+        embed = next(m for m in stats["models"] if m["name"] == "fake-embed")
+        assert embed["outcomes"]["result"] == sum(map(len, inputs))  # counted in the core
+        assert embed["latency"]["request"]["count"] == len(inputs)  # counted in the server
+        assert embed["knobs"]["max_batch_size"] == 3 and embed["config_changes"] == 1
+        fit = embed["cost"]["embed"]
+        assert fit["observations"] >= len(inputs) and fit["predicted"] and fit["observed"]["batches"] >= 1
+        assert {m["name"] for m in stats["models"]} == set(MODELS)
