@@ -18,8 +18,9 @@ tokenizer is the real one when carried (`.gpu-check/minilm-tokenizer`, made by
 
     FERRY_GPU_CHECK_DEVICE=cuda|cpu  (default cuda)
     FERRY_GPU_CHECK_QUICK=1          short phases, for a smoke run on a CPU
-    FERRY_GPU_CHECK_BUDGET_S         seconds for this program (default 400); a phase that
-                                     would not fit is skipped and says so
+    FERRY_GPU_CHECK_BUDGET_S         seconds for this program (default 400; gpu_check.sh
+                                     sets what its 460 s leave); a phase that would not fit
+                                     is skipped and says so
     OUT                              when set, gpu_check.json and gpu_check.md go there
                                      (rewritten after every phase)
 
