@@ -8,12 +8,14 @@ Poisson load of chat requests, routed two ways:
   Inference Extension's endpoint picker (the llm-d router's EPP) does: its queue scorer
   ((max - q) / (max - min) of `ferry_queue_depth` over the candidates) plus its KV-cache
   utilisation scorer (1 - `ferry_kv_cache_usage_ratio`), equal weights, the highest score
-  wins (ties to the lowest index). Metrics are read as scraped every 50 ms, so the picker
-  sees each replica as it was at its last scrape, not now; a replica whose metrics are older
-  than 2 s counts as saturated and is picked only when every replica is.
+  wins (ties to the lowest index). Each replica renders its /metrics body with
+  prometheus-client, and the picker reads it with prometheus-client's parser every 50 ms
+  (no HTTP: the simulation has no sockets). So the picker sees each replica as it was at
+  its last scrape, not now; a replica whose metrics are older than 2 s counts as saturated
+  and is picked only when every replica is.
 
 Each replica does continuous batching: at every decode step it admits waiting requests in
-arrival order while it has a free slot (`--max-running`) and KV room for the prompt and the
+arrival order while it has a free slot (at most 32 running) and KV room for the prompt and the
 whole completion (reserved at admission, released at the end); a step costs
 `batcher.cost.LinearCost(fixed, per running sequence, per prefilled prompt token)` seconds,
 times 2 on the slow replica. Prompts are 16..256 tokens, completions 4..64 (uniform). A
@@ -39,6 +41,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from prometheus_client import CollectorRegistry, Gauge, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
 from batcher.cost import LinearCost
 from tuner.percentile import percentile
 
@@ -49,6 +54,7 @@ PROMPT_TOKENS = (16, 256)
 OUTPUT_TOKENS = (4, 64)
 SCRAPE_INTERVAL_S = 0.050  # the EPP scrapes /metrics about every 50 ms
 STALE_AFTER_S = 2.0  # metrics older than this: the replica counts as saturated
+MODEL = "chat"  # the one model every replica serves
 
 
 @dataclass
@@ -77,6 +83,23 @@ class Scrape:
     kv_usage: float  # ferry_kv_cache_usage_ratio, 0..1
 
 
+def read_metrics(text: str, at: float, model: str = MODEL) -> Scrape:
+    """What the picker keeps of one scrape: the model's series in Prometheus text format,
+    read with prometheus-client's parser (queue depth summed over the priority classes)."""
+    queue, running, kv = 0.0, 0.0, 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model") != model:
+                continue
+            if sample.name == "ferry_queue_depth":
+                queue += sample.value
+            elif sample.name == "ferry_running_sequences":
+                running = sample.value
+            elif sample.name == "ferry_kv_cache_usage_ratio":
+                kv = sample.value
+    return Scrape(at, int(queue), int(running), kv)
+
+
 @dataclass
 class Replica:
     name: str
@@ -87,9 +110,24 @@ class Replica:
     running: list[Request] = field(default_factory=list)
     kv_reserved: int = 0
     stepping: bool = False
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        # The three series the endpoint picker reads, named and labelled as Ferry exports them.
+        r = self.registry
+        self._queue = Gauge("ferry_queue_depth", "Items waiting in the queue.", ["model", "class"], registry=r)
+        self._running = Gauge("ferry_running_sequences", "Sequences in the running batch.", ["model"], registry=r)
+        self._kv = Gauge("ferry_kv_cache_usage_ratio", "Share of the KV cache in use.", ["model"], registry=r)
+
+    def metrics(self) -> str:
+        """The replica's /metrics body now."""
+        self._queue.labels(MODEL, "interactive").set(len(self.waiting))
+        self._running.labels(MODEL).set(len(self.running))
+        self._kv.labels(MODEL).set(self.kv_reserved / self.kv_capacity)
+        return generate_latest(self.registry).decode()
 
     def scrape(self, now: float) -> Scrape:
-        return Scrape(now, len(self.waiting), len(self.running), self.kv_reserved / self.kv_capacity)
+        return read_metrics(self.metrics(), now)
 
     def start_step(self) -> float:
         """Admit what fits, then return the step's duration."""
@@ -134,6 +172,7 @@ def replica_capacity(replica: Replica) -> float:
 
 class RoundRobin:
     name = "round-robin"
+    reads_metrics = False
 
     def __init__(self) -> None:
         self._next = itertools.count()
@@ -146,6 +185,7 @@ class MetricPicker:
     """The EPP's scoring over the last scrape of each replica: queue scorer + KV-cache scorer."""
 
     name = "endpoint picker (queue + KV)"
+    reads_metrics = True
 
     def __init__(self, queue_weight: float = 1.0, kv_weight: float = 1.0, stale_after: float = STALE_AFTER_S):
         self.queue_weight, self.kv_weight, self.stale_after = queue_weight, kv_weight, stale_after
@@ -209,7 +249,7 @@ def simulate(
         req = Request(len(requests), t, rng.randint(*PROMPT_TOKENS), rng.randint(*OUTPUT_TOKENS))
         requests.append(req)
         heapq.heappush(events, (t, next(seq), "arrive", req.id))
-    for i in range(len(replicas)):  # scrapes of different replicas are not in step
+    for i in range(len(replicas) if router.reads_metrics else 0):  # scrapes of replicas are not in step
         heapq.heappush(events, (rng.uniform(0, scrape_interval), next(seq), "scrape", i))
 
     horizon = duration * 20  # bound: an overloaded replica still ends the run

@@ -11,6 +11,7 @@ from loadtests.bench_replicas import (
     Request,
     RoundRobin,
     Scrape,
+    read_metrics,
     simulate,
     three_replicas,
 )
@@ -88,3 +89,16 @@ def test_the_picker_sends_the_slow_replica_less_and_beats_round_robin_on_p99():
     assert epp.p99_s < rr.p99_s
     assert epp.goodput >= rr.goodput
     assert rr.unfinished == 0 and epp.unfinished == 0
+
+
+def test_the_picker_reads_a_replicas_metrics_as_prometheus_text():
+    r = Replica("r", kv_capacity=200)
+    r.waiting.extend(Request(i, 0.0, prompt=20, output=5) for i in range(3))
+    r.start_step()  # all three admitted (75 of 200 tokens)
+    r.waiting.extend(Request(i, 0.0, prompt=20, output=5) for i in range(3, 5))
+    text = r.metrics()
+    assert "ferry_queue_depth{" in text and "ferry_kv_cache_usage_ratio{" in text
+    assert read_metrics(text, NOW) == Scrape(NOW, 2, 3, 75 / 200)
+    # Another model's series, and every priority class of this one's queue.
+    extra = 'ferry_queue_depth{model="chat",class="batch"} 4.0\nferry_queue_depth{model="other",class="batch"} 9.0\n'
+    assert read_metrics(text + extra, NOW).queue_depth == 2 + 4
