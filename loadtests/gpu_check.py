@@ -91,7 +91,7 @@ class Plan:
         else:
             self.ceiling_sizes, self.ceiling_seconds = (32, 128, 512, 1024), 3.0
             self.embed_rates, self.embed_duration = [1000.0, 2000.0, 4000.0, 8000.0, 16000.0], 4.0
-            self.chat_rates, self.chat_duration = [16.0, 64.0, 256.0], 6.0
+            self.chat_rates, self.chat_duration = [16.0, 64.0, 256.0, 1024.0], 6.0
             self.clients = max(1, min(6, (os.cpu_count() or 2) // 3))
 
 
@@ -424,7 +424,9 @@ def main() -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise SystemExit("gpu_check: CUDA is not available (FERRY_GPU_CHECK_DEVICE=cpu for a CPU smoke run)")
+            result["error"] = "CUDA is not available (FERRY_GPU_CHECK_DEVICE=cpu for a CPU smoke run)"
+            save(result)
+            raise SystemExit(f"gpu_check: {result['error']}")
     with tempfile.TemporaryDirectory(prefix="ferry-gpu-check-") as tmp:
         embed_dir = Path(tmp) / "minilm-shaped-random"
         result["embedding_model"] = {"shape": MINILM_SHAPE, "tokenizer": build_minilm_shaped(embed_dir)}
