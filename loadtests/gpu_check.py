@@ -393,6 +393,8 @@ def save(result: dict[str, Any]) -> None:
     env = result["environment"]
     head = f"# Ferry GPU check, {env['date']}\n\n{env.get('gpu', env['device'])}, {env['cpus']} CPUs, "
     head += f"torch {env['torch']}, transformers {env['transformers']}. One run each.\n\n"
+    if result.get("error"):
+        head += f"**{result['error']}**\n\n"
     (Path(out) / "gpu_check.md").write_text(head + results_table(result) + "\n")
 
 
