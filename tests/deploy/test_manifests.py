@@ -6,6 +6,7 @@ grace period past the drain, the engine-type label, the GPU overlay, the config 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -13,8 +14,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from batcher.settings import BatchingSettings
-from gateway.config import OPTIONS
+from gateway.config import OPTIONS, from_args
+from gateway.model_config import load_config
 
 from .manifests import CUSTOM, K8S, TARGETS, config_file, container, env, epp_config, one, parse_spec, render, schema
 
@@ -150,12 +151,22 @@ def _models(docs) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("target", TARGETS)
-def test_the_config_map_holds_the_config_file(target):
-    models = _models(render(target))
-    assert {m["kind"] for m in models} == {"embeddings", "chat"}
-    assert len({m["name"] for m in models}) == len(models)
-    for m in models:
-        BatchingSettings(**m.get("batching", {}))  # each model's batching knobs are real and in bounds
+def test_the_config_map_holds_a_config_file_the_server_accepts(target, tmp_path, monkeypatch):
+    docs = render(target)
+    path, text = config_file(docs)
+    local = tmp_path / Path(path).name
+    local.write_text(text)
+    models = load_config(str(local))  # the server's own loader: schema, names, batching knobs
+    assert {m.kind for m in models} == {"embeddings", "chat"}
+    # The container's command line and environment, as `ferry serve` parses and checks them at
+    # start, with the config path pointing at the copy here and the Secret's values filled in.
+    for name, e in env(docs).items():
+        monkeypatch.setenv(name, e.get("value", "from-the-secret"))
+    args = [str(local) if a == path else a for a in container(docs)["args"]]
+    command, cfg = from_args(args)
+    assert command == "serve" and cfg.config == str(local) and cfg.engine_cores
+    cfg.validate()
+    assert cfg.api_keys == ["from-the-secret"] and cfg.admin_token == "from-the-secret"
 
 
 def test_the_gpu_overlay_asks_for_a_gpu_and_runs_float16_on_it():
