@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import Field, field, fields, make_dataclass
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BeforeValidator
 
@@ -89,6 +89,13 @@ class ServerSettings(Knobs):
         "batcher or scheduler and engine there; HTTP, tokenization and chat templates here), "
         "so the model's torch threads never wait on this process's interpreter lock; "
         "/metrics merges every core's series in (docs/operations.md)",
+    )
+    metrics_compat: Literal["none", "vllm"] = knob(
+        "none",
+        "`vllm`: /metrics also exports `vllm:num_requests_waiting`, `vllm:num_requests_running` and "
+        "`vllm:kv_cache_usage_perc` (label `model_name`), the same values as `ferry_queue_depth`, "
+        "`ferry_running_sequences` and `ferry_kv_cache_usage_ratio`, for an endpoint picker left at its "
+        "vLLM defaults",
     )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")

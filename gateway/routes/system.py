@@ -37,11 +37,12 @@ async def metrics(request: Request) -> Response:
     ferry = gateway_state(request)
     registry = ferry.metrics.registry
     cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
-    if not cores:  # in-process models: the server's registry holds everything
+    compat = ferry.config.metrics_compat
+    if not cores and compat == "none":  # in-process models: the server's registry holds everything
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
     answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
-    texts = [a for a in answers if isinstance(a, str)]  # a lost or stuck core is left out
-    return Response(merged_exposition(registry, texts), media_type=CONTENT_TYPE_LATEST)
+    scraped = [a for a in answers if not isinstance(a, BaseException)]  # a lost or stuck core is left out
+    return Response(merged_exposition(registry, scraped, compat), media_type=CONTENT_TYPE_LATEST)
 
 
 def _model_card(m) -> dict:
