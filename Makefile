@@ -2,7 +2,6 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip
 STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
@@ -11,13 +10,11 @@ PORT ?= 8000
 
 setup: $(STAMP)
 
-# torch is pinned and installed first: that pin resolves to the CPU wheel shipped on
-# this disk; letting the resolver pick torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) show torch >/dev/null 2>&1 || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test,load]'
+# deploy/install.sh is the one install script (the Dockerfile runs it too): it creates the venv
+# with $(PYTHON), installs the pinned torch first (that pin resolves to the CPU wheel shipped on
+# this disk; letting the resolver pick torch would pull a multi-GB CUDA build), then Ferry.
+$(STAMP): pyproject.toml deploy/install.sh
+	PYTHON=$(PYTHON) sh deploy/install.sh $(VENV) --extras test,load --editable
 	touch $(STAMP)
 
 serve: setup

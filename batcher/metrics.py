@@ -182,11 +182,24 @@ class Metrics:
             "ferry_generated_tokens_total", "Completion tokens generated.", ["model"], registry=r
         )
         self.prompt_tokens = Counter("ferry_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=r)
-        self.running = Gauge("ferry_running_sequences", "Sequences in the running batch.", ["model"], registry=r)
+        self.running = Gauge(
+            "ferry_running_sequences",
+            "Requests being computed: a chat model's running sequences, an embeddings model's items "
+            "in the batch on its engine.",
+            ["model"],
+            registry=r,
+        )
         self.waiting = Gauge("ferry_waiting_sequences", "Sequences waiting to be admitted.", ["model"], registry=r)
         self.kv_tokens = Gauge(
             "ferry_kv_cache_tokens",
             "KV-cache token positions the running rows attend over (rows x longest row, padding included).",
+            ["model"],
+            registry=r,
+        )
+        self.kv_usage = Gauge(
+            "ferry_kv_cache_usage_ratio",
+            "Share (0-1) of the KV-cache capacity the model may use that is in use: cache tokens of the "
+            "running sequences over max_running x the model's context; 0 for embeddings models (no KV cache).",
             ["model"],
             registry=r,
         )
@@ -231,6 +244,9 @@ class Metrics:
             return
         self._initialised.add(model)
         self.config_changes.labels(model)
+        # What an endpoint picker reads of every model (docs/operations.md), there from the start.
+        self.running.labels(model)
+        self.kv_usage.labels(model)
         for reason in REJECTION_REASONS:
             self.rejections.labels(model, reason)
         for reason in DispatchReason:

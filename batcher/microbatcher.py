@@ -108,6 +108,7 @@ class MicroBatcher(QueueingBatcher):
         m.batch_tokens.labels(model, phase).observe(tokens.real)
         m.padding.labels(model, phase).observe(tokens.padding_ratio)
         start = self.clock.now()
+        m.running.labels(model).set(len(items))
         try:
             results = await self.execute([i.payload for i in items])
             if len(results) != len(items):
@@ -126,6 +127,7 @@ class MicroBatcher(QueueingBatcher):
         finally:
             elapsed = self.clock.now() - start
             m.batch_seconds.labels(model, phase).observe(elapsed)
+            m.running.labels(model).set(0)
         for item, result in zip(items, results, strict=True):
             if isinstance(result, Exception):
                 m.engine_errors.labels(model, phase).inc()

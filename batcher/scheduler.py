@@ -356,6 +356,19 @@ class GenerationScheduler(QueueingBatcher):
         m.running.labels(self.model).set(len(self._running))
         m.waiting.labels(self.model).set(len(self.queue))
         m.kv_tokens.labels(self.model).set(self.engine.kv_tokens)
+        m.kv_usage.labels(self.model).set(self.kv_usage())
+
+    def kv_usage(self) -> float:
+        """The share of the KV cache this model may use that is in use, 0 to 1: the running
+        rows' cache tokens over the capacity, one full context (`max_context`) for each
+        sequence that may run (`max_running`, bounded by the engine's own slots). 0 for an
+        engine that does not say its context."""
+        s = self.settings
+        context = getattr(self.engine, "max_context", None)
+        if not context:
+            return 0.0
+        slots = min(s.max_running, getattr(self.engine, "max_running", s.max_running))
+        return min(1.0, self.engine.kv_tokens / (slots * context))
 
     async def warmup(self) -> None:
         """Profile prefill and decode on the real engine to seed both cost models."""

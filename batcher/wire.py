@@ -157,9 +157,21 @@ class MetricsRequest(msgspec.Struct, tag="metrics", array_like=True):
     seq: int
 
 
+class MetricFamily(msgspec.Struct, array_like=True):
+    """One family of a core's registry as `registry.collect()` yields it (a counter's
+    `_created` in its family): decoded by msgspec, not parsed from text, since parsing the
+    OpenMetrics text of a core took most of a /metrics scrape (docs/benchmarks.md)."""
+
+    name: str
+    help: str
+    type: str
+    unit: str
+    samples: list[tuple[str, dict[str, str], float]]  # (sample name, labels, value)
+
+
 class MetricsAnswer(msgspec.Struct, tag="metrics_answer", array_like=True):
     seq: int
-    text: str  # the core's registry in the OpenMetrics text format (keeps `_created` in its family)
+    families: list[MetricFamily]  # the core's registry
 
 
 ToCore = Submit | Cancel | SettingsChange | MetricsRequest

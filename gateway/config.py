@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import Field, field, fields, make_dataclass
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import BeforeValidator
 
@@ -35,6 +35,17 @@ class ServerSettings(Knobs):
     )
     chat_model: str = knob(
         "default", "chat model: `default` (ferry-tiny-chat, random weights), a Hugging Face id or local path, or `none`"
+    )
+    config: str | None = knob(
+        None,
+        "YAML file of the models to serve, each with its name, kind, source, device and batching "
+        "knobs (docs/config.md); replaces `--embedding-model`, `--chat-model` and `--served-model-name`",
+        null="the models of the flags",
+    )
+    served_model_name: str | None = knob(
+        None,
+        "the name clients use for the model loaded from a path or Hugging Face id (or for the only model served)",
+        null="the model's own: its path or id, or the built-in model's name",
     )
     device: str = knob("auto", "`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)")
     dtype: str = knob("auto", "`float32`, `float16`, `bfloat16` or `auto` (float16 on cuda, float32 on cpu)")
@@ -79,6 +90,13 @@ class ServerSettings(Knobs):
         "so the model's torch threads never wait on this process's interpreter lock; "
         "/metrics merges every core's series in (docs/operations.md)",
     )
+    metrics_compat: Literal["none", "vllm"] = knob(
+        "none",
+        "`vllm`: /metrics also exports `vllm:num_requests_waiting`, `vllm:num_requests_running` and "
+        "`vllm:kv_cache_usage_perc` (label `model_name`), the same values as `ferry_queue_depth`, "
+        "`ferry_running_sequences` and `ferry_kv_cache_usage_ratio`, for an endpoint picker left at its "
+        "vLLM defaults",
+    )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")
     # A path object is as good as its string (embedded mode may pass either).
@@ -112,8 +130,41 @@ class _ServerConfigMethods:
         except SettingsError as exc:
             flag = next((k.flag for k in OPTIONS.values() if k.name == exc.field), "--" + exc.field.replace("_", "-"))
             raise SystemExit(f"ferry: invalid {flag}: {exc.message}") from None
+        if self.config:
+            self.validate_config()
+            return
         if self.embedding_model == "none" and self.chat_model == "none":
             raise SystemExit("ferry: nothing to serve: both --embedding-model and --chat-model are 'none'")
+        from .model_loading import served_name_target
+
+        try:
+            served_name_target(cast("ServerConfig", self))
+        except ValueError as exc:
+            raise SystemExit(f"ferry: {exc}") from None
+
+    def validate_config(self) -> None:
+        """The `--config` file: readable, valid, and the only say on which models to serve."""
+        from .model_config import ConfigError, load_config
+
+        flags = [
+            k.flag
+            for k in SERVER_KNOBS
+            if k.name in ("embedding_model", "chat_model", "served_model_name") and getattr(self, k.name) != k.default
+        ]
+        if flags:
+            raise SystemExit(f"ferry: --config names the models to serve; drop {' and '.join(flags)}")
+        try:
+            models = load_config(self.config)
+        except ConfigError as exc:
+            raise SystemExit(f"ferry: {exc}") from None
+        for m in models:  # each model's batching knobs over the flags' (flag values are checked above)
+            try:
+                self.batching_settings(**m.batching)
+            except SettingsError as exc:
+                raise SystemExit(
+                    f"ferry: invalid config {self.config}: model {m.name!r}: field 'batching.{exc.field}': "
+                    f"{exc.message}"
+                ) from None
 
 
 def _default(k: Knob) -> Any:

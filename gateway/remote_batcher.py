@@ -238,10 +238,10 @@ class RemoteBatcher:
         answer = await self._ask({})
         return {**(answer.settings or {}), "cost_model": answer.cost_model}
 
-    async def scrape(self) -> str:
-        """The core's metrics in the OpenMetrics text format."""
+    async def scrape(self) -> list[wire.MetricFamily]:
+        """The core's metric families (gateway/metrics_merge.py merges them)."""
         answer: wire.MetricsAnswer = await self._request(wire.MetricsRequest, SCRAPE_TIMEOUT_S)
-        return answer.text
+        return answer.families
 
     async def _ask(self, changes: dict[str, Any]) -> wire.SettingsAnswer:
         answer = await self._request(lambda seq: wire.SettingsChange(seq, self.model, changes))

@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
         "loadtests/bench_latency.py",
         "loadtests/bench_replicas.py",
         "loadtests/gpu_check.py",
+        "loadtests/bench_metrics_scrape.py",
     },
     # The two sides of the wire: the server's pydantic models, whose class names are the
     # component names in /openapi.json, and the client's response objects, documented in

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.metrics_core import Metric
@@ -37,27 +38,28 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     ferry = gateway_state(request)
     registry = ferry.metrics.registry
-    texts = await _core_texts(ferry)
-    if texts is None:  # in-process models: the server's registry holds everything
+    scraped = await _core_scrapes(ferry)
+    compat = ferry.config.metrics_compat
+    if scraped is None and compat == "none":  # in-process models: the server's registry holds everything
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-    return Response(merged_exposition(registry, texts), media_type=CONTENT_TYPE_LATEST)
+    return Response(merged_exposition(registry, scraped or [], compat), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _core_texts(ferry) -> list[str] | None:
-    """Each engine core's metrics text (None: no model runs in a core)."""
+async def _core_scrapes(ferry) -> list[Any] | None:
+    """Each engine core's metrics (None: no model runs in a core)."""
     cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
     if not cores:
         return None
     answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
-    return [a for a in answers if isinstance(a, str)]  # a lost or stuck core is left out
+    return [a for a in answers if not isinstance(a, BaseException)]  # a lost or stuck core is left out
 
 
 async def all_families(ferry) -> list[Metric]:
     """The metric families one /metrics scrape shows (the live page reads these)."""
-    texts = await _core_texts(ferry)
-    if texts is None:
+    scraped = await _core_scrapes(ferry)
+    if scraped is None:
         return list(ferry.metrics.registry.collect())
-    return merged_families(ferry.metrics.registry, texts)
+    return merged_families(ferry.metrics.registry, scraped)
 
 
 def _model_card(m) -> dict:

@@ -128,7 +128,8 @@ def test_an_unknown_error_code_is_an_engine_error_that_keeps_its_message():
 def test_metrics_requests_and_answers_round_trip_each_to_its_side():
     m = wire.MetricsRequest(4)
     assert wire.decode_to_core(wire.encode(m)) == m
-    a = wire.MetricsAnswer(4, '# TYPE ferry_queue_depth gauge\nferry_queue_depth{model="m"} 2.0\n# EOF\n')
+    family = wire.MetricFamily("ferry_queue_depth", "Depth.", "gauge", "", [("ferry_queue_depth", {"model": "m"}, 2.0)])
+    a = wire.MetricsAnswer(4, [family])
     assert wire.decode_to_front_end(wire.encode(a)) == a
     with pytest.raises(msgspec.ValidationError):
         wire.decode_to_front_end(wire.encode(m))

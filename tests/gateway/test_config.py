@@ -90,6 +90,9 @@ def sample(k: Knob) -> tuple[str, Any]:
     if k.kind in (int, float):
         value = k.kind((k.default or k.bounds.get("ge", k.bounds.get("gt", 0))) + 1)
         return str(value), value
+    if k.option == "config":  # read at start: a file that is there and valid
+        path = str(settings_docs.ROOT / "docs/examples/ferry.yaml")
+        return path, path
     return "somewhere-else", "somewhere-else"
 
 
@@ -127,6 +130,8 @@ def test_serverconfig_has_one_field_per_knob_with_its_default():
 def test_every_knob_is_read_from_its_environment_variable(clean_env, knob):
     text, value = sample(knob)
     clean_env.setenv(knob.env, text)
+    if knob.option == "served_model_name":  # it names one model: serve one
+        clean_env.setenv("FERRY_EMBEDDING_MODEL", "none")
     _, cfg = from_args(["serve"])
     assert getattr(cfg, knob.option) == value
     assert knob.env == "FERRY_" + knob.option.upper()
@@ -135,7 +140,8 @@ def test_every_knob_is_read_from_its_environment_variable(clean_env, knob):
 @pytest.mark.parametrize("knob", [k for k in KNOBS if k.kind is not bool], ids=lambda k: k.flag)
 def test_every_knob_is_read_from_its_flag(clean_env, knob):
     text, value = sample(knob)
-    _, cfg = from_args(["serve", knob.flag, text])
+    one_model = ["--embedding-model", "none"] if knob.option == "served_model_name" else []
+    _, cfg = from_args(["serve", knob.flag, text, *one_model])
     assert getattr(cfg, knob.option) == value
 
 

@@ -114,6 +114,7 @@ def test_alert_rules_cover_the_required_conditions():
         "FerryQueueSaturated",
         "FerryEngineErrors",
         "FerryDeadlineMisses",
+        "FerryKvCacheFull",
     }
     needs = {
         "FerryLatencyP99OverSLO": "ferry_request_duration_seconds_bucket",
@@ -121,6 +122,7 @@ def test_alert_rules_cover_the_required_conditions():
         "FerryQueueSaturated": "ferry_queue_depth",
         "FerryEngineErrors": "ferry_engine_errors_total",
         "FerryDeadlineMisses": "ferry_slo_total",
+        "FerryKvCacheFull": "ferry_kv_cache_usage_ratio",
     }
     for name, metric in needs.items():
         assert metric in rules[name]["expr"], name

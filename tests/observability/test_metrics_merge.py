@@ -44,3 +44,31 @@ def test_series_of_different_cores_stay_apart():
     got = samples(merged_exposition(server, texts))
     assert got[("ferry_batches_total", "a")] == 1 and got[("ferry_batches_total", "b")] == 2
     assert got[("ferry_queue_depth", "a")] == 4 and got[("ferry_queue_depth", "b")] == 5
+
+
+def test_vllm_compat_gauges_sum_each_model_and_label_it_model_name():
+    r = CollectorRegistry()
+    depth = Gauge("ferry_queue_depth", "Depth.", ["model", "class"], registry=r)
+    depth.labels("a", "interactive").set(3)
+    depth.labels("a", "batch").set(4)
+    depth.labels("b", "interactive").set(1)
+    Gauge("ferry_running_sequences", "Running.", ["model"], registry=r).labels("a").set(2)
+    core = CollectorRegistry()  # model b in an engine core
+    Gauge("ferry_running_sequences", "Running.", ["model"], registry=core).labels("b").set(5)
+    Gauge("ferry_kv_cache_usage_ratio", "KV.", ["model"], registry=core).labels("b").set(0.25)
+    text = merged_exposition(r, [generate_latest(core).decode()], compat="vllm").decode()
+    got = {
+        (s.name, s.labels.get("model_name")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("vllm:")
+    }
+    assert got == {
+        ("vllm:num_requests_waiting", "a"): 7,
+        ("vllm:num_requests_waiting", "b"): 1,
+        ("vllm:num_requests_running", "a"): 2,
+        ("vllm:num_requests_running", "b"): 5,
+        ("vllm:kv_cache_usage_perc", "b"): 0.25,
+    }
+    assert "# TYPE vllm:kv_cache_usage_perc gauge" in text
+    assert "vllm:" not in merged_exposition(r, []).decode()  # only when asked

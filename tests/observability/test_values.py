@@ -253,3 +253,67 @@ def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
     assert v("ferry_setting_max_wait_seconds", model="fake-embed") == pytest.approx(patched_wait_ms / 1000)
     assert v("ferry_setting_max_wait_seconds", model="fake-chat") == 0
     assert v("ferry_setting_default_budget_seconds", model="fake-chat") == budget_ms / 1000
+
+
+def test_what_an_endpoint_picker_reads_while_sequences_run():
+    """ferry_running_sequences and ferry_kv_cache_usage_ratio mid-run: the running rows'
+    cache tokens (rows x longest row) over max_running x the model's context."""
+    settings = BatchingSettings(max_running=4, max_wait_ms=0, default_budget_ms=None)
+
+    async def scenario():
+        clock = FakeClock()
+        registry = CollectorRegistry()
+        engine = FakeGenerationEngine(max_context=64)
+        s = GenerationScheduler(
+            "g",
+            engine,
+            SimulatedEngineThread(clock, engine, STEP, 0.0),
+            settings,
+            make_request=sequence_request,
+            clock=clock,
+            metrics=Metrics(registry),
+        )
+        await s.start()
+        v = Reader(registry)
+        assert v("ferry_kv_cache_usage_ratio", model="g") == 0  # there from the start
+        for prompt in ([1, 2, 3], [4, 5, 6, 7, 8]):
+            s.submit(GenRequest(prompt, SamplingParams(max_tokens=10, temperature=0.0)), cost=len(prompt))
+        await clock.advance(STEP * 3.5)  # the prefill, then two decode steps
+        mid = (v("ferry_running_sequences", model="g"), v("ferry_kv_cache_usage_ratio", model="g"), engine.kv_tokens)
+        await clock.run_until_idle()
+        await s.stop()
+        return v, mid
+
+    v, (running, ratio, kv_tokens) = asyncio.run(scenario())
+    assert running == 2
+    assert kv_tokens > 0 and ratio == pytest.approx(kv_tokens / (settings.max_running * 64))
+    assert v("ferry_running_sequences", model="g") == 0 and v("ferry_kv_cache_usage_ratio", model="g") == 0
+
+
+def test_an_embeddings_model_reports_its_batch_on_the_engine_as_running():
+    settings = BatchingSettings(max_batch_size=4, max_wait_ms=0, policy="fixed", default_budget_ms=None)
+
+    async def scenario():
+        clock = FakeClock()
+        registry = CollectorRegistry()
+        b = MicroBatcher(
+            "e",
+            SimulatedExecutor(clock, fixed=FIXED, per_item=PER_ITEM),
+            settings,
+            clock=clock,
+            metrics=Metrics(registry),
+        )
+        b.metrics.publish_settings("e", settings)
+        await b.start()
+        v = Reader(registry)
+        b.submit_many(["a", "b", "c"])
+        await clock.advance(FIXED / 2)  # the batch of three is on the engine
+        mid = v("ferry_running_sequences", model="e")
+        await clock.run_until_idle()
+        await b.stop()
+        return v, mid
+
+    v, mid = asyncio.run(scenario())
+    assert mid == 3
+    assert v("ferry_running_sequences", model="e") == 0
+    assert v("ferry_kv_cache_usage_ratio", model="e") == 0  # no KV cache: 0, not absent

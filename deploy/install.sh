@@ -1,0 +1,45 @@
+#!/bin/sh
+# Install Ferry into a virtual environment: the one set of install steps that both `make setup`
+# (a developer's .venv) and the Dockerfile (the image's /opt/ferry) run, so the two cannot drift.
+#
+#   deploy/install.sh VENV [--extras test,load] [--editable]
+#
+# PYTHON (default python3) creates VENV when it does not exist yet. torch is installed first and
+# pinned: left to the resolver, `pip install .` would pick whatever torch build the index offers
+# first (on PyPI for Linux, a multi-GB CUDA build). TORCH_INDEX_URL, when set, is the index that
+# torch comes from (the Dockerfile passes https://download.pytorch.org/whl/cpu or a CUDA one);
+# unset, it comes from pip's configured index (on the development machine, the CPU wheel on disk).
+set -eu
+
+TORCH_VERSION=2.13.0
+
+venv=${1:?usage: deploy/install.sh VENV [--extras LIST] [--editable]}
+shift
+extras=""
+editable=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --extras) extras=${2:?--extras needs a list}; shift 2 ;;
+    --editable) editable="-e"; shift ;;
+    *) echo "deploy/install.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+done
+
+here=$(cd "$(dirname "$0")/.." && pwd)  # the repository root: pyproject.toml lives there
+py="$venv/bin/python"
+
+test -x "$py" || "${PYTHON:-python3}" -m venv "$venv"
+"$py" -m pip install -q --upgrade pip
+if ! "$py" -m pip show torch >/dev/null 2>&1; then
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    "$py" -m pip install -q "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
+  else
+    "$py" -m pip install -q "torch==$TORCH_VERSION"
+  fi
+fi
+target="$here"
+if [ -n "$extras" ]; then
+  target="$here[$extras]"
+fi
+# shellcheck disable=SC2086  # $editable is empty or -e
+"$py" -m pip install -q $editable "$target"

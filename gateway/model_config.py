@@ -1,0 +1,113 @@
+"""The `--config FILE` of `ferry serve`: the models to serve, in YAML (docs/config.md).
+
+    models:
+      - name: minilm              # the name clients ask for ("model" in a request)
+        kind: embeddings          # embeddings | chat
+        source: default           # default | a Hugging Face id | a local path
+        device: cpu               # optional: cpu, cuda, cuda:N, auto (default: --device)
+        dtype: float32            # optional: float32, float16, bfloat16, auto (default: --dtype)
+        batching:                 # optional: this model's batching knobs (batcher/settings.py)
+          max_batch_size: 64
+
+The schema is a pydantic model that forbids unknown fields; a bad file fails `ferry serve` at
+start with one line naming the file, the model and the field (`ConfigError`). Each model's
+`batching` values override the batching flags for that model only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from batcher.knobs import SettingsError
+from batcher.settings import BatchingSettings
+
+ConfigKind = Literal["embeddings", "chat"]
+DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+# What a model's name may be: it is a URL path segment (/v1/models/{name}) and a metric label.
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
+
+
+class ConfigError(ValueError):
+    """A bad config file; the message is the one line to show (file, model, field)."""
+
+
+class ModelEntry(BaseModel):
+    """One model to serve."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str = Field(min_length=1, max_length=200, pattern=NAME, description="the name clients ask for")
+    kind: ConfigKind = Field(description="`embeddings` or `chat`")
+    source: str = Field(
+        "default",
+        min_length=1,
+        description="`default` (the built-in model of its kind), a Hugging Face id or a local path",
+    )
+    device: str | None = Field(
+        None, pattern=DEVICE.pattern, description="`cpu`, `cuda`, `cuda:N` or `auto`; null: `--device`"
+    )
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] | None = Field(None, description="null: `--dtype`")
+    batching: dict[str, Any] = Field(
+        default_factory=dict, description="this model's batching knobs, by name (docs/settings.md)"
+    )
+
+
+class ConfigFile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    models: list[ModelEntry] = Field(min_length=1)
+
+
+def load_config(path: str) -> list[ModelEntry]:
+    """The models of the config file at `path`, checked; ConfigError (one line) when not."""
+    where = f"config {path}"
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read {where}: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"invalid {where}: not YAML{at}: {getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid {where}: expected a mapping with `models:` (a list of models)")
+    try:
+        parsed = ConfigFile.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"invalid {where}: {_describe(exc, data)}") from None
+    seen: set[str] = set()
+    for entry in parsed.models:
+        if entry.name in seen:
+            raise ConfigError(f"invalid {where}: model {entry.name!r}: field 'name': another model has this name")
+        seen.add(entry.name)
+        try:
+            BatchingSettings(**entry.batching)
+        except SettingsError as exc:
+            raise ConfigError(
+                f"invalid {where}: model {entry.name!r}: field 'batching.{exc.field}': {exc.message}"
+            ) from None
+    return list(parsed.models)
+
+
+def _describe(exc: ValidationError, data: dict[str, Any]) -> str:
+    """The first error, as `model 'NAME': field 'FIELD': what is wrong`."""
+    # A misspelt field is also a missing one: name the misspelling.
+    first = min(exc.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    loc = list(first["loc"])
+    what = "unknown field" if first["type"] == "extra_forbidden" else first["msg"]
+    if first["type"] == "missing":
+        what = "missing"
+    if len(loc) >= 2 and loc[0] == "models" and isinstance(loc[1], int):
+        raw = data.get("models")
+        entry = raw[loc[1]] if isinstance(raw, list) and loc[1] < len(raw) else None
+        name = entry.get("name") if isinstance(entry, dict) else None
+        model = f"model {name!r}" if isinstance(name, str) and name else f"model #{loc[1] + 1} (unnamed)"
+        field = ".".join(str(p) for p in loc[2:])
+        return f"{model}: field {field!r}: {what}" if field else f"{model}: {what}"
+    return f"field {'.'.join(str(p) for p in loc) or 'models'!r}: {what}"
