@@ -46,6 +46,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # False: the engine makes no text and ignores `stop` (finishing on EOS and length only);
+    # the caller detokenizes the token ids, as a front end does for an engine core.
+    detokenize: bool = True
 
 
 @dataclass(slots=True)

@@ -212,7 +212,7 @@ def test_generation_streams_each_delta_before_its_result(tmp_path):
         ctx = zmq.asyncio.Context()
         core = EngineCore(batcher, f"ipc://{tmp_path}/core", ctx)
         serving = asyncio.create_task(core.serve())
-        remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx)
+        remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx, tokenizer=engine)
         await remote.start()
         try:
             events: list[Any] = []
