@@ -71,8 +71,9 @@ class StepOutput:
     """What one sequence produced in one engine call.
 
     `text` is the newly *released* text: text that might still turn out to be the start
-    of a stop string is held back until it is known not to be. When `finish_reason` is
-    set ("stop" or "length") the sequence has left the running set and its cache is freed.
+    of a stop string is held back until it is known not to be (always "" for a sequence
+    whose params say `detokenize=False`). When `finish_reason` is set ("stop" or "length")
+    the sequence has left the running set and its cache is freed.
     """
 
     seq_id: int
