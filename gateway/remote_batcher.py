@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from batcher import wire
-from batcher.errors import Cancelled, ModelUnavailable, ShuttingDown
+from batcher.errors import Cancelled, EngineError, ModelUnavailable, ShuttingDown
 from batcher.settings import BatchingSettings, SettingsError
 from batcher.types import Delta, DispatchReason, GenRequest, GenResult, Outcome, Priority, WorkItem
 from engine.base import EmbeddingResult, SamplingParams
@@ -392,7 +392,11 @@ class RemoteBatcher:
             elif isinstance(message, (wire.Admitted, wire.Refused)):
                 self._answer(message)
             elif isinstance(message, wire.NewTokens):
-                self._new_tokens(message)
+                try:
+                    self._new_tokens(message)
+                except Exception as exc:  # a bug detokenizing fails its item, never this loop
+                    log.exception("detokenizing the output of %s failed", self.model)
+                    self._failed_tokens(message, exc)
             else:
                 fut = self._answers.get(message.seq)
                 if fut is not None and not fut.done():
@@ -428,6 +432,14 @@ class RemoteBatcher:
         if text.finish_reason is not None and m.finish_reason is None:
             # A stop string found here: the core would go on generating; its Result follows.
             self._send_quietly(wire.Stop(m.req, m.index))
+
+    def _failed_tokens(self, m: wire.NewTokens, exc: Exception) -> None:
+        items = self._requests.get(m.req) or []
+        if 0 <= m.index < len(items) and not items[m.index].finished:
+            self._send_quietly(wire.Stop(m.req, m.index))
+            items[m.index].finish(Outcome.ERROR, EngineError(f"detokenizing the output failed: {exc}"))
+            if all(i.finished for i in items):
+                self._forget(m.req)
 
     def _answer(self, m: wire.Admitted | wire.Refused) -> None:
         pending = self._pending.pop(m.req, None)
