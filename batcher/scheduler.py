@@ -40,6 +40,10 @@ class _Seq:
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
     last_token_at: float | None = None
+    undelivered: int = 0  # tokens whose text is held back, counted in the next delta
+    # A delta for every token, text or not: the engine makes no text for this sequence
+    # (its params say detokenize=False), the caller decodes the ids (an engine core's front end).
+    every_token: bool = False
 
 
 @dataclass(slots=True)
@@ -200,7 +204,7 @@ class GenerationScheduler(QueueingBatcher):
     ) -> Callable[[], None] | None:
         """Run one iteration; returns the delivery of its outputs, for the caller to run."""
         for item in admitted:
-            self._running[item.id] = _Seq(item)
+            self._running[item.id] = _Seq(item, every_token=not getattr(item.payload.params, "detokenize", True))
         requests = [self._make_request(i.id, i.payload.prompt_ids, i.payload.params) for i in admitted]
         removals, self._removals = self._removals, []
         decoding = [i for i in self._running if i not in {r.seq_id for r in requests}]
@@ -319,8 +323,10 @@ class GenerationScheduler(QueueingBatcher):
             self._generated.inc(produced)
         if out.text:
             seq.pieces.append(out.text)
-        if item.on_delta is not None and (out.text or out.finish_reason):
-            item.on_delta(Delta(item, out.text, produced, out.finish_reason, out.token_ids))
+        seq.undelivered += produced
+        if item.on_delta is not None and (out.text or out.finish_reason or (produced and seq.every_token)):
+            item.on_delta(Delta(item, out.text, seq.undelivered, out.finish_reason, out.token_ids))
+            seq.undelivered = 0
         if out.finish_reason is not None:
             prompt_tokens = len(item.payload.prompt_ids)
             self._finish(
@@ -342,6 +348,21 @@ class GenerationScheduler(QueueingBatcher):
     def _cancel_running(self, item: WorkItem) -> None:
         if self._running.pop(item.id, None) is not None:
             self._removals.append(item.id)
+
+    def stop_sequence(self, item: WorkItem) -> bool:
+        """End a running sequence now as finished by a stop string its caller found in the
+        text (an engine core's front end detokenizes): it resolves with finish_reason
+        "stop" and the tokens generated so far, and leaves the engine before its next step.
+        A sequence not running (finished already) is skipped."""
+        seq = self._running.pop(item.id, None)
+        if seq is None:
+            return False
+        self._removals.append(item.id)
+        self._publish_gen()
+        prompt_tokens = len(item.payload.prompt_ids)
+        self._finish(item, Outcome.RESULT, GenResult("".join(seq.pieces), "stop", prompt_tokens, seq.tokens))
+        self._wake.set()
+        return True
 
     def _fail_running(self, exc: Exception) -> int:
         failed = 0

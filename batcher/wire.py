@@ -94,6 +94,16 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True):
     by_client: bool = True
 
 
+class Stop(msgspec.Struct, tag="stop", array_like=True):
+    """End item `index` of `req` now: the front end, which detokenizes, found a stop string
+    in its text. The core frees the sequence before its next decode step and ends it with
+    finish_reason "stop" (its usage: the tokens generated so far). Idempotent: an item
+    finished already, or a key the core does not know, is skipped."""
+
+    req: int
+    index: int
+
+
 class Timing(msgspec.Struct, frozen=True, array_like=True):
     """What the `X-Ferry-*` headers report about an item's way through the batcher."""
 
@@ -106,14 +116,14 @@ class Timing(msgspec.Struct, frozen=True, array_like=True):
 
 class Result(msgspec.Struct, tag="result", array_like=True):
     """The one terminal outcome of item `index` of `req`: a vector (`floats`) for one-shot
-    models, the text for generation; `code`/`message`/`retry_after` describe an error."""
+    models, the finish reason and token counts for generation (whose text the front end
+    made from the `NewTokens` before it); `code`/`message`/`retry_after` describe an error."""
 
     req: int
     index: int
     outcome: int
     timing: Timing
     vector: bytes | None = None
-    text: str | None = None
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -123,13 +133,14 @@ class Result(msgspec.Struct, tag="result", array_like=True):
 
 
 class NewTokens(msgspec.Struct, tag="delta", array_like=True):
-    """New output of item `index` of `req`, in order: the new token ids and, until
-    detokenization moves to the front end, the text they decode to."""
+    """New output of item `index` of `req`, in order: the new token ids (`ids`), sent for
+    every generation item, streamed or not. The core makes no text: the front end
+    detokenizes and applies stop strings (gateway/remote_batcher.py). `finish_reason`: the
+    core ended the sequence with these tokens ("stop": an end-of-sequence token; "length")."""
 
     req: int
     index: int
     token_ids: bytes
-    text: str
     finish_reason: str | None = None
 
 
@@ -174,7 +185,7 @@ class MetricsAnswer(msgspec.Struct, tag="metrics_answer", array_like=True):
     families: list[MetricFamily]  # the core's registry
 
 
-ToCore = Submit | Cancel | SettingsChange | MetricsRequest
+ToCore = Submit | Cancel | Stop | SettingsChange | MetricsRequest
 ToFrontEnd = Admitted | Refused | Result | NewTokens | SettingsAnswer | MetricsAnswer
 
 _encoder = msgspec.msgpack.Encoder()

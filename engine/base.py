@@ -46,6 +46,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # False: the engine makes no text and ignores `stop` (finishing on EOS and length only);
+    # the caller detokenizes the token ids, as a front end does for an engine core.
+    detokenize: bool = True
 
 
 @dataclass(slots=True)
@@ -68,8 +71,9 @@ class StepOutput:
     """What one sequence produced in one engine call.
 
     `text` is the newly *released* text: text that might still turn out to be the start
-    of a stop string is held back until it is known not to be. When `finish_reason` is
-    set ("stop" or "length") the sequence has left the running set and its cache is freed.
+    of a stop string is held back until it is known not to be (always "" for a sequence
+    whose params say `detokenize=False`). When `finish_reason` is set ("stop" or "length")
+    the sequence has left the running set and its cache is freed.
     """
 
     seq_id: int

@@ -1,5 +1,10 @@
 """From generated token ids to the text a client may see: incremental detokenization
-that never releases half a character, and OpenAI stop strings over the text stream."""
+that never releases half a character, and OpenAI stop strings over the text stream.
+
+Torch-free, so that both halves of a chat model use it: the engine in one process
+(engine/generation.py), and the front end when the model runs in an engine core, which
+then sends token ids only (gateway/remote_batcher.py).
+"""
 
 from __future__ import annotations
 
@@ -12,6 +17,9 @@ DETOKENIZE_CONTEXT = 5
 # A UTF-8 character is at most 4 bytes; past this many undecodable tokens the bytes are
 # genuinely invalid and are released as U+FFFD rather than held forever.
 MAX_HELD_TOKENS = 6
+
+FINISH_STOP = "stop"
+FINISH_LENGTH = "length"
 
 
 class IncrementalDetokenizer:
@@ -81,3 +89,31 @@ class StopStringFilter:
                     longest = size
                     break
         return longest
+
+
+class SequenceText:
+    """One sequence's text as a client sees it: its tokens detokenized, cut at the first
+    stop string, and the reason it finishes. The engine and a front end make the same text
+    from the same ids by both calling `advance` once per generated token."""
+
+    def __init__(self, tokenizer: Any, prompt: Sequence[int], stops: Sequence[str]) -> None:
+        """`tokenizer`: anything with transformers' `decode(ids, skip_special_tokens=...,
+        clean_up_tokenization_spaces=...)`."""
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+        self._stops = StopStringFilter(stops)
+
+    def advance(self, token: int, end: str | None = None) -> tuple[str, str | None]:
+        """Account one new token: (the text it releases, the finish reason if the sequence
+        ends with it). `end` is why the engine ends the sequence here regardless of its
+        text: FINISH_STOP for an end-of-sequence token (never decoded), FINISH_LENGTH when
+        out of room; a stop string in the text ends it with FINISH_STOP either way."""
+        if end == FINISH_STOP:
+            text, _ = self._stops.feed(self._detokenizer.flush(), final=True)
+            return text, FINISH_STOP
+        text, stopped = self._stops.feed(self._detokenizer.push(token))
+        if stopped:
+            return text, FINISH_STOP
+        if end is None:
+            return text, None
+        tail, stopped = self._stops.feed(self._detokenizer.flush(), final=True)
+        return text + tail, FINISH_STOP if stopped else FINISH_LENGTH

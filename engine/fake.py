@@ -22,7 +22,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .base import ChatTemplateError, EmbeddingResult, GenerationEngine
+from .base import ChatTemplateError, EmbeddingResult, GenerationEngine, StepOutput
+from .detokenize import FINISH_LENGTH, SequenceText
 
 
 class _Clock(Protocol):
@@ -174,11 +175,13 @@ class SimulatedEngineThread:
 
 class FakeGenerationEngine:
     """Implements `GenerationEngine` without a model: sequence `s` emits the words
-    "w<k>" for k = 0, 1, ... (one per token) until its max_tokens or a stop string.
+    "w<k>" for k = 0, 1, ... (token id k + 1, one word a token) until its max_tokens or a
+    stop string, released as a real engine releases text (engine/detokenize.py).
 
     `calls` records every engine call as (kind, [seq_ids]) so tests can count steps and
     the rows active in each. `fail_prompts` (first prompt token) make `add` raise when
     such a prompt is in the group; `step_delay` makes each call block (wall clock).
+    As the front end of a model in an engine core it is also the tokenizer (`decode`).
     """
 
     def __init__(
@@ -216,13 +219,21 @@ class FakeGenerationEngine:
     def encode_prompt(self, text: str) -> list[int]:
         return [ord(c) % 256 for c in text] or [0]
 
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+    ) -> str:
+        """The generated words of token ids (a prompt id decodes to some word as well)."""
+        return "".join(f"w{i - 1} " for i in ids)
+
     def add(self, requests) -> list:
         self.calls.append(("add", [r.seq_id for r in requests]))
         if any(r.prompt_ids and r.prompt_ids[0] in self.fail_prompts for r in requests):
             raise RuntimeError("simulated prefill failure")
         self._sleep()
         for r in requests:
-            self._seqs[r.seq_id] = {"prompt": r.prompt_ids, "params": r.params, "n": 0, "text": ""}
+            p = r.params
+            text = SequenceText(self, r.prompt_ids, p.stop) if getattr(p, "detokenize", True) else None
+            self._seqs[r.seq_id] = {"prompt": r.prompt_ids, "params": p, "n": 0, "text": text}
         return [self._emit(r.seq_id) for r in requests]
 
     def step(self) -> list:
@@ -239,23 +250,13 @@ class FakeGenerationEngine:
         if self.step_delay > 0:
             time.sleep(self.step_delay)
 
-    def _emit(self, seq_id: int):
-        from .base import StepOutput
-
+    def _emit(self, seq_id: int) -> StepOutput:
         s = self._seqs[seq_id]
-        word = f"w{s['n']} "
         s["n"] += 1
-        s["text"] += word
-        params = s["params"]
-        finish = None
-        for stop in params.stop:
-            if stop in s["text"]:
-                finish = "stop"
-                cut = s["text"].index(stop)
-                word = word[: max(0, len(word) - (len(s["text"]) - cut))]
-                break
-        if finish is None and (s["n"] >= params.max_tokens or len(s["prompt"]) + s["n"] >= self.max_context):
-            finish = "length"
+        token = s["n"]
+        full = s["n"] >= s["params"].max_tokens or len(s["prompt"]) + s["n"] >= self.max_context
+        end = FINISH_LENGTH if full else None
+        text, finish = ("", end) if s["text"] is None else s["text"].advance(token, end)
         if finish is not None:
             del self._seqs[seq_id]
-        return StepOutput(seq_id, [s["n"]], word, finish)
+        return StepOutput(seq_id, [token], text, finish)

@@ -25,15 +25,12 @@ from transformers.cache_utils import DynamicLayer
 
 from .base import SamplingParams, SequenceRequest, StepOutput
 from .chat_tokenizer import encode_chat
-from .detokenize import IncrementalDetokenizer, StopStringFilter
+from .detokenize import FINISH_LENGTH, FINISH_STOP, SequenceText
 from .device import configure_threads, resolve_device, resolve_dtype
 from .kv import RunningBatch
 from .sampling import SequenceSampler, sample_next_tokens
 
 log = logging.getLogger("ferry.engine")
-
-FINISH_STOP = "stop"
-FINISH_LENGTH = "length"
 
 
 class HFGenerationEngine:
@@ -224,25 +221,22 @@ class HFGenerationEngine:
             params=params,
             prompt_len=len(request.prompt_ids),
             sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed),
-            detokenizer=IncrementalDetokenizer(self._detok, request.prompt_ids),
-            stops=StopStringFilter(params.stop),
+            # None: the front end detokenizes (an engine core sends token ids only)
+            text=SequenceText(self._detok, request.prompt_ids, params.stop) if params.detokenize else None,
         )
 
     def _advance(self, seq: _Sequence, token: int) -> StepOutput:
         """Account one new token: release text, decide whether the sequence finishes."""
         seq.tokens.append(token)
+        end = None
         if token in self.eos_token_ids:
-            text, _ = seq.stops.feed(seq.detokenizer.flush(), final=True)
-            return StepOutput(seq.seq_id, [token], text, FINISH_STOP)
-        text, stopped = seq.stops.feed(seq.detokenizer.push(token))
-        if stopped:
-            return StepOutput(seq.seq_id, [token], text, FINISH_STOP)
-        out_of_room = len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context
-        if not out_of_room:
-            return StepOutput(seq.seq_id, [token], text)
-        tail, stopped = seq.stops.feed(seq.detokenizer.flush(), final=True)
-        reason = FINISH_STOP if stopped else FINISH_LENGTH
-        return StepOutput(seq.seq_id, [token], text + tail, reason)
+            end = FINISH_STOP
+        elif len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context:
+            end = FINISH_LENGTH
+        if seq.text is None:
+            return StepOutput(seq.seq_id, [token], "", end)
+        text, reason = seq.text.advance(token, end)
+        return StepOutput(seq.seq_id, [token], text, reason)
 
     def _check_cache_layout(self) -> None:
         """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model."""
@@ -264,8 +258,7 @@ class _Sequence:
     params: SamplingParams
     prompt_len: int
     sampler: SequenceSampler
-    detokenizer: IncrementalDetokenizer
-    stops: StopStringFilter
+    text: SequenceText | None
     tokens: list[int] = field(default_factory=list)
 
     @property

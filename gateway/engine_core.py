@@ -10,8 +10,10 @@ drains too; SIGINT is ignored, the server decides when its cores stop.
 
 Served on a ROUTER socket, in the core's event loop: `Submit` is admitted or refused at
 once (`Admitted` / `Refused`), then each item's `Result` follows when its future resolves
-(after its `NewTokens`, one per delta, when the request streams);
-`Cancel` withdraws a request's unfinished items; `SettingsChange` updates the batcher (or
+(for generation, after its `NewTokens`: token ids only, one message per decode step,
+streamed or not, since the front end detokenizes and applies stop strings);
+`Cancel` withdraws a request's unfinished items; `Stop` ends one sequence the front end
+found a stop string in; `SettingsChange` updates the batcher (or
 only reads it) and is answered by `SettingsAnswer`; `MetricsRequest` is answered by
 `MetricsAnswer`, the core's metric families as msgpack (the server merges them into its
 /metrics). A message for an unknown key is dropped.
@@ -83,6 +85,8 @@ class EngineCore:
                 self.submit(peer, message)
             elif isinstance(message, wire.Cancel):
                 self.cancel(peer, message)
+            elif isinstance(message, wire.Stop):
+                self.stop_sequence(peer, message)
             elif isinstance(message, wire.MetricsRequest):
                 families = metric_families(self.registry) if self.registry is not None else []
                 self._send(peer, wire.MetricsAnswer(message.seq, families))
@@ -112,7 +116,8 @@ class EngineCore:
                 budget=budget,
                 priority=Priority(m.priority),
                 request_id=m.request_id,
-                on_delta=functools.partial(self._delta, key) if m.stream else None,
+                # Generation: the front end reads every token, to detokenize it.
+                on_delta=functools.partial(self._delta, key) if m.stream or m.sampling is not None else None,
                 count_rejection=m.count_rejection,
             )
         except Exception as exc:  # BatchingError or a bug: either way refused, at once
@@ -127,7 +132,7 @@ class EngineCore:
         # Called by the scheduler before the item's future resolves, so on this one socket
         # an item's deltas always precede its Result.
         peer, req = key
-        self._send(peer, wire.NewTokens(req, d.item.prompt_index, wire.ids(list(d.token_ids)), d.text, d.finish_reason))
+        self._send(peer, wire.NewTokens(req, d.item.prompt_index, wire.ids(list(d.token_ids)), d.finish_reason))
 
     def _finished(self, key: tuple[bytes, int], item: WorkItem, fut: asyncio.Future) -> None:
         peer, req = key
@@ -143,6 +148,14 @@ class EngineCore:
             return
         for item in items:
             self.batcher.cancel(item, by_client=m.by_client)  # idempotent per item
+
+    def stop_sequence(self, peer: bytes, m: wire.Stop) -> None:
+        items = self.requests.get((peer, m.req))
+        stop_sequence = getattr(self.batcher, "stop_sequence", None)
+        if items is None or not 0 <= m.index < len(items) or stop_sequence is None:
+            self.dropped += 1  # finished already, or not a generation
+            return
+        stop_sequence(items[m.index])  # skipped if it finished meanwhile
 
     def settings(self, peer: bytes, m: wire.SettingsChange) -> None:
         b = self.batcher
@@ -170,12 +183,13 @@ def metric_families(registry: CollectorRegistry) -> list[wire.MetricFamily]:
 
 def payloads(m: wire.Submit) -> list[Any]:
     """What the core's batcher takes: token ids for one-shot models; for generation, the
-    GenRequest the in-process route builds (gateway/translate/chat.py)."""
+    GenRequest the in-process route builds (gateway/translate/chat.py), except that the
+    engine makes no text (`detokenize=False`): stop strings are the front end's."""
     prompts = [wire.ids_of(p) for p in m.payloads]
     if m.sampling is None:
         return prompts
     return [
-        GenRequest(ids, SamplingParams(s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop)))
+        GenRequest(ids, SamplingParams(s.max_tokens, s.temperature, s.top_p, s.seed, [], detokenize=False))
         for ids, s in zip(prompts, m.sampling, strict=True)
     ]
 
@@ -197,7 +211,6 @@ def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
                 item.prompt_index,
                 int(Outcome.RESULT),
                 timing,
-                text=value.text,
                 finish_reason=value.finish_reason,
                 prompt_tokens=value.prompt_tokens,
                 completion_tokens=value.completion_tokens,

@@ -9,8 +9,13 @@ What differs from a local batcher, and why:
 - Cancelling is per request on the wire: `cancel(item)` withdraws every unfinished item of
   the item's request in the core and resolves them here at once (the gateway only ever
   cancels all of a request's items).
-- Generation items stream: the core's `NewTokens` become `Delta`s for the item's
-  `on_delta`, in order, before its `Result` (a `GenResult`) resolves it.
+- Generation: the core sends token ids only (`NewTokens`, every item, streamed or not);
+  this side detokenizes them and applies the stop strings with the engine's own code
+  (engine/detokenize.py's `SequenceText`, over the model's `tokenizer`), so the text is
+  what one process would make. Text that may start a stop string is held back; a stop
+  string found here ends the item's sequence in the core at once (`Stop`). Streamed items
+  get a `Delta` for each piece of text, in order, before the item's `Result` (with the
+  core's timing) resolves it with a `GenResult` of the text made here.
 - `update` and `describe` (the admin GET) are coroutines answered by the core; so is
   `scrape`, the core's metrics for the server's /metrics.
 - Dispatches are not reported until an item ends, so `item in batcher.queue` holds for
@@ -36,10 +41,11 @@ import zmq
 import zmq.asyncio
 
 from batcher import wire
-from batcher.errors import Cancelled, ModelUnavailable, ShuttingDown
+from batcher.errors import Cancelled, EngineError, ModelUnavailable, ShuttingDown
 from batcher.settings import BatchingSettings, SettingsError
 from batcher.types import Delta, DispatchReason, GenRequest, GenResult, Outcome, Priority, WorkItem
 from engine.base import EmbeddingResult, SamplingParams
+from engine.detokenize import SequenceText
 
 log = logging.getLogger("ferry.gateway")
 
@@ -80,6 +86,19 @@ class _Pending:
         self.items, self.answer = items, answer
 
 
+class _Text:
+    """A generation item's text, made here from the token ids its core sends."""
+
+    __slots__ = ("finish_reason", "pieces", "sequence", "tokens", "undelivered")
+
+    def __init__(self, tokenizer: Any, request: GenRequest):
+        self.sequence = SequenceText(tokenizer, request.prompt_ids, request.params.stop)
+        self.pieces: list[str] = []
+        self.tokens = 0  # generated tokens that made the text (none after a stop string)
+        self.undelivered = 0  # tokens whose text is held back, counted in the next delta
+        self.finish_reason: str | None = None  # known here: the text is complete
+
+
 def sampling_of(params: SamplingParams) -> wire.Sampling:
     return wire.Sampling(params.max_tokens, params.temperature, params.top_p, params.seed, list(params.stop))
 
@@ -95,8 +114,12 @@ class RemoteBatcher:
         *,
         core: CoreControl | None = None,
         ctx: zmq.asyncio.Context | None = None,
+        tokenizer: Any = None,
     ):
+        """`tokenizer`: a generation model's, which detokenizes what its core generates
+        (anything with transformers' `decode`; engine/chat_tokenizer.py's ChatTokenizer)."""
         self.model = model
+        self.tokenizer = tokenizer
         self.address = address
         self.core = core
         self._settings = settings
@@ -111,6 +134,7 @@ class RemoteBatcher:
         self._pending: dict[int, _Pending] = {}  # req -> submit awaiting Admitted/Refused
         self._requests: dict[int, list[WorkItem]] = {}  # req -> admitted items, until all finish
         self._req_of: dict[int, int] = {}  # WorkItem.id -> req
+        self._texts: dict[int, _Text] = {}  # WorkItem.id -> its text, for generation items
         self._answers: dict[int, asyncio.Future] = {}  # seq -> SettingsAnswer or MetricsAnswer
         self.queue = _Unfinished(self._req_of)
         self.dropped = 0  # messages for requests this side no longer knows
@@ -178,6 +202,8 @@ class RemoteBatcher:
         ]
         # Generation items (GenRequest) cross as their prompt's ids and sampling parameters.
         generation = bool(payloads) and isinstance(payloads[0], GenRequest)
+        if generation and self.tokenizer is None:
+            raise RuntimeError(f"no tokenizer to detokenize what the engine core of {self.model} generates")
         sampling = [sampling_of(g.params) for g in payloads] if generation else None
         prompts = [g.prompt_ids for g in payloads] if generation else payloads
         pending = self._pending[req] = _Pending(items, loop.create_future())
@@ -350,6 +376,7 @@ class RemoteBatcher:
         items = self._requests.pop(req, [])
         for item in items:
             self._req_of.pop(item.id, None)
+            self._texts.pop(item.id, None)
         return [i for i in items if not i.finished]
 
     async def _receive(self) -> None:
@@ -365,7 +392,11 @@ class RemoteBatcher:
             elif isinstance(message, (wire.Admitted, wire.Refused)):
                 self._answer(message)
             elif isinstance(message, wire.NewTokens):
-                self._new_tokens(message)
+                try:
+                    self._new_tokens(message)
+                except Exception as exc:  # a bug detokenizing fails its item, never this loop
+                    log.exception("detokenizing the output of %s failed", self.model)
+                    self._failed_tokens(message, exc)
             else:
                 fut = self._answers.get(message.seq)
                 if fut is not None and not fut.done():
@@ -373,13 +404,42 @@ class RemoteBatcher:
 
     def _new_tokens(self, m: wire.NewTokens) -> None:
         items = self._requests.get(m.req)
-        if items is None or not 0 <= m.index < len(items) or items[m.index].finished:
-            self.dropped += 1  # cancelled here already: its sequence is stopping in the core
+        item = items[m.index] if items is not None and 0 <= m.index < len(items) else None
+        text = self._texts.get(item.id) if item is not None and not item.finished else None
+        if item is None or text is None or text.finish_reason is not None:
+            # cancelled here already, or past its end (tokens the core made before it heard
+            # of the stop string found here): its sequence is stopping in the core
+            self.dropped += 1
             return
-        item = items[m.index]
-        if item.on_delta is not None:
-            ids = wire.ids_of(m.token_ids)
-            item.on_delta(Delta(item, m.text, len(ids), m.finish_reason, ids))
+        ids = wire.ids_of(m.token_ids)
+        pieces, used = [], 0
+        for token in ids:
+            used += 1
+            # The core's finish reason belongs to the last token (EOS or out of room).
+            piece, text.finish_reason = text.sequence.advance(token, m.finish_reason if used == len(ids) else None)
+            pieces.append(piece)
+            if text.finish_reason is not None:
+                break
+        if text.finish_reason is None:
+            text.finish_reason = m.finish_reason  # a prompt the engine could not start: no tokens
+        released = "".join(pieces)
+        text.pieces.append(released)
+        text.tokens += used
+        text.undelivered += used
+        if item.on_delta is not None and (released or text.finish_reason):
+            item.on_delta(Delta(item, released, text.undelivered, text.finish_reason, ids[:used]))
+            text.undelivered = 0
+        if text.finish_reason is not None and m.finish_reason is None:
+            # A stop string found here: the core would go on generating; its Result follows.
+            self._send_quietly(wire.Stop(m.req, m.index))
+
+    def _failed_tokens(self, m: wire.NewTokens, exc: Exception) -> None:
+        items = self._requests.get(m.req) or []
+        if 0 <= m.index < len(items) and not items[m.index].finished:
+            self._send_quietly(wire.Stop(m.req, m.index))
+            items[m.index].finish(Outcome.ERROR, EngineError(f"detokenizing the output failed: {exc}"))
+            if all(i.finished for i in items):
+                self._forget(m.req)
 
     def _answer(self, m: wire.Admitted | wire.Refused) -> None:
         pending = self._pending.pop(m.req, None)
@@ -393,6 +453,8 @@ class RemoteBatcher:
             for item in pending.items:
                 item.best_effort = m.best_effort
                 self._req_of[item.id] = m.req
+                if isinstance(item.payload, GenRequest):
+                    self._texts[item.id] = _Text(self.tokenizer, item.payload)
         pending.answer.set_result(m)
 
     def _result(self, m: wire.Result) -> None:
@@ -406,10 +468,19 @@ class RemoteBatcher:
         item.reason = DispatchReason(t.reason) if t.reason else None
         item.best_effort = t.best_effort
         outcome = Outcome(m.outcome)
-        if outcome is Outcome.RESULT and m.vector is not None:
-            item.finish(outcome, EmbeddingResult(np.frombuffer(m.vector, dtype="<f4"), m.prompt_tokens))
-        elif outcome is Outcome.RESULT:  # a generation's
-            item.finish(outcome, GenResult(m.text or "", m.finish_reason or "", m.prompt_tokens, m.completion_tokens))
+        text = self._texts.get(item.id)
+        if text is not None and (text.finish_reason is not None or outcome is Outcome.RESULT):
+            # A generation whose text is complete here: its answer, whatever the core ended
+            # it with after this side found a stop string (a Stop, or a deadline meanwhile).
+            answer = GenResult(
+                "".join(text.pieces),
+                text.finish_reason or m.finish_reason or "",
+                len(item.payload.prompt_ids),
+                text.tokens,
+            )
+            item.finish(Outcome.RESULT, answer)
+        elif outcome is Outcome.RESULT:
+            item.finish(outcome, EmbeddingResult(np.frombuffer(m.vector or b"", dtype="<f4"), m.prompt_tokens))
         else:
             if m.code == ShuttingDown.code:
                 self.shut_down_items += 1

@@ -16,11 +16,12 @@ from .config import ServerConfig
 from .core_process import CoreFailed, start_in_core
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
-from .model_loading import ModelKind, ModelSpec, ServedModel, start_model
+from .model_loading import CHAT, ModelKind, ModelSpec, ServedModel, start_model
 from .ui_stats import StatsRing
 
 if TYPE_CHECKING:
     from .jobs.worker import BatchJobWorker
+    from .remote_batcher import RemoteBatcher
 
 log = logging.getLogger("ferry.gateway")
 
@@ -47,6 +48,8 @@ class GatewayState:
             for index, spec in enumerate(self.specs):
                 if self.config.engine_cores:
                     served = await start_in_core(spec, index, self.config, self.metrics)
+                    if served.kind == CHAT:  # the front end detokenizes what the core generates
+                        cast("RemoteBatcher", served.batcher).tokenizer = served.engine
                 else:
                     served = await start_model(spec, self.config, self.metrics)
                 self.models[served.name] = served

@@ -283,3 +283,40 @@ def test_chat_batch_class_prompts_leave_slots_to_interactive_ones():
         await r.sched.stop()
 
     run(scenario())
+
+
+async def _stopped_by_the_caller():
+    """An item whose engine makes no text (an engine core's, detokenize=False): a delta for
+    every token; after its third, the caller (the front end) found a stop string."""
+    r = GenRig(max_wait_ms=0)
+    await r.sched.start()
+    deltas = []
+
+    def on_delta(d):
+        deltas.append(d)
+        if len(deltas) == 3:
+            assert r.sched.stop_sequence(d.item)
+
+    payload = GenRequest([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, stop=["w1"], detokenize=False))
+    item = r.sched.submit(payload, cost=3, on_delta=on_delta)
+    other = r.submit(6)
+    await r.clock.run_until_idle()
+    await r.sched.stop()
+    return r, item, other, deltas
+
+
+def test_a_sequence_the_caller_stops_leaves_the_engine_before_its_next_step():
+    r, item, other, deltas = run(_stopped_by_the_caller())
+    assert [(d.text, d.tokens, list(d.token_ids), d.finish_reason) for d in deltas] == [
+        ("", 1, [1], None),
+        ("", 1, [2], None),
+        ("", 1, [3], None),
+    ]  # the engine ignored the stop string: the caller applies it
+    result = item.future.result()
+    assert (result.finish_reason, result.completion_tokens, result.text) == ("stop", 3, "")
+    assert not r.sched.stop_sequence(item)  # finished: skipped
+    # Prefill (token 1), two decode steps (2, 3), and the step under way while token 3 was
+    # delivered (delivery overlaps the next step; its token is dropped); then it is gone.
+    stepped = [ids for kind, ids in r.engine.calls if kind == "step"]
+    assert [item.id in ids for ids in stepped] == [True, True, True] + [False] * (len(stepped) - 3)
+    assert other.future.result().completion_tokens == 6

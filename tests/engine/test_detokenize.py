@@ -6,7 +6,15 @@ from collections.abc import Sequence
 
 import pytest
 
-from engine.detokenize import DETOKENIZE_CONTEXT, MAX_HELD_TOKENS, IncrementalDetokenizer, StopStringFilter
+from engine.detokenize import (
+    DETOKENIZE_CONTEXT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    MAX_HELD_TOKENS,
+    IncrementalDetokenizer,
+    SequenceText,
+    StopStringFilter,
+)
 
 
 class ByteTokenizer:
@@ -78,3 +86,38 @@ def test_stop_filter_cuts_at_the_earliest_of_several_stops():
     assert stops.feed("the end o") == ("the end ", False)
     assert stops.feed("f it") == ("", True)
     assert StopStringFilter(["it", "of"]).feed("end of it") == ("end ", True)
+
+
+def run(text: SequenceText, tokens: bytes, end: str | None = None) -> list[tuple[str, str | None]]:
+    """advance() per token, the engine's `end` on the last one, until a finish."""
+    out = []
+    for k, token in enumerate(tokens):
+        out.append(text.advance(token, end if k == len(tokens) - 1 else None))
+        if out[-1][1] is not None:
+            break
+    return out
+
+
+def test_a_sequence_ends_at_a_stop_string_split_across_tokens():
+    text = SequenceText(ByteTokenizer(), list(b"prompt"), ["lo w", "never"])
+    out = run(text, b"hello world")
+    assert len(out) == len("hello w")  # it ends with the token that completes the stop string
+    assert "".join(piece for piece, _ in out) == "hel"
+    assert [reason for _, reason in out] == [None] * 6 + [FINISH_STOP]
+    assert out[4] == ("", None)  # "lo" may start "lo w": held back
+
+
+def test_an_end_of_sequence_token_releases_what_was_held_and_is_never_decoded():
+    text = SequenceText(ByteTokenizer(), [], ["ab"])
+    assert run(text, b"xa") == [("x", None), ("", None)]
+    # EOS: the engine's reason; the token itself (0xFF here) is not decoded
+    assert text.advance(0xFF, FINISH_STOP) == ("a", FINISH_STOP)
+
+
+def test_out_of_room_flushes_and_a_stop_string_there_still_says_stop():
+    text = SequenceText(ByteTokenizer(), [], ["b!"])
+    assert run(text, b"ab", FINISH_LENGTH) == [("a", None), ("b", FINISH_LENGTH)]
+    text = SequenceText(ByteTokenizer(), [], ["b!"])
+    assert run(text, b"ab!", FINISH_LENGTH) == [("a", None), ("", None), ("", FINISH_STOP)]
+    text = SequenceText(ByteTokenizer(), [], [])
+    assert run(text, "é".encode(), FINISH_LENGTH) == [("", None), ("é", FINISH_LENGTH)]

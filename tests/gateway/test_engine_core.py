@@ -418,6 +418,87 @@ def test_a_client_gone_mid_stream_stops_its_sequence_in_the_core(tmp_path):
         stops_cleanly(gw)
 
 
+# -- stop strings in the front end (step 3b) ----------------------------------------------------
+# The fake words are "w0 w1 w2 ..." (one token each). These stops straddle tokens: one starts
+# with the previous word's space, one spans three tokens, one is never completed.
+STOPS = [
+    (CHAT, chat_body("n", max_tokens=8, n=2, stop=[" w2"])),
+    (COMPLETIONS, {"model": "fake-chat", "prompt": ["a", "bb", "ccc"], "max_tokens": [3, 6, 9], "stop": "1 w2 w"}),
+    (
+        CHAT,
+        {
+            **chat_body("", max_tokens=[5, 12], stop=[["w9x"], ["w3 w4", "w3 w5"]], n=2),
+            "messages": [[{"role": "user", "content": "a"}], [{"role": "user", "content": "b"}]],
+        },
+    ),
+]
+
+
+def test_stop_strings_through_a_core_are_those_of_the_in_process_path():
+    answers = {}
+    for flag in ("--no-engine-cores", "--engine-cores"):
+        with serve(flag) as gw:
+            plain = [answer(httpx.post(gw.url + path, json=body, timeout=30)) for path, body in STOPS]
+            streams = [streamed(gw, path, body) for path, body in STOPS]
+            answers[flag] = plain, streams
+            if flag == "--engine-cores":
+                stops_cleanly(gw)
+    local, remote = answers.values()
+    assert remote == local
+    plain, streams = remote
+    assert all(status == 200 for status, _ in plain)
+    texts = [
+        [(c.get("message", {}).get("content", c.get("text")), c["finish_reason"]) for c in body["choices"]]
+        for _, body in plain
+    ]
+    assert texts[0] == [("w0 w1", "stop")] * 2  # the space before " w2" was held back, then dropped
+    assert texts[1] == [("w0 w1 w2 ", "length"), ("w0 w", "stop"), ("w0 w", "stop")]
+    assert texts[2] == [("w0 w1 w2 w3 w4 ", "length")] * 2 + [("w0 w1 w2 ", "stop")] * 2
+    assert [c["prompt_index"] for c in plain[2][1]["choices"]] == [0, 0, 1, 1]
+    assert plain[1][1]["usage"]["completion_tokens"] == 3 + 4 + 4  # up to the token that completed the stop
+    for (_, body), (status, by_choice, tail) in zip(plain, streams, strict=True):
+        assert status == 200 and tail[-1] == "[DONE]"
+        for k, choice in enumerate(body["choices"]):
+            chunks = by_choice[k]
+            content = "".join(
+                c["choices"][0].get("delta", {}).get("content", "") or c["choices"][0].get("text", "") for c in chunks
+            )
+            assert content == choice.get("message", {}).get("content", choice.get("text"))
+            assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+        assert tail[0]["usage"] == body["usage"]  # held-back tokens are counted in the next delta
+
+
+def test_a_stop_string_found_in_the_front_end_stops_the_sequence_in_the_core(tmp_path):
+    log = tmp_path / "computed.log"
+    with serve("--engine-cores", delay=0.02, log=log) as gw:
+        for stream in (False, True):
+            before = len(chat_steps(log))
+            # 400 tokens at 20 ms a step, unless the stop string found in the front end ends it.
+            body = chat_body("long", max_tokens=400, stop=["w3"])
+            if stream:
+                _, by_choice, tail = streamed(gw, CHAT, body)
+                chunks = by_choice[0]
+                text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+                finish, usage = chunks[-1]["choices"][0]["finish_reason"], tail[0]["usage"]
+            else:
+                r = httpx.post(gw.url + CHAT, json=body, timeout=30)
+                choice = r.json()["choices"][0]
+                text, finish, usage = choice["message"]["content"], choice["finish_reason"], r.json()["usage"]
+            assert (text, finish, usage["completion_tokens"]) == ("w0 w1 w2 ", "stop", 4)
+
+            # The core ended the sequence: a short request then runs alone in its steps.
+            def alone() -> bool:
+                start = len(chat_steps(log))
+                short = httpx.post(gw.url + CHAT, json=chat_body("short", max_tokens=3), timeout=30)
+                assert short.status_code == 200
+                return chat_steps(log)[start:] == [1, 1]
+
+            wait_until(alone, message="the stopped sequence to leave the core's running set")
+            steps = chat_steps(log)[before:]
+            assert len(steps) < 100, steps  # not the 399 decode steps of max_tokens
+        stops_cleanly(gw)
+
+
 def test_a_killed_chat_core_ends_its_streams_with_an_error_at_once_and_is_restarted(tmp_path):
     log = tmp_path / "computed.log"
     with serve("--engine-cores", delay=0.5, log=log) as gw:

@@ -212,7 +212,7 @@ def test_generation_streams_each_delta_before_its_result(tmp_path):
         ctx = zmq.asyncio.Context()
         core = EngineCore(batcher, f"ipc://{tmp_path}/core", ctx)
         serving = asyncio.create_task(core.serve())
-        remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx)
+        remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx, tokenizer=engine)
         await remote.start()
         try:
             events: list[Any] = []
@@ -233,6 +233,57 @@ def test_generation_streams_each_delta_before_its_result(tmp_path):
                 assert sum(d.tokens for d in deltas) == result.completion_tokens
                 assert [list(d.token_ids) for d in deltas] == [[1], [2], [3]]  # the fake engine's ids
                 assert [d.finish_reason for d in deltas] == [None, None, result.finish_reason]
+        finally:
+            await remote.stop()
+            serving.cancel()
+            await batcher.stop()
+            await core.close()
+            ctx.term()
+            thread.close()
+
+    run(main())
+
+
+def test_the_front_end_detokenizes_and_a_failure_there_fails_only_its_item(tmp_path):
+    from batcher.engine_thread import EngineThread
+    from batcher.errors import EngineError
+    from batcher.scheduler import GenerationScheduler
+    from batcher.types import GenRequest, GenResult
+    from engine.base import SamplingParams, sequence_request
+    from engine.fake import FakeGenerationEngine
+
+    engine = FakeGenerationEngine()
+    thread = EngineThread(engine.name, replace_on_timeout=False)
+
+    class Tokenizer(FakeGenerationEngine):
+        """The fake's words, except that token 5 cannot be decoded (a bug's stand-in)."""
+
+        def decode(self, ids, **kw):
+            if 5 in ids:
+                raise ValueError("no such token")
+            return super().decode(ids, **kw)
+
+    async def main():
+        batcher = GenerationScheduler(engine.name, engine, thread, BatchingSettings(), make_request=sequence_request)
+        await batcher.start()
+        ctx = zmq.asyncio.Context()
+        core = EngineCore(batcher, f"ipc://{tmp_path}/core", ctx)
+        serving = asyncio.create_task(core.serve())
+        remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx, tokenizer=Tokenizer())
+        await remote.start()
+        try:
+            payloads = [
+                GenRequest(engine.encode_prompt("ok"), SamplingParams(max_tokens=5, stop=[" w3"])),
+                GenRequest(engine.encode_prompt("bad"), SamplingParams(max_tokens=5)),
+            ]
+            items = await remote.submit_many(payloads, costs=[2, 3])  # not streamed: ids all the same
+            results = await asyncio.gather(*(i.result_future for i in items), return_exceptions=True)
+            assert results[0] == GenResult("w0 w1 w2", "stop", 2, 4)  # cut in the front end
+            assert isinstance(results[1], EngineError) and "no such token" in str(results[1])
+            # The receiver still serves: a later request is answered.
+            [again] = await remote.submit_many([payloads[0]], costs=[2])
+            assert (await again.result_future) == results[0]
+            await async_wait_until(lambda: batcher.running == 0, message="both sequences to leave the core")
         finally:
             await remote.stop()
             serving.cancel()

@@ -104,3 +104,62 @@ def test_a_role_the_template_refuses_is_a_422_before_the_engine(real_server):
     err = r.json()["error"]
     assert (err["code"], err["param"]) == ("chat_template_error", "messages")
     assert err["message"].endswith("Unsupported role: tool")  # the template's own words
+
+
+def test_stop_strings_through_an_engine_core_are_those_of_one_process(real_server):
+    """The real tiny model in an engine core: the core sends token ids only, the front end
+    detokenizes and cuts at the stop strings; the answers are those of one process."""
+    import contextlib
+    import json
+
+    from loadtests.openloop import GatewayProcess
+
+    url = "/v1/chat/completions"
+    prompts = [
+        [{"role": "user", "content": "Tell me about ferries"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Rivers? ünïcode"}],
+    ]
+    free = httpx.post(
+        real_server.url + url,
+        json={"model": MODEL, "messages": prompts, "max_tokens": 16, "temperature": 0},
+        timeout=60,
+    ).json()
+    # Each prompt's stop string is a piece of the middle of its own greedy answer.
+    stops = [[c["message"]["content"][5:8]] for c in free["choices"]]
+    assert all(s[0] for s in stops)
+    body = {"model": MODEL, "messages": prompts, "max_tokens": 16, "temperature": 0.8, "seed": 3, "n": 2}
+    bodies = [{**body, "temperature": 0, "stop": stops}, {**body, "stop": stops}]
+
+    def answers(base: str) -> list:
+        out = []
+        for b in bodies:
+            r = httpx.post(base + url, json=b, timeout=60).json()
+            out.append(([(c["message"]["content"], c["finish_reason"]) for c in r["choices"]], r["usage"]))
+            chunks: dict[int, list] = {}
+            usage = None
+            stream = {**b, "stream": True, "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", base + url, json=stream, timeout=60) as s:
+                for line in s.iter_lines():
+                    if line.startswith("data: {"):
+                        chunk = json.loads(line.removeprefix("data: "))
+                        for c in chunk["choices"]:
+                            chunks.setdefault(c["index"], []).append(c)
+                        usage = chunk.get("usage") or usage
+            streamed = [
+                ("".join(c["delta"].get("content") or "" for c in chunks[k]), chunks[k][-1]["finish_reason"])
+                for k in sorted(chunks)
+            ]
+            out.append((streamed, usage))
+        return out
+
+    local = answers(real_server.url)
+    with contextlib.ExitStack() as stack:
+        core = stack.enter_context(
+            GatewayProcess("--engine-cores", "--embedding-model", "none", env={"FERRY_FAKE_ENGINES": "0"})
+        )
+        remote = answers(core.url)
+    assert remote == local
+    greedy = local[0][0]
+    assert [finish for _, finish in greedy] == ["stop"] * 4  # each cut at its stop string
+    assert all(stops[k // 2][0] not in text for k, (text, _) in enumerate(greedy))
+    assert local[0] == local[1]  # streamed as answered
