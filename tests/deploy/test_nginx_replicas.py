@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.openloop import free_port
 
@@ -134,6 +135,13 @@ http {{
 """
 
 
+def write_configs(ports: list[int], listen_port: int, workdir: Path) -> list[str]:
+    """Write the rendered file and its main config into `workdir`; the nginx command line."""
+    (workdir / "ferry.conf").write_text(render_upstream(ports, listen_port))
+    (workdir / "nginx.conf").write_text(main_config(workdir))
+    return [NGINX or "nginx", "-p", str(workdir), "-e", str(workdir / "error.log"), "-c", str(workdir / "nginx.conf")]
+
+
 class Nginx:
     """nginx in the foreground as a child process, every file in `workdir`."""
 
@@ -141,10 +149,7 @@ class Nginx:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.workdir = workdir
-        (workdir / "ferry.conf").write_text(render_upstream(ports, self.port))
-        self.config = workdir / "nginx.conf"
-        self.config.write_text(main_config(workdir))
-        self.cmd = [NGINX, "-p", str(workdir), "-e", str(workdir / "error.log"), "-c", str(self.config)]
+        self.cmd = write_configs(ports, self.port, workdir)
         check = subprocess.run([*self.cmd, "-t"], capture_output=True, text=True, timeout=30)
         assert check.returncode == 0, check.stderr
         self.proc = subprocess.Popen([*self.cmd, "-g", "daemon off;"], stderr=subprocess.DEVNULL)
@@ -288,13 +293,8 @@ class ClosedLoop:
 
 @needs_nginx
 def test_nginx_accepts_the_shipped_config(tmp_path):
-    (tmp_path / "ferry.conf").write_text(render_upstream([8001, 8002, 8003], 8080))
-    (tmp_path / "nginx.conf").write_text(main_config(tmp_path))
     r = subprocess.run(
-        [NGINX, "-p", str(tmp_path), "-e", str(tmp_path / "error.log"), "-c", str(tmp_path / "nginx.conf"), "-t"],
-        capture_output=True,
-        text=True,
-        timeout=30,
+        [*write_configs([8001, 8002, 8003], 8080, tmp_path), "-t"], capture_output=True, text=True, timeout=30
     )
     assert r.returncode == 0, r.stderr
 
@@ -402,6 +402,36 @@ def test_the_keda_query_asks_for_more_replicas_during_a_load_step_and_fewer_afte
         )
     finally:
         prom.stop()
+
+
+def running_sequences(replicas: list[FakeGatewayProcess], model: str) -> float:
+    """ferry_running_sequences of `model`, summed over the replicas' own /metrics."""
+    total = 0.0
+    for r in replicas:
+        for family in text_string_to_metric_families(httpx.get(r.url + "/metrics", timeout=10).text):
+            total += sum(
+                x.value for x in family.samples if x.name == "ferry_running_sequences" and x.labels["model"] == model
+            )
+    return total
+
+
+@needs_nginx
+def test_a_stream_passes_through_nginx_event_by_event(pool):
+    """The client has the first event while the replica is still generating the rest: SSE
+    is not held back by the proxy. (Ferry's streams also carry `X-Accel-Buffering: no`;
+    with it nginx 1.22 passed the events on even with `proxy_buffering on`, so this checks
+    the behaviour, not which of the two settings gives it.)"""
+    replicas, nginx = pool.ensure()
+    wait_until(lambda: running_sequences(replicas, "fake-chat") == 0, message="no chat sequence running")
+    body = {**CHAT, "max_tokens": 16}
+    with httpx.stream("POST", nginx.url + "/v1/chat/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        running = running_sequences(replicas, "fake-chat")
+        rest = [line for line in lines if line]
+    assert running == 1, "the first event arrived only after the generation ended"
+    assert first.startswith("data: {") and rest[-1] == "data: [DONE]"
 
 
 @needs_nginx
