@@ -25,6 +25,7 @@ import subprocess
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -40,7 +41,11 @@ from ..waiting import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 NGINX_CONF = ROOT / "deploy" / "nginx" / "ferry.conf"
-SCALED_OBJECT = ROOT / "deploy" / "kubernetes" / "autoscaling" / "keda" / "scaledobject.yaml"
+# The ScaledObject of deploy/kubernetes/ (the first that exists): its Prometheus triggers.
+SCALED_OBJECTS = [
+    ROOT / "deploy" / "kubernetes" / "components" / "keda" / "scaledobject.yaml",
+    ROOT / "deploy" / "kubernetes" / "autoscaling" / "keda" / "scaledobject.yaml",
+]
 
 
 def _which(name: str) -> str | None:
@@ -67,28 +72,78 @@ REPLICAS = 3
 # so a replica serves a bounded rate and closed-loop clients beyond BATCH per replica queue.
 DELAY_S = 0.05
 BATCH = 2
-REPLICA_ARGS = ("--drain-timeout", "20", "--max-batch-size", str(BATCH), "--on-infeasible", "serve")
+# BATCH is also the chat running set's cap, so chat prompts queue beyond it too. No
+# deadline: a queue built on purpose must not expire.
+REPLICA_ARGS = (
+    "--drain-timeout",
+    "20",
+    "--max-batch-size",
+    str(BATCH),
+    "--max-running",
+    str(BATCH),
+    "--default-budget-ms",
+    "none",
+)
 
 EMBED = {"model": "fake-embed", "input": "over the river"}
 CHAT = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True}
 
-# The KEDA trigger, when deploy/kubernetes/ does not ship it yet: the sum over replicas of
-# the requests queued for one model, and the queued requests one replica should carry.
-# KEDA's Prometheus scaler (metricType AverageValue, its default) has the HPA divide the
-# sum by the threshold: desired replicas = ceil(value / threshold). docs/operations.md.
+# Without a shipped ScaledObject: the same shape of trigger, the sum over replicas of the
+# items queued for one model and the items one replica should carry. KEDA's Prometheus
+# scaler with metricType AverageValue has the HPA ask for ceil(value / threshold) replicas.
 FALLBACK_QUERY = 'sum(ferry_queue_depth{model="fake-embed"})'
 FALLBACK_THRESHOLD = 4.0
+# Labels of ferry_queue_depth that Ferry itself sets; any other matcher in a query selects a
+# label the scrape adds (the PodMonitor's namespace, pod labels), which the test's targets get.
+FERRY_LABELS = {"model", "class"}
 
 
-def keda_trigger() -> tuple[str, float, str]:
-    """(query, threshold, metricType) of the shipped ScaledObject's Prometheus trigger, with
-    the model matcher pointed at the fake embeddings model; the fallback without one."""
-    if not SCALED_OBJECT.exists():
-        return FALLBACK_QUERY, FALLBACK_THRESHOLD, "AverageValue"
-    docs = [d for d in yaml.safe_load_all(SCALED_OBJECT.read_text()) if d and d.get("kind") == "ScaledObject"]
-    trigger = next(t for d in docs for t in d["spec"]["triggers"] if t["type"] == "prometheus")
-    query = re.sub(r'model\s*=~?\s*"[^"]*"', 'model="fake-embed"', trigger["metadata"]["query"])
-    return query, float(trigger["metadata"]["threshold"]), trigger.get("metricType", "AverageValue")
+@dataclass
+class Trigger:
+    name: str
+    query: str  # with its model matcher pointed at the fake model
+    threshold: float
+    metric_type: str
+    model: str  # the fake model standing for the trigger's model
+    target_labels: dict[str, str]
+
+
+def keda_triggers() -> list[Trigger]:
+    """The Prometheus triggers of the shipped ScaledObject, or the fallback without one."""
+    path = next((p for p in SCALED_OBJECTS if p.exists()), None)
+    if path is None:
+        return [Trigger("fallback", FALLBACK_QUERY, FALLBACK_THRESHOLD, "AverageValue", "fake-embed", {})]
+    docs = [d for d in yaml.safe_load_all(path.read_text()) if d and d.get("kind") == "ScaledObject"]
+    triggers = []
+    for t in (t for d in docs for t in d["spec"]["triggers"] if t["type"] == "prometheus"):
+        query = t["metadata"]["query"]
+        matchers = dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', query))
+        model = "fake-chat" if "chat" in (t.get("name", "") + matchers.get("model", "")).lower() else "fake-embed"
+        triggers.append(
+            Trigger(
+                name=t.get("name", model),
+                query=re.sub(r'\bmodel\s*=\s*"[^"]*"', f'model="{model}"', query),
+                threshold=float(t["metadata"]["threshold"]),
+                metric_type=t.get("metricType", "AverageValue"),
+                model=model,
+                target_labels={k: v for k, v in matchers.items() if k not in FERRY_LABELS},
+            )
+        )
+    assert triggers, f"{path} has no prometheus trigger"
+    return triggers
+
+
+def step_load(trigger: Trigger) -> tuple[int, dict]:
+    """Closed-loop clients and the request each sends so that, per replica, about twice the
+    threshold's items queue beyond the BATCH it runs. A request carries several items (inputs,
+    or conversations for chat), each queued on its own, so a few clients are enough."""
+    per_request = min(64, math.ceil(trigger.threshold))
+    workers = math.ceil(REPLICAS * (BATCH + 2 * trigger.threshold) / per_request)
+    if trigger.model == "fake-chat":
+        body = {"model": "fake-chat", "messages": [[{"role": "user", "content": "hi"}]] * per_request, "max_tokens": 4}
+    else:
+        body = {"model": "fake-embed", "input": ["over the river"] * per_request}
+    return workers, body
 
 
 def desired_replicas(value: float, threshold: float, metric_type: str, current: int) -> int:
@@ -301,13 +356,15 @@ def test_nginx_accepts_the_shipped_config(tmp_path):
 
 class Prometheus:
     """Prometheus with the shipped scrape config (1 s interval), its job retargeted at the
-    replicas."""
+    replicas with `labels` on them (what a PodMonitor's scrape would add)."""
 
-    def __init__(self, ports: list[int], workdir: Path):
+    def __init__(self, ports: list[int], workdir: Path, labels: dict[str, str]):
         cfg = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
         cfg.pop("rule_files", None)
         job = next(j for j in cfg["scrape_configs"] if j["job_name"] == "ferry")
-        job["static_configs"] = [{"targets": [f"127.0.0.1:{p}" for p in ports], "labels": {"service": "ferry"}}]
+        job["static_configs"] = [
+            {"targets": [f"127.0.0.1:{p}" for p in ports], "labels": {"service": "ferry", **labels}}
+        ]
         config = workdir / "prometheus.yml"
         config.write_text(yaml.safe_dump(cfg))
         port = free_port()
@@ -360,15 +417,24 @@ class Prometheus:
 @needs_prometheus
 def test_the_keda_query_asks_for_more_replicas_during_a_load_step_and_fewer_after(pool, tmp_path):
     replicas, nginx = pool.ensure()
-    query, threshold, metric_type = keda_trigger()
-    prom = Prometheus([r.port for r in replicas], tmp_path)
-    seen: list[tuple[float | None, int | None]] = []
+    triggers = keda_triggers()
+    labels = {k: v for t in triggers for k, v in t.target_labels.items()}
+    prom = Prometheus([r.port for r in replicas], tmp_path, labels)
+    seen: dict[str, list[tuple[float | None, int | None]]] = {t.name: [] for t in triggers}
 
-    def desired() -> int | None:
-        value = prom.scalar(query)
-        d = None if value is None else desired_replicas(value, threshold, metric_type, REPLICAS)
-        seen.append((value, d))
+    def desired(t: Trigger) -> int | None:
+        value = prom.scalar(t.query)
+        d = None if value is None else desired_replicas(value, t.threshold, t.metric_type, REPLICAS)
+        seen[t.name].append((value, d))
         return d
+
+    def all_desire(ok) -> bool:
+        return all((d := desired(t)) is not None and ok(d) for t in triggers)
+
+    def last_seen() -> str:
+        return "; ".join(
+            f"{t.name}: {t.query} / {t.threshold:g}, (value, desired) {seen[t.name][-4:]}" for t in triggers
+        )
 
     try:
         wait_until(prom.ready, message="prometheus to be ready", timeout=60, interval=0.2)
@@ -378,25 +444,23 @@ def test_the_keda_query_asks_for_more_replicas_during_a_load_step_and_fewer_afte
             timeout=60,
             interval=0.2,
         )
-        wait_until(lambda: desired() is not None, message=f"{query} to have a value", timeout=60, interval=0.2)
-        assert desired() <= REPLICAS  # idle: no reason to grow
-        # The step: per replica, twice the threshold's worth of queued requests beyond the
-        # BATCH it runs at a time (least_conn spreads the clients evenly).
-        workers = REPLICAS * (BATCH + 2 * math.ceil(threshold))
-        load = ClosedLoop(nginx.url, workers=workers, bodies=[EMBED])
+        # Idle: every query has a value (the series exist at 0), and none asks to grow.
+        wait_until(lambda: all_desire(lambda d: d <= REPLICAS), message=lambda: f"idle values; {last_seen()}")
+        loads = [ClosedLoop(nginx.url, workers, [body]) for workers, body in map(step_load, triggers)]
         try:
             wait_until(
-                lambda: (desired() or 0) > REPLICAS,
-                message=lambda: f"{query} to ask for more than {REPLICAS} replicas; seen (value, desired) {seen[-5:]}",
+                lambda: all_desire(lambda d: d > REPLICAS),
+                message=lambda: f"every query to ask for more than {REPLICAS} replicas; {last_seen()}",
                 timeout=60,
                 interval=0.2,
             )
         finally:
-            outcomes = load.stop()
-        assert outcomes == Counter(ok=load.sent), outcomes
+            outcomes = [(load.stop(), load.sent) for load in loads]
+        for counts, sent in outcomes:
+            assert counts == Counter(ok=sent), counts  # the step's requests were all served
         wait_until(
-            lambda: (d := desired()) is not None and d < REPLICAS,
-            message=lambda: f"{query} to ask for fewer than {REPLICAS} replicas; seen {seen[-5:]}",
+            lambda: all_desire(lambda d: d < REPLICAS),
+            message=lambda: f"every query to ask for fewer than {REPLICAS} replicas; {last_seen()}",
             timeout=60,
             interval=0.2,
         )
