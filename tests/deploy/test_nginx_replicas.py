@@ -7,6 +7,11 @@ shipped `deploy/nginx/ferry.conf`, and a real Prometheus scraping the three.
 - During a load step that makes queues build, the KEDA ScaledObject's query, evaluated
   through Prometheus's HTTP API, asks for more than the three replicas; after the step,
   for fewer.
+- A stream passes through nginx event by event.
+
+It lives in tests/deploy/ because what it tests is what deploy/ ships (the nginx file, the
+ScaledObject's query); Ferry's own drain is tested in tests/reliability/test_drain.py. The
+replicas and nginx are shared by the module's tests, and the SIGTERM test comes last.
 
 nginx and Prometheus are Debian packages (`make nginx`, `make prometheus` as root); this
 module skips without them. Nothing here depends on how long anything took: every wait is
