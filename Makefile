@@ -6,7 +6,7 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test lint bench clean prometheus chromium wrk gpu-wheels
+.PHONY: setup serve test lint bench clean prometheus chromium nginx wrk gpu-wheels
 
 setup: $(STAMP)
 
@@ -21,7 +21,7 @@ serve: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/ferry serve --host $(HOST) --port $(PORT)
 
 # Lint and type checks first (configured in pyproject.toml): a new finding fails CI.
-test: setup prometheus chromium lint
+test: setup prometheus chromium nginx lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 
 lint: setup
@@ -50,6 +50,18 @@ chromium:
 	      || echo "note: could not install chromium; the live page's browser test will be skipped"; \
 	  else \
 	    echo "note: chromium/chromedriver not found and not root: run 'sudo make chromium' (Debian packages 'chromium' and 'chromium-driver'), or the live page's browser test is skipped"; \
+	  fi; }
+
+# nginx (Debian package) for the replicas-behind-a-load-balancer test in tests/deploy,
+# which runs it as a child process with deploy/nginx/ferry.conf; the package's own service
+# is not needed. Installed only when missing and only as root; otherwise that test skips.
+nginx:
+	@{ command -v nginx || test -x /usr/sbin/nginx; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends nginx) \
+	      || echo "note: could not install nginx; the nginx replicas test will be skipped"; \
+	  else \
+	    echo "note: nginx not found and not root: run 'sudo make nginx' (Debian package 'nginx'), or the nginx replicas test is skipped"; \
 	  fi; }
 
 # wrk (Debian package) drives loadtests/bench_gateway.py; not needed by `make test`.
