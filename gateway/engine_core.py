@@ -114,6 +114,7 @@ class EngineCore:
                 request_id=m.request_id,
                 on_delta=functools.partial(self._delta, key) if m.stream else None,
                 count_rejection=m.count_rejection,
+                itl_target=m.itl_target,
             )
         except Exception as exc:  # BatchingError or a bug: either way refused, at once
             self._send(peer, wire.refusal(m.req, exc))
