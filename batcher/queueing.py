@@ -99,11 +99,14 @@ class QueueingBatcher:
         request_id: str = "",
         on_delta: Callable[[Any], None] | None = None,
         count_rejection: bool = True,
+        itl_target: float | None = None,
     ) -> list[WorkItem]:
         """Queue the items of one request, all or none, or raise at once
         (QueueFull, DeadlineInfeasible, ShuttingDown).
 
         `budget` is the latency budget in seconds; None uses the configured default.
+        `itl_target`: the request's inter-token target in seconds (generation; a one-shot
+        model has no tokens after the first and ignores it).
         Item i gets prompt_index i. `count_rejection=False` is for callers that retry a
         refusal themselves (batch jobs): only their final outcome should count.
         """
@@ -129,6 +132,7 @@ class QueueingBatcher:
                 request_id=request_id,
                 prompt_index=i,
                 on_delta=on_delta,
+                itl_target=itl_target,
             )
             for i, p in enumerate(payloads)
         ]
@@ -136,6 +140,7 @@ class QueueingBatcher:
             best_effort = admission.check(
                 self.queue, items[-1], now, s, self.cost, self.load(now), siblings=len(items) - 1, predict=self.predict
             )
+            best_effort = self.check_itl(items[-1], len(items) - 1) or best_effort
         except Exception as exc:
             if count_rejection:
                 self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
@@ -204,6 +209,12 @@ class QueueingBatcher:
                 DeadlineExceeded(f"latency budget exceeded after waiting {waited_ms:.0f} ms in the queue"),
             )
         self._publish_depth()
+
+    def check_itl(self, item: WorkItem, siblings: int) -> bool:
+        """Admission of an inter-token target (generation overrides): raise
+        DeadlineInfeasible, or return True when admitted best-effort. One-shot models have
+        no inter-token gaps: nothing to check."""
+        return False
 
     def _take(self, n: int, now: float) -> list[WorkItem]:
         items = self.queue.take(n, now)

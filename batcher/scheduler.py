@@ -22,7 +22,7 @@ from typing import Any
 
 from . import admission
 from .cost import CostModel, LinearCost
-from .errors import DeadlineExceeded, EngineError, ShuttingDown
+from .errors import DeadlineExceeded, DeadlineInfeasible, EngineError, ShuttingDown
 from .isolation import split_in_halves
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
@@ -83,6 +83,7 @@ class GenerationScheduler(QueueingBatcher):
         self._make_request = make_request
         self._running: dict[int, _Seq] = {}
         self._removals: list[int] = []
+        self._targeted: list[WorkItem] = []  # unfinished items with an inter-token target (few)
         self._typical_steps = 16.0  # moving average of max_tokens, for how long a slot is held
         self.iterations = 0
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
@@ -112,6 +113,8 @@ class GenerationScheduler(QueueingBatcher):
         items = super().submit_many(payloads, **kw)
         for item in items:
             self._typical_steps += 0.05 * (_max_tokens(item) - self._typical_steps)
+        if items[0].itl_target is not None:
+            self._targeted.extend(items)
         return items
 
     def load(self, now: float) -> Load:
@@ -136,14 +139,48 @@ class GenerationScheduler(QueueingBatcher):
 
     def _slot_limit(self) -> int:
         """Most sequences that may run at once: max_running, the engine's own slot count (it
-        bounds a live PATCH of max_running), and what keeps a decode step under max_itl_ms."""
+        bounds a live PATCH of max_running), and what keeps a decode step under max_itl_ms
+        and under the inter-token target of every queued or running sequence that has one."""
         s = self.settings
         cap = min(s.max_running, getattr(self.engine, "max_running", s.max_running))
+        # Queued ones too: the batch shrinks to what their targets allow, so they can join
+        # (and a group admitted with one of them respects it from its first step).
+        if self._targeted:
+            self._targeted = [i for i in self._targeted if not i.finished]
+        targets = [i.itl_target for i in self._targeted if i.itl_target is not None]
         if s.max_itl_ms is not None:
-            limit = s.max_itl_ms / 1000.0
+            targets.append(s.max_itl_ms / 1000.0)
+        if targets:
+            limit = min(targets)
             while cap > 1 and self.decode_cost.predict(cap) > limit:
                 cap -= 1
         return cap
+
+    def check_itl(self, item: WorkItem, siblings: int) -> bool:
+        """A request's inter-token target against the predicted decode step at the
+        occupancy it would join: the running sequences and the queue ahead (at most every
+        slot the targets allow), itself and its siblings included. Refused at once
+        (`429 deadline_infeasible`) when that step is slower than the target; admitted, its
+        target then bounds the running batch while it runs (`_slot_limit`)."""
+        target = item.itl_target
+        if target is None:
+            return False
+        occupancy = max(1, min(self._slot_limit(), len(self._running) + len(self.queue) + siblings + 1))
+        step = self.decode_cost.predict(occupancy)
+        if step <= target:
+            return False
+        if self.settings.on_infeasible == "serve":
+            return True
+        alone = self.decode_cost.predict(1)
+        if alone > target:
+            why = f"a decode step of this model alone is predicted at {alone * 1000.0:.1f} ms"
+            retry = 60  # not a matter of load: this replica cannot meet it
+        else:
+            why = f"a decode step is predicted at {step * 1000.0:.1f} ms with {occupancy} sequences"
+            retry = max(1, math.ceil(self.load(self.clock.now()).sequence_seconds))  # a typical sequence ends
+        raise DeadlineInfeasible(
+            f"inter-token target of {target * 1000.0:.0f} ms cannot be met: {why}", retry_after=retry
+        )
 
     def _capacity(self) -> int:
         """Slots free now (none in static mode while a group runs)."""

@@ -70,6 +70,10 @@ class WorkItem:
     prompt_index: int = 0
     # Generation items stream deltas through this callback (called on the event loop).
     on_delta: Callable[[Delta], None] | None = None
+    # Generation: this request's inter-token target in seconds (its `x-llm-d-slo-tpot-ms`);
+    # admission refuses what the predicted decode step cannot meet, and while it runs the
+    # running batch is kept small enough for it (docs/api.md).
+    itl_target: float | None = None
     id: int = field(default_factory=lambda: next(_ids))
     future: asyncio.Future | None = None
     outcome: Outcome = Outcome.PENDING

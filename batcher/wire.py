@@ -72,6 +72,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     stream: bool = False
     sampling: list[Sampling] | None = None
     count_rejection: bool = True
+    itl_target: float | None = None  # seconds (x-llm-d-slo-tpot-ms)
 
 
 class Admitted(msgspec.Struct, tag="admitted", array_like=True):

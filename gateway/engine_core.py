@@ -119,6 +119,7 @@ class EngineCore:
                 # Generation: the front end reads every token, to detokenize it.
                 on_delta=functools.partial(self._delta, key) if m.stream or m.sampling is not None else None,
                 count_rejection=m.count_rejection,
+                itl_target=m.itl_target,
             )
         except Exception as exc:  # BatchingError or a bug: either way refused, at once
             self._send(peer, wire.refusal(m.req, exc))

@@ -179,6 +179,7 @@ class RemoteBatcher:
         request_id: str = "",
         on_delta: Callable[[Any], None] | None = None,
         count_rejection: bool = True,
+        itl_target: float | None = None,
     ) -> list[WorkItem]:
         self._refuse_if_closed()
         now = time.monotonic()
@@ -196,6 +197,7 @@ class RemoteBatcher:
                 request_id=request_id,
                 prompt_index=i,
                 on_delta=on_delta,
+                itl_target=itl_target,
                 future=loop.create_future(),
             )
             for i, p in enumerate(payloads)
@@ -220,6 +222,7 @@ class RemoteBatcher:
                     on_delta is not None,
                     sampling,
                     count_rejection,
+                    itl_target,
                 )
             )
             answer = await pending.answer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import math
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -20,14 +21,49 @@ if TYPE_CHECKING:
 
 BUDGET_HEADER = "x-ferry-latency-budget-ms"
 PRIORITY_HEADER = "x-ferry-priority"
+# Per-request SLO headers of the Gateway API Inference Extension (llm-d), newest name first.
+TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
+TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+MAX_SLO_MS = 3_600_000.0
 
 
 class ClientGone(Exception):
     """The client disconnected; nobody is listening for an answer."""
 
 
+def slo_header(request: Request, names: tuple[str, ...]) -> float | None:
+    """The first of the SLO headers `names` the request carries, in milliseconds; a value
+    that is not a positive number of milliseconds (at most an hour) is a 400 naming it."""
+    for name in names:
+        raw = request.headers.get(name)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not (0 < value <= MAX_SLO_MS):  # NaN fails too
+            raise APIError(
+                400,
+                f"header {name} must be a positive number of milliseconds (at most {MAX_SLO_MS:.0f}), got {raw!r}",
+                code="invalid_value",
+                param=name,
+            )
+        return value
+    return None
+
+
+def itl_target(request: Request) -> float | None:
+    """The request's inter-token target in seconds, from `x-llm-d-slo-tpot-ms` (or the older
+    `x-slo-tpot-ms`); None without one."""
+    ms = slo_header(request, TPOT_HEADERS)
+    return None if ms is None else ms / 1000.0
+
+
 def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
-    """Latency budget (seconds) and priority class: body field, else header, else default."""
+    """Latency budget (seconds) and priority class: body field, else header
+    (X-Ferry-Latency-Budget-Ms, else the inference gateway's `x-llm-d-slo-ttft-ms` or
+    `x-slo-ttft-ms`), else default."""
     budget_ms = getattr(body, "latency_budget_ms", None)
     if budget_ms is None and (raw := request.headers.get(BUDGET_HEADER)) is not None:
         try:
@@ -41,6 +77,9 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
                 code="invalid_value",
                 param="X-Ferry-Latency-Budget-Ms",
             )
+    slo_ms = slo_header(request, TTFT_HEADERS)  # validated even when a Ferry budget wins
+    if budget_ms is None:
+        budget_ms = slo_ms
     name = getattr(body, "priority", None) or request.headers.get(PRIORITY_HEADER)
     try:
         priority = Priority.parse(name)

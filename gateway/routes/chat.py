@@ -25,7 +25,7 @@ from ..request_body import parse
 from ..responses import json_bytes, json_response
 from ..schemas import request_models
 from ..state import gateway_state
-from ..submission import cancel_all, scheduling, submit, timing_headers, wait_items
+from ..submission import cancel_all, itl_target, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages
 
 
@@ -53,6 +53,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
     ferry = gateway_state(request)
     work = generation_work(body, served.engine, ferry.config)
     budget, priority = scheduling(request, body)
+    tpot = itl_target(request)
     if body.stream:
         if ferry.streams >= ferry.config.max_streams:
             raise APIError(
@@ -70,6 +71,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
             priority=priority,
             request_id=ctx.request_id,
             on_delta=deltas.put_nowait,
+            itl_target=tpot,
         )
         state = StreamState(time.perf_counter())
         ferry.streams += 1
@@ -89,7 +91,13 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(_stream(work, items, deltas, include_usage, state), close)
     items = await submit(
-        served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority, request_id=ctx.request_id
+        served.batcher,
+        work.payloads,
+        costs=work.costs,
+        budget=budget,
+        priority=priority,
+        request_id=ctx.request_id,
+        itl_target=tpot,
     )
     results = await wait_items(request, served.batcher, items)
     out = work.response(results)

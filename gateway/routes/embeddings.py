@@ -10,7 +10,7 @@ from ..request_body import parse
 from ..responses import json_response
 from ..schemas import request_models
 from ..state import gateway_state
-from ..submission import scheduling, submit, timing_headers, wait_items
+from ..submission import itl_target, scheduling, submit, timing_headers, wait_items
 from ..translate.embeddings import embedding_work
 
 
@@ -24,6 +24,7 @@ async def create_embeddings(request: Request, ctx: Ctx):
         ctx.extra["prompts"] = body.inputs
     work = embedding_work(body, served.engine, cfg)
     budget, priority = scheduling(request, body)
+    itl_target(request)  # checked, then unused: an embedding has no tokens after its first
     items = await submit(
         served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority, request_id=ctx.request_id
     )

@@ -320,3 +320,62 @@ def test_a_sequence_the_caller_stops_leaves_the_engine_before_its_next_step():
     stepped = [ids for kind, ids in r.engine.calls if kind == "step"]
     assert [item.id in ids for ids in stepped] == [True, True, True] + [False] * (len(stepped) - 3)
     assert other.future.result().completion_tokens == 6
+
+
+def test_a_tpot_target_is_checked_against_the_predicted_decode_step():
+    """x-llm-d-slo-tpot-ms: refused at once when the decode step at the occupancy the
+    request would join is slower than its target; admitted, its target bounds the batch."""
+
+    async def scenario():
+        from batcher.errors import DeadlineInfeasible
+
+        # Decode costs STEP + 2 ms per running row (seeded, as a warm-up profile would).
+        r = GenRig(max_running=16, max_batch_size=16, per_row=0.002)
+        r.seed_decode_cost()
+        step = r.sched.decode_cost.predict
+        await r.sched.start()
+        # Idle: even alone a step takes step(1); a tighter target is never met here.
+        with pytest.raises(DeadlineInfeasible) as alone:
+            r.submit(5, itl_target=step(1) * 0.9)
+        assert "alone" in alone.value.message and alone.value.retry_after == 60
+        running = [r.submit(40) for _ in range(8)]
+        await r.clock.advance(0.001)
+        assert r.sched.running == 8
+        # Joining the eight makes nine rows: between step(1) and step(9) is a matter of load.
+        with pytest.raises(DeadlineInfeasible) as loaded:
+            r.submit(5, itl_target=(step(1) + step(9)) / 2)
+        assert "9 sequences" in loaded.value.message and loaded.value.retry_after >= 1
+        rejected = r.registry.get_sample_value(
+            "ferry_rejections_total", {"model": "g", "reason": "deadline_infeasible"}
+        )
+        assert rejected == 2
+        # A target step(10) admits it; while it runs, the batch stays at ten rows at most.
+        target = step(10)
+        tight = r.submit(30, itl_target=target)
+        assert tight.itl_target == target and not tight.best_effort
+        more = [r.submit(5) for _ in range(6)]
+        await r.clock.advance(STEP * 3)
+        assert r.sched.running == 10
+        while not tight.finished:
+            await r.clock.advance(STEP)
+            assert r.sched.running <= 10
+        await r.clock.run_until_idle()
+        assert tight.future.result().completion_tokens == 30
+        assert all(i.future.result().completion_tokens for i in running + more)
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_a_tpot_target_is_served_best_effort_when_asked():
+    async def scenario():
+        r = GenRig(max_running=4, per_row=0.002, on_infeasible="serve")
+        r.seed_decode_cost()
+        await r.sched.start()
+        item = r.submit(3, itl_target=r.sched.decode_cost.predict(1) / 2)
+        assert item.best_effort
+        await r.clock.run_until_idle()
+        assert item.future.result().completion_tokens == 3
+        await r.sched.stop()
+
+    run(scenario())

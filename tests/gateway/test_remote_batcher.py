@@ -293,3 +293,42 @@ def test_the_front_end_detokenizes_and_a_failure_there_fails_only_its_item(tmp_p
             thread.close()
 
     run(main())
+
+
+def test_an_inter_token_target_crosses_to_the_core_and_is_checked_there(tmp_path):
+    from batcher.cost import CostModel, LinearCost
+    from batcher.engine_thread import EngineThread
+    from batcher.scheduler import GenerationScheduler
+    from batcher.types import GenRequest
+    from engine.base import SamplingParams, sequence_request
+    from engine.fake import FakeGenerationEngine
+
+    engine = FakeGenerationEngine()
+    thread = EngineThread(engine.name, replace_on_timeout=False)
+    step = 0.05  # what the core's decode cost model predicts of one step
+
+    async def main():
+        batcher = GenerationScheduler(engine.name, engine, thread, BatchingSettings(), make_request=sequence_request)
+        batcher.decode_cost = CostModel(LinearCost(step, 0.0, 0.0))
+        await batcher.start()
+        ctx = zmq.asyncio.Context()
+        core = EngineCore(batcher, f"ipc://{tmp_path}/core", ctx)
+        serving = asyncio.create_task(core.serve())
+        remote = RemoteBatcher(engine.name, core.address, batcher.settings, ctx=ctx, tokenizer=engine)
+        await remote.start()
+        try:
+            prompt = GenRequest(engine.encode_prompt("ab"), SamplingParams(max_tokens=2))
+            with pytest.raises(DeadlineInfeasible) as refused:
+                await remote.submit_many([prompt], itl_target=step / 2)
+            assert "inter-token" in refused.value.message and refused.value.retry_after >= 1
+            (item,) = await remote.submit_many([prompt], itl_target=step * 2)
+            assert (await item.result_future).completion_tokens == 2
+        finally:
+            await remote.stop()
+            serving.cancel()
+            await batcher.stop()
+            await core.close()
+            ctx.term()
+            thread.close()
+
+    run(main())

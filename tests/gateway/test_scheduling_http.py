@@ -8,7 +8,7 @@ import asyncio
 import httpx
 
 from batcher.cost import CostModel, LinearCost
-from engine.fake import FakeEmbeddingEngine
+from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
 
 from ..waiting import async_wait_until
 
@@ -115,3 +115,56 @@ def test_a_chat_burst_after_a_quiet_spell_is_served_in_full(fake_server_factory)
     body = {"model": "fake-chat", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 32}
     statuses = asyncio.run(_one_by_one_then_burst(s.url, "/v1/chat/completions", body, 3, 100))
     assert statuses == [200] * 100
+
+
+CHAT_BODY = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+SLO_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms", "x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
+
+
+def test_slo_headers_that_are_not_positive_numbers_are_a_400_naming_the_header(fake_server_factory):
+    s = fake_server_factory()
+    for header in SLO_HEADERS:
+        for value in ("abc", "0", "-5", "nan", "", "1e9"):
+            for path, body in (("/v1/chat/completions", CHAT_BODY), ("/v1/embeddings", EMB)):
+                r = httpx.post(s.url + path, json=body, headers={header: value})
+                assert r.status_code == 400, (header, value, path, r.text)
+                error = r.json()["error"]
+                assert error["param"] == header and header in error["message"], error
+                assert error["type"] == "invalid_request_error" and error["code"] == "invalid_value"
+
+
+def test_the_ttft_headers_set_the_budget_as_the_ferry_header_does(fake_server_factory):
+    s = fake_server_factory()
+    chat = s.ferry.models["fake-chat"].batcher
+    chat.prefill_cost = chat.cost = CostModel(LinearCost(1.0, 0.0, 0.0))  # a first token takes 1 s
+
+    def answer(headers: dict[str, str]) -> tuple[int, str | None]:
+        r = httpx.post(s.url + "/v1/chat/completions", json=CHAT_BODY, headers=headers, timeout=30)
+        return r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None
+
+    for ms, expected in (("100", (429, "deadline_infeasible")), ("5000", (200, None))):
+        for header in ("X-Ferry-Latency-Budget-Ms", "x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"):
+            assert answer({header: ms}) == expected, (header, ms)
+    # The body field, then Ferry's own header, then the inference gateway's: the newest name first.
+    assert answer({"X-Ferry-Latency-Budget-Ms": "5000", "x-llm-d-slo-ttft-ms": "100"}) == (200, None)
+    assert answer({"x-llm-d-slo-ttft-ms": "5000", "x-slo-ttft-ms": "100"}) == (200, None)
+    assert answer({"x-llm-d-slo-ttft-ms": "100", "x-slo-ttft-ms": "5000"}) == (429, "deadline_infeasible")
+
+
+def test_a_tpot_header_the_decode_step_cannot_meet_is_refused_at_once(fake_server_factory):
+    engine = FakeGenerationEngine()
+    s = fake_server_factory(chat=engine)
+    step = 0.05  # what the decode cost model predicts of one step
+    s.ferry.models["fake-chat"].batcher.decode_cost = CostModel(LinearCost(step, 0.0, 0.0))
+    for header in ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms"):
+        r = httpx.post(s.url + "/v1/chat/completions", json=CHAT_BODY, headers={header: str(step * 1000 / 2)})
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["code"] == "deadline_infeasible" and "inter-token" in r.json()["error"]["message"]
+        assert int(r.headers["Retry-After"]) >= 1
+    assert engine.calls == []  # refused before any work
+    r = httpx.post(s.url + "/v1/chat/completions", json=CHAT_BODY, headers={"x-llm-d-slo-tpot-ms": str(step * 2000)})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    refused = s.ferry.metrics.registry.get_sample_value(
+        "ferry_rejections_total", {"model": "fake-chat", "reason": "deadline_infeasible"}
+    )
+    assert refused == 2
