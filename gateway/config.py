@@ -79,6 +79,13 @@ class ServerSettings(Knobs):
         "so the model's torch threads never wait on this process's interpreter lock; "
         "/metrics merges every core's series in (docs/operations.md)",
     )
+    api_workers: int = knob(
+        1,
+        "front-end processes serving HTTP on the same host and port; 2 or more runs every "
+        "model in an engine core (implies `--engine-cores`) under a small supervisor process "
+        "that restarts a front end or core that dies (docs/operations.md)",
+        **AT_LEAST_ONE,
+    )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")
     # A path object is as good as its string (embedded mode may pass either).
@@ -199,4 +206,6 @@ def from_args(argv: list[str] | None = None) -> tuple[str, ServerConfig]:
     values["api_keys"] = list(dict.fromkeys(keys))
     cfg = ServerConfig(**values)
     cfg.validate()
+    if cfg.api_workers > 1:
+        cfg.engine_cores = True  # several front ends share engine cores (docs/operations.md)
     return ns.command, cfg
