@@ -171,6 +171,7 @@ class BatchJobWorker:
         self.holding = not self.shared  # alone on the directory: always the job worker
         self._leaser: asyncio.Task | None = None
         self.metrics = JobMetrics(ferry.metrics)
+        self.metrics.counting = self.holding
         self.in_flight = in_flight
         self.jobs: dict[str, Job] = {}
         self.shares: dict[str, Share] = {}
@@ -224,7 +225,8 @@ class BatchJobWorker:
             except OSError as exc:
                 log.exception("cannot open the job store in %s", self.store.dir)
                 raise APIError(500, f"cannot open the job store: {exc}", code="store_error") from None
-            self.metrics.load(await self.store.read(self.store.status_counts))
+            if self.holding:
+                self.metrics.load(await self.store.read(self.store.status_counts))
             self._committer = asyncio.create_task(self._commit_loop(), name="ferry-jobs-commit")
 
     # -- the lease (several front ends) ------------------------------------------------------
@@ -256,7 +258,9 @@ class BatchJobWorker:
             log.warning("batch-job worker: lease lost to another front end; stopping this one's jobs")
             for job in self.jobs.values():
                 self._stop(job, "shutdown")  # unrun lines stay pending for the new holder
-        self.holding = held
+        self.holding = self.metrics.counting = held
+        # ferry_jobs is the holder's alone, from the store: other front ends move jobs too
+        self.metrics.load(await self.store.read(self.store.status_counts) if held else {})
         if held:
             await self._adopt()
         return held

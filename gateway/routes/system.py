@@ -11,6 +11,7 @@ from starlette.responses import Response
 from ..endpoint import Ctx
 from ..errors import APIError
 from ..metrics_merge import merged_exposition
+from ..peer_metrics import scrape_peers
 from ..remote_batcher import RemoteBatcher
 from ..responses import json_response
 from ..state import gateway_state
@@ -37,10 +38,12 @@ async def metrics(request: Request) -> Response:
     ferry = gateway_state(request)
     registry = ferry.metrics.registry
     cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
-    if not cores:  # in-process models: the server's registry holds everything
+    if not cores and not ferry.peers:  # in-process models: the server's registry holds everything
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
     answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
     texts = [a for a in answers if isinstance(a, str)]  # a lost or stuck core is left out
+    if ferry.peers:  # the other front ends and the supervisor (--api-workers N)
+        texts += await scrape_peers(ferry.peers)
     return Response(merged_exposition(registry, texts), media_type=CONTENT_TYPE_LATEST)
 
 
