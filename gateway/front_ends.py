@@ -39,7 +39,9 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from batcher.settings import BatchingSettings
@@ -229,31 +231,44 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_front_ends(cfg: ServerConfig, on_listening: Any = None) -> int:
+def serve_front_ends(cfg: ServerConfig) -> int:
     """`ferry serve` with `--api-workers` 2 or more: supervise the cores and the front ends
-    until SIGTERM; 0 after a drain, 1 with one line on stderr when it cannot serve.
-    `on_listening(port)`: called once the socket is bound (embedded mode picks port 0)."""
-    return asyncio.run(_supervise(cfg, on_listening))
+    until SIGTERM; 0 after a drain, 1 with one line on stderr when it cannot serve."""
+    return asyncio.run(supervise(cfg))
 
 
-async def _supervise(cfg: ServerConfig, on_listening: Any) -> int:
+def _say(line: str) -> None:
+    print(f"ferry: {line}", file=sys.stderr)
+
+
+async def supervise(
+    cfg: ServerConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_listening: Callable[[int], None] | None = None,
+    report: Callable[[str], None] = _say,
+) -> int:
+    """The supervisor's life, until SIGTERM or SIGINT (in the main thread) or `stop` is set.
+    `on_listening(port)`: once the socket is bound (embedded mode asks for port 0).
+    `report(line)`: why it cannot serve (default: one line on stderr)."""
     try:
         lock_fd = lock_data_dir(cfg.data_dir)
     except (StoreLocked, OSError) as exc:
-        print(f"ferry: {exc}", file=sys.stderr)
+        report(str(exc))
         return 1
     try:
         sock = listen(cfg.host, cfg.port)
     except OSError as exc:
         os.close(lock_fd)
-        print(f"ferry: cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}", file=sys.stderr)
+        report(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}")
         return 1
     if on_listening is not None:
         on_listening(sock.getsockname()[1])
     loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = stop or asyncio.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     run_dir = tempfile.mkdtemp(prefix="ferry-run-")
     metrics = GatewayMetrics()  # the supervisor's: ferry_engine_core_restarts_total
     own_metrics = MetricsServer(metrics.registry, metrics_address(run_dir, "supervisor"))
@@ -278,7 +293,7 @@ async def _supervise(cfg: ServerConfig, on_listening: Any) -> int:
                 info = loading.result()
             except CoreFailed as exc:
                 await core.stop()
-                print(f"ferry: {exc}", file=sys.stderr)
+                report(str(exc))
                 return 1
             shared = SharedCore(index, core.address, info, fronts)
             supervisor = Supervisor(cfg, index, core, metrics)
@@ -301,7 +316,7 @@ async def _supervise(cfg: ServerConfig, on_listening: Any) -> int:
         stopping.cancel()
         failing.cancel()
         if fronts.fatal is not None:
-            print(f"ferry: {fronts.fatal}", file=sys.stderr)
+            report(fronts.fatal)
             code = 1
         log.info("draining for up to %.1f s", cfg.drain_timeout)
         started = time.monotonic()
