@@ -278,3 +278,15 @@ def test_a_batch_job_with_two_front_ends_runs_every_line_exactly_once(tmp_path):
         ran = collections.Counter(computed(log))
         assert ran == collections.Counter({spelled(t): 3 for t in texts}), ran  # each line of each job, once
         stops_cleanly(gw)
+
+
+def test_nothing_outlives_a_killed_supervisor():
+    with serve() as gw:
+        family = children(gw)
+        assert len(family) == 4  # two cores, two front ends
+        gw.proc.send_signal(signal.SIGKILL)  # no drain: only the closed pipes tell the children
+        gw.proc.wait(30)
+        wait_until(
+            lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in family),
+            message=lambda: f"every front end and core to exit after their supervisor: {family}",
+        )
