@@ -290,3 +290,34 @@ def test_nothing_outlives_a_killed_supervisor():
             lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in family),
             message=lambda: f"every front end and core to exit after their supervisor: {family}",
         )
+
+
+def lease_holder(gw: GatewayProcess) -> int | None:
+    """The pid of the front end that last took the batch-job lease, from the server's log."""
+    pid = None
+    for line in Path(gw.log.name).read_text().splitlines():
+        if "runs batch jobs now" in line:
+            pid = int(line.split("this front end (", 1)[1].split(":")[1])
+    return pid
+
+
+def test_when_the_job_worker_dies_another_front_end_finishes_its_job_recording_each_line_once(tmp_path):
+    from tests.jobs.conftest import Api, embed_line
+
+    log = tmp_path / "computed.log"
+    with serve("--data-dir", str(tmp_path / "data"), "--max-batch-size", "4", delay=0.2, log=log) as gw:
+        texts = [f"line {i}" for i in range(40)]
+        api = Api(gw.url)
+        batch_id = api.create([embed_line(f"e{i}", t) for i, t in enumerate(texts)])["id"]
+        holder = wait_until(lambda: lease_holder(gw), message="a front end to take the lease")
+        wait_until(lambda: len(computed(log)) >= 4, message="the job to be under way")
+        psutil.Process(holder).send_signal(signal.SIGKILL)
+        wait_until(lambda: lease_holder(gw) not in (None, holder), timeout=60, message="another front end to take over")
+        done = Api(gw.url).wait(batch_id, timeout=90)
+        counts = done["request_counts"]
+        assert done["status"] == "completed" and (counts["completed"], counts["failed"]) == (40, 0), done
+        out = [r["custom_id"] for r in Api(gw.url).content(done["output_file_id"])]
+        assert sorted(out) == sorted(f"e{i}" for i in range(40))  # every line recorded once
+        ran = collections.Counter(computed(log))
+        assert set(ran) == {spelled(t) for t in texts}  # a line running at the kill may have run twice
+        stops_cleanly(gw)
