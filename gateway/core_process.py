@@ -319,4 +319,7 @@ async def attach_core(spec: ModelSpec, view: dict[str, Any]) -> ServedModel:
     await batcher.start()
     if view["failed"]:  # lost before this front end started: unavailable until it is back
         await batcher.lost(view["failed"], restarting=view["restarting"])
+    else:  # the core's settings now (another front end may have changed them since it started)
+        with contextlib.suppress(Exception):
+            await batcher.update()
     return ServedModel(engine.name, spec.kind, engine, batcher, None)

@@ -74,3 +74,13 @@ def test_a_core_that_cannot_load_its_model_ends_ferry_serve_with_one_line(tmp_pa
     last = stderr.strip().splitlines()[-1]
     assert last == f"ferry: cannot load the embedding model {missing}: no such file or directory", stderr[-2000:]
     assert "Traceback" not in stderr
+
+
+def test_the_supervisor_imports_neither_starlette_nor_torch():
+    code = (
+        "import sys; import gateway.front_ends; from gateway.config import ServerConfig; "
+        "from gateway.model_loading import default_specs; default_specs(ServerConfig()); "
+        "print(sorted(m for m in ('starlette', 'uvicorn', 'torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stderr
