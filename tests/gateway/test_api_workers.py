@@ -224,6 +224,8 @@ def test_a_killed_core_ends_in_flight_requests_on_every_front_end_and_service_re
         after = [httpx.post(gw.url + EMBED, json=embed(f"after {i}"), timeout=30) for i in range(6)]
         assert [r.status_code for r in after] == [200] * 6
         assert embed_core.pid not in [p.pid for p in cores(gw)] and len(cores(gw)) == 2
+        restarts = samples(gw, "ferry_engine_core_restarts_total")  # the supervisor's, in any scrape
+        assert restarts == {(("model", "fake-embed"),): 1.0, (("model", "fake-chat"),): 0.0}
         stops_cleanly(gw)
 
 
