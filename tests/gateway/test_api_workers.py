@@ -203,18 +203,22 @@ def test_a_killed_core_ends_in_flight_requests_on_every_front_end_and_service_re
         fronts = front_ends(gw)
 
         async def scenario() -> list[httpx.Response]:
-            async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+            clients = await clients_on_every_front_end(gw, fronts)
+            try:
                 # HANG holds the fake engine for 30 s: only the core's death can end these
-                # sooner. Open requests until each front end holds at least one.
-                tasks = []
-                while not all(connections_of(p, gw.port) for p in fronts):
-                    assert len(tasks) < 40, "the kernel never gave a connection to one of the front ends"
-                    tasks.append(asyncio.create_task(c.post(EMBED, json=embed(f"HANG {len(tasks)}"))))
-                    await asyncio.sleep(0.05)
-                await asyncio.to_thread(wait_until, lambda: computed(log), message="a hanging input to be computed")
-                await asyncio.sleep(0.2)  # not needed for the assertions: lets the last ones be admitted
+                # requests (one on each connection, so some on each front end) sooner.
+                tasks = [asyncio.create_task(c.post(EMBED, json=embed(f"HANG {i}"))) for i, c in enumerate(clients)]
+                in_flight = (("route", "/v1/embeddings"),)
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: computed(log) and samples(gw, "ferry_requests_in_flight").get(in_flight) == len(tasks),
+                    message="every request to be in flight, and a hanging input computed",
+                )
                 embed_core.send_signal(signal.SIGKILL)
                 return list(await asyncio.gather(*tasks))
+            finally:
+                for c in clients:
+                    await c.aclose()
 
         answers = asyncio.run(scenario())
         for r in answers:
