@@ -54,12 +54,19 @@ async def _http_error(request, exc):
 
 
 def create_app(
-    config: ServerConfig | None = None, specs: list[ModelSpec] | None = None, metrics: GatewayMetrics | None = None
+    config: ServerConfig | None = None,
+    specs: list[ModelSpec] | None = None,
+    metrics: GatewayMetrics | None = None,
+    *,
+    cores: list[dict] | None = None,
 ) -> Starlette:
+    """`cores`: in a front end of several (`--api-workers N`), the engine cores its
+    supervisor runs, one account per model (gateway/front_ends.py)."""
     config = config or ServerConfig()
-    if config.engine_cores and specs is not None:
+    if (config.engine_cores or cores is not None) and specs is not None:
         raise ValueError("engine cores load their models from the configuration; specs cannot cross processes")
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
+    ferry.cores = cores
     jobs = ferry.jobs = BatchJobWorker(ferry)
 
     @contextlib.asynccontextmanager

@@ -23,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     from .logs import setup_logging
 
     setup_logging()
+    if command == "serve" and cfg.api_workers > 1:  # a supervisor of front ends and cores
+        from .front_ends import serve_front_ends
+
+        return serve_front_ends(cfg)
     if command == "serve":
         from .server import serve
 

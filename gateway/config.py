@@ -97,6 +97,13 @@ class ServerSettings(Knobs):
         "`ferry_running_sequences` and `ferry_kv_cache_usage_ratio`, for an endpoint picker left at its "
         "vLLM defaults",
     )
+    api_workers: int = knob(
+        1,
+        "front-end processes serving HTTP on the same host and port; 2 or more runs every "
+        "model in an engine core (implies `--engine-cores`) under a small supervisor process "
+        "that restarts a front end or core that dies (docs/operations.md)",
+        **AT_LEAST_ONE,
+    )
     log_prompts: bool = knob(False, "include prompt text in request logs")
     warmup: bool = knob(True, "profile the engines at startup to seed the cost model")
     # A path object is as good as its string (embedded mode may pass either).
@@ -250,4 +257,6 @@ def from_args(argv: list[str] | None = None) -> tuple[str, ServerConfig]:
     values["api_keys"] = list(dict.fromkeys(keys))
     cfg = ServerConfig(**values)
     cfg.validate()
+    if cfg.api_workers > 1:
+        cfg.engine_cores = True  # several front ends share engine cores (docs/operations.md)
     return ns.command, cfg

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import json
 import logging
 import multiprocessing
 import shutil
@@ -27,7 +28,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from batcher.settings import BatchingSettings
 
@@ -68,6 +69,7 @@ class CoreProcess:
         # The socket lives in a directory of the server's own, removed when the core stops.
         self.dir = tempfile.mkdtemp(prefix="ferry-core-")
         self.address = f"ipc://{self.dir}/core"
+        self.settings_file = engine_core.settings_file(self.address)
         self.conn, child = mp.Pipe()
         self.process = mp.Process(
             target=engine_core.run_core,
@@ -78,6 +80,15 @@ class CoreProcess:
         self.process.start()
         child.close()  # the core holds the only other end: its exit closes the pipe, and ours closes its
         self._exit: asyncio.Task | None = None
+
+    def recorded_settings(self) -> BatchingSettings | None:
+        """The batching settings the core last acknowledged (it records every applied
+        admin PATCH, whichever front end sent it), or None if it recorded none."""
+        try:
+            with open(self.settings_file, encoding="utf-8") as f:
+                return BatchingSettings(**json.load(f))
+        except (OSError, ValueError, TypeError):
+            return None
 
     async def ready(self) -> dict[str, Any]:
         """The core's report once it serves: its engine's facts and batching settings."""
@@ -161,18 +172,35 @@ class CoreProcess:
             await asyncio.to_thread(self.process.join)
 
 
+class CoreUser(Protocol):
+    """Whoever serves from a core and hears of its deaths and restarts: the server's
+    RemoteBatcher, or with several front ends the supervisor's `SharedCore`
+    (gateway/front_ends.py), which tells every front end."""
+
+    model: str
+    failed: str | None
+    restarting: bool
+
+    @property
+    def settings(self) -> BatchingSettings: ...
+
+    async def lost(self, reason: str, *, clean: bool = False, restarting: bool = False) -> None: ...
+
+    async def reconnect(self, address: str) -> None: ...
+
+
 class Supervisor:
     """The `core` of a RemoteBatcher: drains or stops the engine core that runs now, and
     starts a fresh one when it dies unexpectedly (see the module's docstring)."""
 
     def __init__(self, cfg: ServerConfig, index: int, core: CoreProcess, metrics: GatewayMetrics | None = None):
         self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
-        self.batcher: RemoteBatcher | None = None
+        self.batcher: CoreUser | None = None
         self.restarts: collections.deque[float] = collections.deque()  # when each recent restart began
         self._leaving = False
         self._restart: asyncio.Task | None = None
 
-    def watch(self, batcher: RemoteBatcher) -> None:
+    def watch(self, batcher: CoreUser) -> None:
         self.batcher = batcher
         self.core.watch(self._exited)
 
@@ -204,15 +232,15 @@ class Supervisor:
         if self.metrics is not None:
             self.metrics.core_restarts.labels(batcher.model).inc()
         old = self.core
+        settings = old.recorded_settings() or batcher.settings  # read before its directory goes
         await old.stop()  # reaped already; this removes its socket's directory
-        core = self.core = CoreProcess(self.cfg, self.index, batcher.settings)
+        core = self.core = CoreProcess(self.cfg, self.index, settings)
         try:
             await core.ready()
         except CoreFailed as exc:
             if not self._leaving:  # not started again: it would fail the same way
                 log.error("engine core of %s not restarted: %s", batcher.model, exc)
-                batcher.failed = f"{reason}; the restarted core failed: {exc}"
-                batcher.restarting = False
+                await batcher.lost(f"{reason}; the restarted core failed: {exc}")
             await core.stop()
             return
         if self._leaving:
@@ -257,4 +285,41 @@ async def start_in_core(
     batcher = RemoteBatcher(engine.name, core.address, BatchingSettings(**info["settings"]), core=supervisor)
     await batcher.start()
     supervisor.watch(batcher)
+    return ServedModel(engine.name, spec.kind, engine, batcher, None)
+
+
+class FrontEndCore:
+    """The `core` of a front end's RemoteBatcher when several front ends share the engine
+    cores (`--api-workers N`): the supervisor owns the core, so a front end's drain only
+    waits for its own requests in flight to end (the core keeps serving the others), and
+    stopping leaves the core alone."""
+
+    def __init__(self) -> None:
+        self.batcher: RemoteBatcher | None = None
+
+    async def drain(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        # Polled: "no request of this front end in flight" is a count no event signals.
+        while self.batcher is not None and self.batcher.in_flight and loop.time() < end:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        return None
+
+
+async def attach_core(spec: ModelSpec, view: dict[str, Any]) -> ServedModel:
+    """Serve `spec` from the engine core its supervisor started (`--api-workers N`); `view`
+    is the supervisor's account of it (gateway/front_ends.py, `SharedCore.view`)."""
+    assert spec.front is not None
+    engine = await asyncio.to_thread(spec.front, view["facts"])
+    control = FrontEndCore()
+    batcher = RemoteBatcher(engine.name, view["address"], BatchingSettings(**view["settings"]), core=control)
+    control.batcher = batcher
+    await batcher.start()
+    if view["failed"]:  # lost before this front end started: unavailable until it is back
+        await batcher.lost(view["failed"], restarting=view["restarting"])
+    else:  # the core's settings now (another front end may have changed them since it started)
+        with contextlib.suppress(Exception):
+            await batcher.update()
     return ServedModel(engine.name, spec.kind, engine, batcher, None)

@@ -12,6 +12,12 @@ does (micro-batching across callers, admission, metrics on /metrics) works uncha
 several threads or processes can share it. Entering waits until /readyz is 200; leaving
 stops the server, finishes the models' worker threads and closes the socket, leaving no
 thread and no open port behind.
+
+`Ferry(api_workers=2, ...)` runs the whole process set of `ferry serve --api-workers 2`
+instead (gateway/front_ends.py): the supervisor in a background thread of yours, the
+engine cores and front ends as child processes. Entering waits until every front end is
+ready; leaving drains them all and waits until every process has exited. `state` is None
+then (the models live in other processes); `models` comes from `/v1/models`.
 """
 
 from __future__ import annotations
@@ -188,6 +194,17 @@ class Ferry:
         self._error: BaseException | None = None
         self._clients: list[Any] = []
         self._started = False
+        # api_workers >= 2: the supervisor's loop, its stop event, its exit code and failure line
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._listening = threading.Event()
+        self._code: int | None = None
+        self._failure: list[str] = []
+        self._names: list[str] = []
+        if self.config.api_workers > 1:
+            if specs is not None:
+                raise TypeError("api_workers >= 2 serves models= (loaded by the cores); specs cannot cross processes")
+            self.config.engine_cores = True
         self._threads_before: set[threading.Thread] = set()
 
     # -- addresses ---------------------------------------------------------------------
@@ -214,6 +231,8 @@ class Ferry:
     @property
     def models(self) -> list[str]:
         """The served model ids (once started)."""
+        if self.config.api_workers > 1:
+            return list(self._names)
         return [] if self.state is None else list(self.state.models)
 
     # -- clients -----------------------------------------------------------------------
@@ -268,6 +287,8 @@ class Ferry:
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._threads_before = set(threading.enumerate())
+        if self.config.api_workers > 1:
+            return self._start_workers()
         sock = self._sock = self._bind()
         self.port = sock.getsockname()[1]
         self.config.port = self.port
@@ -294,6 +315,78 @@ class Ferry:
             raise
         log.info("ferry embedded gateway ready on %s serving %s", self.url, ", ".join(self.models))
         return self
+
+    # -- several front ends (api_workers >= 2) ------------------------------------------
+    def _start_workers(self) -> Ferry:
+        thread = self._thread = threading.Thread(
+            target=self._supervise, name=f"ferry-embedded-supervisor-{self.port}", daemon=True
+        )
+        thread.start()
+        try:
+            deadline = time.monotonic() + self.ready_timeout
+            while not self._listening.wait(0.02):
+                if not thread.is_alive():
+                    raise OSError(f"Ferry cannot serve: {'; '.join(self._failure) or 'the supervisor stopped'}")
+            with httpx.Client(base_url=self.url, timeout=5.0) as http:
+                ready = 0  # in a row, on fresh connections: each may reach any front end
+                while ready < 4 * self.config.api_workers:
+                    if not thread.is_alive():
+                        raise RuntimeError(f"Ferry models failed to load: {'; '.join(self._failure) or self._code}")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"Ferry not ready within {self.ready_timeout} s")
+                    try:
+                        ok = http.get("/readyz", headers={"Connection": "close"}).status_code == 200
+                    except httpx.HTTPError:
+                        ok = False
+                    ready = ready + 1 if ok else 0
+                    if not ok:
+                        time.sleep(0.05)
+                headers = {"Authorization": f"Bearer {self.config.api_keys[0]}"} if self.config.api_keys else {}
+                self._names = [m["id"] for m in http.get("/v1/models", headers=headers).json()["data"]]
+        except BaseException:
+            self.stop()
+            raise
+        log.info("ferry embedded gateway ready on %s serving %s", self.url, ", ".join(self.models))
+        return self
+
+    def _supervise(self) -> None:
+        from .front_ends import supervise
+
+        loop = self._loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        self._stop = asyncio.Event()
+
+        def listening(port: int) -> None:
+            self.port = self.config.port = port
+            self._listening.set()
+
+        try:
+            self._code = loop.run_until_complete(
+                supervise(self.config, stop=self._stop, on_listening=listening, report=self._failure.append)
+            )
+        except BaseException as exc:
+            self._error = exc
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
+    def _stop_workers(self) -> None:
+        loop, stop, thread = self._loop, self._stop, self._thread
+        if loop is not None and stop is not None and thread is not None and thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                loop.call_soon_threadsafe(stop.set)
+            thread.join(self.config.drain_timeout + 30.0)
+            if thread.is_alive():
+                log.warning("ferry embedded supervisor did not stop in time")
+        # Handing the listening socket to the spawned front ends started multiprocessing's
+        # fd-sharing thread, which never ends by itself; a later use starts it again.
+        from multiprocessing import resource_sharer
+
+        with contextlib.suppress(Exception):
+            resource_sharer.stop()
 
     def _bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -353,6 +446,9 @@ class Ferry:
             with contextlib.suppress(Exception):
                 c.close()
         self._clients.clear()
+        if self.config.api_workers > 1:
+            self._stop_workers()
+            return
         server, thread = self._server, self._thread
         if server is not None:
             server.should_exit = True

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import functools
 import gc
+import json
 import logging
 import os
 import signal
@@ -45,12 +46,20 @@ from batcher.types import Delta, GenRequest, GenResult, Outcome, Priority, WorkI
 from engine.base import SamplingParams
 
 from .config import ServerConfig
+from .metrics_merge import metric_families
 from .model_loading import CHAT, GIL_SWITCH_INTERVAL_S, ModelSpec, ServedModel, default_specs, start_model
 
 log = logging.getLogger("ferry.core")
 
 # Results still unsent when the core exits are given this long to reach the front end.
 LINGER_MS = 2000
+
+
+def settings_file(address: str) -> str:
+    """Where the core at `address` (ipc://DIR/core) records the batching settings it
+    acknowledged, so that whoever restarts it (gateway/core_process.py) starts the new one
+    with them, whichever front end changed them."""
+    return os.path.join(os.path.dirname(address.removeprefix("ipc://")), "settings.json")
 
 
 class EngineCore:
@@ -163,23 +172,27 @@ class EngineCore:
         try:
             if m.changes:
                 b.update(**m.changes)
+                self.record_settings()
         except SettingsError as exc:
             self._send(peer, wire.SettingsAnswer(m.seq, field=exc.field, error=exc.message))
             return
         costs = cost_report(getattr(b, "cost_models", {"embed": b.cost}))
         self._send(peer, wire.SettingsAnswer(m.seq, b.settings.to_dict(), costs))
 
+    def record_settings(self) -> None:
+        if not self.address.startswith("ipc://"):
+            return
+        path = settings_file(self.address)
+        try:  # written whole, then renamed: a reader never sees half of it
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                json.dump(self.batcher.settings.model_dump(mode="json"), f)
+            os.replace(path + ".tmp", path)
+        except OSError as exc:
+            log.warning("cannot record the batching settings in %s: %s", path, exc)
+
     async def close(self) -> None:
         await asyncio.sleep(0)  # items failed just now send their results first (done-callbacks)
         self.sock.close(linger=LINGER_MS)
-
-
-def metric_families(registry: CollectorRegistry) -> list[wire.MetricFamily]:
-    """The registry's families as the server merges them (gateway/metrics_merge.py)."""
-    return [
-        wire.MetricFamily(f.name, f.documentation, f.type, f.unit, [(s.name, s.labels, s.value) for s in f.samples])
-        for f in registry.collect()
-    ]
 
 
 def payloads(m: wire.Submit) -> list[Any]:
@@ -281,6 +294,7 @@ async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, sett
         if settings is not None and settings != served.batcher.settings.to_dict():
             served.batcher.update(**settings)
         core = EngineCore(served.batcher, address, registry=metrics.registry)
+        core.record_settings()  # what a restart starts from until an admin PATCH changes it
     except Exception as exc:
         log.debug("model loading failed", exc_info=True)
         conn.send(("failed", failure_line(spec, exc)))

@@ -79,6 +79,14 @@ def merged_families(
     return list(families.values())
 
 
+def metric_families(registry: CollectorRegistry) -> list[MetricFamily]:
+    """The registry's families as an engine core or a peer front end sends them to be merged."""
+    return [
+        MetricFamily(f.name, f.documentation, f.type, f.unit, [(s.name, s.labels, s.value) for s in f.samples])
+        for f in registry.collect()
+    ]
+
+
 def _family(f: MetricFamily) -> Metric:
     family = Metric(f.name, f.help, f.type, f.unit)
     family.samples = [Sample(name, labels, value) for name, labels, value in f.samples]

@@ -151,6 +151,11 @@ class RemoteBatcher:
     def closing(self) -> bool:
         return self._closing
 
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted through this side and not finished (awaiting admission or results)."""
+        return len(self._requests) + len(self._pending)
+
     def _connect(self, address: str) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)

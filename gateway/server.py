@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import socket
 import sys
 import time
+from typing import Any
 
 import uvicorn
 
@@ -68,4 +71,52 @@ def serve(cfg: ServerConfig) -> int:
     if app.state.ferry.fatal:
         print(f"ferry: {app.state.ferry.fatal}", file=sys.stderr)
         return 1
+    return 0
+
+
+class FrontEndServer(DrainingServer):
+    """One front end of several (`--api-workers N`): serves the socket its supervisor bound,
+    and takes the supervisor's word on the engine cores from `control` (a pipe); the pipe's
+    end means the supervisor is gone, and the front end stops."""
+
+    def __init__(self, config: uvicorn.Config, ferry, control: Any, metrics_address: str):
+        super().__init__(config, ferry)
+        self.control = control
+        self.metrics_address = metrics_address
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGINT:
+            return  # a terminal's Ctrl-C reaches the whole group: the supervisor decides (SIGTERM)
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        from .peer_metrics import MetricsServer
+
+        MetricsServer(self.ferry.metrics.registry, self.metrics_address).start()  # for the peers' scrapes
+        asyncio.get_running_loop().add_reader(self.control.fileno(), self._from_supervisor)
+
+    def _from_supervisor(self) -> None:
+        try:
+            message = self.control.recv()
+        except (EOFError, OSError):
+            asyncio.get_running_loop().remove_reader(self.control.fileno())
+            log.error("the supervisor is gone; this front end stops")
+            self.should_exit = True
+            return
+        self.ferry.core_event(message)
+
+
+def serve_front_end(
+    cfg: ServerConfig, sock: socket.socket, control: Any, cores: list[dict], metrics_address: str, peers: list[str]
+) -> int:
+    """The life of one front end of several: the app over the supervisor's cores, on its
+    socket; its metrics answered on `metrics_address`, its peers' merged into /metrics."""
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    app = create_app(cfg, cores=cores)
+    app.state.ferry.freeze_gc = True
+    app.state.ferry.peers = peers
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=cfg.drain_timeout + 5)
+    server = FrontEndServer(config, app.state.ferry, control, metrics_address)
+    server.run(sockets=[sock])
     return 0

@@ -13,10 +13,11 @@ from starlette.requests import HTTPConnection
 from engine.base import EmbeddingEngine, GenerationEngine
 
 from .config import ServerConfig
-from .core_process import CoreFailed, start_in_core
+from .core_process import CoreFailed, attach_core, start_in_core
 from .errors import APIError, not_found_model
 from .metrics import GatewayMetrics
 from .model_loading import CHAT, ModelKind, ModelSpec, ServedModel, start_model
+from .remote_batcher import RemoteBatcher
 from .ui_stats import StatsRing
 
 if TYPE_CHECKING:
@@ -42,16 +43,28 @@ class GatewayState:
     fatal: str | None = None  # why the server cannot run at all (`ferry serve` exits with it)
     on_fatal: Any = None  # called once `fatal` is set (`ferry serve` stops)
     ui_ring: StatsRing = field(default_factory=StatsRing)  # the live page's recent snapshots (gateway/routes/ui.py)
+    # A front end of several (`--api-workers N`): the supervisor's account of each core, by
+    # model index (gateway/front_ends.py), kept current by `core_event`.
+    cores: list[dict[str, Any]] | None = None
+    by_index: dict[int, ServedModel[Any]] = field(default_factory=dict)
+    # ... and the metrics sockets of its peers: the other front ends and the supervisor
+    # (gateway/peer_metrics.py), merged into each /metrics scrape
+    peers: list[str] = field(default_factory=list)
+    _events: asyncio.Queue | None = None
+    _event_task: asyncio.Task | None = None
 
     async def load(self) -> None:
         try:
             for index, spec in enumerate(self.specs):
-                if self.config.engine_cores:
+                if self.cores is not None:
+                    served = await attach_core(spec, self.cores[index])
+                    self.by_index[index] = served
+                elif self.config.engine_cores:
                     served = await start_in_core(spec, index, self.config, self.metrics)
-                    if served.kind == CHAT:  # the front end detokenizes what the core generates
-                        cast("RemoteBatcher", served.batcher).tokenizer = served.engine
                 else:
                     served = await start_model(spec, self.config, self.metrics)
+                if served.kind == CHAT and isinstance(served.batcher, RemoteBatcher):
+                    served.batcher.tokenizer = served.engine  # the front end detokenizes what the core generates
                 self.models[served.name] = served
                 self.metrics.core_restarts.labels(served.name)  # at zero from the start, engine cores or not
             if self.freeze_gc:
@@ -71,6 +84,40 @@ class GatewayState:
         except Exception as exc:  # surfaced on /readyz; the process keeps answering health checks
             log.exception("model loading failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
+
+    def core_event(self, message: tuple) -> None:
+        """The supervisor's word on a core (a front end of several): ("lost", index, reason,
+        clean, restarting) or ("reconnect", index, address), applied in order."""
+        kind, index, *rest = message
+        assert self.cores is not None
+        view = self.cores[index]
+        if kind == "lost":
+            view.update(failed=rest[0], restarting=rest[2])
+        elif kind == "reconnect":
+            view.update(address=rest[0], failed=None, restarting=False)
+        if self._events is None:
+            self._events = asyncio.Queue()
+            self._event_task = asyncio.create_task(self._apply_events(), name="ferry-core-events")
+        self._events.put_nowait(message)
+
+    async def _apply_events(self) -> None:
+        assert self._events is not None
+        while True:
+            kind, index, *rest = await self._events.get()
+            served = self.by_index.get(index)
+            if served is None:  # not attached yet: it starts from the view updated above
+                continue
+            batcher = served.batcher
+            assert isinstance(batcher, RemoteBatcher)
+            try:
+                if kind == "lost":
+                    reason, clean, restarting = rest
+                    await batcher.lost(reason, clean=clean, restarting=restarting)
+                elif kind == "reconnect":
+                    await batcher.reconnect(rest[0])
+                    log.info("engine core of %s serves again", served.name)
+            except Exception:
+                log.exception("applying the supervisor's %s of core %d failed", kind, index)
 
     @overload
     def model(self, name: str, kind: Literal["embedding"]) -> ServedModel[EmbeddingEngine]: ...
@@ -109,6 +156,8 @@ class GatewayState:
         return sum(failed)
 
     async def close(self) -> None:
+        if self._event_task is not None:
+            self._event_task.cancel()
         for m in self.models.values():
             await m.batcher.stop()
             if m.engine_thread is not None:

@@ -11,6 +11,19 @@ the same micro-batchers as interactive traffic, with their state in SQLite under
 
 from __future__ import annotations
 
-from .worker import BatchJobWorker
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .worker import BatchJobWorker
 
 __all__ = ["BatchJobWorker"]
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use, so that the store alone (the `--api-workers` supervisor takes
+    # the data directory's lock with it) does not import the worker and starlette.
+    if name == "BatchJobWorker":
+        from .worker import BatchJobWorker
+
+        return BatchJobWorker
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,12 @@ LINE_STATUSES = ("completed", "failed", "cancelled", "expired")
 
 
 class JobMetrics:
+    """`counting`: this process keeps `ferry_jobs`. Of several front ends on one store only
+    the lease's holder does (reloading it from the store at every renewal), so that a
+    /metrics scrape that sums the front ends' series counts each job once."""
+
     def __init__(self, metrics: Metrics):
+        self.counting = True
         self.jobs = metrics.jobs
         self.lines = metrics.job_lines
         for s in JOB_STATUSES:
@@ -20,7 +25,7 @@ class JobMetrics:
             self.lines.labels(s)
 
     def moved(self, old: str | None, new: str) -> None:
-        if old == new:
+        if old == new or not self.counting:
             return
         if old is not None:
             self.jobs.labels(old).dec()

@@ -20,8 +20,12 @@ groups line results that finish together into one transaction (group commit), so
 commit per line costs one thread hop shared by many lines. `Store.write` / `Store.read`
 are the async entry points; the plain methods below run on those threads.
 
-A lock file (`flock`) keeps a second process from running the same jobs from the same
-data directory; replicas each need their own `--data-dir`.
+A lock file (`flock`) keeps a second server from running the same jobs from the same
+data directory; replicas each need their own `--data-dir`. The front ends of one server
+(`--api-workers N`, N >= 2) share the directory: their supervisor holds the lock, each
+opens the store with `exclusive=False`, and exactly one of them runs jobs, the holder of
+the `worker_lease` row (`take_lease`, renewed every few seconds in a transaction; a dead
+holder's lease expires and another front end takes over).
 """
 
 from __future__ import annotations
@@ -99,6 +103,11 @@ CREATE TABLE IF NOT EXISTS lines (
     PRIMARY KEY (batch_id, line)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS lines_by_status ON lines (batch_id, status, line);
+CREATE TABLE IF NOT EXISTS worker_lease (
+    id      INTEGER PRIMARY KEY CHECK (id = 1),  -- one row: one job worker per data directory
+    holder  TEXT NOT NULL,
+    expires REAL NOT NULL                        -- unix seconds
+);
 """
 
 BATCH_COLUMNS = (
@@ -136,9 +145,31 @@ def line_id(batch_id: str, line: int) -> str:
     return f"batch_req_{batch_id.removeprefix('batch_')}_{line}"
 
 
+def lock_data_dir(data_dir: str | os.PathLike) -> int:
+    """Hold the data directory for this server: the open lock file, its `flock` taken.
+    Raises StoreLocked if another process holds it; closing the fd releases it."""
+    path = Path(data_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        import fcntl  # POSIX only; elsewhere the lock is skipped
+
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except ImportError:  # pragma: no cover
+        pass
+    except OSError:
+        os.close(fd)
+        raise StoreLocked(f"data directory {path} is in use by another Ferry process") from None
+    return fd
+
+
 class Store:
-    def __init__(self, data_dir: str | os.PathLike):
+    """`exclusive`: take the data directory's lock (one process per directory). The front
+    ends of one server open it with False: their supervisor holds the lock for them all."""
+
+    def __init__(self, data_dir: str | os.PathLike, *, exclusive: bool = True):
         self.dir = Path(data_dir)
+        self.exclusive = exclusive
         self.path = self.dir / DB_NAME
         self._local = threading.local()
         self._writer: ThreadPoolExecutor | None = None
@@ -169,17 +200,8 @@ class Store:
 
     def _open_sync(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            import fcntl  # POSIX only; elsewhere the lock is skipped
-
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except ImportError:  # pragma: no cover
-            pass
-        except OSError:
-            os.close(fd)
-            raise StoreLocked(f"data directory {self.dir} is in use by another Ferry process") from None
-        self._lock_fd = fd
+        if self.exclusive:
+            self._lock_fd = lock_data_dir(self.dir)
         conn = self._conn()
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
@@ -342,6 +364,31 @@ class Store:
             args += list(only_from)
         with self._tx() as c:
             return c.execute(q, args).rowcount == 1
+
+    # -- the job worker's lease (several front ends on one data directory) -----------------
+    def take_lease(self, holder: str, now: float, ttl: float) -> bool:
+        """Take the lease, or renew it, for `holder` until `now + ttl`, in one transaction.
+        True if `holder` holds it now: it was free, expired (`expires <= now`) or its own."""
+        with self._tx() as c:
+            row = c.execute("SELECT holder, expires FROM worker_lease WHERE id = 1").fetchone()
+            if row is not None and row["holder"] != holder and row["expires"] > now:
+                return False
+            c.execute(
+                "INSERT INTO worker_lease (id, holder, expires) VALUES (1, ?, ?) "
+                "ON CONFLICT (id) DO UPDATE SET holder = excluded.holder, expires = excluded.expires",
+                (holder, now + ttl),
+            )
+            return True
+
+    def release_lease(self, holder: str) -> None:
+        """Give the lease up (a front end stopping), so another takes over without waiting."""
+        with self._tx() as c:
+            c.execute("DELETE FROM worker_lease WHERE id = 1 AND holder = ?", (holder,))
+
+    def lease(self) -> tuple[str, float] | None:
+        """(holder, expires), or None when nobody holds it."""
+        row = self._conn().execute("SELECT holder, expires FROM worker_lease WHERE id = 1").fetchone()
+        return None if row is None else (row["holder"], row["expires"])
 
     # -- lines ----------------------------------------------------------------------------
     def pending_lines(self, batch_id: str, after: int, limit: int) -> list[dict]:

@@ -17,6 +17,16 @@ lines already running finish and be recorded. Once nothing is in flight, a cance
 expired job is finalised: its unrun lines are marked cancelled/expired (listed in the
 error file), the output/error files are registered and the job takes its final status.
 On shutdown nothing is finalised: unrun lines stay pending for the next start.
+
+With several front ends (`--api-workers N`, N >= 2) every front end serves the batch-job
+routes from the one store, but only the holder of the store's `worker_lease` runs jobs.
+Each front end tries to take or renew the lease every `LEASE_RENEW_S` (`tick`); the holder
+then also adopts what the others wrote: it launches active jobs it does not run yet (a
+batch created through another front end) and stops those another front end marked
+`cancelling`. A holder that dies (or stalls past `LEASE_TTL_S`) loses the lease and another
+front end takes over; lines are committed once (`... WHERE status = 'pending'`), so a
+takeover runs again only the lines that were not committed. A holder that finds its lease
+taken stops its jobs as on shutdown (their unrun lines stay pending for the new holder).
 """
 
 from __future__ import annotations
@@ -25,8 +35,11 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import os
+import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +78,10 @@ GEN_SHARE = 0.5
 ONESHOT_BATCHES = 4
 PAGE = 256  # pending lines read per query
 RETRY_MIN, RETRY_MAX = 0.01, 0.5  # seconds between admission retries
+# The job-worker lease of several front ends: renewed this often, and lost when not renewed
+# for LEASE_TTL_S (a dead holder's jobs are taken over within about that long).
+LEASE_RENEW_S = 1.0
+LEASE_TTL_S = 5.0
 
 
 class InvalidFile(APIError):
@@ -137,10 +154,24 @@ class Share:
 
 
 class BatchJobWorker:
-    def __init__(self, ferry: GatewayState, *, in_flight: int = LINES_IN_FLIGHT):
+    def __init__(
+        self,
+        ferry: GatewayState,
+        *,
+        in_flight: int = LINES_IN_FLIGHT,
+        shared: bool | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.ferry = ferry
-        self.store = st.Store(ferry.config.data_dir)
+        # shared: one of several front ends on this data directory (run jobs only with the lease)
+        self.shared = ferry.config.api_workers > 1 if shared is None else shared
+        self.store = st.Store(ferry.config.data_dir, exclusive=not self.shared)
+        self.clock = clock
+        self.holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.holding = not self.shared  # alone on the directory: always the job worker
+        self._leaser: asyncio.Task | None = None
         self.metrics = JobMetrics(ferry.metrics)
+        self.metrics.counting = self.holding
         self.in_flight = in_flight
         self.jobs: dict[str, Job] = {}
         self.shares: dict[str, Share] = {}
@@ -161,7 +192,12 @@ class BatchJobWorker:
     async def _resume_after(self, loader: asyncio.Task | None) -> None:
         if loader is not None:
             await loader
-        if not self.ferry.ready or not self.store.exists():
+        if not self.ferry.ready:
+            return
+        if self.shared:
+            self._leaser = asyncio.create_task(self._lease_loop(), name="ferry-jobs-lease")
+            return
+        if not self.store.exists():
             return
         try:
             await self.ensure_open()
@@ -189,8 +225,58 @@ class BatchJobWorker:
             except OSError as exc:
                 log.exception("cannot open the job store in %s", self.store.dir)
                 raise APIError(500, f"cannot open the job store: {exc}", code="store_error") from None
-            self.metrics.load(await self.store.read(self.store.status_counts))
+            if self.holding:
+                self.metrics.load(await self.store.read(self.store.status_counts))
             self._committer = asyncio.create_task(self._commit_loop(), name="ferry-jobs-commit")
+
+    # -- the lease (several front ends) ------------------------------------------------------
+    async def _lease_loop(self) -> None:
+        while not self._paused:
+            try:
+                await self.tick()
+            except Exception:  # a locked or failing store: try again at the next renewal
+                log.exception("batch-job lease: renewal failed")
+            await asyncio.sleep(LEASE_RENEW_S)
+
+    async def tick(self) -> bool:
+        """Take or renew the lease; as its holder, run the active jobs. Returns whether this
+        front end holds the lease now."""
+        if self._paused or self._closed:
+            return False
+        if not self.store.is_open:
+            if not self.store.exists():
+                return False  # no job was ever created here
+            try:
+                await self.ensure_open()
+            except APIError as exc:
+                log.error("batch jobs: %s", exc.message)
+                return False
+        held = await self.store.write(self.store.take_lease, self.holder, self.clock(), LEASE_TTL_S)
+        if held and not self.holding:
+            log.info("batch-job worker: this front end (%s) runs batch jobs now", self.holder)
+        elif self.holding and not held:
+            log.warning("batch-job worker: lease lost to another front end; stopping this one's jobs")
+            for job in self.jobs.values():
+                self._stop(job, "shutdown")  # unrun lines stay pending for the new holder
+        self.holding = self.metrics.counting = held
+        # ferry_jobs is the holder's alone, from the store: other front ends move jobs too
+        self.metrics.load(await self.store.read(self.store.status_counts) if held else {})
+        if held:
+            await self._adopt()
+        return held
+
+    async def _adopt(self) -> None:
+        """Run the active jobs this front end does not run yet; stop those cancelled elsewhere."""
+        for row in await self.store.read(self.store.active_batches):
+            if self._paused or not self.holding:
+                return
+            job = self.jobs.get(row["id"])
+            if job is None:
+                log.info("running batch %s (%s)", row["id"], row["status"])
+                self._launch(row)
+            elif row["status"] == "cancelling" and job.stop is None:
+                job.status = "cancelling"  # the front end that took the cancel counted it
+                self._stop(job, "cancel")
 
     def pause(self) -> None:
         """Shutdown begins: stop submitting, give queued lines back (they stay pending)."""
@@ -201,10 +287,11 @@ class BatchJobWorker:
     async def close(self, timeout: float = 10.0) -> None:
         self.pause()
         self._closed = True
-        if self._resumer is not None:
-            self._resumer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._resumer
+        for task in (self._resumer, self._leaser):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         tasks = [j.task for j in self.jobs.values() if j.task is not None]
         if tasks:
             await asyncio.wait(tasks, timeout=timeout)
@@ -215,6 +302,10 @@ class BatchJobWorker:
             self._committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._committer
+        if self.shared and self.holding and self.store.is_open:
+            with contextlib.suppress(Exception):  # another front end takes over at once
+                await self.store.write(self.store.release_lease, self.holder)
+            self.holding = False
         if self.store.is_open:
             await self.store.close()
 
@@ -280,7 +371,8 @@ class BatchJobWorker:
         }
         await self.store.write(self.store.create_batch, row, [(v.line, v.custom_id, v.url, v.body) for v in good])
         self.metrics.moved(None, "in_progress")
-        self._launch(row)
+        if self.holding:
+            self._launch(row)  # else the lease's holder adopts it at its next renewal
         log.info("batch %s created: %d requests, window %s", row["id"], len(good), body.completion_window)
         return await self.get(row["id"])
 

@@ -13,6 +13,7 @@ from starlette.responses import Response
 from ..endpoint import Ctx
 from ..errors import APIError
 from ..metrics_merge import merged_exposition, merged_families
+from ..peer_metrics import scrape_peers
 from ..remote_batcher import RemoteBatcher
 from ..responses import json_response
 from ..state import gateway_state
@@ -38,25 +39,29 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     ferry = gateway_state(request)
     registry = ferry.metrics.registry
-    scraped = await _core_scrapes(ferry)
+    scraped = await _scrapes(ferry)
     compat = ferry.config.metrics_compat
-    if scraped is None and compat == "none":  # in-process models: the server's registry holds everything
+    if scraped is None and compat == "none":  # one process: the server's registry holds everything
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
     return Response(merged_exposition(registry, scraped or [], compat), media_type=CONTENT_TYPE_LATEST)
 
 
-async def _core_scrapes(ferry) -> list[Any] | None:
-    """Each engine core's metrics (None: no model runs in a core)."""
+async def _scrapes(ferry) -> list[Any] | None:
+    """Each engine core's metrics and, with several front ends (`--api-workers N`), each
+    peer's: the other front ends and the supervisor (None: this process holds everything)."""
     cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
-    if not cores:
+    if not cores and not ferry.peers:
         return None
     answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
-    return [a for a in answers if not isinstance(a, BaseException)]  # a lost or stuck core is left out
+    scraped: list[Any] = [a for a in answers if not isinstance(a, BaseException)]  # a lost or stuck core is left out
+    if ferry.peers:
+        scraped += await scrape_peers(ferry.peers)
+    return scraped
 
 
 async def all_families(ferry) -> list[Metric]:
     """The metric families one /metrics scrape shows (the live page reads these)."""
-    scraped = await _core_scrapes(ferry)
+    scraped = await _scrapes(ferry)
     if scraped is None:
         return list(ferry.metrics.registry.collect())
     return merged_families(ferry.metrics.registry, scraped)

@@ -182,3 +182,27 @@ def test_embedded_with_the_real_default_models():
         port = ferry.port
     assert new_threads(threads) == []
     assert_port_free(port)
+
+
+def test_api_workers_start_and_stop_the_whole_set_of_processes(monkeypatch, tmp_path):
+    import psutil
+
+    from tests.waiting import wait_until
+
+    monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # read by the cores and front ends (they inherit it)
+    threads, children = threading.enumerate(), child_pids()
+    with Ferry(api_workers=2, warmup=False, data_dir=tmp_path) as ferry:
+        assert ferry.running and ferry.state is None and set(ferry.models) == {"fake-embed", "fake-chat"}
+        started = [psutil.Process(p) for p in child_pids() - children]
+        ours = [p for p in started if "resource_tracker" not in " ".join(p.cmdline())]  # multiprocessing's own
+        assert len(ours) == 4  # two engine cores, two front ends
+        vectors = ferry.client().embed("fake-embed", ["hello", "ferry"], numpy=True)
+        assert vectors.shape == (2, 8)
+        port = ferry.port
+    assert not ferry.running
+    wait_until(
+        lambda: all(not p.is_running() or p.status() == psutil.STATUS_ZOMBIE for p in ours),
+        message="every process of the Ferry to exit",
+    )
+    assert_port_free(port)
+    assert new_threads(threads) == []

@@ -91,3 +91,51 @@ def test_bad_completion_window(value):
 
     with pytest.raises(APIError):
         parse_window(value)
+
+
+def test_the_worker_lease_has_one_holder_until_it_expires_or_is_released(tmp_path):
+    async def scenario():
+        first = st.Store(tmp_path, exclusive=False)
+        second = st.Store(tmp_path, exclusive=False)  # two front ends of one server
+        await first.open()
+        await second.open()
+        try:
+            seen = [
+                await first.write(first.take_lease, "a", 100.0, 5.0),
+                await second.write(second.take_lease, "b", 101.0, 5.0),  # held by a until 105
+                await first.write(first.take_lease, "a", 103.0, 5.0),  # renewed until 108
+                await second.write(second.take_lease, "b", 107.9, 5.0),
+                await second.write(second.take_lease, "b", 108.0, 5.0),  # expired: b takes it
+                await first.write(first.take_lease, "a", 109.0, 5.0),
+            ]
+            held = await first.read(first.lease)
+            await second.write(second.release_lease, "a")  # not a's any more: nothing happens
+            await second.write(second.release_lease, "b")
+            after = await first.read(first.lease)
+            return seen, held, after, await first.write(first.take_lease, "a", 110.0, 5.0)
+        finally:
+            await first.close()
+            await second.close()
+
+    seen, held, after, again = run(scenario())
+    assert seen == [True, False, True, False, True, False]
+    assert held == ("b", 113.0) and after is None and again is True
+
+
+def test_front_ends_share_the_directory_their_server_holds(tmp_path):
+    fd = st.lock_data_dir(tmp_path)  # the supervisor's
+    try:
+        with pytest.raises(st.StoreLocked):
+            st.lock_data_dir(tmp_path)  # another server
+
+        async def shared() -> bool:
+            s = st.Store(tmp_path, exclusive=False)
+            await s.open()
+            await s.close()
+            return True
+
+        assert run(shared())
+    finally:
+        import os
+
+        os.close(fd)
