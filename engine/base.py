@@ -46,6 +46,8 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
+    # Canonical JSON text of a JSON schema the output must match (engine/grammar.py).
+    json_schema: str | None = None
 
 
 @dataclass(slots=True)
