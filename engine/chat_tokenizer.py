@@ -15,6 +15,18 @@ from typing import Any
 import jinja2
 
 from .base import ChatTemplateError
+from .grammar import GrammarCache
+
+
+def grammar_cache(tokenizer: Any, path: str, trust_remote_code: bool) -> GrammarCache:
+    """A GrammarCache for the model at `path` (its vocabulary size from its config)."""
+    import copy
+
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).vocab_size)
+    eos = tokenizer.eos_token_id
+    return GrammarCache(copy.deepcopy(tokenizer), vocab, [eos] if isinstance(eos, int) else [])
 
 
 def encode_chat(tokenizer: Any, name: str, messages: list[dict]) -> list[int]:
@@ -35,6 +47,8 @@ class ChatTokenizer:
 
         self.name, self.max_context = name, max_context
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        # The front end compiles schemas too, so that one it cannot follow is a 422 here.
+        self.grammars = grammar_cache(self.tokenizer, path, trust_remote_code)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return encode_chat(self.tokenizer, self.name, messages)
