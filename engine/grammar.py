@@ -54,6 +54,8 @@ def check_schema(schema: Any) -> None:
         Draft202012Validator.check_schema(schema)
     except SchemaError as exc:
         raise GrammarError(exc.message, _pointer(exc.path)) from None
+    except Exception as exc:  # a meta-schema it cannot even check against
+        raise GrammarError(f"{type(exc).__name__}: {exc}") from None
 
 
 def _pointer(parts: Sequence[Any]) -> str:
@@ -133,7 +135,7 @@ class GrammarCache:
             schema = {**schema, "x-guidance": {**GUIDANCE_OPTIONS, **schema.get("x-guidance", {})}}
         try:
             grammar = LLMatcher.grammar_from_json_schema(schema)
-        except ValueError as exc:
+        except Exception as exc:  # llguidance raises ValueError; anything else is its refusal too
             raise GrammarError(str(exc), _locate(schema, str(exc))) from None
         matcher = LLMatcher(self._llg_tokenizer(), grammar)
         if matcher.is_error():

@@ -30,7 +30,10 @@ SHIP = {
             "type": "array",
             "items": {
                 "type": "object",
-                "properties": {"role": {"enum": ["captain", "mate"]}, "age": {"type": "integer", "maximum": 99}},
+                "properties": {
+                    "role": {"enum": ["captain", "mate"]},
+                    "age": {"type": "integer", "minimum": 16, "maximum": 99},
+                },
                 "required": ["role", "age"],
                 "additionalProperties": False,
             },
