@@ -567,7 +567,8 @@ def test_schemas_and_forced_tool_calls_cross_to_a_real_engine_core():
         assert free["finish_reason"] in ("stop", "length")
 
         c = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        choice = dict(model="ferry-tiny-chat", messages=conv, tools=[WEATHER], tool_choice="required", seed=1)
+        choice = {"model": "ferry-tiny-chat", "messages": conv, "tools": [WEATHER], "tool_choice": "required"}
+        choice["seed"] = 1
         whole = c.chat.completions.create(**choice, max_tokens=MAX_TOKENS).choices[0]
         assert whole.finish_reason == "tool_calls"
         (call,) = whole.message.tool_calls
