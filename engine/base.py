@@ -85,9 +85,9 @@ class GenerationEngine(Protocol):
     name: str
     max_context: int  # prompt + completion tokens
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Apply the chat template (with the generation prompt) and tokenize; raises
-        ChatTemplateError for a conversation the template refuses."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the chat template (with the generation prompt and any function `tools`)
+        and tokenize; raises ChatTemplateError for a conversation the template refuses."""
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a plain completion prompt."""

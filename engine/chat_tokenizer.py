@@ -29,12 +29,15 @@ def grammar_cache(tokenizer: Any, path: str, trust_remote_code: bool) -> Grammar
     return GrammarCache(copy.deepcopy(tokenizer), vocab, [eos] if isinstance(eos, int) else [])
 
 
-def encode_chat(tokenizer: Any, name: str, messages: list[dict]) -> list[int]:
-    """A conversation through the model's chat template, as token ids ready to generate from."""
+def encode_chat(tokenizer: Any, name: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """A conversation through the model's chat template, as token ids ready to generate from;
+    `tools` (OpenAI function tools) go to the template, which decides how to show them."""
     if not tokenizer.chat_template:
         raise ChatTemplateError(f"model {name!r} has no chat template")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined name it needs
         raise ChatTemplateError(exc.message or type(exc).__name__) from None
     return list(ids)
@@ -50,8 +53,8 @@ class ChatTokenizer:
         # The front end compiles schemas too, so that one it cannot follow is a 422 here.
         self.grammars = grammar_cache(self.tokenizer, path, trust_remote_code)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, self.name, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return encode_chat(self.tokenizer, self.name, messages, tools)
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text))

@@ -114,8 +114,8 @@ class HFGenerationEngine:
     def running_ids(self) -> list[int]:
         return [seq.seq_id for seq in self._batch.seqs]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, self.name, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return encode_chat(self.tokenizer, self.name, messages, tools)
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)

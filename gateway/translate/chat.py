@@ -20,7 +20,7 @@ from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
 
 from ..errors import APIError, error_body
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
-from .structured import FREE, Structure, ToolCallStream, chat_message, structures
+from .structured import FREE, Structure, ToolCallStream, chat_message, offered_tools, structures
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
@@ -227,10 +227,12 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[
         return [engine.encode_prompt(t) for t in body.prompts]
     conversations = body.conversations
     nested = conversations is body.messages  # a list of conversations, not one
+    tools = offered_tools(body, len(conversations))
     prompts = []
     for i, conv in enumerate(conversations):
         try:
-            prompts.append(engine.encode_chat(template_messages(conv)))
+            messages = template_messages(conv)
+            prompts.append(engine.encode_chat(messages, tools[i]) if tools[i] else engine.encode_chat(messages))
         except ChatTemplateError as exc:
             raise APIError(
                 422,

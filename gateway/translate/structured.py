@@ -80,6 +80,18 @@ def structures(body: ChatCompletionRequest | CompletionRequest, n: int) -> list[
     return out
 
 
+def offered_tools(body: ChatCompletionRequest, n: int) -> list[list[dict[str, Any]]]:
+    """Per prompt, the tools its chat template is given (none where tool_choice is "none")."""
+    from .chat import per_prompt
+
+    tools = _tools_per_prompt(body.tools, n)
+    choices = per_prompt("tool_choice", body.tool_choice, n, None)
+    return [
+        [] if choice == "none" else [t.model_dump(exclude_none=True) for t in prompt_tools]
+        for prompt_tools, choice in zip(tools, choices, strict=True)
+    ]
+
+
 def _tools_listed(tools: Any) -> bool:
     return isinstance(tools, list) and any(t is None or isinstance(t, list) for t in tools)
 

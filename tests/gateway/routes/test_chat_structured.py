@@ -370,3 +370,14 @@ def test_a_model_that_cannot_constrain_refuses_with_a_422(fake_server_factory):
         timeout=30,
     )
     assert ok.status_code == 200
+
+
+def test_auto_shows_the_tools_to_the_template_and_none_does_not(real_server):
+    plain = chat(real_server, max_tokens=4, temperature=0).json()
+    auto = chat(real_server, max_tokens=4, temperature=0, tools=[WEATHER]).json()
+    none = chat(real_server, max_tokens=4, temperature=0, tools=[WEATHER], tool_choice="none").json()
+    assert auto["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 20
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+    assert none["choices"][0]["message"] == plain["choices"][0]["message"]
+    # With random weights the template's call format is not followed: the answer is text.
+    assert auto["choices"][0]["message"]["content"] and auto["choices"][0]["finish_reason"] in ("stop", "length")
