@@ -177,12 +177,15 @@ class RowMasks:
         for j, i in enumerate(constrained):
             row = self._bitmask[j]
             matchers[i].unsafe_compute_mask_ptr(row.data_ptr(), nbytes)
-        words = self._bitmask[: len(constrained)]
-        allowed = ((words.unsqueeze(2) >> self._bits) & 1).reshape(len(constrained), -1).bool()
+        # The packed words cross to the logits' device (32x less than a bool mask) and are
+        # unpacked there.
+        device = logits.device
+        words = self._bitmask[: len(constrained)].to(device)
+        allowed = ((words.unsqueeze(2) >> self._bits.to(device)) & 1).reshape(len(constrained), -1).bool()
         vocab = logits.shape[1]
         if allowed.shape[1] < vocab:  # logits wider than the tokenizer: the rest is never allowed
             allowed = torch.cat([allowed, allowed.new_zeros((len(constrained), vocab - allowed.shape[1]))], dim=1)
-        rows = torch.tensor(constrained, device=logits.device)
+        rows = torch.tensor(constrained, device=device)
         sub = logits.index_select(0, rows)
-        sub.masked_fill_(~allowed[:, :vocab].to(logits.device), float("-inf"))
+        sub.masked_fill_(~allowed[:, :vocab], float("-inf"))
         logits[rows] = sub

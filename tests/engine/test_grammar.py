@@ -145,3 +145,19 @@ def test_a_schema_that_cannot_compile_names_the_place(engine, schema, path, word
         engine.grammars.compile(canonical_schema(schema))
     assert err.value.path == path
     assert words in err.value.message
+
+
+def test_masks_touch_only_constrained_rows_and_never_allow_padding_columns(engine):
+    import torch
+
+    from engine.grammar import RowMasks
+
+    vocab = engine.grammars.vocab_size
+    matcher = engine.grammars.matcher(canonical_schema({"enum": ["river"]}))
+    logits = torch.zeros((3, vocab + 5))
+    RowMasks(1, vocab).apply(logits, [None, matcher, None])
+    assert bool((logits[0] == 0).all()) and bool((logits[2] == 0).all())
+    allowed = (logits[1] == 0).nonzero().squeeze(1).tolist()
+    assert allowed and all(t < vocab for t in allowed)
+    assert all(engine.tokenizer.decode([t]).startswith('"') for t in allowed)
+    assert bool(torch.isinf(logits[1, vocab:]).all())
