@@ -114,7 +114,7 @@ def _structure(i: int, fmt: Any, tools: list[FunctionTool], choice: Any, many: d
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
         raise APIError(
-            422, f"prompt {i}: tool names must be unique", code="invalid_value", param=_param("tools", i, many["tools"])
+            422, f"prompt {i}: tool names must be unique", code="invalid_tools", param=_param("tools", i, many["tools"])
         )
     for j, tool in enumerate(tools):
         if tool.function.parameters is not None:
@@ -124,7 +124,7 @@ def _structure(i: int, fmt: Any, tools: list[FunctionTool], choice: Any, many: d
         raise APIError(
             422,
             f"prompt {i}: tool_choice needs tools, and this prompt has none",
-            code="invalid_value",
+            code="invalid_tool_choice",
             param=choice_param,
         )
     forced: list[FunctionTool] = []
@@ -135,7 +135,7 @@ def _structure(i: int, fmt: Any, tools: list[FunctionTool], choice: Any, many: d
                 422,
                 f"prompt {i}: tool_choice names the function {choice.function.name!r}, which is not among its tools "
                 f"({', '.join(names)})",
-                code="invalid_value",
+                code="invalid_tool_choice",
                 param=choice_param,
             )
     elif choice == "required":

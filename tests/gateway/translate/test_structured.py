@@ -68,7 +68,7 @@ def test_forced_calls_are_call_schemas_and_auto_only_offers():
 @pytest.mark.parametrize(
     ("body", "param", "code"),
     [
-        ({"tools": [TOOL, TOOL]}, "tools", "invalid_value"),
+        ({"tools": [TOOL, TOOL]}, "tools", "invalid_tools"),
         ({"messages": [CONV, CONV], "tools": [[TOOL], [STOP]], "tool_choice": "required"}, None, None),
         ({"messages": [CONV, CONV], "tool_choice": ["none", "required"], "tools": [TOOL, STOP]}, None, None),
         (
@@ -84,7 +84,7 @@ def test_forced_calls_are_call_schemas_and_auto_only_offers():
                 "tool_choice": {"type": "function", "function": {"name": "move"}},
             },
             "tool_choice",
-            "invalid_value",
+            "invalid_tool_choice",
         ),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minLength": "3"}}}},
