@@ -20,7 +20,7 @@ from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
 
 from ..errors import APIError, error_body
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
-from .structured import FREE, Structure, ToolCallStream, chat_message, offered_tools, structures
+from .structured import FREE, Structure, ToolCallStream, chat_message, offered_tools, parse_call, structures
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
@@ -130,7 +130,8 @@ class StreamChunks:
             return [self._chunk(k, text, finish_reason)]
         stream = self._calls.setdefault(k, ToolCallStream())
         final = finish_reason is not None
-        complete = finish_reason == "stop" and stream.started
+        # A whole call, not one a stop string cut short (which ends as text would).
+        complete = finish_reason == "stop" and parse_call(stream.buffer + (text or "")) is not None
         entries = stream.feed(text or "", final, complete)
         if final and not stream.started:  # cut short before a call took shape: its text as content
             return [self._chunk(k, stream.buffer, finish_reason)]
