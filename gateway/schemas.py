@@ -91,10 +91,25 @@ class TextPart(Strict):
     text: str
 
 
+class MessageFunctionCall(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(description="The arguments as JSON text, as a tool call answer gave them.")
+
+
+class MessageToolCall(Strict):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: MessageFunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if self.content is None:

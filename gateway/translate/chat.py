@@ -10,6 +10,7 @@ prompts of others; choices come back in prompt order and stream chunks carry
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -215,9 +216,29 @@ def check_generation(body: GenerationBody) -> None:
     structures(body, n)
 
 
-def template_messages(conversation: list[ChatMessage]) -> list[dict[str, str]]:
-    """A conversation as the chat template takes it (and as `--log-prompts` records it)."""
-    return [{"role": m.role, "content": m.text()} for m in conversation]
+def template_messages(conversation: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A conversation as the chat template takes it (and as `--log-prompts` records it):
+    role and text, and where given an assistant turn's `tool_calls` (arguments as the
+    object they encode, as Hugging Face templates expect) and a tool turn's `tool_call_id`."""
+    out = []
+    for m in conversation:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def _arguments(call: Any) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[int]]:

@@ -381,3 +381,18 @@ def test_auto_shows_the_tools_to_the_template_and_none_does_not(real_server):
     assert none["choices"][0]["message"] == plain["choices"][0]["message"]
     # With random weights the template's call format is not followed: the answer is text.
     assert auto["choices"][0]["message"]["content"] and auto["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_an_earlier_call_goes_back_to_the_template(real_server):
+    first = chat(real_server, seed=2, tools=[TIDES], tool_choice="required").json()["choices"][0]["message"]
+    history = [*CONV, first, {"role": "user", "content": "And tomorrow?"}]
+    again = chat(real_server, messages=history, max_tokens=4, tools=[TIDES])
+    assert again.status_code == 200, again.text
+    without_call = [*CONV, {"role": "assistant", "content": ""}, {"role": "user", "content": "And tomorrow?"}]
+    plain = chat(real_server, messages=without_call, max_tokens=4, tools=[TIDES]).json()
+    call_tokens = again.json()["usage"]["prompt_tokens"] - plain["usage"]["prompt_tokens"]
+    assert call_tokens > 5, "the call is written into the assistant turn"
+    # The tiny chat's template has no tool role: a tool result is the template's refusal.
+    result = {"role": "tool", "tool_call_id": first["tool_calls"][0]["id"], "content": "3 m"}
+    refused = chat(real_server, messages=[*CONV, first, result], tools=[TIDES])
+    assert refused.status_code == 422 and refused.json()["error"]["code"] == "chat_template_error"

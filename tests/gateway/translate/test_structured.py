@@ -134,3 +134,27 @@ def test_a_call_streams_as_a_head_then_argument_fragments(cuts):
     assert head == {"index": 0, "id": stream.id, "type": "function", "function": {"name": "move", "arguments": ""}}
     assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"} for e in rest)
     assert "".join(e["function"]["arguments"] for e in rest) == '{"to":"d}o{ck"}'
+
+
+def test_earlier_calls_reach_the_template_with_their_arguments_decoded():
+    from gateway.translate.chat import template_messages
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "move", "arguments": '{"to":"dock"}'}}
+    body = chat(
+        messages=[
+            *CONV,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "moved"},
+        ]
+    )
+    assert template_messages(body.conversations[0]) == [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "move", "arguments": {"to": "dock"}}}
+            ],
+        },
+        {"role": "tool", "content": "moved", "tool_call_id": "call_1"},
+    ]
