@@ -56,6 +56,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = []
+    json_schema: str | None = None  # canonical JSON schema text the output must match
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):

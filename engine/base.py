@@ -49,6 +49,8 @@ class SamplingParams:
     # False: the engine makes no text and ignores `stop` (finishing on EOS and length only);
     # the caller detokenizes the token ids, as a front end does for an engine core.
     detokenize: bool = True
+    # Canonical JSON text of a JSON schema the output must match (engine/grammar.py).
+    json_schema: str | None = None
 
 
 @dataclass(slots=True)
@@ -87,9 +89,9 @@ class GenerationEngine(Protocol):
     name: str
     max_context: int  # prompt + completion tokens
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        """Apply the chat template (with the generation prompt) and tokenize; raises
-        ChatTemplateError for a conversation the template refuses."""
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """Apply the chat template (with the generation prompt and any function `tools`)
+        and tokenize; raises ChatTemplateError for a conversation the template refuses."""
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a plain completion prompt."""

@@ -33,18 +33,34 @@ import jinja2.sandbox
 import jinja2.utils
 
 from .base import ChatTemplateError
+from .grammar import GrammarCache
 
 # The named special tokens a chat template sees (transformers' SPECIAL_TOKENS_ATTRIBUTES).
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-def encode_chat(tokenizer: Any, name: str, messages: list[dict]) -> list[int]:
+def grammar_cache(tokenizer: Any, path: str, trust_remote_code: bool) -> GrammarCache:
+    """A GrammarCache for the model at `path` over transformers' tokenizer (its vocabulary
+    size from its config)."""
+    import copy
+
+    from transformers import AutoConfig
+
+    vocab = int(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).vocab_size)
+    eos = tokenizer.eos_token_id
+    return GrammarCache(copy.deepcopy(tokenizer), vocab, [eos] if isinstance(eos, int) else [])
+
+
+def encode_chat(tokenizer: Any, name: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """A conversation through the model's chat template, with transformers' tokenizer (the
-    engine's): token ids ready to generate from."""
+    engine's): token ids ready to generate from; `tools` (OpenAI function tools) go to the
+    template, which decides how to show them."""
     if not tokenizer.chat_template:
         raise ChatTemplateError(f"model {name!r} has no chat template")
     try:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
     except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined name it needs
         raise ChatTemplateError(exc.message or type(exc).__name__) from None
     return list(ids)
@@ -124,7 +140,9 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def render_chat(template: str, messages: Sequence[dict], special_tokens: dict[str, str]) -> str:
+def render_chat(
+    template: str, messages: Sequence[dict], special_tokens: dict[str, str], tools: list[dict] | None = None
+) -> str:
     """The prompt text of a conversation, ending with the generation prompt. Keys whose
     value is None are dropped from each message, as transformers does (templates handle a
     missing key, not a None). Raises ChatTemplateError for a conversation it refuses."""
@@ -132,7 +150,7 @@ def render_chat(template: str, messages: Sequence[dict], special_tokens: dict[st
     try:
         compiled = compile_chat_template(template)
         return compiled.render(
-            messages=messages, tools=None, documents=None, add_generation_prompt=True, **special_tokens
+            messages=messages, tools=tools or None, documents=None, add_generation_prompt=True, **special_tokens
         )
     except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined name it needs
         raise ChatTemplateError(exc.message or type(exc).__name__) from None
@@ -161,6 +179,17 @@ def _chat_template(path: str, config: dict[str, Any]) -> str | None:
     return template if isinstance(template, str) else None
 
 
+def _vocab_size(path: str, fast: Any) -> int:
+    """The model's vocabulary (its logits' width) from config.json, else the tokenizer's."""
+    config_file = os.path.join(path, "config.json")
+    if os.path.isfile(config_file):
+        with open(config_file, encoding="utf-8") as f:
+            size = json.load(f).get("vocab_size")
+        if isinstance(size, int):
+            return size
+    return int(fast.get_vocab_size(with_added_tokens=True))
+
+
 class ChatTokenizer:
     def __init__(self, path: str, *, name: str, max_context: int, trust_remote_code: bool = False):
         """`path`: the model's directory. `name` and `max_context` are what the core's engine
@@ -182,18 +211,22 @@ class ChatTokenizer:
             self.chat_template = _chat_template(path, config)
             tokens = {key: _token_text(config.get(key)) for key in SPECIAL_TOKEN_NAMES}
             self.special_tokens = {key: value for key, value in tokens.items() if value is not None}
+            # The front end compiles schemas too, so that one it cannot follow is a 422 here.
+            eos = self._fast.token_to_id(self.special_tokens.get("eos_token", ""))
+            self.grammars = GrammarCache(self._fast, _vocab_size(path, self._fast), [] if eos is None else [eos])
         else:
             from transformers import AutoTokenizer
 
             self._auto = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
             self.chat_template = self._auto.chat_template
+            self.grammars = grammar_cache(self._auto, path, trust_remote_code)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         if self._auto is not None:
-            return encode_chat(self._auto, self.name, messages)
+            return encode_chat(self._auto, self.name, messages, tools)
         if not self.chat_template:
             raise ChatTemplateError(f"model {self.name!r} has no chat template")
-        text = render_chat(self.chat_template, messages, self.special_tokens)
+        text = render_chat(self.chat_template, messages, self.special_tokens, tools)
         return list(self._fast.encode(text, add_special_tokens=False).ids)  # the template wrote them
 
     def encode_prompt(self, text: str) -> list[int]:

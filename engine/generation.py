@@ -27,6 +27,7 @@ from .base import SamplingParams, SequenceRequest, StepOutput
 from .chat_tokenizer import encode_chat
 from .detokenize import FINISH_LENGTH, FINISH_STOP, SequenceText
 from .device import configure_threads, resolve_device, resolve_dtype
+from .grammar import GrammarCache, RowMasks
 from .kv import RunningBatch
 from .sampling import SequenceSampler, sample_next_tokens
 
@@ -74,6 +75,11 @@ class HFGenerationEngine:
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._cache_kwarg = _cache_kwarg(self.model)
+        vocab = int(self.model.config.vocab_size)
+        # Its own tokenizer copy, for the same reason as the detokenizer's: compiled from
+        # worker threads (engine/grammar.py).
+        self.grammars = GrammarCache(copy.deepcopy(self.tokenizer), vocab, self.eos_token_ids)
+        self._masks: RowMasks | None = None
         self._batch: RunningBatch[_Sequence] = RunningBatch(max_running)
         self._check_cache_layout()
         log.info(
@@ -105,8 +111,8 @@ class HFGenerationEngine:
     def running_ids(self) -> list[int]:
         return [seq.seq_id for seq in self._batch.seqs]
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return encode_chat(self.tokenizer, self.name, messages)
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return encode_chat(self.tokenizer, self.name, messages, tools)
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -147,6 +153,7 @@ class HFGenerationEngine:
         mask = batch.decode_mask()
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
+        self._constrain(logits, batch.seqs)
         tokens = sample_next_tokens(logits, [s.sampler for s in batch.seqs])
         outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens, strict=True)]
         finished = {i for i, out in enumerate(outputs) if out.finish_reason}
@@ -184,6 +191,7 @@ class HFGenerationEngine:
         positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
         logits, cache = self._forward(input_ids, positions, mask, self._new_cache())
         seqs = [self._new_sequence(r) for r in requests]
+        self._constrain(logits, seqs)
         tokens = sample_next_tokens(logits, [s.sampler for s in seqs])
         outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
@@ -223,7 +231,17 @@ class HFGenerationEngine:
             sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed),
             # None: the front end detokenizes (an engine core sends token ids only)
             text=SequenceText(self._detok, request.prompt_ids, params.stop) if params.detokenize else None,
+            matcher=self.grammars.matcher(params.json_schema) if params.json_schema is not None else None,
         )
+
+    def _constrain(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> None:
+        """Mask the logits of constrained rows to the tokens their grammar allows."""
+        matchers = [s.matcher for s in seqs]
+        if all(m is None for m in matchers):
+            return
+        if self._masks is None:
+            self._masks = RowMasks(max(self.max_running, len(seqs)), self.grammars.vocab_size)
+        self._masks.apply(logits, matchers)
 
     def _advance(self, seq: _Sequence, token: int) -> StepOutput:
         """Account one new token: release text, decide whether the sequence finishes."""
@@ -231,8 +249,15 @@ class HFGenerationEngine:
         end = None
         if token in self.eos_token_ids:
             end = FINISH_STOP
-        elif len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context:
-            end = FINISH_LENGTH
+        else:
+            if seq.matcher is not None:
+                # A token the mask allowed is always accepted; once the grammar admits nothing
+                # more (the JSON value is closed) the row ends as if it had sampled EOS.
+                seq.matcher.consume_token(token)
+                if seq.matcher.is_stopped() or seq.matcher.is_error():
+                    end = FINISH_STOP
+            if end is None and (len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context):
+                end = FINISH_LENGTH
         if seq.text is None:
             return StepOutput(seq.seq_id, [token], "", end)
         text, reason = seq.text.advance(token, end)
@@ -259,6 +284,7 @@ class _Sequence:
     prompt_len: int
     sampler: SequenceSampler
     text: SequenceText | None
+    matcher: Any = None  # llguidance matcher of a constrained row
     tokens: list[int] = field(default_factory=list)
 
     @property

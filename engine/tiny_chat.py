@@ -18,7 +18,7 @@ from pathlib import Path
 
 MODEL_NAME = "ferry-tiny-chat"
 # Bump when anything below changes what gets built: the cache is keyed by this name.
-CACHE_NAME = "ferry-tiny-chat-v1"
+CACHE_NAME = "ferry-tiny-chat-v3"
 SEED = 20240611
 
 VOCAB_SIZE = 8192
@@ -29,13 +29,29 @@ ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assis
 # Trainer special tokens take the first ids in this order: pad=0, bos=1, eos=2.
 SPECIAL_TOKENS = [PAD, BOS, EOS, *ROLE_TOKENS.values()]
 
+# With `tools` (function tools, OpenAI's shape), a system turn lists them first, one JSON
+# object a line, and says how to call one: the answer is then exactly
+# {"name": "<function>", "arguments": {...}} (docs/api.md, "Tool calls"), which is also
+# how an assistant turn's earlier `tool_calls` are written back.
+TOOLS_PREAMBLE = 'Tools. To call one, answer only {"name": "<function name>", "arguments": {<its parameters>}}:'
 CHAT_TEMPLATE = (
     "{{- bos_token -}}"
+    "{%- if tools -%}"
+    "{{- '<|system|>\n" + TOOLS_PREAMBLE + "\n' -}}"
+    "{%- for tool in tools -%}"
+    "{{- (tool.function if tool.function is defined else tool) | tojson + '\n' -}}"
+    "{%- endfor -%}"
+    "{{- eos_token + '\n' -}}"
+    "{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
     "{{- raise_exception('Unsupported role: ' + message['role']) -}}"
     "{%- endif -%}"
-    "{{- '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' -}}"
+    "{{- '<|' + message['role'] + '|>\n' + message['content'] -}}"
+    "{%- for call in message.tool_calls or [] -%}"
+    "{{- {'name': call.function.name, 'arguments': call.function.arguments} | tojson -}}"
+    "{%- endfor -%}"
+    "{{- eos_token + '\n' -}}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}"
 )

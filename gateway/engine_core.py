@@ -71,8 +71,15 @@ class EngineCore:
         address: str,
         ctx: zmq.asyncio.Context | None = None,
         registry: CollectorRegistry | None = None,
+        grammars: Any = None,
     ):
+        """`grammars`: the chat engine's GrammarCache (engine/grammar.py), where schemas
+        are compiled before their prompts reach the batcher."""
         self.batcher = batcher
+        self.grammars = grammars
+        # Submits whose schemas are compiling -> whether a Cancel came meanwhile.
+        self.compiling: dict[tuple[bytes, int], bool] = {}
+        self._tasks: set[asyncio.Task] = set()
         self.registry = registry  # the batcher's metrics, for MetricsRequest
         self.ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -114,9 +121,35 @@ class EngineCore:
 
     def submit(self, peer: bytes, m: wire.Submit) -> None:
         key = (peer, m.req)
-        if key in self.requests:
+        if key in self.requests or key in self.compiling:
             self.dropped += 1  # a repeat; the first one holds the key
             return
+        schemas = {s.json_schema for s in m.sampling or () if s.json_schema is not None}
+        pending = [s for s in schemas if self.grammars is not None and s not in self.grammars]
+        if pending:  # compiled in a worker thread: the decode loop never compiles
+            self.compiling[key] = False
+            task = asyncio.get_running_loop().create_task(self._compile_then_submit(peer, m, pending))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            return
+        self._submit(peer, m)
+
+    async def _compile_then_submit(self, peer: bytes, m: wire.Submit, schemas: list[str]) -> None:
+        key = (peer, m.req)
+        try:
+            for text in schemas:
+                await asyncio.to_thread(self.grammars.compile, text)
+        except Exception as exc:  # the front end compiled it first, so this is rare
+            self.compiling.pop(key, None)
+            self._send(peer, wire.Refused(m.req, "invalid_schema", f"the schema cannot be compiled: {exc}"))
+            return
+        cancelled = self.compiling.pop(key, False)
+        self._submit(peer, m)
+        if cancelled:
+            self.cancel(peer, wire.Cancel(m.req))
+
+    def _submit(self, peer: bytes, m: wire.Submit) -> None:
+        key = (peer, m.req)
         budget = None if m.deadline is None else m.deadline - self.batcher.clock.now()
         try:
             items = self.batcher.submit_many(
@@ -153,6 +186,9 @@ class EngineCore:
 
     def cancel(self, peer: bytes, m: wire.Cancel) -> None:
         items = self.requests.get((peer, m.req))
+        if items is None and (peer, m.req) in self.compiling:
+            self.compiling[(peer, m.req)] = True  # cancelled once submitted
+            return
         if items is None:
             self.dropped += 1  # finished already, or never admitted
             return
@@ -203,7 +239,12 @@ def payloads(m: wire.Submit) -> list[Any]:
     if m.sampling is None:
         return prompts
     return [
-        GenRequest(ids, SamplingParams(s.max_tokens, s.temperature, s.top_p, s.seed, [], detokenize=False))
+        GenRequest(
+            ids,
+            SamplingParams(
+                s.max_tokens, s.temperature, s.top_p, s.seed, [], detokenize=False, json_schema=s.json_schema
+            ),
+        )
         for ids, s in zip(prompts, m.sampling, strict=True)
     ]
 
@@ -293,7 +334,8 @@ async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, sett
         assert isinstance(served.batcher, QueueingBatcher)  # start_model runs it here, in the core
         if settings is not None and settings != served.batcher.settings.to_dict():
             served.batcher.update(**settings)
-        core = EngineCore(served.batcher, address, registry=metrics.registry)
+        grammars = getattr(served.engine, "grammars", None)
+        core = EngineCore(served.batcher, address, registry=metrics.registry, grammars=grammars)
         core.record_settings()  # what a restart starts from until an admin PATCH changes it
     except Exception as exc:
         log.debug("model loading failed", exc_info=True)

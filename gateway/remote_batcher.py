@@ -100,7 +100,9 @@ class _Text:
 
 
 def sampling_of(params: SamplingParams) -> wire.Sampling:
-    return wire.Sampling(params.max_tokens, params.temperature, params.top_p, params.seed, list(params.stop))
+    return wire.Sampling(
+        params.max_tokens, params.temperature, params.top_p, params.seed, list(params.stop), params.json_schema
+    )
 
 
 class RemoteBatcher:

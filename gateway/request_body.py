@@ -17,6 +17,26 @@ M = TypeVar("M", bound=BaseModel)
 # Error types raised by the request models' limit validators (gateway/schemas.py) that keep
 # their own error code.
 LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_strings"})
+# OpenAI request fields Ferry's models cannot honour: refused by name rather than ignored.
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "reasoning_effort",
+        "reasoning",
+        "logprobs",
+        "top_logprobs",
+        "logit_bias",
+        "presence_penalty",
+        "frequency_penalty",
+        "functions",
+        "function_call",
+        "modalities",
+        "audio",
+        "prediction",
+        "web_search_options",
+        "verbosity",
+        "service_tier",
+    }
+)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -64,9 +84,14 @@ def validation_error(exc: ValidationError) -> APIError:
     loc = where(err)
     param = ".".join(loc) or None
     msg = err["msg"]
+    code = err["type"] if err["type"] in LIMIT_CODES else "invalid_value"
     if err["type"] == "extra_forbidden":
         msg = "unknown field"
-    code = err["type"] if err["type"] in LIMIT_CODES else "invalid_value"
+        if len(loc) == 1 and loc[0] in UNSUPPORTED_FIELDS:
+            msg, code = (
+                "this server's models cannot honour this field; it is refused rather than ignored",
+                ("unsupported_parameter"),
+            )
     return APIError(422, f"{param}: {msg}" if param else msg, code=code, param=param)
 
 

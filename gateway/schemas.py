@@ -91,10 +91,25 @@ class TextPart(Strict):
     text: str
 
 
+class MessageFunctionCall(Strict):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str = Field(description="The arguments as JSON text, as a tool call answer gave them.")
+
+
+class MessageToolCall(Strict):
+    """A tool call of an earlier assistant turn, sent back in the conversation."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"]
+    function: MessageFunctionCall
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = Field(None, max_length=256)
+    tool_calls: list[MessageToolCall] | None = Field(None, max_length=128)
+    tool_call_id: str | None = Field(None, max_length=256)
 
     def text(self) -> str:
         if self.content is None:
@@ -130,6 +145,57 @@ class StreamOptions(Strict):
     include_usage: StrictBool = False
 
 
+class JsonSchemaSpec(Strict):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema", description="A JSON Schema the answer must match.")
+    strict: StrictBool | None = None
+
+
+class TextFormat(Strict):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(Strict):
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(Strict):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+ResponseFormats = ResponseFormat | Annotated[list[ResponseFormat | None], Field(min_length=1)] | None
+
+
+class FunctionDefinition(Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments (an object).")
+    strict: StrictBool | None = None
+
+
+class FunctionTool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str = Field(min_length=1, max_length=64)
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+ToolList = Annotated[list[FunctionTool], Field(max_length=128)]
+
+
 class GenerationParams(Scheduling):
     """Each sampling field is a scalar (applies to every prompt) or a per-prompt list."""
 
@@ -142,6 +208,9 @@ class GenerationParams(Scheduling):
     n: Annotated[int, Field(ge=1, le=16), Integral] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormats = Field(
+        None, description="text, json_object or json_schema; one for every prompt or a per-prompt list."
+    )
 
 
 class ChatCompletionRequest(GenerationParams):
@@ -149,6 +218,11 @@ class ChatCompletionRequest(GenerationParams):
         description="One conversation, or a list of conversations (one choice per prompt, in order)."
     )
     max_completion_tokens: MaxTokens | list[MaxTokens] | None = None
+    tools: ToolList | Annotated[list[ToolList | None], Field(min_length=1)] | None = Field(
+        None, description="Function tools for every prompt, or a per-prompt list of tool lists."
+    )
+    tool_choice: ToolChoice | Annotated[list[ToolChoice | None], Field(min_length=1)] | None = None
+    parallel_tool_calls: StrictBool | Annotated[list[StrictBool | None], Field(min_length=1)] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -190,16 +264,28 @@ class CompletionUsage(BaseModel):
     total_tokens: int
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     prompt_index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: None = None
 
 

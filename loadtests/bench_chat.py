@@ -7,6 +7,12 @@
 Open-loop Poisson arrivals of streaming chat requests whose max_tokens is uniform in
 4..64 (greedy). Reports generated tokens/s and p50/p99 time to first token.
 
+The `structured` cell (`--servers structured`): one Ferry server, the same load twice,
+with no request constrained and with every second request carrying a JSON-schema
+`response_format` (a string the random model rarely closes, so constrained rows run to
+their max_tokens like free ones and the load stays the same); tokens/s of the two side
+by side. Then a schema's compile time in-process, first and from the cache.
+
     python -m loadtests.bench_chat [--rates 8,24] [--duration 20] [--max-running 128]
 """
 
@@ -41,7 +47,18 @@ PROMPTS = [
 ]
 
 
-def make_chat_send(model: str, seed: int):
+# The structured cell's schema: an object whose one string a random model rarely closes.
+BENCH_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string"}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+BENCH_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
+
+
+def make_chat_send(model: str, seed: int, constrained_every: int = 0):
+    """`constrained_every` k > 0: every k-th request carries BENCH_FORMAT."""
     rng = random.Random(seed)
     plan = [(PROMPTS[i % len(PROMPTS)], rng.randint(4, 64)) for i in range(100_000)]
 
@@ -55,6 +72,8 @@ def make_chat_send(model: str, seed: int):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
+        if constrained_every and i % constrained_every == 0:
+            body["response_format"] = BENCH_FORMAT
         t0 = time.perf_counter()
         ttft, chunks, usage = None, 0, None
         async with session.post(
@@ -80,11 +99,14 @@ def make_chat_send(model: str, seed: int):
     return send
 
 
-def run_rates(label: str, url: str, model: str, rates: list[float], duration: float) -> list[dict]:
+def run_rates(
+    label: str, url: str, model: str, rates: list[float], duration: float, constrained_every: int = 0
+) -> list[dict]:
     rows = []
-    asyncio.run(open_loop(2, 2.0, make_chat_send(model, 1), url, seed=1))  # warm-up
+    asyncio.run(open_loop(2, 2.0, make_chat_send(model, 1, constrained_every), url, seed=1))  # warm-up
     for rate in rates:
-        samples = asyncio.run(open_loop(rate, duration, make_chat_send(model, int(rate)), url, seed=int(rate)))
+        send = make_chat_send(model, int(rate), constrained_every)
+        samples = asyncio.run(open_loop(rate, duration, send, url, seed=int(rate)))
         ok = [s for s in samples if s.status == 200]
         span = max(s.sent + s.latency for s in samples) - min(s.sent for s in samples)
         ttfts = [s.ttft * 1000 for s in ok if s.ttft is not None]
@@ -104,6 +126,36 @@ def run_rates(label: str, url: str, model: str, rates: list[float], duration: fl
             flush=True,
         )
     return rows
+
+
+def compile_times(repeats: int = 5) -> dict[str, float]:
+    """Milliseconds to compile a schema on the tiny chat's tokenizer: the tokenizer's
+    one-off conversion, a new schema, and the same schema again (the cache)."""
+    from transformers import AutoTokenizer
+
+    from engine.grammar import GrammarCache, canonical_schema
+    from engine.tiny_chat import ensure_tiny_chat
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_chat())
+    cache = GrammarCache(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    t0 = time.perf_counter()
+    cache.compile(canonical_schema({"type": "boolean"}))  # builds the llguidance tokenizer
+    first_ever = (time.perf_counter() - t0) * 1000
+    firsts, cached = [], []
+    for k in range(repeats):
+        props = {f"text{k}": {"type": "string"}, "n": {"type": "integer"}}
+        text = canonical_schema({**BENCH_SCHEMA, "properties": props, "required": list(props)})
+        t0 = time.perf_counter()
+        cache.compile(text)
+        firsts.append((time.perf_counter() - t0) * 1000)
+        t0 = time.perf_counter()
+        cache.compile(text)
+        cached.append((time.perf_counter() - t0) * 1000)
+    return {
+        "tokenizer_ms": first_ever,
+        "first_ms": percentile(firsts, 50),
+        "cached_ms": percentile(cached, 50),
+    }
 
 
 def transformers_serve(model_path: str):
@@ -158,7 +210,7 @@ def main() -> None:
     p.add_argument(
         "--servers",
         default="continuous,static,transformers",
-        help="comma-separated subset of continuous,static,transformers",
+        help="comma-separated subset of continuous,static,transformers,structured",
     )
     a = p.parse_args()
     servers = set(a.servers.split(","))
@@ -185,6 +237,16 @@ def main() -> None:
         print("Ferry, static batching:")
         with GatewayProcess(*common, "--batching", "static") as gw:
             results += run_rates("ferry static", gw.url, "ferry-tiny-chat", rates, a.duration)
+    if "structured" in servers:
+        print("Ferry, structured output (none constrained, then every second request):")
+        with GatewayProcess(*common) as gw:
+            results += run_rates("ferry unconstrained", gw.url, "ferry-tiny-chat", rates, a.duration)
+            results += run_rates("ferry half constrained", gw.url, "ferry-tiny-chat", rates, a.duration, 2)
+        times = compile_times()
+        print(
+            f"  schema compile: tokenizer conversion {times['tokenizer_ms']:.1f} ms (once per model), "
+            f"first {times['first_ms']:.2f} ms, cached {times['cached_ms']:.3f} ms (median)"
+        )
     if "transformers" in servers:
         from engine.tiny_chat import ensure_tiny_chat
 
@@ -198,6 +260,13 @@ def main() -> None:
             proc.wait(30)
     print("\nsummary (highest rate):")
     top = {r["label"]: r for r in results if r["rate"] == rates[-1]}
+    if "ferry half constrained" in top:
+        free, half = top["ferry unconstrained"], top["ferry half constrained"]
+        print(
+            f"  half constrained / unconstrained: {half['tok_s'] / free['tok_s']:.2f}x tok/s "
+            f"({half['tok_s']:.1f} vs {free['tok_s']:.1f}); "
+            f"TTFT p99 {half['ttft_p99']:.0f} vs {free['ttft_p99']:.0f} ms"
+        )
     if "ferry continuous" not in top:
         return
     cont = top["ferry continuous"]

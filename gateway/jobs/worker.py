@@ -59,6 +59,8 @@ from batcher.types import Priority, WorkItem
 from ..errors import APIError, error_body
 from ..model_loading import CHAT, ServedModel
 from ..responses import json_bytes, json_response
+from ..translate.chat import GenerationWork
+from ..translate.structured import compile_structures
 from . import store as st
 from .metrics import JobMetrics
 from .validate import MAX_REPORTED, BatchCreate, LineError, check_create, prepare, validate_file
@@ -562,6 +564,8 @@ class BatchJobWorker:
         rid = uuid.uuid4().hex
         try:
             served, work = prepare(self.ferry, row["url"], row["body"])
+            if isinstance(work, GenerationWork):
+                await compile_structures(work.structures, served.engine)
         except APIError as exc:
             if exc.status == 503:
                 return None

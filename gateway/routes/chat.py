@@ -27,6 +27,7 @@ from ..schemas import request_models
 from ..state import gateway_state
 from ..submission import cancel_all, itl_target, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages
+from ..translate.structured import compile_structures
 
 
 async def chat_completions(request: Request, ctx: Ctx):
@@ -52,6 +53,7 @@ async def completions(request: Request, ctx: Ctx):
 async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEngine], body: GenerationBody):
     ferry = gateway_state(request)
     work = generation_work(body, served.engine, ferry.config)
+    await compile_structures(work.structures, served.engine)
     budget, priority = scheduling(request, body)
     tpot = itl_target(request)
     if body.stream:
@@ -161,11 +163,11 @@ async def _stream(
         events = [await deltas.get()]
         while not deltas.empty():  # whatever else is already here goes out in one write
             events.append(deltas.get_nowait())
-        out = []
+        out: list[bytes] = []
         for ev in events:
             if isinstance(ev, Delta):
                 state.completion_tokens += ev.tokens
-                out.append(_sse(chunks.delta(index_of[ev.item.id], ev.text, ev.finish_reason)))
+                out.extend(_sse(c) for c in chunks.deltas(index_of[ev.item.id], ev.text, ev.finish_reason))
                 if ev.finish_reason is not None:
                     open_items.discard(ev.item.id)
                 continue

@@ -10,6 +10,7 @@ prompts of others; choices come back in prompt order and stream chunks carry
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
 
 from ..errors import APIError, error_body
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
+from .structured import FREE, Structure, ToolCallStream, chat_message, offered_tools, parse_call, structures
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
@@ -52,17 +54,30 @@ class GenerationWork:
     prompts: list[list[int]]  # token ids, in prompt order
     params: list[SamplingParams]  # one per prompt
     n: int  # candidates per prompt
+    structures: list[Structure] = field(default_factory=list)  # per prompt; none given: free text
     payloads: list[GenRequest] = field(init=False, repr=False)
     prompt_index: list[int] = field(init=False, repr=False)  # of each item
 
     def __post_init__(self) -> None:
         self.payloads, self.prompt_index = [], []
+        if not self.structures:
+            self.structures = [FREE] * len(self.prompts)
         for p, (ids, sp) in enumerate(zip(self.prompts, self.params, strict=True)):
             for j in range(self.n):
                 # Candidates of one seeded prompt differ from each other, reproducibly.
                 seed = None if sp.seed is None else sp.seed + j
                 self.payloads.append(
-                    GenRequest(ids, SamplingParams(sp.max_tokens, sp.temperature, sp.top_p, seed, list(sp.stop)))
+                    GenRequest(
+                        ids,
+                        SamplingParams(
+                            sp.max_tokens,
+                            sp.temperature,
+                            sp.top_p,
+                            seed,
+                            list(sp.stop),
+                            json_schema=self.structures[p].schema,
+                        ),
+                    )
                 )
                 self.prompt_index.append(p)
 
@@ -75,11 +90,12 @@ class GenerationWork:
         choices = []
         for k, (prompt_index, r) in enumerate(zip(self.prompt_index, results, strict=True)):
             choice: dict[str, Any] = {"index": k, "prompt_index": prompt_index}
+            finish_reason = r.finish_reason
             if self.chat:
-                choice["message"] = {"role": "assistant", "content": r.text}
+                choice["message"], finish_reason = chat_message(self.structures[prompt_index], r.text, finish_reason)
             else:
                 choice["text"] = r.text
-            choice.update(finish_reason=r.finish_reason, logprobs=None)
+            choice.update(finish_reason=finish_reason, logprobs=None)
             choices.append(choice)
         return {
             "id": response_id(self.chat),
@@ -108,9 +124,31 @@ class StreamChunks:
         self.id, self.created = response_id(work.chat), int(time.time())
         self.object = "chat.completion.chunk" if work.chat else "text_completion"
         self._started: set[int] = set()  # chat choices whose first delta (the role) went out
+        self._calls: dict[int, ToolCallStream] = {}  # items whose output is a forced tool call
 
     def delta(self, k: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
         return self._chunk(k, text, finish_reason)
+
+    def deltas(self, k: int, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
+        """The chunks of one delta of item `k`: one, or for a forced tool call the
+        `delta.tool_calls` fragments it completes (none while the call's head is incomplete)."""
+        if not (self.work.chat and self.work.structures[self.work.prompt_index[k]].tool_call):
+            return [self._chunk(k, text, finish_reason)]
+        stream = self._calls.setdefault(k, ToolCallStream())
+        final = finish_reason is not None
+        # A whole call, not one a stop string cut short (which ends as text would).
+        complete = finish_reason == "stop" and parse_call(stream.buffer + (text or "")) is not None
+        entries = stream.feed(text or "", final, complete)
+        if final and not stream.started:  # cut short before a call took shape: its text as content
+            return [self._chunk(k, stream.buffer, finish_reason)]
+        chunks = [self._chunk(k, None, None, tool_calls=[entry]) for entry in entries]
+        if final:
+            reason = "tool_calls" if complete else finish_reason
+            if chunks:
+                chunks[-1]["choices"][0]["finish_reason"] = reason
+            else:
+                chunks.append(self._chunk(k, None, reason))
+        return chunks
 
     def error(self, k: int, err: APIError) -> dict[str, Any]:
         """The error rides on the item's own final chunk: a separate top-level error event
@@ -128,7 +166,14 @@ class StreamChunks:
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.work.model}
 
-    def _chunk(self, k: int, text: str | None, finish_reason: str | None, error: dict | None = None) -> dict[str, Any]:
+    def _chunk(
+        self,
+        k: int,
+        text: str | None,
+        finish_reason: str | None,
+        error: dict | None = None,
+        tool_calls: list[dict] | None = None,
+    ) -> dict[str, Any]:
         choice: dict[str, Any] = {
             "index": k,
             "prompt_index": self.work.prompt_index[k],
@@ -144,6 +189,8 @@ class StreamChunks:
                 self._started.add(k)
             if text:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
@@ -161,19 +208,42 @@ def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerC
     anything is queued."""
     prompts = encode_prompts(body, engine)
     chat = isinstance(body, ChatCompletionRequest)
-    return GenerationWork(engine.name, chat, prompts, sampling_params(body, prompts, engine, cfg), body.n)
+    shapes = structures(body, len(prompts))
+    return GenerationWork(engine.name, chat, prompts, sampling_params(body, prompts, engine, cfg), body.n, shapes)
 
 
 def check_generation(body: GenerationBody) -> None:
     """What `generation_work` checks without the tokenizer (batch files are validated
     with it): every per-prompt list against the number of prompts. The request model has
     checked counts, limits and stop strings."""
-    prompt_params(body, len(body.conversations if isinstance(body, ChatCompletionRequest) else body.prompts))
+    n = len(body.conversations if isinstance(body, ChatCompletionRequest) else body.prompts)
+    prompt_params(body, n)
+    structures(body, n)
 
 
-def template_messages(conversation: list[ChatMessage]) -> list[dict[str, str]]:
-    """A conversation as the chat template takes it (and as `--log-prompts` records it)."""
-    return [{"role": m.role, "content": m.text()} for m in conversation]
+def template_messages(conversation: list[ChatMessage]) -> list[dict[str, Any]]:
+    """A conversation as the chat template takes it (and as `--log-prompts` records it):
+    role and text, and where given an assistant turn's `tool_calls` (arguments as the
+    object they encode, as Hugging Face templates expect) and a tool turn's `tool_call_id`."""
+    out = []
+    for m in conversation:
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _arguments(c)}}
+                for c in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
+    return out
+
+
+def _arguments(call: Any) -> Any:
+    try:
+        return json.loads(call.function.arguments)
+    except ValueError:
+        return call.function.arguments
 
 
 def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[int]]:
@@ -184,10 +254,12 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[
         return [engine.encode_prompt(t) for t in body.prompts]
     conversations = body.conversations
     nested = conversations is body.messages  # a list of conversations, not one
+    tools = offered_tools(body, len(conversations))
     prompts = []
     for i, conv in enumerate(conversations):
         try:
-            prompts.append(engine.encode_chat(template_messages(conv)))
+            messages = template_messages(conv)
+            prompts.append(engine.encode_chat(messages, tools[i]) if tools[i] else engine.encode_chat(messages))
         except ChatTemplateError as exc:
             raise APIError(
                 422,

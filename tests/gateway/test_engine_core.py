@@ -622,3 +622,56 @@ def test_restarts_are_bounded(monkeypatch):
         await batcher.stop()
 
     asyncio.run(scenario())
+
+
+# -- structured output with the real tiny chat in a core ------------------------------------------
+@pytest.mark.model
+def test_schemas_and_forced_tool_calls_cross_to_a_real_engine_core():
+    """The schema text crosses in the Submit and is compiled in the core before its prompt
+    is queued; the front end compiles it too, so a bad one is a 422 before the core."""
+    import jsonschema
+
+    from tests.gateway.routes.test_chat_structured import DOCK, MAX_TOKENS, SHIP, WEATHER, fmt
+
+    args = ("--engine-cores", "--embedding-model", "none", "--max-wait-ms", "5")
+    gw = GatewayProcess("--admin-token", "t", *args, env={"FERRY_FAKE_ENGINES": "0"}, ready_timeout=300)
+    tree = [gw.proc.pid] + [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
+    try:
+        conv = [{"role": "user", "content": "Describe a ferry as JSON."}]
+        body = {"model": "ferry-tiny-chat", "messages": [conv, conv, conv], "max_tokens": MAX_TOKENS, "seed": 3}
+        body["response_format"] = [fmt(SHIP), fmt(DOCK, "dock"), None]
+        r = httpx.post(gw.url + CHAT, json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        ship, dock, free = r.json()["choices"]
+        jsonschema.validate(json.loads(ship["message"]["content"]), SHIP)
+        jsonschema.validate(json.loads(dock["message"]["content"]), DOCK)
+        assert free["finish_reason"] in ("stop", "length")
+
+        c = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        choice = {"model": "ferry-tiny-chat", "messages": conv, "tools": [WEATHER], "tool_choice": "required"}
+        choice["seed"] = 1
+        whole = c.chat.completions.create(**choice, max_tokens=MAX_TOKENS).choices[0]
+        assert whole.finish_reason == "tool_calls"
+        (call,) = whole.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        streamed = "".join(
+            tc.function.arguments or ""
+            for ch in c.chat.completions.create(**choice, max_tokens=MAX_TOKENS, stream=True)
+            for tc in ch.choices[0].delta.tool_calls or []
+        )
+        assert streamed == call.function.arguments
+
+        bad = httpx.post(
+            gw.url + CHAT,
+            json={"model": "ferry-tiny-chat", "messages": conv, "response_format": fmt({"type": "array", "not": {}})},
+            timeout=60,
+        )
+        assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_schema"
+    finally:
+        with contextlib.suppress(psutil.Error):
+            tree += [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
+        for pid in tree:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            gw.proc.wait(10)

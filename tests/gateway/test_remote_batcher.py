@@ -331,4 +331,63 @@ def test_an_inter_token_target_crosses_to_the_core_and_is_checked_there(tmp_path
             ctx.term()
             thread.close()
 
+
+class GatedGrammars:
+    """A grammar cache whose compile waits for the test to open the gate (what a slow
+    schema is to the core), and fails on the text "bad"."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.gate = threading.Event()
+        self.compiled: list[str] = []
+
+    def __contains__(self, text: str) -> bool:
+        return text in self.compiled
+
+    def compile(self, text: str) -> None:
+        self.gate.wait(30)
+        if text == "bad":
+            raise ValueError("cannot follow it")
+        self.compiled.append(text)
+
+
+def test_a_submit_with_a_schema_waits_for_its_compile_off_the_loop(tmp_path):
+    """The core compiles a Submit's schemas in a worker thread before its prompts reach the
+    batcher; a Cancel meanwhile still cancels them, a schema that fails is a refusal."""
+    from batcher import wire
+
+    engine = FakeEmbeddingEngine()
+
+    async def main():
+        async with core_and_front(tmp_path, engine, max_wait_ms=0) as (batcher, core, _):
+            grammars = core.grammars = GatedGrammars()
+            sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+            sock.connect(core.address)
+
+            def submit(req: int, schema: str) -> None:
+                sampling = [wire.Sampling(4, json_schema=schema)]
+                sock.send(wire.encode(wire.Submit(req, engine.name, [wire.ids([1, 2])], [2], None, sampling=sampling)))
+
+            async def answers(n: int) -> list:
+                return [wire.decode_to_front_end(await sock.recv()) for _ in range(n)]
+
+            submit(1, '{"type":"boolean"}')
+            await async_wait_until(lambda: core.compiling, message="the core to start compiling")
+            await asyncio.sleep(0.05)
+            assert len(batcher.queue) == 0 and not core.requests  # nothing queued yet
+            sock.send(wire.encode(wire.Cancel(1)))
+            await async_wait_until(lambda: any(core.compiling.values()), message="the core to note the cancel")
+            grammars.gate.set()
+            admitted, result = await answers(2)
+            assert isinstance(admitted, wire.Admitted) and admitted.req == 1
+            assert isinstance(result, wire.Result) and wire.outcome_of(result) is Outcome.CANCELLED
+            assert grammars.compiled == ['{"type":"boolean"}']
+
+            submit(2, "bad")
+            (refused,) = await answers(1)
+            assert isinstance(refused, wire.Refused) and refused.code == "invalid_schema"
+            assert not core.compiling and not core.requests
+            sock.close(0)
+
     run(main())

@@ -7,6 +7,7 @@ import time
 
 import httpx
 import orjson
+import pytest
 
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
 
@@ -240,3 +241,57 @@ def test_batch_work_leaves_running_slots_for_interactive_prompts(jobs_server):
     assert done["request_counts"]["completed"] == 12
     # Batch sequences never held more than half of max_running at once.
     assert max(len(ids) for kind, ids in chat.calls if kind == "step") == 2
+
+
+@pytest.mark.model
+def test_schema_constrained_lines_with_the_tiny_chat(tmp_path):
+    """Lines with response_format and forced tool calls run like direct requests; a line
+    whose schema or tool_choice cannot be followed is named when the file is validated."""
+    import jsonschema
+    from prometheus_client import CollectorRegistry
+
+    from gateway.app import create_app
+    from gateway.config import ServerConfig
+    from gateway.metrics import GatewayMetrics
+    from tests.gateway.routes.test_chat_structured import DOCK, MAX_TOKENS, SHIP, TIDES, fmt
+    from tests.live import live
+
+    cfg = ServerConfig(embedding_model="none", data_dir=str(tmp_path / "data"), warmup=False, max_wait_ms=5.0)
+    with live(create_app(cfg, metrics=GatewayMetrics(CollectorRegistry())), ready_timeout=300) as s:
+        api = Api(s.url)
+        model = {"model": "ferry-tiny-chat", "max_tokens": MAX_TOKENS}
+        bad = [
+            chat_line("bad-schema", "x", **model, response_format=fmt({"type": "object", "properties": {"a": 1}})),
+            chat_line(
+                "bad-tool", "x", **model, tools=[TIDES], tool_choice={"type": "function", "function": {"name": "x"}}
+            ),
+        ]
+        fid = api.upload([chat_line("ok", "x", **model), *bad])
+        r = api.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "*", "completion_window": "24h"})
+        assert r.status_code == 422 and r.json()["error"]["lines"] == [2, 3]
+        details = {d["line"]: d for d in r.json()["error"]["errors"]["data"]}
+        assert (
+            details[2]["param"] == "body.response_format.json_schema.schema"
+            and "/properties/a" in details[2]["message"]
+        )
+        assert details[3]["param"] == "body.tool_choice"
+
+        conv = [{"role": "user", "content": "A ship, please."}]
+        lines = [
+            chat_line(f"ship-{i}", "A ship, please.", **model, seed=i, response_format=fmt(SHIP)) for i in range(4)
+        ]
+        lines.append(chat_line("two", "x", **model, messages=[conv, conv], response_format=[fmt(DOCK), fmt(SHIP)]))
+        lines.append(chat_line("call", "x", **model, tools=[TIDES], tool_choice="required", seed=2))
+        batch = api.create(lines)
+        done = api.wait(batch["id"], timeout=600)
+        assert done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+        out = {o["custom_id"]: o["response"]["body"] for o in api.content(done["output_file_id"])}
+        for i in range(4):
+            jsonschema.validate(orjson.loads(out[f"ship-{i}"]["choices"][0]["message"]["content"]), SHIP)
+        dock, ship = out["two"]["choices"]
+        jsonschema.validate(orjson.loads(dock["message"]["content"]), DOCK)
+        jsonschema.validate(orjson.loads(ship["message"]["content"]), SHIP)
+        call = out["call"]["choices"][0]
+        assert call["finish_reason"] == "tool_calls"
+        arguments = call["message"]["tool_calls"][0]["function"]["arguments"]
+        jsonschema.validate(orjson.loads(arguments), TIDES["function"]["parameters"])

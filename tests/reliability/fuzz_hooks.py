@@ -22,9 +22,15 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 # 422 codes whose rule needs more than the request's own JSON: the prompts' number (per-
 # prompt lists), the tokenizer (prompt lengths), the chat template, the uploaded file's
 # content (batch creation), the live queue size (a request larger than the whole queue;
-# for generation prompts x n).
+# for generation prompts x n), a JSON schema inside the request (valid JSON Schema, and
+# followable by the grammar library), tool names against tool_choice, and what the served
+# model can do (constrained output).
 NOT_IN_JSON_SCHEMA = frozenset(
     {
+        "invalid_schema",
+        "invalid_tools",
+        "invalid_tool_choice",
+        "unsupported_parameter",
         "prompt_count_mismatch",
         "request_too_large",
         "context_length_exceeded",

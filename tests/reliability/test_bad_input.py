@@ -83,7 +83,7 @@ CASES = [
         C,
         b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}',
         422,
-        "invalid_value",
+        "unsupported_parameter",
         "frequency_penalty",
     ),
     (

@@ -1,0 +1,160 @@
+"""Structures per prompt, forced calls read back as tool_calls, and a call's stream
+split into OpenAI's delta.tool_calls fragments (no model needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import APIError
+from gateway.schemas import ChatCompletionRequest, CompletionRequest
+from gateway.translate.structured import (
+    FREE,
+    Structure,
+    ToolCallStream,
+    chat_message,
+    offered_tools,
+    parse_call,
+    structures,
+)
+
+CONV = [{"role": "user", "content": "hi"}]
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "move",
+        "parameters": {"type": "object", "properties": {"to": {"type": "string"}}, "required": ["to"]},
+    },
+}
+STOP = {"type": "function", "function": {"name": "stop"}}
+DOCK = {"type": "json_schema", "json_schema": {"name": "dock", "schema": {"type": "boolean"}}}
+
+
+def chat(**body) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": CONV, **body})
+
+
+def test_scalars_apply_to_every_prompt_and_lists_per_prompt():
+    body = chat(messages=[CONV, CONV, CONV], response_format=[DOCK, {"type": "json_object"}, None])
+    a, b, c = structures(body, 3)
+    assert json.loads(a.schema) == {"type": "boolean"} and not a.tool_call
+    assert json.loads(b.schema) == {"type": "object"}
+    assert c == FREE
+    shared = structures(chat(messages=[CONV, CONV], response_format=DOCK), 2)
+    assert shared[0] == shared[1] and shared[0].schema == '{"type":"boolean"}'
+    completions = CompletionRequest.model_validate({"model": "m", "prompt": ["a", "b"], "response_format": DOCK})
+    assert [s.schema for s in structures(completions, 2)] == ['{"type":"boolean"}'] * 2
+
+
+def test_forced_calls_are_call_schemas_and_auto_only_offers():
+    named = structures(chat(tools=[TOOL, STOP], tool_choice={"type": "function", "function": {"name": "stop"}}), 1)[0]
+    assert named.tool_call and named.tools == ("move", "stop")
+    assert json.loads(named.schema)["properties"] == {
+        "name": {"const": "stop"},
+        "arguments": {"type": "object", "properties": {}, "additionalProperties": False},
+    }
+    required = structures(chat(tools=[TOOL, STOP], tool_choice="required"), 1)[0]
+    assert [s["properties"]["name"]["const"] for s in json.loads(required.schema)["anyOf"]] == ["move", "stop"]
+    auto = structures(chat(tools=[TOOL]), 1)[0]
+    assert auto == Structure(tools=("move",))
+    assert structures(chat(tools=[TOOL], tool_choice="none"), 1)[0] == FREE
+    per_prompt = chat(messages=[CONV, CONV], tools=[[TOOL], None], tool_choice=["required", None])
+    assert [s.tool_call for s in structures(per_prompt, 2)] == [True, False]
+    assert offered_tools(per_prompt, 2) == [[TOOL], []]
+    assert offered_tools(chat(tools=[TOOL], tool_choice="none"), 1) == [[]]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "code"),
+    [
+        ({"tools": [TOOL, TOOL]}, "tools", "invalid_tools"),
+        ({"messages": [CONV, CONV], "tools": [[TOOL], [STOP]], "tool_choice": "required"}, None, None),
+        ({"messages": [CONV, CONV], "tool_choice": ["none", "required"], "tools": [TOOL, STOP]}, None, None),
+        (
+            {"messages": [CONV, CONV], "tool_choice": ["required"], "tools": [TOOL]},
+            "tool_choice",
+            "prompt_count_mismatch",
+        ),
+        ({"messages": [CONV, CONV], "parallel_tool_calls": [True]}, "parallel_tool_calls", "prompt_count_mismatch"),
+        (
+            {
+                "messages": [CONV, CONV],
+                "tools": [[TOOL], [STOP]],
+                "tool_choice": {"type": "function", "function": {"name": "move"}},
+            },
+            "tool_choice",
+            "invalid_tool_choice",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"minLength": "3"}}}},
+            "response_format.json_schema.schema",
+            "invalid_schema",
+        ),
+    ],
+)
+def test_what_structures_refuse(body, param, code):
+    req = chat(**body)
+    n = len(req.conversations)
+    if param is None:
+        structures(req, n)
+        return
+    with pytest.raises(APIError) as err:
+        structures(req, n)
+    assert (err.value.param, err.value.code, err.value.status) == (param, code, 422)
+
+
+def test_a_completed_call_becomes_tool_calls():
+    forced = Structure('{"type":"object"}', tool_call=True, tools=("move",))
+    text = '{"name":"move","arguments":{"to":"dock"}}'
+    message, reason = chat_message(forced, text, "stop")
+    assert reason == "tool_calls" and message["content"] is None
+    (call,) = message["tool_calls"]
+    assert call["id"].startswith("call_") and call["function"] == {"name": "move", "arguments": '{"to":"dock"}'}
+    # Cut at the token limit: no call, the text as it is.
+    assert chat_message(forced, text[:-3], "length") == ({"role": "assistant", "content": text[:-3]}, "length")
+    # tool_choice auto: an answer that is exactly a call to an offered tool is one; anything else is content.
+    auto = Structure(tools=("move",))
+    assert chat_message(auto, text, "stop")[1] == "tool_calls"
+    assert chat_message(auto, text.replace("move", "fly"), "stop")[1] == "stop"
+    assert chat_message(FREE, text, "stop") == ({"role": "assistant", "content": text}, "stop")
+    assert parse_call('{"name":"move","arguments":3}') is None
+
+
+@pytest.mark.parametrize("cuts", [[1], [3, 9, 20, 24, 30], list(range(1, 41))])
+def test_a_call_streams_as_a_head_then_argument_fragments(cuts):
+    text = '{"name":"move","arguments":{"to":"d}o{ck"}}'
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True) if text[a:b]]
+    stream = ToolCallStream()
+    entries = []
+    for k, piece in enumerate(pieces):
+        final = k == len(pieces) - 1
+        entries += stream.feed(piece, final, complete=final)
+    head, rest = entries[0], entries[1:]
+    assert head == {"index": 0, "id": stream.id, "type": "function", "function": {"name": "move", "arguments": ""}}
+    assert all(set(e) == {"index", "function"} and set(e["function"]) == {"arguments"} for e in rest)
+    assert "".join(e["function"]["arguments"] for e in rest) == '{"to":"d}o{ck"}'
+
+
+def test_earlier_calls_reach_the_template_with_their_arguments_decoded():
+    from gateway.translate.chat import template_messages
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "move", "arguments": '{"to":"dock"}'}}
+    body = chat(
+        messages=[
+            *CONV,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "moved"},
+        ]
+    )
+    assert template_messages(body.conversations[0]) == [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "move", "arguments": {"to": "dock"}}}
+            ],
+        },
+        {"role": "tool", "content": "moved", "tool_call_id": "call_1"},
+    ]
