@@ -138,7 +138,9 @@ class NewTokens(msgspec.Struct, tag="delta", array_like=True):
     """New output of item `index` of `req`, in order: the new token ids (`ids`), sent for
     every generation item, streamed or not. The core makes no text: the front end
     detokenizes and applies stop strings (gateway/remote_batcher.py). `finish_reason`: the
-    core ended the sequence with these tokens ("stop": an end-of-sequence token; "length")."""
+    core ended the sequence with these tokens ("stop": an end-of-sequence token, never
+    decoded; "complete": the last token is part of the answer, a constrained row's grammar
+    is complete; "length")."""
 
     req: int
     index: int

@@ -20,6 +20,10 @@ MAX_HELD_TOKENS = 6
 
 FINISH_STOP = "stop"
 FINISH_LENGTH = "length"
+# The sequence ends after this token, which is part of the answer (a constrained row whose
+# grammar is complete: engine/grammar.py). Engine-internal, and on the wire from an engine
+# core to its front end; clients see "stop".
+FINISH_COMPLETE = "complete"
 
 
 class IncrementalDetokenizer:
@@ -105,7 +109,8 @@ class SequenceText:
     def advance(self, token: int, end: str | None = None) -> tuple[str, str | None]:
         """Account one new token: (the text it releases, the finish reason if the sequence
         ends with it). `end` is why the engine ends the sequence here regardless of its
-        text: FINISH_STOP for an end-of-sequence token (never decoded), FINISH_LENGTH when
+        text: FINISH_STOP for an end-of-sequence token (never decoded), FINISH_COMPLETE for
+        a last token that is part of the answer (a grammar complete), FINISH_LENGTH when
         out of room; a stop string in the text ends it with FINISH_STOP either way."""
         if end == FINISH_STOP:
             text, _ = self._stops.feed(self._detokenizer.flush(), final=True)
@@ -116,4 +121,4 @@ class SequenceText:
         if end is None:
             return text, None
         tail, stopped = self._stops.feed(self._detokenizer.flush(), final=True)
-        return text + tail, FINISH_STOP if stopped else FINISH_LENGTH
+        return text + tail, FINISH_STOP if stopped or end == FINISH_COMPLETE else FINISH_LENGTH

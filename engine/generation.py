@@ -25,7 +25,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .base import SamplingParams, SequenceRequest, StepOutput
 from .chat_tokenizer import encode_chat
-from .detokenize import FINISH_LENGTH, FINISH_STOP, SequenceText
+from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceText
 from .device import configure_threads, resolve_device, resolve_dtype
 from .grammar import GrammarCache, RowMasks
 from .kv import RunningBatch
@@ -252,10 +252,10 @@ class HFGenerationEngine:
         else:
             if seq.matcher is not None:
                 # A token the mask allowed is always accepted; once the grammar admits nothing
-                # more (the JSON value is closed) the row ends as if it had sampled EOS.
+                # more (the JSON value is closed) the row ends with this token, its text kept.
                 seq.matcher.consume_token(token)
                 if seq.matcher.is_stopped() or seq.matcher.is_error():
-                    end = FINISH_STOP
+                    end = FINISH_COMPLETE
             if end is None and (len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context):
                 end = FINISH_LENGTH
         if seq.text is None:

@@ -8,6 +8,7 @@ import pytest
 
 from engine.detokenize import (
     DETOKENIZE_CONTEXT,
+    FINISH_COMPLETE,
     FINISH_LENGTH,
     FINISH_STOP,
     MAX_HELD_TOKENS,
@@ -112,6 +113,15 @@ def test_an_end_of_sequence_token_releases_what_was_held_and_is_never_decoded():
     assert run(text, b"xa") == [("x", None), ("", None)]
     # EOS: the engine's reason; the token itself (0xFF here) is not decoded
     assert text.advance(0xFF, FINISH_STOP) == ("a", FINISH_STOP)
+
+
+def test_a_complete_grammar_keeps_its_last_token_and_says_stop():
+    """A constrained row ends on the token that closes its JSON value: that token is part
+    of the answer (unlike an end-of-sequence token), and the client sees "stop"."""
+    text = SequenceText(ByteTokenizer(), [], [])
+    assert run(text, b'{"a":1}', FINISH_COMPLETE)[-1] == ("}", FINISH_STOP)
+    text = SequenceText(ByteTokenizer(), [], ["1}"])  # a stop string still wins
+    assert run(text, b'{"a":1}', FINISH_COMPLETE)[-1] == ("", FINISH_STOP)
 
 
 def test_out_of_room_flushes_and_a_stop_string_there_still_says_stop():
