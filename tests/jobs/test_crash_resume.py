@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.fake import fake_tokens
+
 from ..waiting import wait_until
 from .conftest import Api, chat_line, embed_line
 
@@ -70,10 +72,14 @@ def serve(data: Path, log: Path, port: int) -> subprocess.Popen:
 
 
 def computed(log: Path) -> Counter:
-    """How many times each marker ("c<i>" / "e<i>") reached an engine."""
+    """How many times each marker ("c<i>" / "e<i>") reached an engine. An embeddings
+    engine in an engine core sees only ids, which it logs spelled out: mapped back here."""
+    spelled = {" ".join(map(str, fake_tokens(f"mark-e{i}"))): f"mark-e{i}" for i in range(100)}
     out: Counter = Counter()
     if log.exists():
         for line in log.read_text().splitlines():
+            kind, _, text = line.partition("\t")
+            line = f"{kind}\t{spelled.get(text, text)}"
             for word in line.replace("<", " ").replace(">", " ").split():
                 if word.startswith("mark-"):
                     out[word] += 1
