@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 
 from starlette.applications import Starlette
@@ -63,8 +64,12 @@ def create_app(
     """`cores`: in a front end of several (`--api-workers N`), the engine cores its
     supervisor runs, one account per model (gateway/front_ends.py)."""
     config = config or ServerConfig()
-    if (config.engine_cores or cores is not None) and specs is not None:
+    if cores is not None and specs is not None:
         raise ValueError("engine cores load their models from the configuration; specs cannot cross processes")
+    if config.engine_cores and specs is not None:
+        # Models handed over as objects (tests, `Ferry(specs=...)`) cannot cross to another
+        # process, and an engine core loads its model from the configuration: they run here.
+        config = dataclasses.replace(config, engine_cores=False)
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
     ferry.cores = cores
     jobs = ferry.jobs = BatchJobWorker(ferry)

@@ -84,11 +84,12 @@ class ServerSettings(Knobs):
         120.0, "time one engine call may take before its items fail and the engine moves to a fresh thread", **SECONDS
     )
     engine_cores: bool = knob(
-        False,
+        True,
         "run each model (embeddings and chat) in its own engine-core process (its queue, "
-        "batcher or scheduler and engine there; HTTP, tokenization and chat templates here), "
-        "so the model's torch threads never wait on this process's interpreter lock; "
-        "/metrics merges every core's series in (docs/operations.md)",
+        "batcher or scheduler and engine there; HTTP, tokenization, chat templates and "
+        "detokenization here), so the model's torch threads never wait on this process's "
+        "interpreter lock; /metrics merges every core's series in. `--no-engine-cores` runs "
+        "the models in the server's process (docs/operations.md)",
     )
     metrics_compat: Literal["none", "vllm"] = knob(
         "none",

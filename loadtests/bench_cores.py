@@ -71,9 +71,9 @@ def main() -> None:
     for t, c in ceilings.items():
         print(f"raw engine ceiling, {t} torch thread(s): {c:.1f} sentences/s")
     settings = {
-        "in-process, 1 thread": ["--torch-threads", "1"],
+        "in-process, 1 thread": ["--no-engine-cores", "--torch-threads", "1"],
         "engine core, 1 thread": ["--engine-cores", "--torch-threads", "1"],
-        "in-process, 2 threads": ["--torch-threads", "2"],
+        "in-process, 2 threads": ["--no-engine-cores", "--torch-threads", "2"],
         "engine core, 2 threads": ["--engine-cores", "--torch-threads", "2"],
     }
     results = {label: measure(label, args, rates, a.duration) for label, args in settings.items()}

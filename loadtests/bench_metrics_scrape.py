@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         env = {"FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": str(a.delay)}
     print(f"/metrics every {INTERVAL_S * 1000:.0f} ms under {a.rate:.0f} chat requests/s for {a.duration:.0f} s")
-    for label, args in (("in-process", []), ("engine cores", ["--engine-cores"])):
+    for label, args in (("in-process", ["--no-engine-cores"]), ("engine cores", ["--engine-cores"])):
         scrape_under_load(label, args, env, a.rate, a.duration)
 
 

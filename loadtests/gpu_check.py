@@ -439,8 +439,8 @@ def main() -> None:
         phase(result, "ceiling", raw_ceiling, path, device, plan)
 
         settings: list[tuple[str, list[str]]] = [
-            ("1 front end (defaults)", []),
-            ("1 front end, engine core", ["--engine-cores"]),
+            ("1 front end, in-process (--no-engine-cores)", ["--no-engine-cores"]),
+            ("1 front end, engine core (defaults)", []),
         ]
         several = has_flag("--api-workers")
         if several:
