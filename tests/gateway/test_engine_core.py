@@ -56,6 +56,21 @@ def cores_of(pid: int) -> list[psutil.Process]:
     return sorted(cores, key=lambda p: p.create_time())
 
 
+# The engine cores this test process already runs for the session's real models (the
+# `real_server` fixture), left out where a test counts the cores it starts itself.
+_SESSION_CORES: set[int] = set()
+
+
+def my_cores() -> list[psutil.Process]:
+    """The engine cores this test started in this process."""
+    return [c for c in cores_of(psutil.Process().pid) if c.pid not in _SESSION_CORES]
+
+
+@pytest.fixture(autouse=True)
+def _note_session_cores():
+    _SESSION_CORES.update(c.pid for c in cores_of(psutil.Process().pid))
+
+
 def core_of(gw: GatewayProcess, kind: str = "embedding") -> psutil.Process:
     cores = cores_of(gw.proc.pid)
     assert len(cores) == 2, cores  # fake-embed's core, then fake-chat's
@@ -286,9 +301,8 @@ def test_embedded_mode_starts_and_stops_its_cores(monkeypatch):
     from gateway import Ferry
 
     monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # read by the core too (it inherits the environment)
-    me = psutil.Process()
     with Ferry(engine_cores=True, warmup=False) as ferry:
-        cores = cores_of(me.pid)
+        cores = my_cores()
         assert len(cores) == 2
         vectors = ferry.client().embed("fake-embed", ["hello", "ferry"], numpy=True)
         np.testing.assert_array_equal(vectors, np.stack([fake_vector(t, 8) for t in ("hello", "ferry")]))
@@ -562,12 +576,11 @@ def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(m
     cfg = ServerConfig(embedding_model=str(missing), chat_model="none")
     monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")  # the first core serves the fake model ...
     metrics = GatewayMetrics()
-    me = psutil.Process()
 
     async def scenario() -> None:
         served = await start_in_core(default_specs(cfg)[0], 0, cfg, metrics)
         batcher = served.batcher
-        first = cores_of(me.pid)
+        first = my_cores()
         assert len(first) == 1
         monkeypatch.delenv("FERRY_FAKE_ENGINES")  # ... its restart (a fresh spawn) loads the missing one
         first[0].send_signal(signal.SIGKILL)
@@ -585,7 +598,7 @@ def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(m
 
     asyncio.run(scenario())
     wait_until(
-        lambda: all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in cores_of(me.pid)),
+        lambda: all(not c.is_running() or c.status() == psutil.STATUS_ZOMBIE for c in my_cores()),
         message="no engine core left",
     )
 
@@ -599,25 +612,25 @@ def test_restarts_are_bounded(monkeypatch):
 
     monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")
     monkeypatch.setattr(core_process, "MAX_RESTARTS", 1)
-    cfg, metrics, me = ServerConfig(), GatewayMetrics(), psutil.Process()
+    cfg, metrics = ServerConfig(), GatewayMetrics()
 
     async def scenario() -> None:
         served = await core_process.start_in_core(default_specs(cfg)[0], 0, cfg, metrics)
         batcher = served.batcher
         restarts = metrics.core_restarts.labels("fake-embed")
-        [first] = cores_of(me.pid)
+        [first] = my_cores()
         first.send_signal(signal.SIGKILL)
         await async_wait_until(  # restarted once ...
             lambda: restarts._value.get() == 1 and batcher.failed is None, timeout=120, message="the first restart"
         )
         [vector] = await batcher.submit_many([[1, 2]])
         assert (await vector.result_future).tokens == 2
-        [second] = cores_of(me.pid)
+        [second] = my_cores()
         second.send_signal(signal.SIGKILL)
         # ... not twice: the model stays unavailable, and says why (decided as the death is seen)
         await async_wait_until(lambda: batcher.failed is not None, message="the second death to be seen")
         assert "not restarted: 1 restarts in the last 300 s" in batcher.failed
-        assert not batcher.restarting and cores_of(me.pid) == []
+        assert not batcher.restarting and my_cores() == []
         assert restarts._value.get() == 1
         await batcher.stop()
 

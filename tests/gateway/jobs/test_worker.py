@@ -30,7 +30,7 @@ class Clock:
 
 async def front_end(data_dir: Path, clock: Clock) -> tuple[GatewayState, BatchJobWorker, FakeEmbeddingEngine]:
     engine = FakeEmbeddingEngine()
-    cfg = ServerConfig(data_dir=str(data_dir), warmup=False, api_workers=2)
+    cfg = ServerConfig(data_dir=str(data_dir), warmup=False, api_workers=2, engine_cores=False)
     ferry = GatewayState(cfg, GatewayMetrics(), [ModelSpec(EMBEDDING, lambda: engine, source="fake-embed")])
     await ferry.load()
     worker = ferry.jobs = BatchJobWorker(ferry, clock=clock)
