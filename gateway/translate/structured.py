@@ -231,17 +231,22 @@ def call_id() -> str:
 
 
 def parse_call(text: str) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of a generated call, or None if it is not a whole call."""
-    m = _CALL_HEAD.match(text)
-    if m is None or not text.endswith("}"):
-        return None
+    """(name, arguments JSON text) of an answer that is exactly one call, or None.
+
+    The answer is parsed as JSON, so any spacing counts (a forced call is compact; a
+    template like ferry-tiny-chat's teaches `{"name": "...", "arguments": {...}}`). It must
+    be an object of exactly `name` (a string) and `arguments` (an object); the arguments
+    come back re-dumped as compact JSON text."""
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("arguments"), dict):
+    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
         return None
-    return m.group(1), text[m.end() : -1]
+    name, arguments = value["name"], value["arguments"]
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
 
 
 def chat_message(s: Structure, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:

@@ -121,6 +121,36 @@ def test_a_completed_call_becomes_tool_calls():
     assert parse_call('{"name":"move","arguments":3}') is None
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name":"move","arguments":{"to":"dock"}}',
+        '{"name": "move", "arguments": {"to": "dock"}}',  # the tiny chat's template's own spacing
+        '\n  {"arguments" : { "to" : "dock" } ,\n "name" : "move"}  \n',
+    ],
+)
+def test_an_auto_answer_that_is_exactly_a_call_in_any_spacing_is_a_call(text):
+    message, reason = chat_message(Structure(tools=("move",)), text, "stop")
+    assert reason == "tool_calls" and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "move", "arguments": '{"to":"dock"}'}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'I will call {"name": "move", "arguments": {"to": "dock"}}',
+        '{"name": "move", "arguments": {"to": "dock"}} done',
+        '{"name": "move", "arguments": {"to": "dock"}, "why": "tide"}',
+        '{"name": "move", "arguments": "{\\"to\\": \\"dock\\"}"}',
+        '{"name": "move", "arguments": {"to": "dock"}',
+        '[{"name": "move", "arguments": {}}]',
+    ],
+)
+def test_an_auto_answer_that_is_not_exactly_a_call_stays_content(text):
+    assert parse_call(text) is None
+    assert chat_message(Structure(tools=("move",)), text, "stop") == ({"role": "assistant", "content": text}, "stop")
+
+
 @pytest.mark.parametrize("cuts", [[1], [3, 9, 20, 24, 30], list(range(1, 41))])
 def test_a_call_streams_as_a_head_then_argument_fragments(cuts):
     text = '{"name":"move","arguments":{"to":"d}o{ck"}}'
