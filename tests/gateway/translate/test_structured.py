@@ -224,6 +224,46 @@ def test_a_forced_call_streams_as_it_is_answered(text, finish_reason, size):
     )
 
 
+@pytest.mark.parametrize(
+    ("text", "finish_reason"),
+    [
+        (CALL, "stop"),
+        ('  {"name": "move", "arguments": {"to": "dock"}}\n', "stop"),  # the template's spacing
+        ('{"name": "fly", "arguments": {}}', "stop"),  # not an offered tool
+        ('{"name": "move", "arguments": {"to": "do', "length"),  # cut short: not exactly a call
+        ('{"name": "move", "arguments": {}} and then', "stop"),
+        ("  \n ", "stop"),
+        ("", "length"),
+        ("the dock, then {} and more", "stop"),
+        ("\n\nsail {", "length"),
+    ],
+)
+@pytest.mark.parametrize("size", [1, 3, 100])
+def test_an_auto_stream_agrees_with_the_whole_answer(text, finish_reason, size):
+    auto = Structure(tools=("move",))
+    pieces = [text[i : i + size] for i in range(0, len(text), size)] or [""]
+    assert without_ids(streamed(auto, pieces, finish_reason)) == without_ids(chat_message(auto, text, finish_reason))
+
+
+def test_an_auto_stream_holds_back_only_what_may_be_a_call():
+    from engine.base import SamplingParams
+    from gateway.errors import APIError
+    from gateway.translate.chat import GenerationWork, StreamChunks
+
+    auto = Structure(tools=("move",))
+    chunks = StreamChunks(GenerationWork("m", True, [[1], [1], [1]], [SamplingParams()] * 3, 1, [auto, auto, FREE]))
+    assert chunks.deltas(0, " ", None) == []  # whitespace: may still be a call
+    (first,) = chunks.deltas(0, " sail", None)  # cannot be one: out at once, with what was held
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": "  sail"}
+    assert chunks.deltas(0, " on", None)[0]["choices"][0]["delta"] == {"content": " on"}
+    assert chunks.deltas(1, '{"na', None) == []
+    # The item fails while its text is held: the text rides on the error chunk.
+    failed = chunks.error(1, APIError(500, "engine lost"))["choices"][0]
+    assert failed["delta"]["content"] == '{"na' and failed["finish_reason"] == "content_filter"
+    # Without tools nothing is held.
+    assert chunks.deltas(2, "{", None)[0]["choices"][0]["delta"]["content"] == "{"
+
+
 def test_earlier_calls_reach_the_template_with_their_arguments_decoded():
     from gateway.translate.chat import template_messages
 
