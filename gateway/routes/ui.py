@@ -99,7 +99,7 @@ async def page(request: Request) -> Response:
 async def asset(request: Request) -> Response:
     found = ASSETS.get(request.path_params["path"])
     if found is None:
-        return APIError(404, "Not Found", code="not_found").response()
+        return APIError(404, "Not Found", code="not_found").response({**HEADERS, "Cache-Control": "no-cache"})
     body, media = found
     return Response(body, media_type=media, headers={**HEADERS, "Cache-Control": "no-cache"})
 

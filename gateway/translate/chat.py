@@ -125,15 +125,21 @@ class StreamChunks:
         self.object = "chat.completion.chunk" if work.chat else "text_completion"
         self._started: set[int] = set()  # chat choices whose first delta (the role) went out
         self._calls: dict[int, ToolCallStream] = {}  # items whose output is a forced tool call
+        self._held: dict[int, str] = {}  # "auto" items' text held back while it may be a call
+        self._free: set[int] = set()  # "auto" items whose text cannot be a call: streamed as it comes
 
     def delta(self, k: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
         return self._chunk(k, text, finish_reason)
 
     def deltas(self, k: int, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
         """The chunks of one delta of item `k`: one, or for a forced tool call the
-        `delta.tool_calls` fragments it completes (none while the call's head is incomplete)."""
-        if not (self.work.chat and self.work.structures[self.work.prompt_index[k]].tool_call):
+        `delta.tool_calls` fragments it completes (none while the call's head is incomplete),
+        or for tools offered under "auto" what `_auto` lets out."""
+        structure = self.work.structures[self.work.prompt_index[k]]
+        if not (self.work.chat and structure.tools):
             return [self._chunk(k, text, finish_reason)]
+        if not structure.tool_call:
+            return self._auto(k, structure, text, finish_reason)
         stream = self._calls.setdefault(k, ToolCallStream())
         final = finish_reason is not None
         # A whole call, not one a stop string cut short (which ends as text would).
@@ -150,6 +156,34 @@ class StreamChunks:
                 chunks.append(self._chunk(k, None, reason))
         return chunks
 
+    def _auto(self, k: int, s: Structure, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
+        """Under tool_choice "auto" the answer is a call only if it is exactly one, which is
+        known at its end. So its text is held back while it may still be a call (nothing
+        but whitespace yet, or it begins with `{`): at the end it goes out as the whole
+        answer would (`chat_message`), either as `delta.tool_calls` (a head fragment, then
+        the arguments) with finish_reason "tool_calls", or as the held content. Text that
+        cannot be a call streams as it comes."""
+        if k in self._free:
+            return [self._chunk(k, text, finish_reason)]
+        buffer = self._held.get(k, "") + (text or "")
+        start = buffer.lstrip()
+        if start and not start.startswith("{"):
+            self._held.pop(k, None)
+            self._free.add(k)
+            return [self._chunk(k, buffer, finish_reason)]
+        if finish_reason is None:
+            self._held[k] = buffer
+            return []
+        self._held.pop(k, None)
+        message, reason = chat_message(s, buffer, finish_reason)
+        if not message.get("tool_calls"):
+            return [self._chunk(k, buffer, reason)]
+        (call,) = message["tool_calls"]
+        function = {"name": call["function"]["name"], "arguments": ""}
+        head = {"index": 0, "id": call["id"], "type": "function", "function": function}
+        arguments = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
+        return [self._chunk(k, None, None, tool_calls=[head]), self._chunk(k, None, reason, tool_calls=[arguments])]
+
     def error(self, k: int, err: APIError) -> dict[str, Any]:
         """The error rides on the item's own final chunk: a separate top-level error event
         would make OpenAI clients abort the whole stream, and with it the other prompts'
@@ -158,7 +192,8 @@ class StreamChunks:
         failure from a real content filter."""
         detail = error_body(err.status, err.message, err.code)["error"]
         detail.update(status=err.status, prompt_index=self.work.prompt_index[k], index=k)
-        return self._chunk(k, None, "content_filter", detail)
+        # Text held back under tool_choice "auto" (it might have become a call) goes out with it.
+        return self._chunk(k, self._held.pop(k, None), "content_filter", detail)
 
     def usage(self, completion_tokens: int) -> dict[str, Any]:
         return {**self._head(), "choices": [], "usage": self.work.usage(completion_tokens)}

@@ -231,23 +231,45 @@ def call_id() -> str:
 
 
 def parse_call(text: str) -> tuple[str, str] | None:
-    """(name, arguments JSON text) of a generated call, or None if it is not a whole call."""
-    m = _CALL_HEAD.match(text)
-    if m is None or not text.endswith("}"):
-        return None
+    """(name, arguments JSON text) of an answer that is exactly one call, or None.
+
+    The answer is parsed as JSON, so any spacing counts (a forced call is compact; a
+    template like ferry-tiny-chat's teaches `{"name": "...", "arguments": {...}}`). It must
+    be an object of exactly `name` (a string) and `arguments` (an object); the arguments
+    come back re-dumped as compact JSON text."""
     try:
         value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("arguments"), dict):
+    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
         return None
-    return m.group(1), text[m.end() : -1]
+    name, arguments = value["name"], value["arguments"]
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        return None
+    return name, json.dumps(arguments, ensure_ascii=False, separators=(",", ":"))
 
 
 def chat_message(s: Structure, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
-    """The chat answer's message and finish_reason. A forced call that completed becomes
-    `tool_calls`; with tools offered ("auto"), so does an answer that is exactly a call."""
-    if (s.tool_call and finish_reason == "stop") or (s.tools and not s.tool_call):
+    """The chat answer's message and finish_reason. A forced call becomes `tool_calls` once
+    its head `{"name":"<tool>","arguments":` was generated, exactly as its stream would
+    (`ToolCallStream`): finish_reason "tool_calls" when it completed, else the reason it
+    was cut (`length`, or `stop` for a stop string) with the arguments as far as they got,
+    as OpenAI answers; cut before its head, it is content. With tools offered ("auto"), an
+    answer that is exactly a call becomes `tool_calls`."""
+    if s.tool_call:
+        stream = ToolCallStream()
+        complete = finish_reason == "stop" and parse_call(text) is not None
+        entries = stream.feed(text, True, complete)
+        if stream.started:
+            head = entries[0]
+            head["function"]["arguments"] = "".join(e["function"]["arguments"] for e in entries[1:])
+            head.pop("index")
+            return {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [head],
+            }, "tool_calls" if complete else finish_reason
+    elif s.tools:
         call = parse_call(text)
         if call is not None and call[0] in s.tools:
             name, arguments = call

@@ -14,9 +14,11 @@ from batcher.clock import FakeClock
 from batcher.errors import QueueFull
 from batcher.metrics import Metrics
 from batcher.microbatcher import MicroBatcher
+from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
-from batcher.types import Priority
-from engine.fake import SimulatedExecutor
+from batcher.types import GenRequest, Priority
+from engine.base import SamplingParams, sequence_request
+from engine.fake import FakeGenerationEngine, SimulatedEngineThread, SimulatedExecutor
 from gateway.metrics import GatewayMetrics
 from gateway.metrics_merge import merged_families
 from gateway.routes.admin import cost_models
@@ -108,6 +110,7 @@ def test_stats_after_a_known_sequence():
     assert wait["p50_ms"] == pytest.approx(0.5 * 3.5 / 4)
     assert wait["p99_ms"] == pytest.approx(10.0 + 15.0 * (0.99 * 7 - 5) / 2)
     assert m["latency"]["request"] is None  # no HTTP here: the gateway's histogram is empty
+    assert "ttft" not in m["latency"] and "itl" not in m["latency"]  # an embeddings model generates no tokens
     # The cost chart: the fitted line, and the mean batch since the previous snapshot.
     embed = m["cost"]["embed"]
     assert embed["predicted"][0] == [1, pytest.approx(embed["fixed_ms"] + embed["per_item_ms"])]
@@ -125,6 +128,65 @@ def test_stats_after_a_known_sequence():
 
     # After a quiet spell longer than the window there is no baseline left.
     assert late["window_s"] is None and late["models"][0]["rates"]["completions"] is None
+
+
+def test_chat_figures_after_a_known_sequence():
+    """A chat model's time to first token, inter-token latency and running sequences. Every
+    engine call (a prefill, a decode step) takes STEP on the fake clock."""
+    step = 0.015
+    settings = BatchingSettings(max_running=2, max_batch_size=2, max_wait_ms=0, default_budget_ms=None)
+
+    async def scenario():
+        clock = FakeClock()
+        registry = CollectorRegistry()
+        ring = StatsRing(window=WINDOW_S, clock=clock.now)
+        engine = FakeGenerationEngine()
+        sched = GenerationScheduler(
+            "c",
+            engine,
+            SimulatedEngineThread(clock, engine, step, 0.0),
+            settings,
+            make_request=sequence_request,
+            clock=clock,
+            metrics=Metrics(registry),
+        )
+
+        def snapshot():
+            return ring.stats(registry.collect(), [ModelInfo("c", "chat", sched.settings.to_dict(), None)])
+
+        await sched.start()
+        snaps = [snapshot()]
+        items = [
+            sched.submit(GenRequest([1, 2, 3], SamplingParams(max_tokens=n, temperature=0.0)), cost=3) for n in (2, 4)
+        ]
+        await clock.advance(0.020)  # both prefilled together (their first tokens at 15 ms), now decoding
+        snaps.append(snapshot())
+        await clock.run_until_idle()  # a's second token at 30 ms; b's at 30, 45 and 60 ms
+        snaps.append(snapshot())
+        await sched.stop()
+        return snaps, [i.future.result().completion_tokens for i in items]
+
+    (first, running, done), tokens = asyncio.run(scenario())
+    assert tokens == [2, 4]
+    m = first["models"][0]
+    assert m["kind"] == "chat" and m["latency"]["ttft"] is None and m["latency"]["itl"] is None
+    assert m["queue"]["running"] == 0
+
+    m = running["models"][0]
+    assert m["queue"]["running"] == 2 and m["queue"]["waiting"] == 0 and m["queue"]["depth"] == 0
+    assert m["rates"]["arrivals"] == pytest.approx(2 / 0.020)  # both held, none ended yet
+    # Both first tokens came 15 ms after arrival, in the bucket (10, 25] ms: p50 (rank 1 of 2)
+    # is halfway through it, p99 (rank 1.98) 0.99 of the way.
+    assert m["latency"]["ttft"] == {"count": 2, "p50_ms": pytest.approx(17.5), "p99_ms": pytest.approx(24.85)}
+    assert m["latency"]["itl"] is None  # no second token yet
+
+    m = done["models"][0]
+    assert m["queue"]["running"] == 0 and m["outcomes"]["result"] == 2
+    assert m["latency"]["ttft"]["count"] == 2
+    # Four gaps of 15 ms (one of a, three of b), in the bucket (10, 20] ms: p50 (rank 2 of 4)
+    # halfway through, p99 (rank 3.96) 0.99 of the way.
+    assert m["latency"]["itl"] == {"count": 4, "p50_ms": pytest.approx(15.0), "p99_ms": pytest.approx(19.9)}
+    assert m["rates"]["completions"] == pytest.approx(2 / (4 * step))
 
 
 def test_stats_over_an_engine_core_match_those_of_the_core_itself():

@@ -383,6 +383,37 @@ def test_auto_shows_the_tools_to_the_template_and_none_does_not(real_server):
     assert auto["choices"][0]["message"]["content"] and auto["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+@pytest.mark.parametrize("max_tokens", [2, 26])
+def test_a_forced_call_cut_short_reads_the_same_streamed_and_not(real_server, max_tokens):
+    body = {"model": MODEL, "messages": CONV, "seed": 3, "max_tokens": max_tokens, "tools": [WEATHER]}
+    body["tool_choice"] = {"type": "function", "function": {"name": "get_weather"}}
+    whole = httpx.post(real_server.url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]
+    with httpx.stream("POST", real_server.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=300) as r:
+        choices = [c for ev in sse_events(r)[:-1] for c in ev["choices"]]
+    assert whole["finish_reason"] == choices[-1]["finish_reason"] == "length"
+    calls = [t for c in choices for t in c["delta"].get("tool_calls") or []]
+    if max_tokens == 2:  # cut inside `{"name":"get_weather","arguments":`: the text as content
+        assert not calls and whole["message"]["content"].startswith('{"')
+        assert "".join(c["delta"].get("content") or "" for c in choices) == whole["message"]["content"]
+        return
+    (call,) = whole["message"]["tool_calls"]  # cut in its arguments: the call as far as it got
+    assert whole["message"]["content"] is None and call["function"]["name"] == "get_weather"
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert "".join(t["function"]["arguments"] for t in calls) == call["function"]["arguments"]
+    assert call["function"]["arguments"].startswith("{")
+
+
+def test_an_auto_answer_streams_as_the_whole_answer_reads(real_server):
+    body = {"model": MODEL, "messages": CONV, "max_tokens": 8, "temperature": 0, "tools": [WEATHER]}
+    whole = chat(real_server, max_tokens=8, temperature=0, tools=[WEATHER]).json()["choices"][0]
+    with httpx.stream("POST", real_server.url + "/v1/chat/completions", json=body | {"stream": True}, timeout=300) as r:
+        events = sse_events(r)
+    choices = [c for ev in events[:-1] for c in ev["choices"]]
+    assert all(c["prompt_index"] == 0 for c in choices)
+    assert "".join(c["delta"].get("content") or "" for c in choices) == whole["message"]["content"]
+    assert choices[-1]["finish_reason"] == whole["finish_reason"]
+
+
 def test_an_earlier_call_goes_back_to_the_template(real_server):
     first = chat(real_server, seed=2, tools=[TIDES], tool_choice="required").json()["choices"][0]["message"]
     history = [*CONV, first, {"role": "user", "content": "And tomorrow?"}]

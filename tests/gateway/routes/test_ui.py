@@ -36,7 +36,10 @@ def test_page_and_assets_carry_a_strict_csp_and_no_inline_script(fake_server_fac
         assert r.headers["content-security-policy"] == CSP
         assert r.headers["content-type"].startswith(types[Path(ref).suffix])
     assert "MIT License" in httpx.get(s.url + "/ui/static/vendor/uplot/LICENSE").text
-    assert httpx.get(s.url + "/ui/static/nope.js").status_code == 404
+    for missing in ("/ui/static/nope.js", "/ui/static/ui/static/ui.js"):  # a 404 of the page's own keeps its CSP
+        r = httpx.get(s.url + missing)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found", missing
+        assert r.headers["content-security-policy"] == CSP, missing
     for sneaky in ("/ui/static/../../app.py", "/ui/static/%2e%2e/%2e%2e/app.py", "/ui/static/ui/static/ui.js"):
         assert httpx.get(s.url + sneaky).status_code == 404, sneaky
 
