@@ -5,7 +5,9 @@ the interpreter lock of a process that parses HTTP.
 
 `gateway/core_process.py` starts `run_core` with multiprocessing's `spawn` and a pipe. On the
 pipe the core reports `("ready", facts)` or `("failed", one line)` once, then takes
-`("drain", seconds)`; the pipe's end (the server gone) stops the core at once. SIGTERM
+`("drain", seconds)` and `("peer_gone", identity)` (with `--api-workers N`, the supervisor
+saw the front end whose sockets are named `identity` die: `EngineCore.forget_peer`); the
+pipe's end (the server gone) stops the core at once. SIGTERM
 drains too; SIGINT is ignored, the server decides when its cores stop.
 
 Served on a ROUTER socket, in the core's event loop: `Submit` is admitted or refused at
@@ -88,10 +90,14 @@ class EngineCore:
         self.address = address
         self.requests: dict[tuple[bytes, int], list[WorkItem]] = {}  # (front end, req) -> items
         self.dropped = 0  # messages for keys this core does not know
+        self.gone: set[bytes] = set()  # front ends their supervisor reported dead
 
     async def serve(self) -> None:
         while True:
             peer, raw = await self.sock.recv_multipart()
+            if peer in self.gone:  # sent before it died, read after: nobody waits for it
+                self.dropped += 1
+                continue
             try:
                 message = wire.decode_to_core(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -113,8 +119,8 @@ class EngineCore:
         # A ROUTER never blocks: a message to a front end past its high-water mark, or gone,
         # is dropped by ZMQ, and that front end's clients are gone with it. Non-blocking
         # sends finish at once, so the future is done here.
-        if self.sock.closed:
-            return  # stopping: nobody waits for this any more
+        if self.sock.closed or peer in self.gone:
+            return  # stopping, or a dead front end's: nobody waits for this any more
         sent = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, wire.encode(message)], flags=zmq.NOBLOCK))
         if sent.exception() is not None:
             log.warning("message to a front end not sent: %s", sent.exception())
@@ -150,6 +156,9 @@ class EngineCore:
 
     def _submit(self, peer: bytes, m: wire.Submit) -> None:
         key = (peer, m.req)
+        if peer in self.gone:  # died while its schemas compiled
+            self.dropped += 1
+            return
         budget = None if m.deadline is None else m.deadline - self.batcher.clock.now()
         try:
             items = self.batcher.submit_many(
@@ -194,6 +203,23 @@ class EngineCore:
             return
         for item in items:
             self.batcher.cancel(item, by_client=m.by_client)  # idempotent per item
+
+    def forget_peer(self, peer: bytes) -> int:
+        """The front end whose sockets are named `peer` died (its supervisor says so): every
+        unfinished item of it is cancelled (queued ones withdrawn, running sequences stopped
+        and their KV freed; counted in ferry_cancellations_total, as its clients left), and
+        its results and later messages are dropped. Returns how many items it cancelled."""
+        self.gone.add(peer)
+        for key in self.compiling:
+            if key[0] == peer:
+                self.compiling[key] = True  # cancelled once submitted (and _submit drops it)
+        cancelled = 0
+        for key in [k for k in self.requests if k[0] == peer]:
+            for item in list(self.requests.get(key, [])):
+                cancelled += self.batcher.cancel(item)
+        if cancelled:
+            log.warning("a front end died: %d of its items cancelled", cancelled)
+        return cancelled
 
     def stop_sequence(self, peer: bytes, m: wire.Stop) -> None:
         items = self.requests.get((peer, m.req))
@@ -353,7 +379,9 @@ async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, sett
             command, value = conn.recv()
         except (EOFError, OSError):  # the server is gone: nobody can take results any more
             command, value = "gone", 0.0
-        if not stop.done() and command in ("drain", "gone"):
+        if command == "peer_gone":
+            core.forget_peer(value)
+        elif not stop.done() and command in ("drain", "gone"):
             stop.set_result(value)
 
     loop.add_reader(conn.fileno(), from_server)
