@@ -24,12 +24,14 @@ only reads it) and is answered by `SettingsAnswer`; `MetricsRequest` is answered
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Any, cast
@@ -345,12 +347,88 @@ def facts(served: ServedModel[Any]) -> dict[str, Any]:
     return {"name": engine.name, "dim": engine.dim, "max_length": engine.max_length}
 
 
+# A Hugging Face Hub id: "name" or "owner/name" (huggingface_hub's own rule, roughly:
+# letters, digits, "-", "_", "." in each part).
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+# The architectures (config.json) a chat model's engine can load (AutoModelForCausalLM).
+GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def looks_like_path(source: str) -> bool:
+    """A source meant as a local path: absolute, `./`, `../` or `~`; or with a separator and
+    either not shaped like a Hub id (`a/b/c`, `a//b`) or under a directory that exists here
+    (`models/x` where `models/` does)."""
+    if source.startswith(("/", "./", "../", "~")):
+        return True
+    if os.sep not in source:
+        return False
+    return not HUB_ID.fullmatch(source) or os.path.isdir(os.path.dirname(source))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or during (transformers wraps the Hub's)."""
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _named(chain: list[BaseException], name: str) -> bool:
+    return any(name in (c.__name__ for c in type(e).__mro__) for e in chain)
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def architectures(source: str) -> list[str] | None:
+    """What `source`'s config.json names (a local directory's, or a cached Hub id's), if it can be read."""
+    path: Any = os.path.join(os.path.expanduser(source), "config.json")
+    if not os.path.isfile(path):
+        path = None
+        if HUB_ID.fullmatch(source):
+            with contextlib.suppress(Exception):  # offline, cache only: never a download
+                from huggingface_hub import try_to_load_from_cache
+
+                path = try_to_load_from_cache(source, "config.json")
+    if not isinstance(path, str):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(a) for a in found] if isinstance(found, list) else None
+
+
 def failure_line(spec: ModelSpec, exc: BaseException) -> str:
-    """One line for the operator: which model, from where, and why it did not load."""
+    """One line for the operator: which model, from where, and why it did not load. The
+    reasons it names (docs/operations.md, "Engine cores"): a missing path (`looks_like_path`
+    and nothing there); a Hub id not in the local cache while HF_HUB_OFFLINE is set (or the
+    Hub unreachable), or not on the Hub; a model that is not of `spec.kind`. Anything else:
+    the exception's class and first line."""
+    source = spec.source
+    chain = _chain(exc)
+    text = " ".join(str(e) for e in chain)
     reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-    if spec.source.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(spec.source)):
+    if source and looks_like_path(source) and not os.path.exists(os.path.expanduser(source)):
         reason = "no such file or directory"  # what the loader's complaint about a repo id means here
-    return f"cannot load the {spec.kind} model {spec.source or '(unnamed)'}: {reason}"
+    elif _named(chain, "LocalEntryNotFoundError") or "couldn't find them in the cached files" in text:
+        if hub_offline():
+            reason = "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+        else:
+            reason = "not in the local Hugging Face cache, and the Hugging Face Hub cannot be reached"
+    elif _named(chain, "RepositoryNotFoundError"):
+        reason = "no such model on the Hugging Face Hub (or a gated one: set HF_TOKEN)"
+    elif "Unrecognized configuration class" in text:  # transformers' Auto class for this kind refused it
+        reason = f"not a {spec.kind} model"
+    elif spec.kind == CHAT and source:
+        names = architectures(source)
+        if names and not any(n.endswith(GENERATIVE_SUFFIXES) for n in names):
+            reason = f"not a {spec.kind} model (its config names {', '.join(names)})"
+    return f"cannot load the {spec.kind} model {source or '(unnamed)'}: {reason}"
 
 
 async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, settings: dict[str, Any] | None) -> int:
