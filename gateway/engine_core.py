@@ -379,6 +379,10 @@ def _named(chain: list[BaseException], name: str) -> bool:
     return any(name in (c.__name__ for c in type(e).__mro__) for e in chain)
 
 
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+
+
 def hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
@@ -423,11 +427,11 @@ def failure_line(spec: ModelSpec, exc: BaseException) -> str:
     elif _named(chain, "RepositoryNotFoundError"):
         reason = "no such model on the Hugging Face Hub (or a gated one: set HF_TOKEN)"
     elif "Unrecognized configuration class" in text:  # transformers' Auto class for this kind refused it
-        reason = f"not a {spec.kind} model"
+        reason = f"not {_a(spec.kind)} model"
     elif spec.kind == CHAT and source:
         names = architectures(source)
         if names and not any(n.endswith(GENERATIVE_SUFFIXES) for n in names):
-            reason = f"not a {spec.kind} model (its config names {', '.join(names)})"
+            reason = f"not {_a(spec.kind)} model (its config names {', '.join(names)})"
     return f"cannot load the {spec.kind} model {source or '(unnamed)'}: {reason}"
 
 

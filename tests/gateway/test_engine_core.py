@@ -348,6 +348,7 @@ def test_a_model_of_another_kind_is_named_as_such(tmp_path):
     assert failure_line(spec_of("chat", "someone/encoder"), refused) == (
         "cannot load the chat model someone/encoder: not a chat model"
     )
+    assert failure_line(spec_of("embedding", "someone/x"), refused).endswith(": not an embedding model")
     # An encoder that AutoModelForCausalLM takes (BERT as a decoder) fails later, anyhow:
     # its config tells.
     encoder = tmp_path / "minilm"
