@@ -151,6 +151,11 @@ class CoreProcess:
         self.conn.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    def forget_peer(self, identity: bytes) -> None:
+        """Tell the core that the front end whose sockets are named `identity` died: it
+        cancels that front end's unfinished items and drops its later messages."""
+        self._tell(("peer_gone", identity))
+
     def _tell(self, message: tuple) -> None:
         with contextlib.suppress(OSError, ValueError):  # gone already (or the pipe closed by an earlier stop)
             self.conn.send(message)
@@ -250,6 +255,10 @@ class Supervisor:
         core.watch(self._exited)
         log.info("engine core of %s restarted", batcher.model)
 
+    def forget_peer(self, identity: bytes) -> None:
+        """A front end died (`--api-workers N`): its work in the core now is wasted."""
+        self.core.forget_peer(identity)
+
     async def drain(self, timeout: float) -> None:
         self._leaving = True
         await self.core.drain(timeout)
@@ -314,7 +323,14 @@ async def attach_core(spec: ModelSpec, view: dict[str, Any]) -> ServedModel:
     assert spec.front is not None
     engine = await asyncio.to_thread(spec.front, view["facts"])
     control = FrontEndCore()
-    batcher = RemoteBatcher(engine.name, view["address"], BatchingSettings(**view["settings"]), core=control)
+    identity = view.get("identity")
+    batcher = RemoteBatcher(
+        engine.name,
+        view["address"],
+        BatchingSettings(**view["settings"]),
+        core=control,
+        identity=None if identity is None else identity.encode(),
+    )
     control.batcher = batcher
     await batcher.start()
     if view["failed"]:  # lost before this front end started: unavailable until it is back

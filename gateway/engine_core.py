@@ -5,7 +5,9 @@ the interpreter lock of a process that parses HTTP.
 
 `gateway/core_process.py` starts `run_core` with multiprocessing's `spawn` and a pipe. On the
 pipe the core reports `("ready", facts)` or `("failed", one line)` once, then takes
-`("drain", seconds)`; the pipe's end (the server gone) stops the core at once. SIGTERM
+`("drain", seconds)` and `("peer_gone", identity)` (with `--api-workers N`, the supervisor
+saw the front end whose sockets are named `identity` die: `EngineCore.forget_peer`); the
+pipe's end (the server gone) stops the core at once. SIGTERM
 drains too; SIGINT is ignored, the server decides when its cores stop.
 
 Served on a ROUTER socket, in the core's event loop: `Submit` is admitted or refused at
@@ -22,12 +24,14 @@ only reads it) and is answered by `SettingsAnswer`; `MetricsRequest` is answered
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import gc
 import json
 import logging
 import os
+import re
 import signal
 import sys
 from typing import Any, cast
@@ -88,10 +92,14 @@ class EngineCore:
         self.address = address
         self.requests: dict[tuple[bytes, int], list[WorkItem]] = {}  # (front end, req) -> items
         self.dropped = 0  # messages for keys this core does not know
+        self.gone: set[bytes] = set()  # front ends their supervisor reported dead
 
     async def serve(self) -> None:
         while True:
             peer, raw = await self.sock.recv_multipart()
+            if peer in self.gone:  # sent before it died, read after: nobody waits for it
+                self.dropped += 1
+                continue
             try:
                 message = wire.decode_to_core(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -113,8 +121,8 @@ class EngineCore:
         # A ROUTER never blocks: a message to a front end past its high-water mark, or gone,
         # is dropped by ZMQ, and that front end's clients are gone with it. Non-blocking
         # sends finish at once, so the future is done here.
-        if self.sock.closed:
-            return  # stopping: nobody waits for this any more
+        if self.sock.closed or peer in self.gone:
+            return  # stopping, or a dead front end's: nobody waits for this any more
         sent = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, wire.encode(message)], flags=zmq.NOBLOCK))
         if sent.exception() is not None:
             log.warning("message to a front end not sent: %s", sent.exception())
@@ -150,6 +158,9 @@ class EngineCore:
 
     def _submit(self, peer: bytes, m: wire.Submit) -> None:
         key = (peer, m.req)
+        if peer in self.gone:  # died while its schemas compiled
+            self.dropped += 1
+            return
         budget = None if m.deadline is None else m.deadline - self.batcher.clock.now()
         try:
             items = self.batcher.submit_many(
@@ -194,6 +205,23 @@ class EngineCore:
             return
         for item in items:
             self.batcher.cancel(item, by_client=m.by_client)  # idempotent per item
+
+    def forget_peer(self, peer: bytes) -> int:
+        """The front end whose sockets are named `peer` died (its supervisor says so): every
+        unfinished item of it is cancelled (queued ones withdrawn, running sequences stopped
+        and their KV freed; counted in ferry_cancellations_total, as its clients left), and
+        its results and later messages are dropped. Returns how many items it cancelled."""
+        self.gone.add(peer)
+        for key in self.compiling:
+            if key[0] == peer:
+                self.compiling[key] = True  # cancelled once submitted (and _submit drops it)
+        cancelled = 0
+        for key in [k for k in self.requests if k[0] == peer]:
+            for item in list(self.requests.get(key, [])):
+                cancelled += self.batcher.cancel(item)
+        if cancelled:
+            log.warning("a front end died: %d of its items cancelled", cancelled)
+        return cancelled
 
     def stop_sequence(self, peer: bytes, m: wire.Stop) -> None:
         items = self.requests.get((peer, m.req))
@@ -319,12 +347,92 @@ def facts(served: ServedModel[Any]) -> dict[str, Any]:
     return {"name": engine.name, "dim": engine.dim, "max_length": engine.max_length}
 
 
+# A Hugging Face Hub id: "name" or "owner/name" (huggingface_hub's own rule, roughly:
+# letters, digits, "-", "_", "." in each part).
+HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?")
+# The architectures (config.json) a chat model's engine can load (AutoModelForCausalLM).
+GENERATIVE_SUFFIXES = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
+def looks_like_path(source: str) -> bool:
+    """A source meant as a local path: absolute, `./`, `../` or `~`; or with a separator and
+    either not shaped like a Hub id (`a/b/c`, `a//b`) or under a directory that exists here
+    (`models/x` where `models/` does)."""
+    if source.startswith(("/", "./", "../", "~")):
+        return True
+    if os.sep not in source:
+        return False
+    return not HUB_ID.fullmatch(source) or os.path.isdir(os.path.dirname(source))
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from or during (transformers wraps the Hub's)."""
+    seen: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in seen:
+        seen.append(e)
+        e = e.__cause__ or e.__context__
+    return seen
+
+
+def _named(chain: list[BaseException], name: str) -> bool:
+    return any(name in (c.__name__ for c in type(e).__mro__) for e in chain)
+
+
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def architectures(source: str) -> list[str] | None:
+    """What `source`'s config.json names (a local directory's, or a cached Hub id's), if it can be read."""
+    path: Any = os.path.join(os.path.expanduser(source), "config.json")
+    if not os.path.isfile(path):
+        path = None
+        if HUB_ID.fullmatch(source):
+            with contextlib.suppress(Exception):  # offline, cache only: never a download
+                from huggingface_hub import try_to_load_from_cache
+
+                path = try_to_load_from_cache(source, "config.json")
+    if not isinstance(path, str):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            found = json.load(f).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(a) for a in found] if isinstance(found, list) else None
+
+
 def failure_line(spec: ModelSpec, exc: BaseException) -> str:
-    """One line for the operator: which model, from where, and why it did not load."""
+    """One line for the operator: which model, from where, and why it did not load. The
+    reasons it names (docs/operations.md, "Engine cores"): a missing path (`looks_like_path`
+    and nothing there); a Hub id not in the local cache while HF_HUB_OFFLINE is set (or the
+    Hub unreachable), or not on the Hub; a model that is not of `spec.kind`. Anything else:
+    the exception's class and first line."""
+    source = spec.source
+    chain = _chain(exc)
+    text = " ".join(str(e) for e in chain)
     reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-    if spec.source.startswith(("/", "./", "../", "~")) and not os.path.exists(os.path.expanduser(spec.source)):
+    if source and looks_like_path(source) and not os.path.exists(os.path.expanduser(source)):
         reason = "no such file or directory"  # what the loader's complaint about a repo id means here
-    return f"cannot load the {spec.kind} model {spec.source or '(unnamed)'}: {reason}"
+    elif _named(chain, "LocalEntryNotFoundError") or "couldn't find them in the cached files" in text:
+        if hub_offline():
+            reason = "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+        else:
+            reason = "not in the local Hugging Face cache, and the Hugging Face Hub cannot be reached"
+    elif _named(chain, "RepositoryNotFoundError"):
+        reason = "no such model on the Hugging Face Hub (or a gated one: set HF_TOKEN)"
+    elif "Unrecognized configuration class" in text:  # transformers' Auto class for this kind refused it
+        reason = f"not {_a(spec.kind)} model"
+    elif spec.kind == CHAT and source:
+        names = architectures(source)
+        if names and not any(n.endswith(GENERATIVE_SUFFIXES) for n in names):
+            reason = f"not {_a(spec.kind)} model (its config names {', '.join(names)})"
+    return f"cannot load the {spec.kind} model {source or '(unnamed)'}: {reason}"
 
 
 async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, settings: dict[str, Any] | None) -> int:
@@ -353,7 +461,9 @@ async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, sett
             command, value = conn.recv()
         except (EOFError, OSError):  # the server is gone: nobody can take results any more
             command, value = "gone", 0.0
-        if not stop.done() and command in ("drain", "gone"):
+        if command == "peer_gone":
+            core.forget_peer(value)
+        elif not stop.done() and command in ("drain", "gone"):
             stop.set_result(value)
 
     loop.add_reader(conn.fileno(), from_server)

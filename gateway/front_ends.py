@@ -20,6 +20,12 @@ reports the model not ready on /readyz until then. The pipe's end tells a front 
 its supervisor is gone (it stops); a front end's exit closes its end, and the supervisor
 replaces a front end that exits while it is not draining (bounded as cores are).
 
+A front end's sockets to the cores are named `front-<index>.<generation>` (`identity`; a
+replacement's generation is one more). When one dies, the supervisor tells every core on
+its pipe, `("peer_gone", identity)` (gateway/engine_core.py, `EngineCore.forget_peer`):
+the core cancels that front end's queued and running items, since no client can hear
+their results any more.
+
 SIGTERM (or SIGINT) to the supervisor drains in order: every front end gets SIGTERM, stops
 accepting (503, /readyz draining) and finishes what it has in flight within
 `--drain-timeout`; once they have exited, the cores finish what they accepted and exit;
@@ -112,6 +118,8 @@ class FrontEnds:
     def __init__(self, cfg: ServerConfig, sock: socket.socket, run_dir: str):
         self.cfg, self.sock, self.run_dir = cfg, sock, run_dir
         self.cores: list[SharedCore] = []
+        self.supervisors: list[Supervisor] = []  # the cores' (to tell of a front end's death)
+        self.generations: dict[int, int] = {}  # index -> how many front ends held it before
         self.procs: dict[int, Any] = {}  # index -> multiprocessing.Process
         self.conns: dict[int, Any] = {}  # index -> our end of its pipe
         self.leaving = False
@@ -120,12 +128,20 @@ class FrontEnds:
         self.failed = asyncio.Event()  # set with `fatal`: the supervisor stops
         self._tasks: set[asyncio.Task] = set()
 
+    def identity(self, index: int) -> str:
+        """The socket identity of the front end at `index` now: its index and generation
+        (a replacement's differs from the one it replaces, so a core never confuses them)."""
+        return f"front-{index}.{self.generations.get(index, 0)}"
+
     def start(self, index: int) -> None:
         mp = multiprocessing.get_context("spawn")
         ours, theirs = mp.Pipe()
+        if index in self.procs:  # a replacement
+            self.generations[index] = self.generations.get(index, 0) + 1
+        views = [{**c.view(), "identity": self.identity(index)} for c in self.cores]
         proc = mp.Process(
             target=run_front_end,
-            args=(self.cfg, index, self.sock, theirs, [c.view() for c in self.cores], *self.metrics_of(index)),
+            args=(self.cfg, index, self.sock, theirs, views, *self.metrics_of(index)),
             name=f"ferry-front-{index}",
             daemon=True,
         )
@@ -153,6 +169,9 @@ class FrontEnds:
         conn = self.conns.pop(index, None)
         if conn is not None:
             conn.close()
+        # Its clients are gone with it: every core cancels what it still runs or queues for it.
+        for supervisor in self.supervisors:
+            supervisor.forget_peer(self.identity(index).encode())
         if self.leaving:
             return
         reason = describe_exit(proc.exitcode).replace("engine core", f"front end {index}")
@@ -274,7 +293,7 @@ async def supervise(
     own_metrics = MetricsServer(metrics.registry, metrics_address(run_dir, "supervisor"))
     own_metrics.start()
     fronts = FrontEnds(cfg, sock, run_dir)
-    supervisors: list[Supervisor] = []
+    supervisors = fronts.supervisors
     code = 0
     try:
         for index, _spec in enumerate(default_specs(cfg)):

@@ -117,9 +117,14 @@ class RemoteBatcher:
         core: CoreControl | None = None,
         ctx: zmq.asyncio.Context | None = None,
         tokenizer: Any = None,
+        identity: bytes | None = None,
     ):
         """`tokenizer`: a generation model's, which detokenizes what its core generates
-        (anything with transformers' `decode`; engine/chat_tokenizer.py's ChatTokenizer)."""
+        (anything with transformers' `decode`; engine/chat_tokenizer.py's ChatTokenizer).
+        `identity`: this side's socket identity (ZMQ's own if None); with `--api-workers N`
+        the supervisor names each front end, so that it can tell the cores which one died
+        (gateway/front_ends.py)."""
+        self.identity = identity
         self.model = model
         self.tokenizer = tokenizer
         self.address = address
@@ -161,6 +166,8 @@ class RemoteBatcher:
     def _connect(self, address: str) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.identity is not None:
+            sock.setsockopt(zmq.IDENTITY, self.identity)
         sock.connect(address)
         return sock
 

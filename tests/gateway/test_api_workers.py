@@ -17,7 +17,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.openloop import GatewayProcess
-from tests.gateway.test_engine_core import computed, spelled
+from tests.gateway.test_engine_core import CHAT, chat_body, chat_steps, computed, spelled
 from tests.waiting import wait_until
 
 EMBED = "/v1/embeddings"
@@ -193,6 +193,69 @@ def test_a_killed_front_end_is_replaced_and_the_other_keeps_serving():
         wait_until(lambda: all_ready(gw), timeout=60, message="the replacement to be ready")
         answers = [httpx.post(gw.url + EMBED, json=embed(f"after {i}"), timeout=30) for i in range(10)]
         assert [r.status_code for r in answers] == [200] * 10
+        stops_cleanly(gw)
+
+
+async def clients_by_front_end(gw: GatewayProcess, fronts: list[psutil.Process]) -> dict[int, list[httpx.AsyncClient]]:
+    """Clients (one connection each), opened one at a time until every front end holds one,
+    by the pid of the front end that took each connection."""
+    by_pid: dict[int, list[httpx.AsyncClient]] = {p.pid: [] for p in fronts}
+    while not all(by_pid.values()):
+        assert sum(map(len, by_pid.values())) < 40, "the kernel never gave a connection to one of the front ends"
+        before = {p.pid: connections_of(p, gw.port) for p in fronts}
+        c = httpx.AsyncClient(base_url=gw.url, timeout=60)
+        assert (await c.get("/healthz")).status_code == 200  # connected, and kept alive
+        [pid] = [p.pid for p in fronts if connections_of(p, gw.port) > before[p.pid]]
+        by_pid[pid].append(c)
+    return by_pid
+
+
+def test_a_killed_front_ends_work_is_cancelled_in_the_core_and_the_other_front_ends_completes(tmp_path):
+    log = tmp_path / "computed.log"
+    # 400 tokens at 50 ms a decode step: 20 s in the core, unless the front end's death stops them.
+    with serve(delay=0.05, log=log) as gw:
+        victim, survivor = front_ends(gw)
+
+        async def scenario() -> tuple[list, list[httpx.Response]]:
+            by_pid = await clients_by_front_end(gw, [victim, survivor])
+            try:
+                warm = len(chat_steps(log))  # the core's warm-up steps
+                doomed = [
+                    asyncio.create_task(c.post(CHAT, json=chat_body(f"long {i}", max_tokens=400)))
+                    for i, c in enumerate(by_pid[victim.pid])
+                ]
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: len(doomed) in chat_steps(log)[warm:],
+                    message="every long request to run in the core",
+                )
+                kept = [
+                    asyncio.create_task(c.post(CHAT, json=chat_body(f"kept {i}", max_tokens=30)))
+                    for i, c in enumerate(by_pid[survivor.pid])
+                ]
+                victim.send_signal(signal.SIGKILL)
+                lost = await asyncio.gather(*doomed, return_exceptions=True)
+                return lost, list(await asyncio.gather(*kept))
+            finally:
+                for c in [c for clients in by_pid.values() for c in clients]:
+                    await c.aclose()
+
+        lost, kept = asyncio.run(scenario())
+        assert all(isinstance(e, httpx.TransportError) for e in lost), lost  # their connections closed
+        for r in kept:
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == 30
+
+        def alone() -> bool:  # a short request runs by itself in the core's decode steps
+            before = len(chat_steps(log))
+            short = httpx.post(gw.url + CHAT, json=chat_body("short", max_tokens=3), timeout=30)
+            assert short.status_code == 200, short.text
+            return chat_steps(log)[before:] == [1, 1]
+
+        wait_until(alone, message="the dead front end's sequences to leave the core's running set")
+        assert len(chat_steps(log)) < 400  # they never decoded to their max_tokens
+        cancelled = samples(gw, "ferry_cancellations_total")
+        assert cancelled[(("model", "fake-chat"), ("phase", "running"))] >= len(lost)
         stops_cleanly(gw)
 
 

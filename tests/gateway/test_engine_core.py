@@ -286,6 +286,99 @@ def test_a_core_that_cannot_load_its_model_fails_start_up_with_one_line(tmp_path
     assert "Traceback" not in proc.stderr
 
 
+# -- failure_line: the one line of a core that cannot load its model ------------------------------
+def spec_of(kind: str, source: str):
+    from gateway.model_loading import ModelSpec
+
+    return ModelSpec(kind, load=lambda: None, source=source)  # type: ignore[arg-type]
+
+
+def raised_from(outer: BaseException, inner: BaseException) -> BaseException:
+    """`outer` as transformers raises it: `raise outer from inner`."""
+    try:
+        try:
+            raise inner
+        except BaseException as e:
+            raise outer from e
+    except BaseException as e:
+        return e
+
+
+def test_a_missing_path_is_named_as_such_absolute_relative_or_under_an_existing_directory(tmp_path, monkeypatch):
+    from gateway.engine_core import failure_line
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models").mkdir()
+    hub = raised_from(OSError("We couldn't connect to 'https://huggingface.co'"), RuntimeError("offline"))
+    for source in (str(tmp_path / "gone"), "./gone", "../gone", "~/no-such-ferry-model", "models/gone", "a/b/c"):
+        line = failure_line(spec_of("embedding", source), hub)
+        assert line == f"cannot load the embedding model {source}: no such file or directory"
+    # Shaped like a Hub id, and no directory of that name here: a Hub id, not a path.
+    line = failure_line(spec_of("embedding", "someone/gone"), RuntimeError("boom\nmore"))
+    assert line == "cannot load the embedding model someone/gone: RuntimeError: boom"
+
+
+def test_a_hub_id_missing_from_the_cache_while_offline_is_named_as_such(monkeypatch):
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+    from gateway.engine_core import failure_line
+
+    # What transformers raises (checked against the real loader below): an OSError from the Hub's error.
+    exc = raised_from(OSError("We couldn't connect to 'https://huggingface.co' ..."), LocalEntryNotFoundError("x"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert failure_line(spec_of("chat", "someone/gone"), exc) == (
+        "cannot load the chat model someone/gone: not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+    )
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert failure_line(spec_of("chat", "someone/gone"), exc).endswith(
+        ": not in the local Hugging Face cache, and the Hugging Face Hub cannot be reached"
+    )
+    missing = RepositoryNotFoundError("404", response=httpx.Response(404, request=httpx.Request("GET", "http://hub")))
+    assert failure_line(spec_of("chat", "someone/gone"), raised_from(OSError("not a repo"), missing)).endswith(
+        ": no such model on the Hugging Face Hub (or a gated one: set HF_TOKEN)"
+    )
+
+
+def test_the_real_loader_offline_gives_the_hub_reason():
+    from gateway.config import ServerConfig
+    from gateway.engine_core import failure_line
+    from gateway.model_loading import EMBEDDING, model_spec
+
+    assert os.environ["HF_HUB_OFFLINE"] == "1"  # tests/conftest.py
+    spec = model_spec(EMBEDDING, "ferry-tests/no-such-model", ServerConfig())
+    with pytest.raises(Exception) as raised:
+        spec.load()
+    assert failure_line(spec, raised.value) == (
+        "cannot load the embedding model ferry-tests/no-such-model: "
+        "not in the local Hugging Face cache and HF_HUB_OFFLINE is set"
+    )
+
+
+def test_a_model_of_another_kind_is_named_as_such(tmp_path):
+    from gateway.engine_core import failure_line
+
+    refused = ValueError(
+        "Unrecognized configuration class <class 'BertConfig'> for this kind of AutoModel: AutoModelForCausalLM."
+    )
+    assert failure_line(spec_of("chat", "someone/encoder"), refused) == (
+        "cannot load the chat model someone/encoder: not a chat model"
+    )
+    assert failure_line(spec_of("embedding", "someone/x"), refused).endswith(": not an embedding model")
+    # An encoder that AutoModelForCausalLM takes (BERT as a decoder) fails later, anyhow:
+    # its config tells.
+    encoder = tmp_path / "minilm"
+    encoder.mkdir()
+    (encoder / "config.json").write_text(json.dumps({"architectures": ["BertModel"]}))
+    late = AttributeError("'NoneType' object has no attribute 'layers'")
+    assert failure_line(spec_of("chat", str(encoder)), late) == (
+        f"cannot load the chat model {encoder}: not a chat model (its config names BertModel)"
+    )
+    (encoder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert failure_line(spec_of("chat", str(encoder)), late).endswith(
+        ": AttributeError: 'NoneType' object has no attribute 'layers'"
+    )
+
+
 def test_a_core_does_not_outlive_a_killed_server():
     with serve("--engine-cores") as gw:
         core = core_of(gw)
