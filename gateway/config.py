@@ -51,10 +51,12 @@ class ServerSettings(Knobs):
     dtype: str = knob("auto", "`float32`, `float16`, `bfloat16` or `auto` (float16 on cuda, float32 on cpu)")
     torch_threads: int | None = knob(
         None,
-        "intra-op torch threads of each engine. Default: in an engine core (`--engine-cores`), "
-        "every core the process may use (os.sched_getaffinity; measured: 1.13x the throughput "
-        "of one thread on 2 vCPUs, docs/benchmarks.md); in the server's own process 1 (there "
-        "a second thread competes with the event loop and collapses)",
+        "intra-op torch threads of each engine. Default: in an engine core, the cores the "
+        "process may use (os.sched_getaffinity) less one per front end (`--api-workers`), at "
+        "least 1: a front end busy with HTTP on an engine's core slows every thread of it "
+        "(measured on 2 vCPUs: 1 thread beside the front end keeps 99% of interactive requests "
+        "on time where 2 kept 91%, docs/benchmarks.md); in the server's own process "
+        "(`--no-engine-cores`) 1 (there a second thread competes with the event loop)",
         null="auto",
         **AT_LEAST_ONE,
     )

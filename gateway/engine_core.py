@@ -332,11 +332,14 @@ def run_core(cfg: ServerConfig, index: int, address: str, conn: Any, settings: d
 
 
 def with_core_threads(cfg: ServerConfig) -> ServerConfig:
-    """`--torch-threads` auto (None) in an engine core: every core this process may use is
-    the engine's, since nothing else here needs one (the server's own default stays 1)."""
+    """`--torch-threads` auto (None) in an engine core: the cores this process may use less
+    one for each front end, at least one. A front end parsing HTTP on a core one of the
+    engine's threads spins on slows the whole forward (each op waits for its slowest
+    thread): on 2 vCPUs, two threads beside a busy front end kept 91% of interactive
+    requests on time where one kept 99%, and served no more (docs/benchmarks.md)."""
     if cfg.torch_threads is not None:
         return cfg
-    return dataclasses.replace(cfg, torch_threads=len(os.sched_getaffinity(0)))
+    return dataclasses.replace(cfg, torch_threads=max(1, len(os.sched_getaffinity(0)) - cfg.api_workers))
 
 
 def facts(served: ServedModel[Any]) -> dict[str, Any]:

@@ -205,13 +205,14 @@ def main() -> None:
     p.add_argument("--loads", default="0.25,0.5,0.8,1.0,1.5")
     p.add_argument("--cells", default="latency,burst,priority")
     p.add_argument("--out", default="")
+    p.add_argument("--ferry-args", default="", help="extra `ferry serve` flags, e.g. --no-engine-cores")
     a = p.parse_args()
     cells = set(a.cells.split(","))
     out: dict = {}
     if "burst" in cells:
         out["burst"] = run_bursts(a.duration)
     if cells & {"latency", "priority"}:
-        with GatewayProcess("--chat-model", "none", "--admin-token", TOKEN) as gw:
+        with GatewayProcess("--chat-model", "none", "--admin-token", TOKEN, *a.ferry_args.split()) as gw:
             cap = capacity(gw.url, a.duration)
             out["capacity"] = cap
             print(f"measured capacity: {cap:.1f} req/s (adaptive, saturated)")
