@@ -34,6 +34,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from typing import Any, cast
 
 import msgspec
@@ -52,6 +53,9 @@ from engine.base import SamplingParams
 from .config import ServerConfig
 from .metrics_merge import metric_families
 from .model_loading import CHAT, GIL_SWITCH_INTERVAL_S, ModelSpec, ServedModel, default_specs, start_model
+
+# How long a core whose server is gone may take to stop cleanly before it exits anyway.
+GONE_EXIT_S = 5.0
 
 log = logging.getLogger("ferry.core")
 
@@ -468,6 +472,13 @@ async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, sett
             core.forget_peer(value)
         elif not stop.done() and command in ("drain", "gone"):
             stop.set_result(value)
+        if command == "gone":
+            # Nobody can take results any more: stop cleanly, but never outlive the server
+            # by more than GONE_EXIT_S, whatever the clean stop waits on (a fresh-clone CI
+            # run once left a chat core idle after its server was SIGKILLed).
+            watchdog = threading.Timer(GONE_EXIT_S, os._exit, args=(0,))
+            watchdog.daemon = True
+            watchdog.start()
 
     loop.add_reader(conn.fileno(), from_server)
 
