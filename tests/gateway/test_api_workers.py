@@ -8,7 +8,6 @@ import asyncio
 import collections
 import contextlib
 import signal
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.openloop import GatewayProcess
 from tests.gateway.test_engine_core import CHAT, chat_body, chat_steps, computed, spelled
+from tests.reliability.procs import whole_tree_killed
 from tests.waiting import wait_until
 
 EMBED = "/v1/embeddings"
@@ -29,18 +29,9 @@ TOKEN = {"Authorization": "Bearer t"}
 def serve(*args: str, delay: float = 0.0, log: Path | None = None, workers: int = 2) -> Iterator[GatewayProcess]:
     env = {"FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": str(delay), "FERRY_FAKE_LOG": str(log or "")}
     gw = GatewayProcess("--admin-token", "t", "--api-workers", str(workers), *args, env=env, ready_timeout=120)
-    tree = [gw.proc.pid] + [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
-    try:
+    with whole_tree_killed(gw):
         wait_until(lambda: len(front_ends(gw)) == workers and all_ready(gw), timeout=120, message="every front end")
         yield gw
-    finally:
-        with contextlib.suppress(psutil.Error):  # processes started since (replacements) too
-            tree += [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
-        for pid in tree:  # no stray process, even after a failed assertion
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            gw.proc.wait(10)
 
 
 def children(gw: GatewayProcess) -> list[psutil.Process]:

@@ -24,6 +24,7 @@ import pytest
 
 from engine.fake import fake_tokens, fake_vector
 from loadtests.openloop import GatewayProcess, free_port
+from tests.reliability.procs import whole_tree_killed
 from tests.waiting import wait_until
 
 EMBED = "/v1/embeddings"
@@ -36,18 +37,8 @@ TOKEN = {"Authorization": "Bearer t"}
 @contextlib.contextmanager
 def serve(*args: str, delay: float = 0.0, log: Path | None = None) -> Iterator[GatewayProcess]:
     env = {"FERRY_FAKE_ENGINES": "1", "FERRY_FAKE_DELAY": str(delay), "FERRY_FAKE_LOG": str(log or "")}
-    gw = GatewayProcess("--admin-token", "t", *args, env=env, ready_timeout=120)
-    tree = [gw.proc.pid] + [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
-    try:
+    with whole_tree_killed(GatewayProcess("--admin-token", "t", *args, env=env, ready_timeout=120)) as gw:
         yield gw
-    finally:
-        with contextlib.suppress(psutil.Error):  # cores started since (restarts) too
-            tree += [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
-        for pid in tree:  # no stray process, even after a failed assertion
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            gw.proc.wait(10)
 
 
 def cores_of(pid: int) -> list[psutil.Process]:
@@ -741,8 +732,7 @@ def test_schemas_and_forced_tool_calls_cross_to_a_real_engine_core():
 
     args = ("--engine-cores", "--embedding-model", "none", "--max-wait-ms", "5")
     gw = GatewayProcess("--admin-token", "t", *args, env={"FERRY_FAKE_ENGINES": "0"}, ready_timeout=300)
-    tree = [gw.proc.pid] + [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
-    try:
+    with whole_tree_killed(gw):
         conv = [{"role": "user", "content": "Describe a ferry as JSON."}]
         body = {"model": "ferry-tiny-chat", "messages": [conv, conv, conv], "max_tokens": MAX_TOKENS, "seed": 3}
         body["response_format"] = [fmt(SHIP), fmt(DOCK, "dock"), None]
@@ -773,11 +763,3 @@ def test_schemas_and_forced_tool_calls_cross_to_a_real_engine_core():
             timeout=60,
         )
         assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_schema"
-    finally:
-        with contextlib.suppress(psutil.Error):
-            tree += [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
-        for pid in tree:
-            with contextlib.suppress(psutil.Error):
-                psutil.Process(pid).kill()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            gw.proc.wait(10)

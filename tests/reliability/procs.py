@@ -3,9 +3,31 @@ that send signals or measure a server's memory."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
+from collections.abc import Iterator
+
+import psutil
 
 from loadtests.openloop import GatewayProcess
+
+
+@contextlib.contextmanager
+def whole_tree_killed(gw: GatewayProcess) -> Iterator[GatewayProcess]:
+    """Yield `gw`; on the way out kill it and every process it started (engine cores, front
+    ends, replacements started since), so no stray process outlives a failed assertion."""
+    tree = [gw.proc.pid] + [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
+    try:
+        yield gw
+    finally:
+        with contextlib.suppress(psutil.Error):
+            tree += [p.pid for p in psutil.Process(gw.proc.pid).children(recursive=True)]
+        for pid in tree:
+            with contextlib.suppress(psutil.Error):
+                psutil.Process(pid).kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            gw.proc.wait(10)
 
 
 class FakeGatewayProcess(GatewayProcess):
