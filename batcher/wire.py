@@ -195,6 +195,8 @@ ToFrontEnd = Admitted | Refused | Result | NewTokens | SettingsAnswer | MetricsA
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(ToCore)
 _to_front_end = msgspec.msgpack.Decoder(ToFrontEnd)
+_packet_to_core = msgspec.msgpack.Decoder(list[ToCore])
+_packet_to_front_end = msgspec.msgpack.Decoder(list[ToFrontEnd])
 
 
 def encode(message: msgspec.Struct) -> bytes:
@@ -208,6 +210,21 @@ def decode_to_core(raw: bytes) -> ToCore:
 
 def decode_to_front_end(raw: bytes) -> ToFrontEnd:
     return _to_front_end.decode(raw)
+
+
+# -- a frame between a front end and a core is a packet: the messages of one turn, in order --
+def pack(messages: list[msgspec.Struct]) -> bytes:
+    """One frame of messages (gateway/outbox.py sends what one turn of the loop made)."""
+    return _encoder.encode(messages)
+
+
+def unpack_to_core(raw: bytes) -> list[ToCore]:
+    """Raises msgspec.DecodeError unless every message is one of ToCore."""
+    return _packet_to_core.decode(raw)
+
+
+def unpack_to_front_end(raw: bytes) -> list[ToFrontEnd]:
+    return _packet_to_front_end.decode(raw)
 
 
 # -- errors cross as (code, message, retry_after) and come back as the same class ----------

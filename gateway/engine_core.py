@@ -53,6 +53,7 @@ from engine.base import SamplingParams
 from .config import ServerConfig
 from .metrics_merge import metric_families
 from .model_loading import CHAT, GIL_SWITCH_INTERVAL_S, ModelSpec, ServedModel, default_specs, start_model
+from .outbox import Outbox
 
 # How long a core whose server is gone may take to stop cleanly before it exits anyway.
 GONE_EXIT_S = 5.0
@@ -93,6 +94,7 @@ class EngineCore:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, LINGER_MS)
         self.sock.bind(address)
+        self.outbox = Outbox(self._send_now)
         self.address = address
         self.requests: dict[tuple[bytes, int], list[WorkItem]] = {}  # (front end, req) -> items
         self.dropped = 0  # messages for keys this core does not know
@@ -105,31 +107,38 @@ class EngineCore:
                 self.dropped += 1
                 continue
             try:
-                message = wire.decode_to_core(raw)
+                messages = wire.unpack_to_core(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.error("undecodable message dropped: %s", exc)
                 continue
-            if isinstance(message, wire.Submit):
-                self.submit(peer, message)
-            elif isinstance(message, wire.Cancel):
-                self.cancel(peer, message)
-            elif isinstance(message, wire.Stop):
-                self.stop_sequence(peer, message)
-            elif isinstance(message, wire.MetricsRequest):
-                families = metric_families(self.registry) if self.registry is not None else []
-                self._send(peer, wire.MetricsAnswer(message.seq, families))
-            else:
-                self.settings(peer, message)
+            for message in messages:
+                self.handle(peer, message)
+
+    def handle(self, peer: bytes, message: wire.ToCore) -> None:
+        if isinstance(message, wire.Submit):
+            self.submit(peer, message)
+        elif isinstance(message, wire.Cancel):
+            self.cancel(peer, message)
+        elif isinstance(message, wire.Stop):
+            self.stop_sequence(peer, message)
+        elif isinstance(message, wire.MetricsRequest):
+            families = metric_families(self.registry) if self.registry is not None else []
+            self._send(peer, wire.MetricsAnswer(message.seq, families))
+        else:
+            self.settings(peer, message)
 
     def _send(self, peer: bytes, message: msgspec.Struct) -> None:
+        self.outbox.put(peer, message)  # with the rest of this turn's messages to that front end
+
+    def _send_now(self, peer: bytes, messages: list[msgspec.Struct]) -> None:
         # A ROUTER never blocks: a message to a front end past its high-water mark, or gone,
         # is dropped by ZMQ, and that front end's clients are gone with it. Non-blocking
         # sends finish at once, so the future is done here.
         if self.sock.closed or peer in self.gone:
             return  # stopping, or a dead front end's: nobody waits for this any more
-        sent = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, wire.encode(message)], flags=zmq.NOBLOCK))
+        sent = cast("asyncio.Future[Any]", self.sock.send_multipart([peer, wire.pack(messages)], flags=zmq.NOBLOCK))
         if sent.exception() is not None:
-            log.warning("message to a front end not sent: %s", sent.exception())
+            log.warning("%d messages to a front end not sent: %s", len(messages), sent.exception())
 
     def submit(self, peer: bytes, m: wire.Submit) -> None:
         key = (peer, m.req)
@@ -260,6 +269,7 @@ class EngineCore:
 
     async def close(self) -> None:
         await asyncio.sleep(0)  # items failed just now send their results first (done-callbacks)
+        self.outbox.flush()
         self.sock.close(linger=LINGER_MS)
 
 

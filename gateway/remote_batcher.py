@@ -47,6 +47,8 @@ from batcher.types import Delta, DispatchReason, GenRequest, GenResult, Outcome,
 from engine.base import EmbeddingResult, SamplingParams
 from engine.detokenize import SequenceText
 
+from .outbox import Outbox
+
 log = logging.getLogger("ferry.gateway")
 
 # Results a core sent just before it exited may still be on their way when its exit is
@@ -136,6 +138,7 @@ class RemoteBatcher:
         self._leaving = False  # the server drains or stops: the core's exit is expected
         self._ctx = ctx or zmq.asyncio.Context.instance()
         self.sock = self._connect(address)
+        self.outbox = Outbox(self._send_now)
         self._reqs = itertools.count(1)
         self._seqs = itertools.count(1)
         self._pending: dict[int, _Pending] = {}  # req -> submit awaiting Admitted/Refused
@@ -248,7 +251,7 @@ class RemoteBatcher:
                     if item.result_future.done():
                         item.result_future.exception()
             else:
-                self._send_quietly(wire.Cancel(req))
+                self._send(wire.Cancel(req))
             raise
         finally:
             self._pending.pop(req, None)
@@ -267,7 +270,7 @@ class RemoteBatcher:
         return True
 
     def _withdraw(self, req: int, by_client: bool) -> None:
-        self._send_quietly(wire.Cancel(req, by_client))
+        self._send(wire.Cancel(req, by_client))
         for item in self._forget(req):
             item.finish(Outcome.CANCELLED, Cancelled("request cancelled by the client"))
 
@@ -337,6 +340,7 @@ class RemoteBatcher:
         # A bounded wait for the last results of a clean exit; nothing signals "all read".
         while (self._requests or self._pending) and loop.time() < end:  # noqa: ASYNC110
             await asyncio.sleep(0.01)
+        self.outbox.clear()  # for the core that is gone
         if self._leaving:
             self._fail_all(ShuttingDown("server shut down before this request could finish"))
         else:
@@ -345,6 +349,7 @@ class RemoteBatcher:
     async def reconnect(self, address: str) -> None:
         """Serve from a new core at `address` (a restarted one): the model is available again."""
         await self._stop_receiving()
+        self.outbox.clear()
         self.sock.close(linger=0)
         self.address, self.sock = address, self._connect(address)
         self.failed, self.restarting, self._closing = None, False, self._leaving
@@ -378,16 +383,31 @@ class RemoteBatcher:
 
     # -- messages -------------------------------------------------------------------------
     def _send(self, message: msgspec.Struct) -> None:
-        """Never queues in this process: a core that does not read (its high-water mark
-        reached) is answered at once with 503."""
-        # done at once, sent or not (a NOBLOCK send on an asyncio socket returns a done future)
-        sent = cast("asyncio.Future[Any]", self.sock.send(wire.encode(message), flags=zmq.NOBLOCK))
-        if sent.exception() is not None:
-            raise ModelUnavailable(f"the engine core of {self.model} is not reading ({sent.exception()})")
+        """Sent at the end of this turn of the loop, with the turn's other messages."""
+        self.outbox.put(None, message)
 
-    def _send_quietly(self, message: msgspec.Struct) -> None:
-        with contextlib.suppress(ModelUnavailable):  # a cancel the core cannot take: its items end here all the same
-            self._send(message)
+    def _send_now(self, _peer: None, messages: list[msgspec.Struct]) -> None:
+        """Never queues in this process: when the core does not read (its high-water mark
+        reached), each request among `messages` is answered at once with 503; a Cancel or
+        Stop it could not take ends its items here all the same."""
+        if self.sock.closed:
+            return  # stopped: every request open here has failed already
+        # done at once, sent or not (a NOBLOCK send on an asyncio socket returns a done future)
+        sent = cast("asyncio.Future[Any]", self.sock.send(wire.pack(messages), flags=zmq.NOBLOCK))
+        if sent.exception() is not None:
+            unavailable = ModelUnavailable(f"the engine core of {self.model} is not reading ({sent.exception()})")
+            self._unsent(messages, unavailable)
+
+    def _unsent(self, messages: list[msgspec.Struct], exc: Exception) -> None:
+        for m in messages:
+            if isinstance(m, wire.Submit):
+                pending = self._pending.get(m.req)
+                if pending is not None and not pending.answer.done():
+                    pending.answer.set_exception(exc)
+            elif isinstance(m, (wire.SettingsChange, wire.MetricsRequest)):
+                fut = self._answers.get(m.seq)
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
 
     def _forget(self, req: int) -> list[WorkItem]:
         items = self._requests.pop(req, [])
@@ -400,24 +420,28 @@ class RemoteBatcher:
         while True:
             raw = await self.sock.recv()
             try:
-                message = wire.decode_to_front_end(raw)
+                messages = wire.unpack_to_front_end(raw)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 log.error("undecodable message from the engine core of %s dropped: %s", self.model, exc)
                 continue
-            if isinstance(message, wire.Result):
-                self._result(message)
-            elif isinstance(message, (wire.Admitted, wire.Refused)):
-                self._answer(message)
-            elif isinstance(message, wire.NewTokens):
-                try:
-                    self._new_tokens(message)
-                except Exception as exc:  # a bug detokenizing fails its item, never this loop
-                    log.exception("detokenizing the output of %s failed", self.model)
-                    self._failed_tokens(message, exc)
-            else:
-                fut = self._answers.get(message.seq)
-                if fut is not None and not fut.done():
-                    fut.set_result(message)
+            for message in messages:
+                self._handle(message)
+
+    def _handle(self, message: wire.ToFrontEnd) -> None:
+        if isinstance(message, wire.Result):
+            self._result(message)
+        elif isinstance(message, (wire.Admitted, wire.Refused)):
+            self._answer(message)
+        elif isinstance(message, wire.NewTokens):
+            try:
+                self._new_tokens(message)
+            except Exception as exc:  # a bug detokenizing fails its item, never this loop
+                log.exception("detokenizing the output of %s failed", self.model)
+                self._failed_tokens(message, exc)
+        else:
+            fut = self._answers.get(message.seq)
+            if fut is not None and not fut.done():
+                fut.set_result(message)
 
     def _new_tokens(self, m: wire.NewTokens) -> None:
         items = self._requests.get(m.req)
@@ -448,12 +472,12 @@ class RemoteBatcher:
             text.undelivered = 0
         if text.finish_reason is not None and m.finish_reason is None:
             # A stop string found here: the core would go on generating; its Result follows.
-            self._send_quietly(wire.Stop(m.req, m.index))
+            self._send(wire.Stop(m.req, m.index))
 
     def _failed_tokens(self, m: wire.NewTokens, exc: Exception) -> None:
         items = self._requests.get(m.req) or []
         if 0 <= m.index < len(items) and not items[m.index].finished:
-            self._send_quietly(wire.Stop(m.req, m.index))
+            self._send(wire.Stop(m.req, m.index))
             items[m.index].finish(Outcome.ERROR, EngineError(f"detokenizing the output failed: {exc}"))
             if all(i.finished for i in items):
                 self._forget(m.req)
@@ -463,7 +487,7 @@ class RemoteBatcher:
         if pending is None or pending.answer.done():
             self.dropped += 1
             if isinstance(m, wire.Admitted):  # its submitter left; nobody will take the results
-                self._send_quietly(wire.Cancel(m.req))
+                self._send(wire.Cancel(m.req))
             return
         if isinstance(m, wire.Admitted):
             self._requests[m.req] = pending.items

@@ -95,6 +95,18 @@ def test_each_side_decodes_only_its_own_messages():
         wire.decode_to_core(b"\xc1 not msgpack")
 
 
+def test_a_packet_keeps_its_messages_in_order_and_each_side_reads_only_its_own():
+    """A frame between a front end and a core holds the messages of one turn of the
+    sender's loop (gateway/outbox.py): in order, each decoded whole."""
+    to_core = [wire.Cancel(1), wire.Stop(2, 0), wire.MetricsRequest(3), wire.Cancel(4, False)]
+    assert wire.unpack_to_core(wire.pack(to_core)) == to_core
+    timing = wire.Timing(1.0, 1.1, 2, "full", False)
+    to_front = [wire.Admitted(1), wire.NewTokens(1, 0, wire.ids([5]), None), wire.Result(1, 0, 1, timing)]
+    assert wire.unpack_to_front_end(wire.pack(to_front)) == to_front
+    with pytest.raises(msgspec.ValidationError):  # one message of the wrong side fails the frame
+        wire.unpack_to_core(wire.pack([wire.Cancel(1), wire.Admitted(1)]))
+
+
 def test_settings_round_trip_with_nulls():
     m = wire.SettingsChange(3, "m", {"max_wait_ms": 2.5, "default_budget_ms": None})
     assert wire.decode_to_core(wire.encode(m)) == m

@@ -367,16 +367,19 @@ def test_a_submit_with_a_schema_waits_for_its_compile_off_the_loop(tmp_path):
 
             def submit(req: int, schema: str) -> None:
                 sampling = [wire.Sampling(4, json_schema=schema)]
-                sock.send(wire.encode(wire.Submit(req, engine.name, [wire.ids([1, 2])], [2], None, sampling=sampling)))
+                sock.send(wire.pack([wire.Submit(req, engine.name, [wire.ids([1, 2])], [2], None, sampling=sampling)]))
 
             async def answers(n: int) -> list:
-                return [wire.decode_to_front_end(await sock.recv()) for _ in range(n)]
+                got: list = []
+                while len(got) < n:  # a frame holds the messages of one turn of the core's loop
+                    got += wire.unpack_to_front_end(await sock.recv())
+                return got
 
             submit(1, '{"type":"boolean"}')
             await async_wait_until(lambda: core.compiling, message="the core to start compiling")
             await asyncio.sleep(0.05)
             assert len(batcher.queue) == 0 and not core.requests  # nothing queued yet
-            sock.send(wire.encode(wire.Cancel(1)))
+            sock.send(wire.pack([wire.Cancel(1)]))
             await async_wait_until(lambda: any(core.compiling.values()), message="the core to note the cancel")
             grammars.gate.set()
             admitted, result = await answers(2)
