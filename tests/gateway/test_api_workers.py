@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +139,11 @@ def test_one_scrape_of_any_front_end_shows_every_processs_series_once():
             assert samples(gw, "ferry_batches_total")  # the cores' series are in
             restarts = samples(gw, "ferry_engine_core_restarts_total")
             assert restarts == {(("model", "fake-embed"),): 0.0, (("model", "fake-chat"),): 0.0}
+        # The front ends and the supervisor keep their series in one directory; the cores,
+        # whose series are pulled, write nothing there (gateway/shared_metrics.py).
+        [shared] = {os.path.dirname(f.path) for p in fronts for f in p.open_files() if f.path.endswith(".db")}
+        writers = {int(name.rsplit("_", 1)[1].removesuffix(".db")) for name in os.listdir(shared)}
+        assert writers == {gw.proc.pid, *(p.pid for p in fronts)}
         stops_cleanly(gw)
 
 
