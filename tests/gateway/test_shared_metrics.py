@@ -1,7 +1,7 @@
 """The metrics directory of a server with several front ends (gateway/shared_metrics.py),
 over real processes: two front ends' counters scrape as their sum beside the supervisor's
 series and a core's; no gauge comes out per process; a front end that is gone keeps its
-counts in the scrape while its live gauges leave it."""
+counts in the scrape while its live gauges leave it; the live page reads the same figures."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import multiprocessing
 from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics_merge import merged_exposition, metric_families
+from batcher.settings import BatchingSettings
+from gateway.metrics_merge import merged_exposition, merged_families, metric_families
 from gateway.shared_metrics import SupervisorMetrics, process_gone, share_metrics, shared_registry
+from gateway.ui_stats import ModelInfo, StatsRing
 
 ROUTE = ("/v1/embeddings", "fake-embed")
 
@@ -81,3 +83,10 @@ def test_every_front_ends_counts_scrape_summed_and_outlive_it_while_its_gauges_g
     assert after[requests] == after[count] == 7.0  # the dead front end's counts stay
     assert after[in_flight] == 1.0  # its request in flight does not
     supervisor.close()
+
+    # The live page reads the same merged families (gateway/routes/system.py, all_families).
+    ring = StatsRing(clock=lambda: 0.0)
+    model = ModelInfo("fake-embed", "embedding", BatchingSettings().to_dict(), None)
+    ring.stats([], [model])  # an empty baseline: every figure is the whole sequence
+    figures = ring.stats(merged_families(registry, [metric_families(core)]), [model])["models"][0]
+    assert figures["latency"]["request"]["count"] == 7
