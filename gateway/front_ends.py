@@ -26,6 +26,12 @@ its pipe, `("peer_gone", identity)` (gateway/engine_core.py, `EngineCore.forget_
 the core cancels that front end's queued and running items, since no client can hear
 their results any more.
 
+Metrics: the supervisor makes `<run dir>/metrics`, where every front end (and the
+supervisor, its `ferry_engine_core_restarts_total`) keeps its series in prometheus-client's
+multiprocess files, read whole by a /metrics scrape of any front end; when a front end
+exits the supervisor marks it dead there, so its live gauges go while its counts stay
+(gateway/shared_metrics.py).
+
 SIGTERM (or SIGINT) to the supervisor drains in order: every front end gets SIGTERM, stops
 accepting (503, /readyz draining) and finishes what it has in flight within
 `--drain-timeout`; once they have exited, the cores finish what they accepted and exit;
