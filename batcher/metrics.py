@@ -40,6 +40,7 @@ Histogram buckets (seconds unless said otherwise) are chosen for this workload:
 from __future__ import annotations
 
 import contextlib
+from typing import Final
 
 from prometheus_client import CollectorRegistry
 
@@ -75,6 +76,14 @@ TOKEN_BUCKETS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 65536)
 RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
+# Gauges in prometheus-client's multiprocess mode (the front ends of `--api-workers N`,
+# gateway/shared_metrics.py) are read over the processes alive: an amount summed (SUM), a
+# setting or a figure every process that sets it holds alike, the largest (MAX; `ferry_jobs`
+# is kept by the batch-job lease's holder, the others hold 0, and MAX never counts a job
+# twice while the lease moves). Outside that mode the mode means nothing.
+SUM: Final = "livesum"
+MAX: Final = "livemax"
+
 # Rejection reasons known up front (others, like shutting_down, appear when they happen).
 REJECTION_REASONS = ("queue_full", "deadline_infeasible", "invalid")
 ITEM_STATUSES = ("result", "error", "cancelled", "expired")
@@ -92,7 +101,9 @@ class Metrics:
         self.registry = r
         self._initialised: set[str] = set()
         # Queue
-        self.queue_depth = Gauge("ferry_queue_depth", "Items waiting in the queue.", ["model", "class"], registry=r)
+        self.queue_depth = Gauge(
+            "ferry_queue_depth", "Items waiting in the queue.", ["model", "class"], registry=r, multiprocess_mode=SUM
+        )
         self.queue_wait = Histogram(
             "ferry_queue_wait_seconds",
             "Time an item waited before dispatch.",
@@ -159,6 +170,7 @@ class Metrics:
             "what interactive deadlines and admission allow for.",
             ["model", "phase"],
             registry=r,
+            multiprocess_mode=MAX,
         )
         self.engine_errors = Counter(
             "ferry_engine_errors_total", "Engine calls or items that failed.", ["model", "phase"], registry=r
@@ -188,13 +200,17 @@ class Metrics:
             "in the batch on its engine.",
             ["model"],
             registry=r,
+            multiprocess_mode=SUM,
         )
-        self.waiting = Gauge("ferry_waiting_sequences", "Sequences waiting to be admitted.", ["model"], registry=r)
+        self.waiting = Gauge(
+            "ferry_waiting_sequences", "Sequences waiting to be admitted.", ["model"], registry=r, multiprocess_mode=SUM
+        )
         self.kv_tokens = Gauge(
             "ferry_kv_cache_tokens",
             "KV-cache token positions the running rows attend over (rows x longest row, padding included).",
             ["model"],
             registry=r,
+            multiprocess_mode=SUM,
         )
         self.kv_usage = Gauge(
             "ferry_kv_cache_usage_ratio",
@@ -202,6 +218,7 @@ class Metrics:
             "running sequences over max_running x the model's context; 0 for embeddings models (no KV cache).",
             ["model"],
             registry=r,
+            multiprocess_mode=SUM,
         )
         # SLO
         self.slo = Counter(
@@ -212,7 +229,7 @@ class Metrics:
         )
         # Knobs: a gauge per setting declared with gauge=True (batcher/settings.py).
         self.setting_gauges = {
-            k.name: (k, Gauge(k.gauge_name, _setting_help(k), ["model"], registry=r))
+            k.name: (k, Gauge(k.gauge_name, _setting_help(k), ["model"], registry=r, multiprocess_mode=MAX))
             for k in knobs(BatchingSettings)
             if k.gauge
         }
@@ -220,7 +237,9 @@ class Metrics:
             "ferry_config_changes_total", "Live batching-setting changes.", ["model"], registry=r
         )
         # Batch jobs (gateway/jobs): jobs in the store by status, lines finished by status.
-        self.jobs = Gauge("ferry_jobs", "Batch jobs in the store, by status.", ["status"], registry=r)
+        self.jobs = Gauge(
+            "ferry_jobs", "Batch jobs in the store, by status.", ["status"], registry=r, multiprocess_mode=MAX
+        )
         self.job_lines = Counter(
             "ferry_job_lines_total",
             "Batch-job lines finished, by status (cancelled/expired: never run).",

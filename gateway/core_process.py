@@ -28,7 +28,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from batcher.settings import BatchingSettings
 
@@ -37,6 +37,9 @@ from .config import ServerConfig
 from .metrics import GatewayMetrics
 from .model_loading import ModelSpec, ServedModel
 from .remote_batcher import RemoteBatcher
+
+if TYPE_CHECKING:
+    from .shared_metrics import SupervisorMetrics
 
 log = logging.getLogger("ferry.gateway")
 
@@ -198,7 +201,13 @@ class Supervisor:
     """The `core` of a RemoteBatcher: drains or stops the engine core that runs now, and
     starts a fresh one when it dies unexpectedly (see the module's docstring)."""
 
-    def __init__(self, cfg: ServerConfig, index: int, core: CoreProcess, metrics: GatewayMetrics | None = None):
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        index: int,
+        core: CoreProcess,
+        metrics: GatewayMetrics | SupervisorMetrics | None = None,
+    ):
         self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
         self.batcher: CoreUser | None = None
         self.restarts: collections.deque[float] = collections.deque()  # when each recent restart began

@@ -26,6 +26,12 @@ its pipe, `("peer_gone", identity)` (gateway/engine_core.py, `EngineCore.forget_
 the core cancels that front end's queued and running items, since no client can hear
 their results any more.
 
+Metrics: the supervisor makes `<run dir>/metrics`, where every front end (and the
+supervisor, its `ferry_engine_core_restarts_total`) keeps its series in prometheus-client's
+multiprocess files, read whole by a /metrics scrape of any front end; when a front end
+exits the supervisor marks it dead there, so its live gauges go while its counts stay
+(gateway/shared_metrics.py).
+
 SIGTERM (or SIGINT) to the supervisor drains in order: every front end gets SIGTERM, stops
 accepting (503, /readyz draining) and finishes what it has in flight within
 `--drain-timeout`; once they have exited, the cores finish what they accepted and exit;
@@ -64,9 +70,8 @@ from .core_process import (
     describe_exit,
 )
 from .jobs.store import StoreLocked, lock_data_dir
-from .metrics import GatewayMetrics
 from .model_loading import default_specs
-from .peer_metrics import MetricsServer, metrics_address
+from .shared_metrics import SupervisorMetrics, metrics_dir, process_gone, share_metrics
 
 log = logging.getLogger("ferry.gateway")
 
@@ -141,7 +146,7 @@ class FrontEnds:
         views = [{**c.view(), "identity": self.identity(index)} for c in self.cores]
         proc = mp.Process(
             target=run_front_end,
-            args=(self.cfg, index, self.sock, theirs, views, *self.metrics_of(index)),
+            args=(self.cfg, index, self.sock, theirs, views, metrics_dir(self.run_dir)),
             name=f"ferry-front-{index}",
             daemon=True,
         )
@@ -166,6 +171,7 @@ class FrontEnds:
         finally:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
         await asyncio.to_thread(proc.join)
+        process_gone(proc.pid, metrics_dir(self.run_dir))  # its live gauges go; its counts stay
         conn = self.conns.pop(index, None)
         if conn is not None:
             conn.close()
@@ -189,11 +195,6 @@ class FrontEnds:
         await asyncio.sleep(delay)
         if not self.leaving:
             self.start(index)
-
-    def metrics_of(self, index: int) -> tuple[str, list[str]]:
-        """A front end's metrics socket, and its peers': the supervisor's and the other front ends'."""
-        others = [metrics_address(self.run_dir, f"front-{i}") for i in range(self.cfg.api_workers) if i != index]
-        return metrics_address(self.run_dir, f"front-{index}"), [metrics_address(self.run_dir, "supervisor"), *others]
 
     def tell(self, message: tuple) -> None:
         for conn in list(self.conns.values()):
@@ -225,15 +226,16 @@ def run_front_end(
     sock: socket.socket,
     control: Any,
     cores: list[dict],
-    metrics_at: str,
-    peers: list[str],
+    shared_metrics: str,
 ) -> None:
-    """The process target of one front end."""
+    """The process target of one front end; its metrics are kept in `shared_metrics`, the
+    server's metrics directory (gateway/shared_metrics.py), from before any is made."""
+    share_metrics(shared_metrics)
     from .logs import setup_logging
     from .server import serve_front_end
 
     setup_logging()
-    sys.exit(serve_front_end(cfg, sock, control, cores, metrics_at, peers))
+    sys.exit(serve_front_end(cfg, sock, control, cores, shared_metrics))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -289,9 +291,8 @@ async def supervise(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
     run_dir = tempfile.mkdtemp(prefix="ferry-run-")
-    metrics = GatewayMetrics()  # the supervisor's: ferry_engine_core_restarts_total
-    own_metrics = MetricsServer(metrics.registry, metrics_address(run_dir, "supervisor"))
-    own_metrics.start()
+    os.mkdir(metrics_dir(run_dir))  # every front end's series, and the supervisor's
+    metrics = SupervisorMetrics(metrics_dir(run_dir))  # ferry_engine_core_restarts_total
     fronts = FrontEnds(cfg, sock, run_dir)
     supervisors = fronts.supervisors
     code = 0
@@ -352,7 +353,7 @@ async def supervise(
                 await asyncio.to_thread(p.join, STOP_GRACE_S)
         for s in supervisors:
             await s.stop()
-        await own_metrics.close()
+        metrics.close()
         sock.close()
         os.close(lock_fd)
         shutil.rmtree(run_dir, ignore_errors=True)

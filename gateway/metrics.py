@@ -20,6 +20,13 @@ from prometheus_client import CollectorRegistry
 from batcher.metric_types import Counter, Gauge, Histogram
 from batcher.metrics import LATENCY_BUCKETS, Metrics
 
+# Counted by the server that watches its engine cores (gateway/core_process.py); with
+# several front ends, by the supervisor (gateway/shared_metrics.py, SupervisorMetrics).
+CORE_RESTARTS = (
+    "ferry_engine_core_restarts_total",
+    "Engine cores restarted after an unexpected exit (--engine-cores).",
+)
+
 
 class GatewayMetrics(Metrics):
     def __init__(self, registry: CollectorRegistry | None = None):
@@ -38,11 +45,11 @@ class GatewayMetrics(Metrics):
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge("ferry_requests_in_flight", "Requests being served now.", ["route"], registry=r)
-        # Counted by the server that watches its engine cores (gateway/core_process.py).
-        self.core_restarts = Counter(
-            "ferry_engine_core_restarts_total",
-            "Engine cores restarted after an unexpected exit (--engine-cores).",
-            ["model"],
+        self.in_flight = Gauge(
+            "ferry_requests_in_flight",
+            "Requests being served now.",
+            ["route"],
             registry=r,
+            multiprocess_mode="livesum",  # several front ends: their sum (batcher/metrics.py)
         )
+        self.core_restarts = Counter(*CORE_RESTARTS, ["model"], registry=r)

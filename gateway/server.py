@@ -79,10 +79,9 @@ class FrontEndServer(DrainingServer):
     and takes the supervisor's word on the engine cores from `control` (a pipe); the pipe's
     end means the supervisor is gone, and the front end stops."""
 
-    def __init__(self, config: uvicorn.Config, ferry, control: Any, metrics_address: str):
+    def __init__(self, config: uvicorn.Config, ferry, control: Any):
         super().__init__(config, ferry)
         self.control = control
-        self.metrics_address = metrics_address
 
     def handle_exit(self, sig, frame) -> None:
         if sig == signal.SIGINT:
@@ -91,9 +90,6 @@ class FrontEndServer(DrainingServer):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
-        from .peer_metrics import MetricsServer
-
-        MetricsServer(self.ferry.metrics.registry, self.metrics_address).start()  # for the peers' scrapes
         asyncio.get_running_loop().add_reader(self.control.fileno(), self._from_supervisor)
 
     def _from_supervisor(self) -> None:
@@ -108,15 +104,18 @@ class FrontEndServer(DrainingServer):
 
 
 def serve_front_end(
-    cfg: ServerConfig, sock: socket.socket, control: Any, cores: list[dict], metrics_address: str, peers: list[str]
+    cfg: ServerConfig, sock: socket.socket, control: Any, cores: list[dict], shared_metrics: str
 ) -> int:
     """The life of one front end of several: the app over the supervisor's cores, on its
-    socket; its metrics answered on `metrics_address`, its peers' merged into /metrics."""
+    socket; /metrics reads the series every front end and the supervisor keep in
+    `shared_metrics` (gateway/shared_metrics.py) rather than this process's registry."""
+    from .shared_metrics import shared_registry
+
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(cfg, cores=cores)
     app.state.ferry.freeze_gc = True
-    app.state.ferry.peers = peers
+    app.state.ferry.shared_metrics = shared_registry(shared_metrics)
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=cfg.drain_timeout + 5)
-    server = FrontEndServer(config, app.state.ferry, control, metrics_address)
+    server = FrontEndServer(config, app.state.ferry, control)
     server.run(sockets=[sock])
     return 0

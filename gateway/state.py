@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
+from prometheus_client import CollectorRegistry
 from starlette.requests import HTTPConnection
 
 from engine.base import EmbeddingEngine, GenerationEngine
@@ -47,9 +48,9 @@ class GatewayState:
     # model index (gateway/front_ends.py), kept current by `core_event`.
     cores: list[dict[str, Any]] | None = None
     by_index: dict[int, ServedModel[Any]] = field(default_factory=dict)
-    # ... and the metrics sockets of its peers: the other front ends and the supervisor
-    # (gateway/peer_metrics.py), merged into each /metrics scrape
-    peers: list[str] = field(default_factory=list)
+    # ... and what its /metrics reads instead of `metrics.registry`: the series of every
+    # front end and of the supervisor (gateway/shared_metrics.py), the cores' merged in
+    shared_metrics: CollectorRegistry | None = None
     _events: asyncio.Queue | None = None
     _event_task: asyncio.Task | None = None
 

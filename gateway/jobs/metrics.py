@@ -12,8 +12,9 @@ LINE_STATUSES = ("completed", "failed", "cancelled", "expired")
 
 class JobMetrics:
     """`counting`: this process keeps `ferry_jobs`. Of several front ends on one store only
-    the lease's holder does (reloading it from the store at every renewal), so that a
-    /metrics scrape that sums the front ends' series counts each job once."""
+    the lease's holder does (reloading it from the store at every renewal; the others hold
+    0), and a /metrics scrape takes the largest over the front ends alive (its multiprocess
+    mode, batcher/metrics.py), so each job counts once."""
 
     def __init__(self, metrics: Metrics):
         self.counting = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from starlette.requests import Request
 from starlette.responses import Response
@@ -13,7 +13,6 @@ from starlette.responses import Response
 from ..endpoint import Ctx
 from ..errors import APIError
 from ..metrics_merge import merged_exposition, merged_families
-from ..peer_metrics import scrape_peers
 from ..remote_batcher import RemoteBatcher
 from ..responses import json_response
 from ..state import gateway_state
@@ -38,7 +37,7 @@ async def readyz(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     ferry = gateway_state(request)
-    registry = ferry.metrics.registry
+    registry = _registry(ferry)
     scraped = await _scrapes(ferry)
     compat = ferry.config.metrics_compat
     if scraped is None and compat == "none":  # one process: the server's registry holds everything
@@ -46,17 +45,20 @@ async def metrics(request: Request) -> Response:
     return Response(merged_exposition(registry, scraped or [], compat), media_type=CONTENT_TYPE_LATEST)
 
 
+def _registry(ferry) -> CollectorRegistry:
+    """This process's registry or, with several front ends (`--api-workers N`), the one that
+    reads every front end's and the supervisor's series (gateway/shared_metrics.py; this
+    process's are among them, so its own registry is not read as well)."""
+    return ferry.shared_metrics if ferry.shared_metrics is not None else ferry.metrics.registry
+
+
 async def _scrapes(ferry) -> list[Any] | None:
-    """Each engine core's metrics and, with several front ends (`--api-workers N`), each
-    peer's: the other front ends and the supervisor (None: this process holds everything)."""
+    """Each engine core's metrics (None: no cores, this process holds everything)."""
     cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
-    if not cores and not ferry.peers:
+    if not cores and ferry.shared_metrics is None:
         return None
     answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
-    scraped: list[Any] = [a for a in answers if not isinstance(a, BaseException)]  # a lost or stuck core is left out
-    if ferry.peers:
-        scraped += await scrape_peers(ferry.peers)
-    return scraped
+    return [a for a in answers if not isinstance(a, BaseException)]  # a lost or stuck core is left out
 
 
 async def all_families(ferry) -> list[Metric]:
@@ -64,7 +66,7 @@ async def all_families(ferry) -> list[Metric]:
     scraped = await _scrapes(ferry)
     if scraped is None:
         return list(ferry.metrics.registry.collect())
-    return merged_families(ferry.metrics.registry, scraped)
+    return merged_families(_registry(ferry), scraped)
 
 
 def _model_card(m) -> dict:

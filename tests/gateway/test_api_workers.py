@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,6 +139,11 @@ def test_one_scrape_of_any_front_end_shows_every_processs_series_once():
             assert samples(gw, "ferry_batches_total")  # the cores' series are in
             restarts = samples(gw, "ferry_engine_core_restarts_total")
             assert restarts == {(("model", "fake-embed"),): 0.0, (("model", "fake-chat"),): 0.0}
+        # The front ends and the supervisor keep their series in one directory; the cores,
+        # whose series are pulled, write nothing there (gateway/shared_metrics.py).
+        [shared] = {os.path.dirname(f.path) for p in fronts for f in p.open_files() if f.path.endswith(".db")}
+        writers = {int(name.rsplit("_", 1)[1].removesuffix(".db")) for name in os.listdir(shared)}
+        assert writers == {gw.proc.pid, *(p.pid for p in fronts)}
         stops_cleanly(gw)
 
 
@@ -145,6 +151,7 @@ def test_a_killed_front_end_is_replaced_and_the_other_keeps_serving():
     with serve(delay=0.005) as gw:
         victim, survivor = front_ends(gw)
         outcomes: collections.Counter[str] = collections.Counter()
+        scraped: list[dict] = []  # the counts before the kill
 
         async def load(stop: asyncio.Event) -> None:
             async def one(i: int) -> None:
@@ -164,6 +171,7 @@ def test_a_killed_front_end_is_replaced_and_the_other_keeps_serving():
             stop = asyncio.Event()
             running = asyncio.create_task(load(stop))
             await asyncio.to_thread(wait_until, lambda: outcomes["200"] >= 20, message="load to flow")
+            scraped.append(await asyncio.to_thread(counts, gw))
             victim.send_signal(signal.SIGKILL)
             before = outcomes["200"]
             await asyncio.to_thread(wait_until, lambda: outcomes["200"] >= before + 20, message="the survivor to serve")
@@ -184,7 +192,26 @@ def test_a_killed_front_end_is_replaced_and_the_other_keeps_serving():
         wait_until(lambda: all_ready(gw), timeout=60, message="the replacement to be ready")
         answers = [httpx.post(gw.url + EMBED, json=embed(f"after {i}"), timeout=30) for i in range(10)]
         assert [r.status_code for r in answers] == [200] * 10
+        # The killed front end's counts stay in the scrape (gateway/shared_metrics.py): no
+        # counter or histogram went down, and every 200 the clients got is counted.
+        [before], after = scraped, counts(gw)
+        assert {k: v for k, v in before.items() if after.get(k, -1.0) < v} == {}
+        assert after[("ferry_requests_total", ROUTE_200)] >= outcomes["200"] + 10
+        assert after[("ferry_request_duration_seconds_count", ROUTE_200[:2])] >= outcomes["200"] + 10
+        in_flight = list(samples(gw, "ferry_requests_in_flight"))
+        assert in_flight and all(dict(k).keys() == {"route"} for k in in_flight), in_flight  # no pid label
         stops_cleanly(gw)
+
+
+ROUTE_200 = (("model", "fake-embed"), ("route", "/v1/embeddings"), ("status", "200"))
+
+
+def counts(gw: GatewayProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The front ends' counters and histogram counts in one /metrics scrape."""
+    found = {}
+    for name in ("ferry_requests_total", "ferry_request_duration_seconds_count", "ferry_rejections_total"):
+        found.update({(name, k): v for k, v in samples(gw, name).items()})
+    return found
 
 
 async def clients_by_front_end(gw: GatewayProcess, fronts: list[psutil.Process]) -> dict[int, list[httpx.AsyncClient]]:
