@@ -55,7 +55,9 @@ def predicted_completion(
     size = batch_size_under(load.reserve, s, cost, tokens)
     full, rest = divmod(ahead + 1, size)
     shaped = _shaped(item, s)
-    slow = load.slowdown if shaped else 1.0
+    # Every promise allows for the slowdown under a deadline-aware policy: batch-class work
+    # admitted to the last millisecond of its budget on the mean drain was served late.
+    slow = load.slowdown if s.policy != "fixed" else 1.0
     if rest and shaped:
         # Its batch is filled from the work queued behind it up to the floor: interactive
         # deadlines do not cut batches below what keeps up with the load.
