@@ -102,7 +102,7 @@ def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
 def test_every_promise_of_a_deadline_aware_policy_allows_for_the_slowdown():
     """Batch-class work too: admitted on the mean drain to the last millisecond of its
     budget, about half of it was served late under overload (bench_latency, 200% batch
-    load: 23-46 batch-class requests/s on time; with the slowdown, 93-94/s)."""
+    load: 23-46 batch-class requests/s on time; with the slowdown, 93-144/s)."""
     s, load = batching(), Load(slowdown=1.25)
     assert admission.predicted_completion(queue(), item(NOW + 1.0), NOW, s, COST, load) == pytest.approx(
         NOW + cost(1) * 1.25
