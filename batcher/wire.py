@@ -1,8 +1,9 @@
 """The messages between a front end and an engine core (docs/architecture.md, "Processes").
 
 One module defines them and both sides import it. Each is a tagged `msgspec.Struct`
-encoded as msgpack; token ids and vectors travel as raw little-endian arrays (`ids` /
-`floats` below), never pickled. Deadlines are absolute `time.monotonic()` seconds: one
+encoded as msgpack, as many to a ZMQ frame as one turn of the sender's loop made
+(`pack`); token ids and vectors travel as raw little-endian arrays (`ids` / `floats`
+below), never pickled. Deadlines are absolute `time.monotonic()` seconds: one
 clock for every process on a host, so time in flight counts against the budget.
 
 A request is keyed by `req`, a number its front end makes unique among its own requests;
@@ -193,23 +194,8 @@ ToCore = Submit | Cancel | Stop | SettingsChange | MetricsRequest
 ToFrontEnd = Admitted | Refused | Result | NewTokens | SettingsAnswer | MetricsAnswer
 
 _encoder = msgspec.msgpack.Encoder()
-_to_core = msgspec.msgpack.Decoder(ToCore)
-_to_front_end = msgspec.msgpack.Decoder(ToFrontEnd)
-_packet_to_core = msgspec.msgpack.Decoder(list[ToCore])
-_packet_to_front_end = msgspec.msgpack.Decoder(list[ToFrontEnd])
-
-
-def encode(message: msgspec.Struct) -> bytes:
-    return _encoder.encode(message)
-
-
-def decode_to_core(raw: bytes) -> ToCore:
-    """Raises msgspec.DecodeError on anything that is not one of ToCore."""
-    return _to_core.decode(raw)
-
-
-def decode_to_front_end(raw: bytes) -> ToFrontEnd:
-    return _to_front_end.decode(raw)
+_to_core = msgspec.msgpack.Decoder(list[ToCore])
+_to_front_end = msgspec.msgpack.Decoder(list[ToFrontEnd])
 
 
 # -- a frame between a front end and a core is a packet: the messages of one turn, in order --
@@ -219,12 +205,12 @@ def pack(messages: list[msgspec.Struct]) -> bytes:
 
 
 def unpack_to_core(raw: bytes) -> list[ToCore]:
-    """Raises msgspec.DecodeError unless every message is one of ToCore."""
-    return _packet_to_core.decode(raw)
+    """Raises msgspec.DecodeError (or ValidationError) unless every message is one of ToCore."""
+    return _to_core.decode(raw)
 
 
 def unpack_to_front_end(raw: bytes) -> list[ToFrontEnd]:
-    return _packet_to_front_end.decode(raw)
+    return _to_front_end.decode(raw)
 
 
 # -- errors cross as (code, message, retry_after) and come back as the same class ----------
