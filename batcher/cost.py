@@ -17,6 +17,10 @@ import numpy as np
 
 SLOWDOWN_QUANTILE = 0.9  # of observed / predicted batch time, over the window
 MAX_SLOWDOWN = 1.5  # bounded: a pessimism that shrinks batches must not feed on itself
+# The bad batch one in a hundred: what batches that share an interactive request's wait
+# (the batch running when it arrives, the batch-class items riding in its own batch) are
+# sized against. Never what a request is promised (that would refuse work the engine serves).
+TAIL_QUANTILE, MAX_TAIL = 0.99, 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +43,7 @@ class CostModel:
         self._fit = self._prior
         self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._ratios: deque[float] = deque(maxlen=window)  # observed / predicted
-        self._slowdown = 1.0
+        self._slowdown = self._tail = 1.0
         self._refit_every = refit_every
         self._since_fit = 0
 
@@ -62,6 +66,15 @@ class CostModel:
         nine batches in ten deliver; bounded, because batches cut smaller by it miss the fit
         by more. Batch sizes that the load needs (the keep-up floor) never use it."""
         return self._slowdown
+
+    @property
+    def tail(self) -> float:
+        """The 99th percentile of observed / predicted batch time lately, within
+        [slowdown, 2]. Promises use `slowdown`; the batches an interactive request waits
+        for or shares are sized against `tail`, so that the slow batch one in a hundred
+        still leaves it on time (bench_latency, "priority": at the 90th percentile the late
+        interactive answers were those batches running long)."""
+        return self._tail
 
     def seed(self, profile: list[tuple[int, int, float]]) -> None:
         """Fit to a warm-up profile of (items, tokens, seconds). The predictions it replaces
@@ -91,8 +104,9 @@ class CostModel:
         """
         self._since_fit = 0
         if self._ratios:
-            slow = float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE))
-            self._slowdown = min(max(slow, 1.0), MAX_SLOWDOWN)
+            slow, tail = np.quantile(np.asarray(self._ratios), [SLOWDOWN_QUANTILE, TAIL_QUANTILE])
+            self._slowdown = min(max(float(slow), 1.0), MAX_SLOWDOWN)
+            self._tail = min(max(float(tail), self._slowdown), MAX_TAIL)
         if len(self._obs) < 3:
             return
         data = np.asarray(self._obs, dtype=np.float64)

@@ -50,6 +50,8 @@ class Load:
     reserve: float | None = None
     # What promises to interactive work multiply predictions by (CostModel.slowdown).
     slowdown: float = 1.0
+    # What batches an interactive request waits for or shares are sized against (CostModel.tail).
+    tail: float = 1.0
     # Items per second of engine time, measured on recent batches that left work queued
     # behind them; None: no such batches lately (then the cost model alone predicts).
     drain_rate: float | None = None
@@ -177,14 +179,14 @@ class LoadTracker:
 
         One arriving just as a batch starts waits for it, then runs in a batch of its own,
         and both must fit in the tightest interactive budget seen lately, each prediction
-        keeping the margin and allowing for the slowdown. Its own batch takes at least one
+        keeping the margin and allowing for the slow batch one in a hundred (`tail`). Its own batch takes at least one
         typical item alone, and at least the keep-up batch; the reserve never cuts below
         the keep-up batch. None: no interactive traffic lately.
         """
         if not self._recent_interactive(now):
             return None
         alone = cost.predict(1, self.typical_tokens)
-        usable = (self._tightest[0][1] - 2.0 * s.margin) / cost.slowdown
+        usable = (self._tightest[0][1] - 2.0 * s.margin) / cost.tail
         protect = max(usable - max(alone, keep_up), 0.0)
         return max(protect, keep_up)
 
@@ -209,5 +211,6 @@ class LoadTracker:
             floor=floor,
             reserve=self.reserve(now, s, cost, keep_up),
             slowdown=cost.slowdown,
+            tail=cost.tail,
             drain_rate=self.drain_rate(now),
         )

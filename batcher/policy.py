@@ -54,10 +54,13 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     Items that would miss even alone constrain nothing: they run best-effort. Neither cuts
     the batch below `floor` items, the smallest batch that keeps up with the load
     (admission has refused the interactive requests that cannot be served that way).
+    An interactive request is promised what nine batches in ten deliver (`slowdown`), but
+    the items that join its batch may not make it late even on the slow batch one in a
+    hundred (`tail`): its own deadline is kept with that headroom before riders fill it.
     """
     best_k, best_rate = 1, -1.0
     reserve, floor = load.reserve, load.floor
-    slow = load.slowdown  # interactive deadlines are promised what nine batches in ten deliver
+    slow, tail = load.slowdown, max(load.tail, load.slowdown)
     longest = 0
     finished_in_time: list[float] = []  # sorted deadlines of the items taken so far
     tightest_interactive = INF
@@ -69,7 +72,7 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
         d = item.deadline if item.deadline is not None else INF
         if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) * slow + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
-        if k > floor and now + t * slow + s.margin > tightest_interactive:
+        if k > floor and now + t * tail + s.margin > tightest_interactive:
             break
         insort(finished_in_time, d)
         good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batcher.cost import MAX_SLOWDOWN, CostModel, LinearCost
+from batcher.cost import MAX_SLOWDOWN, MAX_TAIL, CostModel, LinearCost
 
 
 def test_fits_fixed_plus_per_token_from_observed_batches():
@@ -62,6 +62,26 @@ def test_slowdown_is_the_90th_percentile_of_observed_over_predicted_and_bounded(
         stalled.observe(1, 0, 0.100)
     stalled.refit()
     assert stalled.slowdown == MAX_SLOWDOWN  # bounded (1.5), though these ran 10x slower
+
+
+def test_tail_is_the_99th_percentile_never_below_the_slowdown_and_bounded():
+    m = CostModel(LinearCost(0.010, 0.0, 0.0), refit_every=10**9)
+    assert m.tail == 1.0
+    for i in range(200):  # 3 batches in 200 take 1.8x, 1 in 10 1.2x
+        m.observe(1, 0, 0.018 if i in (0, 70, 140) else 0.012 if i % 10 == 5 else 0.010)
+    m.refit()
+    assert m.slowdown == pytest.approx(1.2)
+    assert m.tail == pytest.approx(1.8)
+    stalled = CostModel(LinearCost(0.010, 0.0, 0.0), refit_every=10**9)
+    for _ in range(10):
+        stalled.observe(1, 0, 0.100)
+    stalled.refit()
+    assert stalled.tail == MAX_TAIL  # bounded (2), though these ran 10x slower
+    steady = CostModel(LinearCost(0.010, 0.0, 0.0), refit_every=10**9)
+    for _ in range(50):
+        steady.observe(1, 0, 0.013)
+    steady.refit()
+    assert steady.tail == steady.slowdown == pytest.approx(1.3)
 
 
 def test_a_warm_up_seed_fits_without_judging_the_prior():

@@ -84,7 +84,7 @@ def test_the_reserve_follows_the_tightest_interactive_budget_still_in_the_window
         if not window:
             assert t.reserve(now, s, COST, keep_up=keep_up) is None
             continue
-        usable = (min(window) - 2.0 * s.margin) / COST.slowdown
+        usable = (min(window) - 2.0 * s.margin) / COST.tail
         expected = max(max(usable - max(cost(1), keep_up), 0.0), keep_up)
         assert t.reserve(now, s, COST, keep_up=keep_up) == pytest.approx(expected)
         assert t.interactive_rate(now) == pytest.approx(len(window) / RESERVE_HORIZON)
