@@ -13,6 +13,7 @@ predictions of 20-30 s while the engine served it in under a second).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -167,12 +168,21 @@ class LoadTracker:
         cls = Priority.INTERACTIVE if s.interactive_first else None
         rate = self.offered_rate(now, cls) + queue.due_within(now + RATE_HORIZON, cls) / RATE_HORIZON
         tokens = self.typical_tokens
-        n, t = 1, 0.0
-        for n in range(1, s.max_batch_size + 1):
-            t = cost.predict(n, n * tokens)
-            if n >= rate * t / KEEP_UP_UTILISATION:
-                break
-        return n, t
+        cap = s.max_batch_size
+
+        def keeps_up(n: int) -> bool:
+            return n >= rate * cost.predict(n, n * tokens) / KEEP_UP_UTILISATION
+
+        # Batch time is linear in n (a + b*n): n >= r*(a + b*n)/U solves in closed form, and
+        # a step either side settles the rounding. (A scan of every size ran per admission.)
+        p = cost.params
+        a, b = rate * p.fixed / KEEP_UP_UTILISATION, rate * (p.per_item + p.per_token * tokens) / KEEP_UP_UTILISATION
+        n = min(cap, max(1, math.ceil(a / (1.0 - b)))) if b < 1.0 else cap
+        while n > 1 and keeps_up(n - 1):
+            n -= 1
+        while n < cap and not keeps_up(n):
+            n += 1
+        return n, cost.predict(n, n * tokens)
 
     def reserve(self, now: float, s: BatchingSettings, cost: CostModel, keep_up: float) -> float | None:
         """The longest batch the policies may form while interactive requests arrive.

@@ -15,6 +15,8 @@ Label values:
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry
 
 from batcher.metric_types import Counter, Gauge, Histogram
@@ -53,3 +55,14 @@ class GatewayMetrics(Metrics):
             multiprocess_mode="livesum",  # several front ends: their sum (batcher/metrics.py)
         )
         self.core_restarts = Counter(*CORE_RESTARTS, ["model"], registry=r)
+        self._series: dict[tuple[Any, tuple[str, ...]], Any] = {}
+
+    def series(self, metric: Any, *labels: str) -> Any:
+        """`metric.labels(*labels)`, remembered. A lookup costs 2-3 us (validation, a
+        tuple, a lock) and a request makes four; the gateway never removes these series,
+        and their labels are bounded (routes, served models, status codes)."""
+        key = (metric, labels)
+        child = self._series.get(key)
+        if child is None:
+            child = self._series[key] = metric.labels(*labels)
+        return child

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 import orjson
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import ClientDisconnect, HTTPConnection, Request
 
 from .errors import APIError
 
@@ -39,8 +39,20 @@ UNSUPPORTED_FIELDS = frozenset(
 )
 
 
+def header(request: HTTPConnection, name: str, default: str | None = None) -> str | None:
+    """The request's header `name` (the first value when repeated). Starlette's `Headers`
+    scans and decodes every header on each lookup and a request makes up to eight; the
+    first lookup here builds a dictionary the rest share."""
+    scope = request.scope
+    table = scope.get("ferry.headers")
+    if table is None:
+        raw = reversed(scope["headers"])  # the first value of a repeated header wins
+        table = scope["ferry.headers"] = {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}
+    return table.get(name.lower(), default)
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
+    declared = header(request, "content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(
             413, f"request body of {declared} bytes exceeds the limit of {limit} bytes", code="body_too_large"

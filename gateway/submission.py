@@ -15,6 +15,7 @@ from batcher.errors import BatchingError
 from batcher.types import Priority, WorkItem
 
 from .errors import APIError
+from .request_body import header
 
 if TYPE_CHECKING:
     from .model_loading import ServedBatcher
@@ -35,7 +36,7 @@ def slo_header(request: Request, names: tuple[str, ...]) -> float | None:
     """The first of the SLO headers `names` the request carries, in milliseconds; a value
     that is not a positive number of milliseconds (at most an hour) is a 400 naming it."""
     for name in names:
-        raw = request.headers.get(name)
+        raw = header(request, name)
         if raw is None:
             continue
         try:
@@ -65,7 +66,7 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
     (X-Ferry-Latency-Budget-Ms, else the inference gateway's `x-llm-d-slo-ttft-ms` or
     `x-slo-ttft-ms`), else default."""
     budget_ms = getattr(body, "latency_budget_ms", None)
-    if budget_ms is None and (raw := request.headers.get(BUDGET_HEADER)) is not None:
+    if budget_ms is None and (raw := header(request, BUDGET_HEADER)) is not None:
         try:
             budget_ms = float(raw)
         except ValueError:
@@ -80,7 +81,7 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
     slo_ms = slo_header(request, TTFT_HEADERS)  # validated even when a Ferry budget wins
     if budget_ms is None:
         budget_ms = slo_ms
-    name = getattr(body, "priority", None) or request.headers.get(PRIORITY_HEADER)
+    name = getattr(body, "priority", None) or header(request, PRIORITY_HEADER)
     try:
         priority = Priority.parse(name)
     except ValueError as exc:

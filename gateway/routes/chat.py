@@ -87,7 +87,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
             ctx.extra.update(
                 n_prompts=len(work.prompts), completion_tokens=state.completion_tokens, **_queue_fields(items)
             )
-            ferry.metrics.in_flight.labels(ctx.route).dec()
+            ferry.metrics.series(ferry.metrics.in_flight, ctx.route).dec()
             finish(ferry, ctx, status, state.start)
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage

@@ -108,6 +108,37 @@ def test_with_interactive_first_only_interactive_load_sets_the_floor():
     assert t.floor(0.0, q, BatchingSettings(interactive_first=False), COST) == (4, pytest.approx(cost(4)))
 
 
+@given(
+    offered=st.integers(0, 3000),
+    fixed=st.floats(0.0, 0.05),
+    per_item=st.floats(0.0, 0.01),
+    per_token=st.floats(0.0, 0.0005),
+    tokens=st.integers(1, 64),
+    cap=st.integers(1, 64),
+)
+def test_the_floor_is_the_smallest_batch_that_keeps_up_as_a_scan_finds_it(
+    offered, fixed, per_item, per_token, tokens, cap
+):
+    """The floor is solved in closed form; checked against trying every size in turn."""
+    from batcher.cost import CostModel, LinearCost
+
+    model = CostModel(LinearCost(fixed, per_item, per_token))
+    t = LoadTracker()
+    t.offered(0.0, offered, 0.5, Priority.BATCH)
+    for _ in range(200):
+        t.admitted([tokens])
+    s = BatchingSettings(max_batch_size=cap, interactive_first=False)
+    rate = offered / RATE_HORIZON
+    expected = next(
+        (n for n in range(1, cap + 1) if n >= rate * model.predict(n, n * t.typical_tokens)),
+        cap,
+    )
+    assert t.floor(0.0, RequestQueue(), s, model) == (
+        expected,
+        pytest.approx(model.predict(expected, expected * t.typical_tokens)),
+    )
+
+
 # -- the reserve and the keep-up floor, through a micro-batcher's snapshot --------------------
 # Total throughput first (interactive_first=False): every urgent item sizes batches. A 50 ms
 # interactive budget, a 5 ms margin.
