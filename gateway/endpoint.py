@@ -15,6 +15,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from .errors import APIError
+from .logs import log_line
+from .request_body import header
 from .state import gateway_state
 from .submission import ClientGone
 
@@ -34,8 +36,8 @@ class Ctx:
 Handler = Callable[[Request, Ctx], Awaitable[Response]]
 
 
-def check_key(request: Request, keys: list[str], header: str = "authorization") -> bool:
-    auth = request.headers.get(header, "")
+def check_key(request: Request, keys: list[str], name: str = "authorization") -> bool:
+    auth = header(request, name) or ""
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer" or not token:
         return False
@@ -49,14 +51,14 @@ def check_key(request: Request, keys: list[str], header: str = "authorization") 
 def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
     async def wrapped(request: Request) -> Response:
         ferry = gateway_state(request)
-        rid = request.headers.get("x-request-id") or new_request_id()
+        rid = header(request, "x-request-id") or new_request_id()
         if len(rid) > 128 or not rid.isprintable():
             rid = new_request_id()
         ctx = Ctx(route, rid)
         ferry.last_request_at = time.monotonic()
         m = ferry.metrics
         start = time.perf_counter()
-        m.in_flight.labels(route).inc()
+        m.series(m.in_flight, route).inc()
         try:
             if not public and ferry.config.api_keys and not check_key(request, ferry.config.api_keys):
                 raise APIError(
@@ -65,7 +67,7 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
             response = await handler(request, ctx)
         except APIError as exc:
             if exc.status in INVALID_INPUT and not public:
-                m.rejections.labels(ctx.model, "invalid").inc()  # refused before queuing
+                m.series(m.rejections, ctx.model, "invalid").inc()  # refused before queuing
             response = exc.response()
         except ClientGone:
             response = Response(status_code=499)
@@ -79,7 +81,7 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
             response.headers["Connection"] = "close"  # no more requests on this connection
         if isinstance(response, StreamingResponse):
             return response  # streams account for themselves (in flight, status, latency) when they end
-        m.in_flight.labels(route).dec()
+        m.series(m.in_flight, route).dec()
         finish(ferry, ctx, response.status_code, start)
         return response
 
@@ -94,9 +96,9 @@ def new_request_id() -> str:
 def finish(ferry, ctx: Ctx, status: int, start: float) -> None:
     elapsed = time.perf_counter() - start
     m = ferry.metrics
-    m.requests.labels(ctx.route, ctx.model, str(status)).inc()
+    m.series(m.requests, ctx.route, ctx.model, str(status)).inc()
     if ctx.model:
-        m.request_latency.labels(ctx.route, ctx.model).observe(elapsed)
+        m.series(m.request_latency, ctx.route, ctx.model).observe(elapsed)
     if log.isEnabledFor(logging.INFO):
         fields = {
             "request_id": ctx.request_id,
@@ -106,9 +108,7 @@ def finish(ferry, ctx: Ctx, status: int, start: float) -> None:
             "latency_ms": round(elapsed * 1000.0, 3),
             **ctx.extra,
         }
-        # log.info() would also walk the stack for the caller's file and line, which the
-        # JSON lines never show: one line per request, so the record is made directly.
-        log.handle(log.makeRecord(log.name, logging.INFO, __file__, 0, "request", (), None, extra=fields))
+        log_line(log, "request", fields)
 
 
 def route(path: str, **handlers: Callable[[Request], Awaitable[Response]]) -> Route:
