@@ -52,9 +52,9 @@ def predicted_completion(
     the policies will form, then the item's own batch."""
     ahead = items_ahead(q, item) + siblings
     tokens = max(item.cost, 1)
-    size = batch_size_under(load.reserve, s, cost, tokens)
-    full, rest = divmod(ahead + 1, size)
     shaped = _shaped(item, s)
+    size = s.max_batch_size if shaped else batch_size_under(load.reserve, s, cost, tokens)
+    full, rest = divmod(ahead + 1, size)
     # Every promise allows for the slowdown under a deadline-aware policy: batch-class work
     # admitted to the last millisecond of its budget on the mean drain was served late.
     slow = load.slowdown if s.policy != "fixed" else 1.0

@@ -67,7 +67,7 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     for k, item in enumerate(items, start=1):
         longest = max(longest, item.cost)
         t = cost.predict(k, longest * k)
-        if k > floor and reserve is not None and t > reserve:
+        if k > floor and reserve is not None and t > reserve and item.priority is not Priority.INTERACTIVE:
             break
         d = item.deadline if item.deadline is not None else INF
         if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) * slow + s.margin <= d:

@@ -67,6 +67,19 @@ def test_on_an_idle_engine_an_item_is_done_after_its_own_batch():
     )
 
 
+def test_the_reserve_shortens_batch_class_batches_not_the_interactive_ones():
+    """Under a reserve of one item's batch, batch-class work ahead is predicted in batches of
+    one; interactive work goes in one batch (the policies never split it for the reserve)."""
+    s = batching(max_batch_size=8)
+    load = Load(reserve=cost(1))
+    q = queue(*[item(NOW + 0.5) for _ in range(3)])
+    assert admission.predicted_completion(q, item(NOW + 0.5), NOW, s, COST, load) == pytest.approx(NOW + cost(4))
+    b = queue(*[item(NOW + 0.5, BATCH) for _ in range(3)])
+    assert admission.predicted_completion(b, item(NOW + 0.5, BATCH), NOW, s, COST, load) == pytest.approx(
+        NOW + 4 * cost(1)
+    )
+
+
 def test_an_item_waits_for_the_running_batch_then_full_batches_of_the_items_ahead():
     s = batching(max_batch_size=4)
     q = queue(*[item(NOW + 0.5) for _ in range(9)])  # ahead of it by EDF

@@ -114,11 +114,19 @@ def test_goodput_cap_does_not_shrink_a_batch_for_one_late_batch_item():
     assert d.size == 8  # 7 on time in cost(8) = 26 ms beats 3 on time in cost(3) = 16 ms
 
 
-def test_reserve_caps_batch_time_for_interactive_arrivals():
+def test_reserve_caps_batch_time_for_interactive_arrivals_but_never_splits_interactive_work():
+    """The reserve keeps batch-class batches short for the interactive requests still to
+    come; the interactive requests already queued go together (cut to one item each,
+    every one after the first would wait a whole batch for nothing)."""
     s = BatchingSettings(policy="adaptive", max_batch_size=32, max_wait_ms=0)
-    q = _queue(0.0, [(0.0, 10.0)] * 20)
+    q = RequestQueue(aging=10)
+    for _ in range(20):
+        q.push(WorkItem(payload=None, arrival=0.0, deadline=10.0, priority=Priority.BATCH))
     assert adaptive(q, 0.0, s, COST).size == 20
     assert adaptive(q, 0.0, s, COST, Load(reserve=cost(5))).size == 5
+    for _ in range(8):
+        q.push(WorkItem(payload=None, arrival=0.0, deadline=10.0, priority=Priority.INTERACTIVE))
+    assert adaptive(q, 0.0, s, COST, Load(reserve=cost(5))).size == 8  # all interactive, no batch-class rider
 
 
 def test_interactive_deadlines_do_not_cut_batches_below_the_keep_up_floor():
