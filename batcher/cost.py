@@ -139,7 +139,8 @@ def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
 
 
 def cost_report(models: dict[str, CostModel]) -> dict[str, dict[str, float]]:
-    """Each phase's fitted cost, in milliseconds, as the admin API shows it."""
+    """Each phase's fitted cost, in milliseconds, as the admin API shows it, with the
+    slowdown promises allow for and the tail the batches around interactive work are sized on."""
     out = {}
     for phase, model in models.items():
         p = model.params
@@ -148,5 +149,7 @@ def cost_report(models: dict[str, CostModel]) -> dict[str, dict[str, float]]:
             "per_item_ms": p.per_item * 1e3,
             "per_token_ms": p.per_token * 1e3,
             "observations": model.observations,
+            "slowdown": model.slowdown,
+            "tail": model.tail,
         }
     return out

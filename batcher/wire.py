@@ -75,6 +75,9 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     sampling: list[Sampling] | None = None
     count_rejection: bool = True
     itl_target: float | None = None  # seconds (x-llm-d-slo-tpot-ms)
+    # No Admitted answer: the front end awaits only the results (one-shot work read by
+    # nobody until it is done); a refusal still comes, as Refused.
+    quiet: bool = False
 
 
 class Admitted(msgspec.Struct, tag="admitted", array_like=True):

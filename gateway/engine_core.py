@@ -190,7 +190,8 @@ class EngineCore:
         except Exception as exc:  # BatchingError or a bug: either way refused, at once
             self._send(peer, wire.refusal(m.req, exc))
             return
-        self._send(peer, wire.Admitted(m.req, items[0].best_effort))
+        if not m.quiet:
+            self._send(peer, wire.Admitted(m.req, items[0].best_effort))
         self.requests[key] = items
         for item in items:
             item.result_future.add_done_callback(functools.partial(self._finished, key, item))

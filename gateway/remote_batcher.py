@@ -197,7 +197,14 @@ class RemoteBatcher:
         on_delta: Callable[[Any], None] | None = None,
         count_rejection: bool = True,
         itl_target: float | None = None,
+        wait_admitted: bool = True,
     ) -> list[WorkItem]:
+        """As QueueingBatcher.submit_many, once the core has answered. `wait_admitted=False`
+        (one-shot work whose caller reads only the results): the items come back at once
+        and the core sends no Admitted; a refusal fails every item with the error
+        submit_many would have raised, so the client still hears it before any result.
+        Under `wrk` the Admitted answers were most of the frames a core sent (one per turn
+        of its loop that took a Submit, against one per batch for results)."""
         self._refuse_if_closed()
         now = time.monotonic()
         deadline = None if budget is None else now + budget  # one clock for every process on the host
@@ -225,23 +232,28 @@ class RemoteBatcher:
             raise RuntimeError(f"no tokenizer to detokenize what the engine core of {self.model} generates")
         sampling = [sampling_of(g.params) for g in payloads] if generation else None
         prompts = [g.prompt_ids for g in payloads] if generation else payloads
+        quiet = not wait_admitted and not generation and on_delta is None
+        submit = wire.Submit(
+            req,
+            self.model,
+            [wire.ids(p) for p in prompts],
+            costs,
+            deadline,
+            int(priority),
+            request_id,
+            on_delta is not None,
+            sampling,
+            count_rejection,
+            itl_target,
+            quiet,
+        )
+        if quiet:
+            self._track(req, items)
+            self._send(submit)
+            return items
         pending = self._pending[req] = _Pending(items, loop.create_future())
         try:
-            self._send(
-                wire.Submit(
-                    req,
-                    self.model,
-                    [wire.ids(p) for p in prompts],
-                    costs,
-                    deadline,
-                    int(priority),
-                    request_id,
-                    on_delta is not None,
-                    sampling,
-                    count_rejection,
-                    itl_target,
-                )
-            )
+            self._send(submit)
             answer = await pending.answer
         except asyncio.CancelledError:
             # Gone before the answer: whatever the core decides, withdraw it.
@@ -400,7 +412,10 @@ class RemoteBatcher:
 
     def _unsent(self, messages: list[msgspec.Struct], exc: Exception) -> None:
         for m in messages:
-            if isinstance(m, wire.Submit):
+            if isinstance(m, wire.Submit) and m.quiet:
+                for item in self._forget(m.req):
+                    item.finish(Outcome.ERROR, exc)
+            elif isinstance(m, wire.Submit):
                 pending = self._pending.get(m.req)
                 if pending is not None and not pending.answer.done():
                     pending.answer.set_exception(exc)
@@ -482,20 +497,31 @@ class RemoteBatcher:
             if all(i.finished for i in items):
                 self._forget(m.req)
 
+    def _track(self, req: int, items: list[WorkItem]) -> None:
+        """From now on results and cancellations for `req` concern `items`."""
+        self._requests[req] = items
+        for item in items:
+            self._req_of[item.id] = req
+            if isinstance(item.payload, GenRequest):
+                self._texts[item.id] = _Text(self.tokenizer, item.payload)
+
     def _answer(self, m: wire.Admitted | wire.Refused) -> None:
         pending = self._pending.pop(m.req, None)
+        if pending is None and isinstance(m, wire.Refused) and m.req in self._requests:
+            # Submitted quietly (wait_admitted=False): its items carry the refusal.
+            refusal = wire.error_of(m.code, m.message, m.retry_after)
+            for item in self._forget(m.req):
+                item.finish(Outcome.ERROR, refusal)
+            return
         if pending is None or pending.answer.done():
             self.dropped += 1
             if isinstance(m, wire.Admitted):  # its submitter left; nobody will take the results
                 self._send(wire.Cancel(m.req))
             return
         if isinstance(m, wire.Admitted):
-            self._requests[m.req] = pending.items
             for item in pending.items:
                 item.best_effort = m.best_effort
-                self._req_of[item.id] = m.req
-                if isinstance(item.payload, GenRequest):
-                    self._texts[item.id] = _Text(self.tokenizer, item.payload)
+            self._track(m.req, pending.items)
         pending.answer.set_result(m)
 
     def _result(self, m: wire.Result) -> None:

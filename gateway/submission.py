@@ -15,6 +15,7 @@ from batcher.errors import BatchingError
 from batcher.types import Priority, WorkItem
 
 from .errors import APIError
+from .remote_batcher import RemoteBatcher
 from .request_body import header
 
 if TYPE_CHECKING:
@@ -89,9 +90,14 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
     return (None if budget_ms is None else budget_ms / 1000.0), priority
 
 
-async def submit(batcher: ServedBatcher, payloads: list[Any], **kw: Any) -> list[WorkItem]:
-    """A batcher in an engine core (gateway/remote_batcher.py) admits asynchronously."""
+async def submit(batcher: ServedBatcher, payloads: list[Any], *, one_shot: bool = False, **kw: Any) -> list[WorkItem]:
+    """A batcher in an engine core (gateway/remote_batcher.py) admits asynchronously.
+    `one_shot`: the caller only waits for the results (embeddings): an engine core's batcher
+    returns the items without waiting for admission, and a refusal fails them with the
+    error raised here otherwise (wait_items answers it the same way)."""
     try:
+        if one_shot and isinstance(batcher, RemoteBatcher):
+            kw["wait_admitted"] = False
         items = batcher.submit_many(payloads, **kw)
         return await items if inspect.isawaitable(items) else items
     except BatchingError as exc:

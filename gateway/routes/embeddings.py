@@ -26,7 +26,13 @@ async def create_embeddings(request: Request, ctx: Ctx):
     budget, priority = scheduling(request, body)
     itl_target(request)  # checked, then unused: an embedding has no tokens after its first
     items = await submit(
-        served.batcher, work.payloads, costs=work.costs, budget=budget, priority=priority, request_id=ctx.request_id
+        served.batcher,
+        work.payloads,
+        one_shot=True,
+        costs=work.costs,
+        budget=budget,
+        priority=priority,
+        request_id=ctx.request_id,
     )
     results = await wait_items(request, served.batcher, items)
     ctx.extra.update(inputs=len(work.payloads), **_log_fields(items))

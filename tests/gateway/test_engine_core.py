@@ -33,6 +33,9 @@ COMPLETIONS = "/v1/completions"
 ADMIN = "/admin/models/fake-embed/batching"
 TOKEN = {"Authorization": "Bearer t"}
 
+# What the admin GET reports of each phase's cost model.
+COST_REPORT_FIELDS = {"fixed_ms", "per_item_ms", "per_token_ms", "observations", "slowdown", "tail"}
+
 
 @contextlib.contextmanager
 def serve(*args: str, delay: float = 0.0, log: Path | None = None) -> Iterator[GatewayProcess]:
@@ -118,7 +121,7 @@ def test_refusals_admin_and_disconnects_cross_the_process_boundary(tmp_path):
     with serve("--engine-cores", delay=1.0, log=log) as gw:
         admin = httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30)
         assert admin.status_code == 200 and admin.json()["max_queue"] == 1024
-        assert set(admin.json()["cost_model"]["embed"]) == {"fixed_ms", "per_item_ms", "per_token_ms", "observations"}
+        assert set(admin.json()["cost_model"]["embed"]) == COST_REPORT_FIELDS
         patched = httpx.patch(gw.url + ADMIN, headers=TOKEN, json={"max_queue": 1, "max_wait_ms": 0}, timeout=30)
         assert patched.status_code == 200 and patched.json()["max_queue"] == 1
         assert httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30).json()["max_queue"] == 1  # the core's own

@@ -30,6 +30,9 @@ from gateway.remote_batcher import RemoteBatcher
 from gateway.submission import timing_headers
 from tests.waiting import async_wait_until
 
+# What the admin GET reports of each phase's cost model.
+COST_REPORT_FIELDS = {"fixed_ms", "per_item_ms", "per_token_ms", "observations", "slowdown", "tail"}
+
 
 @contextlib.asynccontextmanager
 async def core_and_front(tmp_path, engine: FakeEmbeddingEngine, **settings: Any) -> AsyncIterator[tuple]:
@@ -101,6 +104,35 @@ def test_refusals_raise_the_local_errors_with_retry_after(tmp_path):
     run(main())
 
 
+def test_quiet_submits_hear_only_results_or_their_refusal(tmp_path):
+    """wait_admitted=False: the items come back before the core has seen them and it sends
+    no Admitted; a refusal fails them with the error a waited submit raises; an unsent one
+    (the core gone) fails them too. Nothing is left tracked here."""
+    engine = FakeEmbeddingEngine(fixed=0.3)
+
+    async def main():
+        async with core_and_front(tmp_path, engine, max_queue=2, max_wait_ms=0) as (_, core, remote):
+            sent: list[str] = []
+            send = core._send
+            core._send = lambda peer, m: (sent.append(type(m).__name__), send(peer, m))[1]  # type: ignore[method-assign]
+            running = await remote.submit_many(engine.tokenize(["first"]), wait_admitted=False)
+            assert not running[0].finished
+            await async_wait_until(lambda: engine.calls, message="the first batch to reach the engine")
+            late = await remote.submit_many([[4]], budget=0.001, wait_admitted=False)
+            with pytest.raises(DeadlineInfeasible) as refused:  # behind a 0.3 s batch
+                await late[0].future
+            assert refused.value.retry_after is not None and late[0].outcome is Outcome.ERROR
+            assert remote.cancel(late[0]) is False  # finished: nothing to withdraw
+            np.testing.assert_array_equal((await running[0].future).vector, fake_vector("first", 8))
+            assert "Admitted" not in sent and sent.count("Refused") == 1 and sent.count("Result") == 1
+            assert remote.queue._req_of == {} and remote.in_flight == 0
+            await remote.lost("engine core killed by SIGKILL")
+            with pytest.raises(ModelUnavailable):
+                await remote.submit_many([[1]], wait_admitted=False)
+
+    run(main())
+
+
 def test_cancel_withdraws_the_whole_request_in_the_core_before_it_runs(tmp_path):
     engine = FakeEmbeddingEngine(fixed=0.3)
 
@@ -161,7 +193,7 @@ def test_settings_change_and_read_through_the_core(tmp_path):
             assert batcher.settings.max_batch_size == 32
             described = await remote.describe()
             assert described["max_wait_ms"] == 2.5
-            assert set(described["cost_model"]["embed"]) == {"fixed_ms", "per_item_ms", "per_token_ms", "observations"}
+            assert set(described["cost_model"]["embed"]) == COST_REPORT_FIELDS
 
     run(main())
 
