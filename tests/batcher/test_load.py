@@ -21,8 +21,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from batcher.cost import CostModel, LinearCost
 from batcher.errors import BatchingError, QueueFull
-from batcher.load import DRAIN_HORIZON, DRAIN_MIN_BATCHES, RATE_HORIZON, RESERVE_HORIZON, URGENT_BUDGET, LoadTracker
+from batcher.load import (
+    DRAIN_HORIZON,
+    DRAIN_MIN_BATCHES,
+    RATE_HORIZON,
+    RESERVE_HORIZON,
+    URGENT_BUDGET,
+    LoadTracker,
+    efficient_batch,
+)
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
 from batcher.types import Outcome, Priority, WorkItem
@@ -85,9 +94,31 @@ def test_the_reserve_follows_the_tightest_interactive_budget_still_in_the_window
             assert t.reserve(now, s, COST, keep_up=keep_up) is None
             continue
         usable = (min(window) - 2.0 * s.margin) / COST.tail
-        expected = max(max(usable - max(cost(1), keep_up), 0.0), keep_up)
+        expected = max(max(usable - max(cost(1), keep_up), 0.0), keep_up, EFFICIENT)
         assert t.reserve(now, s, COST, keep_up=keep_up) == pytest.approx(expected)
         assert t.interactive_rate(now) == pytest.approx(len(window) / RESERVE_HORIZON)
+
+
+# The efficient batch of the exact rigs' engine (10 ms a batch, 2 ms an item): one item.
+EFFICIENT = cost(1)
+
+
+def test_the_reserve_never_cuts_below_the_efficient_batch():
+    """Cutting a batch below the size whose items' work is a tenth of its fixed cost saves
+    little of its time; where batch time does not grow with items (a GPU), the reserve never
+    cuts at all."""
+    s = BatchingSettings(max_batch_size=32, deadline_margin_ms=5)
+    assert efficient_batch(s, COST, 1) == (1, pytest.approx(cost(1)))
+    heavy = CostModel(LinearCost(0.020, 0.0005, 0.0))  # 20 ms a batch, 0.5 ms an item
+    assert efficient_batch(s, heavy, 1) == (4, pytest.approx(0.022))
+    t = LoadTracker()
+    t.offered(0.0, 1, 0.040, Priority.INTERACTIVE)  # 40 - 10 ms, less 20.5 ms alone: 9.5 ms, below any batch
+    assert t.reserve(0.0, s, heavy, keep_up=heavy.predict(1)) == pytest.approx(0.022)
+    gpu = CostModel(LinearCost(0.030, 0.0, 0.0))
+    assert efficient_batch(s, gpu, 1) == (32, pytest.approx(0.030))
+    assert t.reserve(0.0, s, gpu, keep_up=0.030) == pytest.approx(0.030)  # every size fits: no cut
+    tokens = CostModel(LinearCost(0.010, 0.0, 0.0001))  # 0.1 ms a token, 10 tokens an item
+    assert efficient_batch(s, tokens, 10)[0] == 1
 
 
 def test_typical_tokens_follow_the_admitted_costs():
@@ -120,8 +151,6 @@ def test_the_floor_is_the_smallest_batch_that_keeps_up_as_a_scan_finds_it(
     offered, fixed, per_item, per_token, tokens, cap
 ):
     """The floor is solved in closed form; checked against trying every size in turn."""
-    from batcher.cost import CostModel, LinearCost
-
     model = CostModel(LinearCost(fixed, per_item, per_token))
     t = LoadTracker()
     t.offered(0.0, offered, 0.5, Priority.BATCH)
