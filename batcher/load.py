@@ -55,6 +55,8 @@ class Load:
     slowdown: float = 1.0
     # What batches an interactive request waits for or shares are sized against (CostModel.tail).
     tail: float = 1.0
+    # Neither the reserve nor the tail cuts a batch below this many items (efficient_batch).
+    efficient: int = 1
     # Items per second of engine time, measured on recent batches that left work queued
     # behind them; None: no such batches lately (then the cost model alone predicts).
     drain_rate: float | None = None
@@ -238,5 +240,6 @@ class LoadTracker:
             reserve=self.reserve(now, s, cost, keep_up),
             slowdown=cost.slowdown,
             tail=cost.tail,
+            efficient=efficient_batch(s, cost, self.typical_tokens)[0],
             drain_rate=self.drain_rate(now),
         )

@@ -55,9 +55,10 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     the batch below `floor` items, the smallest batch that keeps up with the load
     (admission has refused the interactive requests that cannot be served that way).
     An interactive request is promised what nine batches in ten deliver (`slowdown`), and
-    an item that joins its batch may not make it late on the slow batch one in a hundred
-    (`tail`) either, where without that item it would have been on time: riders that change
-    nothing for it (a GPU batch of one item takes what a full one does) still fill the batch.
+    past the efficient batch (`load.efficient`, batcher/load.py) the items that join its
+    batch may not make it late on the slow batch one in a hundred (`tail`) either. Below
+    that size riders barely lengthen the batch (a GPU batch of one item takes what a full
+    one does), and keeping them out would only cost them a batch of their own.
     """
     best_k, best_rate = 1, -1.0
     reserve, floor = load.reserve, load.floor
@@ -65,7 +66,6 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     longest = 0
     finished_in_time: list[float] = []  # sorted deadlines of the items taken so far
     tightest_interactive = INF
-    t_prev = 0.0  # the batch time without item k
     for k, item in enumerate(items, start=1):
         longest = max(longest, item.cost)
         t = cost.predict(k, longest * k)
@@ -74,12 +74,10 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
         d = item.deadline if item.deadline is not None else INF
         if item.priority is Priority.INTERACTIVE and now + cost.predict(1, item.cost) * slow + s.margin <= d:
             tightest_interactive = min(tightest_interactive, d)
-        if k > floor and (
-            now + t * slow + s.margin > tightest_interactive
-            or now + t * tail + s.margin > tightest_interactive >= now + t_prev * tail + s.margin
-        ):
+        if k > floor and now + t * slow + s.margin > tightest_interactive:
             break
-        t_prev = t
+        if k > max(floor, load.efficient) and now + t * tail + s.margin > tightest_interactive:
+            break
         insort(finished_in_time, d)
         good = len(finished_in_time) - bisect_left(finished_in_time, now + t + s.margin)
         rate = good / max(t, 1e-9)
