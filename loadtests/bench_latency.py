@@ -137,7 +137,7 @@ def summarise_classes(samples: list[Sample], duration: float, by_ttft: bool = Fa
     return out
 
 
-def configure(url: str, model: str = MODEL, **settings) -> None:
+def configure(url: str, model: str = MODEL, /, **settings: Any) -> None:
     r = httpx.patch(f"{url}/admin/models/{model}/batching", json=settings, headers={"Authorization": f"Bearer {TOKEN}"})
     r.raise_for_status()
 
