@@ -66,7 +66,7 @@ def make_embed_send(seed: int, interactive_share: float = 0.3):
 CHAT_PRIORITY_TOKENS = 16
 
 
-def make_chat_send(seed: int, interactive_share: float, budgets: bool = True):
+def make_chat_priority_send(seed: int, interactive_share: float, budgets: bool = True):
     """Streamed chat requests; a Sample's `ttft` is the first content delta (absolute, made
     relative to the scheduled send by open_loop)."""
     import orjson
@@ -219,7 +219,7 @@ def run_bursts(duration: float) -> list[dict]:
 
 def chat_capacity(url: str, duration: float) -> float:
     """Chat requests per second at saturation (streamed, no binding budget)."""
-    samples = asyncio.run(open_loop(200, duration, make_chat_send(7, 0.0, budgets=False), url, seed=7))
+    samples = asyncio.run(open_loop(200, duration, make_chat_priority_send(7, 0.0, budgets=False), url, seed=7))
     ok = [s for s in samples if s.status == 200]
     span = max(s.sent + s.latency for s in samples) - min(s.sent for s in samples)
     return len(ok) / span
@@ -237,7 +237,7 @@ def run_priority(url: str, cap: float, duration: float, chat: bool = False) -> l
                 configure(url, policy="adaptive", interactive_first=first, **DEFAULTS)
             time.sleep(0.3)
             seed = int(batch_load * 100)
-            send = make_chat_send(seed, share) if chat else make_embed_send(seed, share)
+            send = make_chat_priority_send(seed, share) if chat else make_embed_send(seed, share)
             samples = asyncio.run(open_loop(rate, duration, send, url, seed=seed))
             row = {
                 "batch_load": batch_load,
