@@ -75,7 +75,7 @@ class Gateway(Starlette):
     handlers) and its router. A POST to a model route skips them: `endpoint` already turns
     every exception into an OpenAI-style answer, and under the zero-cost engines those
     layers (three wrappers around each `send`, a regular expression per route tried) were
-    a fifth of a front end's time per request (docs/benchmarks.md, "A leaner front end").
+    a fifth of a front end's time per request (docs/benchmarks.md, "A leaner request path").
     """
 
     def __init__(self, *, fast: dict[str, Callable[[Request], Awaitable[Response]]], **kwargs: Any) -> None:
