@@ -81,6 +81,21 @@ def predicted_completion(
     return now + (max(load.busy_until - now, 0.0) + wait) * slow
 
 
+def predicted_in_lane(
+    q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, free_at: float, siblings: int = 0
+) -> float:
+    """Interactive work in the lane (MicroBatcher): the lane batch running now, then the
+    interactive items ahead of it in lane batches of max_batch_size, then its own batch,
+    each allowing for the lane's slowdown (`cost` is the lane's own fit: its batches share
+    the cores with the batch beside them)."""
+    ahead = q.count_before(item) + siblings
+    tokens = max(item.cost, 1)
+    size = s.max_batch_size
+    full, rest = divmod(ahead + 1, size)
+    wait = full * cost.predict(size, size * tokens) + (cost.predict(rest, rest * tokens) if rest else 0.0)
+    return now + (max(free_at - now, 0.0) + wait) * cost.slowdown
+
+
 def predicted_first_token(
     q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load, siblings: int = 0
 ) -> float:

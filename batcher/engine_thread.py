@@ -37,6 +37,7 @@ class EngineThread:
         self.replace_on_timeout = replace_on_timeout
         self.abandoned = 0
         self._pool = self._new_pool()
+        self._companions: list[EngineThread] = []
 
     def _new_pool(self) -> ThreadPoolExecutor:
         return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ferry-{self.name}", initializer=self._initializer)
@@ -69,5 +70,15 @@ class EngineThread:
             )
             raise EngineTimeout(f"engine call exceeded {self.timeout:g} s") from None
 
+    def companion(self, suffix: str) -> EngineThread:
+        """A second worker thread on the same engine, with the same settings, for calls that
+        may run beside this thread's (the interactive lane: the engine must be safe to call
+        from two threads at once); `close` closes it too."""
+        other = EngineThread(f"{self.name}-{suffix}", self.timeout, self._initializer, self.replace_on_timeout)
+        self._companions.append(other)
+        return other
+
     def close(self) -> None:
+        for other in self._companions:
+            other.close()
         self._pool.shutdown(wait=self.abandoned == 0, cancel_futures=True)

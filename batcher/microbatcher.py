@@ -4,36 +4,65 @@ The loop: expire what is late, ask the policy, dispatch or sleep until the polic
 or the next arrival. While the engine runs a batch, arrivals keep queuing and the next
 batch forms from them; there is no polling: the loop wakes on an arrival, a batch ending,
 a settings change, or the next deadline.
+
+The interactive lane (`interactive_lane`, with an `execute_lane`): while a batch runs,
+queued interactive items go at once in a batch of their own on a second engine thread,
+beside it, instead of waiting for it to end. The engine cannot be preempted, but the
+operating system shares the cores between the two threads, so an interactive request no
+longer waits for a long batch-class batch; and batch-class batches need not be cut short
+for interactive budgets (the reserve, batcher/load.py), which is what cost interactive
+first most of its batch-class throughput on a CPU.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
+from . import admission
+from .cost import CostModel
 from .errors import EngineError, ShuttingDown
-from .policy import Dispatch, batch_cost, get_policy
+from .load import Load
+from .policy import Dispatch, batch_cost, deadline_cap, get_policy
 from .protocols import Execute
+from .queue import RequestQueue
 from .queueing import QueueingBatcher, seconds_until
 from .settings import BatchingSettings
-from .types import Batch, DispatchReason, Outcome, TokenCount
+from .types import Batch, DispatchReason, Outcome, Priority, TokenCount, WorkItem
 
 log = logging.getLogger("ferry.batcher")
 
 
 class MicroBatcher(QueueingBatcher):
-    """Runs each dispatched batch through `execute` (see batcher.protocols.Execute)."""
+    """Runs each dispatched batch through `execute` (see batcher.protocols.Execute), and
+    interactive batches beside it through `execute_lane` (None: no lane)."""
 
     def __init__(
-        self, model: str, execute: Execute, settings: BatchingSettings, *, phase: str = "embed", **kw: Any
+        self,
+        model: str,
+        execute: Execute,
+        settings: BatchingSettings,
+        *,
+        phase: str = "embed",
+        execute_lane: Execute | None = None,
+        **kw: Any,
     ) -> None:
         super().__init__(model, settings, **kw)
         self.execute = execute
+        self.execute_lane = execute_lane
         self.phase = phase
         self.metrics.init_phases(model, phase)
         self._inflight: asyncio.Task | None = None
+        self._inflight_batch: Batch | None = None
         self._busy_until = 0.0
+        self._lane: asyncio.Task | None = None
+        self._lane_batch: Batch | None = None
+        self._lane_busy_until = 0.0
+        # Lane batches share the cores with the batch beside them: their own fit, from the
+        # main one's to start with.
+        self.lane_cost = CostModel(self.cost.params)
         self.batches: list[Batch] = []  # recent batches, for tests and introspection
         self._keep_batches = 256
 
@@ -42,7 +71,43 @@ class MicroBatcher(QueueingBatcher):
 
     @property
     def busy(self) -> bool:
-        return len(self.queue) > 0 or self._inflight is not None
+        return len(self.queue) > 0 or self._inflight is not None or self._lane is not None
+
+    @property
+    def lane_open(self) -> bool:
+        """Interactive work may run beside the batch in flight (`interactive_lane`)."""
+        return self.execute_lane is not None and self.settings.interactive_lane
+
+    @property
+    def cost_models(self) -> dict[str, CostModel]:
+        models = {self.phase: self.cost}
+        if self.execute_lane is not None:
+            models["lane"] = self.lane_cost
+        return models
+
+    def load(self, now: float) -> Load:
+        """With the lane open, no reserve: interactive work does not wait for the batch in
+        flight, so batch-class batches are not cut for its budgets."""
+        load = super().load(now)
+        return replace(load, reserve=None) if self.lane_open and load.reserve is not None else load
+
+    def predict(
+        self,
+        q: RequestQueue,
+        item: WorkItem,
+        now: float,
+        s: BatchingSettings,
+        cost: CostModel,
+        load: Load,
+        siblings: int = 0,
+    ) -> float:
+        """An interactive item is done by the sooner of its turn on the engine and in the lane."""
+        done = admission.predicted_completion(q, item, now, s, cost, load, siblings)
+        if item.priority is not Priority.INTERACTIVE or not self.lane_open:
+            return done
+        free_at = self._lane_busy_until if self._lane is not None else now
+        lane = admission.predicted_in_lane(q, item, now, s, self.lane_cost, free_at, siblings)
+        return min(done, lane)
 
     async def _loop(self) -> None:
         while True:
@@ -56,8 +121,11 @@ class MicroBatcher(QueueingBatcher):
                     continue
                 if decision.t is not None:
                     wake_at = min(wake_at, decision.t)
-                if not self.busy:
-                    self._idle.set()
+            elif self._lane is None and self.lane_open and self.queue.count(Priority.INTERACTIVE):
+                self._dispatch_lane(now)
+                continue
+            if not self.busy:
+                self._idle.set()
             self._wake.clear()
             await self.clock.wait(self._wake, seconds_until(wake_at, now))
 
@@ -68,24 +136,47 @@ class MicroBatcher(QueueingBatcher):
         return get_policy(s.policy)(self.queue, now, s, self.cost, self.load(now))
 
     def _dispatch(self, decision: Dispatch, now: float) -> None:
-        items = self._take(decision.size, now)
-        batch = Batch(items, now, decision.reason)
-        for item in items:
-            item.dispatched_at, item.batch_size, item.reason = now, len(items), decision.reason
-        self.batches.append(batch)
-        if len(self.batches) > self._keep_batches:
-            del self.batches[: -self._keep_batches]
-        self._busy_until = now + batch_cost(self.cost, items)
-        self.metrics.batches.labels(self.model, decision.reason.value).inc()
+        batch = self._batch(self._take(decision.size, now), now, decision.reason)
+        self._busy_until = now + batch_cost(self.cost, batch.items)
         # Work left queued behind it: the policies, not the arrivals, chose this size.
         backlogged = len(self.queue) > 0
+        self._inflight_batch = batch
         self._inflight = asyncio.create_task(self._run_batch(batch, backlogged))
         self._inflight.add_done_callback(lambda task: self._batch_done(task, batch))
 
-    def _batch_done(self, task: asyncio.Task, batch: Batch) -> None:
+    def _dispatch_lane(self, now: float) -> None:
+        """The queued interactive items, earliest deadline first, as many as make none of
+        them late (as `deadline_cap` sizes any batch with interactive work), at once."""
+        s = self.settings
+        load = self.load(now)
+        waiting = self.queue.peek_class(Priority.INTERACTIVE, s.max_batch_size)
+        lane_load = replace(load, floor=1, slowdown=self.lane_cost.slowdown, tail=self.lane_cost.tail)
+        items = waiting[: deadline_cap(waiting, now, s, self.lane_cost, lane_load)]
+        for item in items:
+            self.queue.remove(item)
+        batch = self._batch(self._taken(items, now), now, DispatchReason.LANE)
+        self._lane_busy_until = now + batch_cost(self.lane_cost, batch.items)
+        self._lane_batch = batch
+        self._lane = asyncio.create_task(self._run_batch(batch, lane=True))
+        self._lane.add_done_callback(lambda task: self._batch_done(task, batch, lane=True))
+
+    def _batch(self, items: list[WorkItem], now: float, reason: DispatchReason) -> Batch:
+        batch = Batch(items, now, reason)
+        for item in items:
+            item.dispatched_at, item.batch_size, item.reason = now, len(items), reason
+        self.batches.append(batch)
+        if len(self.batches) > self._keep_batches:
+            del self.batches[: -self._keep_batches]
+        self.metrics.batches.labels(self.model, reason.value).inc()
+        return batch
+
+    def _batch_done(self, task: asyncio.Task, batch: Batch, lane: bool = False) -> None:
         """Whatever happened to the task (cancelled before its first step, a bug after the
         engine call), no item of its batch is left without an outcome."""
-        self._inflight = None
+        if lane:
+            self._lane, self._lane_batch = None, None
+        else:
+            self._inflight, self._inflight_batch = None, None
         self._wake.set()
         if task.cancelled():
             exc: Exception = ShuttingDown("server stopped while this batch ran")
@@ -97,20 +188,23 @@ class MicroBatcher(QueueingBatcher):
         for item in batch.items:
             self._finish(item, Outcome.ERROR, exc)
 
-    async def _run_batch(self, batch: Batch, backlogged: bool = False) -> None:
+    async def _run_batch(self, batch: Batch, backlogged: bool = False, lane: bool = False) -> None:
         # A client may have left between dispatch and now; never compute for it.
         items = [i for i in batch.items if not i.finished]
         if not items:
             return
         m, model, phase = self.metrics, self.model, self.phase
+        execute, cost = (self.execute_lane, self.lane_cost) if lane else (self.execute, self.cost)
+        assert execute is not None, "a lane batch needs execute_lane"
         tokens = TokenCount.of([i.cost for i in items])
         m.batch_size.labels(model, phase).observe(len(items))
         m.batch_tokens.labels(model, phase).observe(tokens.real)
         m.padding.labels(model, phase).observe(tokens.padding_ratio)
         start = self.clock.now()
-        m.running.labels(model).set(len(items))
+        running = m.running.labels(model)
+        running.inc(len(items))
         try:
-            results = await self.execute([i.payload for i in items])
+            results = await execute([i.payload for i in items])
             if len(results) != len(items):
                 raise RuntimeError(f"engine returned {len(results)} results for {len(items)} inputs")
         except asyncio.CancelledError:
@@ -127,20 +221,22 @@ class MicroBatcher(QueueingBatcher):
         finally:
             elapsed = self.clock.now() - start
             m.batch_seconds.labels(model, phase).observe(elapsed)
-            m.running.labels(model).set(0)
+            running.dec(len(items))
         for item, result in zip(items, results, strict=True):
             if isinstance(result, Exception):
                 m.engine_errors.labels(model, phase).inc()
                 self._finish(item, Outcome.ERROR, EngineError(f"model execution failed for this input: {result}"))
             else:
                 self._finish(item, Outcome.RESULT, result)
-        m.cost_error.labels(model, phase).observe(self.cost.observe(len(items), tokens.padded, elapsed))
-        self.tracker.served(self.clock.now(), len(items), elapsed, backlogged)
-        m.slowdown.labels(model, phase).set(self.cost.slowdown)
+        m.cost_error.labels(model, phase).observe(cost.observe(len(items), tokens.padded, elapsed))
+        if not lane:
+            self.tracker.served(self.clock.now(), len(items), elapsed, backlogged)
+            m.slowdown.labels(model, phase).set(self.cost.slowdown)
 
     def _fail_running(self, exc: Exception) -> int:
-        if self._inflight is None:
-            return 0
-        running = sum(1 for i in self.batches[-1].items if not i.finished) if self.batches else 0
-        self._inflight.cancel()  # its done-callback fails the batch's items
+        running = 0
+        for task, batch in ((self._inflight, self._inflight_batch), (self._lane, self._lane_batch)):
+            if task is not None:
+                running += sum(1 for i in batch.items if not i.finished) if batch is not None else 0
+                task.cancel()  # its done-callback fails the batch's items
         return running

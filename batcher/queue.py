@@ -99,6 +99,10 @@ class RequestQueue:
                 break
         return out
 
+    def peek_class(self, priority: Priority, n: int) -> list[WorkItem]:
+        """The first `n` queued items of one class, earliest deadline first (no aging)."""
+        return [self._all[item_id] for _, item_id in self._edf[priority][:n]]
+
     def take(self, n: int, now: float) -> list[WorkItem]:
         out = self.peek(n, now)
         for item in out:

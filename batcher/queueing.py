@@ -217,7 +217,10 @@ class QueueingBatcher:
         return False
 
     def _take(self, n: int, now: float) -> list[WorkItem]:
-        items = self.queue.take(n, now)
+        return self._taken(self.queue.take(n, now), now)
+
+    def _taken(self, items: list[WorkItem], now: float) -> list[WorkItem]:
+        """Items just taken off the queue: their queue wait observed, the depth published."""
         for item in items:
             self.metrics.queue_wait.labels(self.model, item.priority.label).observe(now - item.arrival)
         self._publish_depth()

@@ -67,6 +67,15 @@ class BatchingSettings(Knobs):
         "batches, total throughput first",
         live=True,
     )
+    # Measured: interactive first with the lane kept interactive requests on time and let
+    # batch-class batches grow back to full size (docs/benchmarks.md, "The interactive lane").
+    interactive_lane: bool = knob(
+        True,
+        "embeddings: a batch of interactive requests runs at once beside the batch in flight, on a second "
+        "engine thread, instead of waiting for it; batch-class batches are then not cut for interactive "
+        "budgets. Off (`--no-interactive-lane`): one batch at a time",
+        live=True,
+    )
     # Generation only from here.
     budget_scope: Literal["ttft", "total"] = knob(
         "ttft",

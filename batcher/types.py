@@ -50,6 +50,7 @@ class DispatchReason(str, Enum):
     DEADLINE = "deadline"
     ADAPTIVE = "adaptive"
     DRAIN = "drain"
+    LANE = "lane"  # interactive work beside the batch in flight (MicroBatcher)
 
 
 class Stage(str, Enum):

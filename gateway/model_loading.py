@@ -290,7 +290,16 @@ async def _embedding_batcher(
     async def execute(payloads: list[Any]) -> list[Any]:
         return await engine_thread(embed, payloads)
 
-    return MicroBatcher(engine.name, execute, settings, cost=cost, metrics=metrics, phase="embed")
+    # The interactive lane: a second worker thread on the same engine (a forward only reads
+    # the weights), for interactive batches beside the batch in flight.
+    lane_thread = engine_thread.companion("lane")
+
+    async def execute_lane(payloads: list[Any]) -> list[Any]:
+        return await lane_thread(embed, payloads)
+
+    return MicroBatcher(
+        engine.name, execute, settings, cost=cost, metrics=metrics, phase="embed", execute_lane=execute_lane
+    )
 
 
 async def _generation_batcher(

@@ -9,13 +9,17 @@
   embeddings model and for chat (max_tokens 8; the budget covers the first token).
   Target: no refusal, no expiry.
 - priority: interactive embeddings at 10% of capacity (100 ms budget) plus batch-class at
-  50/100/150/200% (1 s budget), with `interactive_first` on (the default) and off, side by
-  side. Target: >= 99% of interactive requests on time in every cell with it on.
+  50/100/150/200% (1 s budget), side by side in each cell, the modes of `--priority-modes`:
+  `lane` (the defaults: interactive first, interactive batches beside the batch in flight),
+  `reserve` (interactive first without the lane: batch-class batches cut for interactive
+  budgets), `throughput` (neither). Target: >= 99% of interactive requests on time in every
+  cell with the defaults.
 - chat-priority: the same for chat (`ferry-tiny-chat`, streamed, `max_tokens` 16): the
   budgets cover the first token (`budget_scope: ttft`, the default), timed at the client to
   the first content delta; capacity is chat requests per second at saturation.
 
     python -m loadtests.bench_latency [--cells latency,burst,priority,chat-priority] [--duration 6] [--out f.json]
+        [--priority-modes lane,reserve,throughput]
 """
 
 from __future__ import annotations
@@ -225,16 +229,28 @@ def chat_capacity(url: str, duration: float) -> float:
     return len(ok) / span
 
 
-def run_priority(url: str, cap: float, duration: float, chat: bool = False) -> list[dict]:
+# The priority cells' modes: the settings each is served with (embeddings).
+PRIORITY_MODES: dict[str, dict[str, bool]] = {
+    "lane": {"interactive_first": True, "interactive_lane": True},
+    "reserve": {"interactive_first": True, "interactive_lane": False},
+    "throughput": {"interactive_first": False, "interactive_lane": False},
+}
+
+
+def run_priority(
+    url: str, cap: float, duration: float, chat: bool = False, modes: tuple[str, ...] = ("lane", "reserve")
+) -> list[dict]:
+    """Chat has no lane (generation): its modes are interactive first on and off."""
     rows = []
     for batch_load in PRIORITY_BATCH_LOADS:
         rate = (PRIORITY_INTERACTIVE + batch_load) * cap
         share = PRIORITY_INTERACTIVE / (PRIORITY_INTERACTIVE + batch_load)
-        for first in (True, False):
+        for mode in ("first", "throughput") if chat else modes:
+            first = mode != "throughput"
             if chat:
                 configure(url, CHAT_MODEL, interactive_first=first)
             else:
-                configure(url, policy="adaptive", interactive_first=first, **DEFAULTS)
+                configure(url, policy="adaptive", **PRIORITY_MODES[mode], **DEFAULTS)
             time.sleep(0.3)
             seed = int(batch_load * 100)
             send = make_chat_priority_send(seed, share) if chat else make_embed_send(seed, share)
@@ -242,20 +258,24 @@ def run_priority(url: str, cap: float, duration: float, chat: bool = False) -> l
             row = {
                 "batch_load": batch_load,
                 "interactive_first": first,
+                "mode": mode,
                 "rate": rate,
                 **summarise_classes(samples, duration, by_ttft=chat),
             }
             rows.append(row)
             i, b = row["interactive"], row["batch"]
             print(
-                f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  interactive_first={first!s:5s}"
+                f"  batch {batch_load:4.0%} + interactive {PRIORITY_INTERACTIVE:.0%}  {mode:10s}"
                 f"  interactive on time {i['attainment']:6.1%}"
                 f" (429 {i['rejected']}, 504 {i['expired']}, p99 {i['p99_ms']:5.0f} ms)"
                 f"  batch goodput {b['goodput']:6.1f}/s on time {b['attainment']:6.1%}"
                 f" (429 {b['rejected']}, 504 {b['expired']})",
                 flush=True,
             )
-    configure(url, CHAT_MODEL if chat else MODEL, interactive_first=True)  # the default again
+    if chat:
+        configure(url, CHAT_MODEL, interactive_first=True)  # the default again
+    else:
+        configure(url, MODEL, **PRIORITY_MODES["lane"])
     return rows
 
 
@@ -266,6 +286,7 @@ def main() -> None:
     p.add_argument("--cells", default="latency,burst,priority")
     p.add_argument("--out", default="")
     p.add_argument("--ferry-args", default="", help="extra `ferry serve` flags, e.g. --no-engine-cores")
+    p.add_argument("--priority-modes", default="lane,reserve", help="of " + ",".join(PRIORITY_MODES))
     a = p.parse_args()
     cells = set(a.cells.split(","))
     out: dict = {}
@@ -277,7 +298,8 @@ def main() -> None:
             out["capacity"] = cap
             print(f"measured capacity: {cap:.1f} req/s (adaptive, saturated)")
             if "priority" in cells:
-                out["priority"] = run_priority(gw.url, cap, a.duration)
+                modes = tuple(a.priority_modes.split(","))
+                out["priority"] = run_priority(gw.url, cap, a.duration, modes=modes)
             if "latency" in cells:
                 out["results"] = run_latency(gw.url, cap, a)
     if "chat-priority" in cells:

@@ -10,7 +10,6 @@ import pytest
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
-from batcher import admission
 from batcher.clock import FakeClock
 from batcher.cost import CostModel, LinearCost
 from batcher.errors import BatchingError
@@ -32,15 +31,23 @@ def run(coro: Any) -> Any:
 class Rig:
     """A micro-batcher on a fake clock with a simulated engine (latency a + b*n)."""
 
-    def __init__(self, fixed: float = FIXED, per_item: float = PER_ITEM, **settings: Any):
+    def __init__(self, fixed: float = FIXED, per_item: float = PER_ITEM, lane: bool = False, **settings: Any):
+        """`lane`: interactive batches may run beside the batch in flight, on `self.lane`
+        (a second simulated engine thread of the same cost)."""
         settings.setdefault("default_budget_ms", None)
         settings.setdefault("policy", "fixed")
         self.clock = FakeClock()
         self.registry = CollectorRegistry()
         self.metrics = Metrics(self.registry)
         self.engine = SimulatedExecutor(self.clock, fixed, per_item)
+        self.lane = SimulatedExecutor(self.clock, fixed, per_item) if lane else None
         self.batcher = MicroBatcher(
-            "m", self.engine, BatchingSettings(**settings), clock=self.clock, metrics=self.metrics
+            "m",
+            self.engine,
+            BatchingSettings(**settings),
+            clock=self.clock,
+            metrics=self.metrics,
+            execute_lane=self.lane,
         )
 
     def value(self, name: str, **labels: str) -> float:
@@ -49,6 +56,10 @@ class Rig:
     @property
     def batches(self) -> list[list[Any]]:
         return [payloads for _, payloads in self.engine.runs]
+
+    @property
+    def lane_batches(self) -> list[list[Any]]:
+        return [payloads for _, payloads in self.lane.runs] if self.lane is not None else []
 
 
 def cost(n: int) -> float:
@@ -66,9 +77,10 @@ COST = CostModel(LinearCost(FIXED, PER_ITEM, 0.0))
 
 
 def exact_rig(**kw: Any) -> Rig:
-    """A rig whose cost model knows the simulated engine exactly and never refits."""
+    """A rig whose cost models know the simulated engine exactly and never refit."""
     r = Rig(fixed=FIXED, per_item=PER_ITEM, **kw)
     r.batcher.cost = CostModel(LinearCost(FIXED, PER_ITEM, 0.0), refit_every=10**9)
+    r.batcher.lane_cost = CostModel(LinearCost(FIXED, PER_ITEM, 0.0), refit_every=10**9)
     return r
 
 
@@ -88,7 +100,7 @@ arrivals = st.lists(
 async def drive(r: Rig, stream, *, check_admission: bool = False):
     """Feed the stream; returns (items, finish time by item id, rejected count).
     `check_admission`: each refusal (or best-effort admission) must be what the cost model
-    predicts, through admission.predicted_completion."""
+    predicts, through the batcher's `predict` (admission.predicted_completion, or the lane's)."""
     await r.batcher.start()
     items: list[WorkItem] = []
     finished_at: dict[int, float] = {}
@@ -100,9 +112,7 @@ async def drive(r: Rig, stream, *, check_admission: bool = False):
             probe = WorkItem(
                 payload=None, arrival=r.clock.now(), deadline=r.clock.now() + budget, priority=prio, id=10**9
             )
-            predicted = admission.predicted_completion(
-                b.queue, probe, r.clock.now(), b.settings, b.cost, b.load(r.clock.now())
-            )
+            predicted = b.predict(b.queue, probe, r.clock.now(), b.settings, b.cost, b.load(r.clock.now()))
             infeasible = predicted + b.settings.margin > probe.deadline
         try:
             item = b.submit(len(items), budget=budget, priority=prio)

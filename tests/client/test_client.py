@@ -235,7 +235,8 @@ class GatedEmbeddings(FakeEmbeddingEngine):
 
 def test_retry_honours_retry_after_of_a_full_queue(fake_server_factory):
     engine = GatedEmbeddings()
-    s = fake_server_factory(embed=engine, max_queue=1, max_batch_size=1, max_wait_ms=0)
+    # No interactive lane: the second request must queue behind the running one.
+    s = fake_server_factory(embed=engine, max_queue=1, max_batch_size=1, max_wait_ms=0, interactive_lane=False)
     batcher = s.ferry.models[EMBED].batcher
     results: dict[str, list] = {}
 

@@ -68,6 +68,7 @@ EXISTING_PATCH_FIELDS = {
     "on_infeasible",
     "aging_ms",
     "interactive_first",
+    "interactive_lane",
 }
 
 

@@ -118,7 +118,8 @@ def test_embeddings_through_a_core_are_those_of_the_in_process_path():
 
 def test_refusals_admin_and_disconnects_cross_the_process_boundary(tmp_path):
     log = tmp_path / "computed.log"
-    with serve("--engine-cores", delay=1.0, log=log) as gw:
+    # No interactive lane: the requests below must queue behind the one the engine computes.
+    with serve("--engine-cores", "--no-interactive-lane", delay=1.0, log=log) as gw:
         admin = httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30)
         assert admin.status_code == 200 and admin.json()["max_queue"] == 1024
         assert set(admin.json()["cost_model"]["embed"]) == COST_REPORT_FIELDS
@@ -187,7 +188,7 @@ def replaced(gw: GatewayProcess, core: psutil.Process) -> bool:
 
 def test_a_killed_core_fails_its_requests_at_once_and_is_restarted_with_its_settings(tmp_path):
     log = tmp_path / "computed.log"
-    with serve("--engine-cores", log=log) as gw:
+    with serve("--engine-cores", "--no-interactive-lane", log=log) as gw:  # requests queue behind HANG
         core = core_of(gw)
         changes = {"max_queue": 77, "max_wait_ms": 7}
         assert httpx.patch(gw.url + ADMIN, headers=TOKEN, json=changes, timeout=30).status_code == 200

@@ -38,7 +38,7 @@ def test_budget_and_priority_from_header_or_body(fake_server_factory):
 def test_infeasible_budget_is_refused_at_once_with_retry_after(fake_server_factory):
     batch_time = 0.2  # the engine's, which the cost model knows: a 50 ms budget cannot wait for it
     engine = FakeEmbeddingEngine(fixed=batch_time)
-    s = fake_server_factory(embed=engine, max_batch_size=1, max_wait_ms=0)
+    s = fake_server_factory(embed=engine, max_batch_size=1, max_wait_ms=0, interactive_lane=False)  # queue behind it
     s.ferry.models["fake-embed"].batcher.cost = CostModel(LinearCost(batch_time, 0.0, 0.0))
 
     async def scenario():
@@ -57,7 +57,7 @@ def test_infeasible_budget_is_refused_at_once_with_retry_after(fake_server_facto
 
 
 def test_on_infeasible_serve_marks_best_effort(fake_server_factory):
-    s = fake_server_factory(on_infeasible="serve")
+    s = fake_server_factory(on_infeasible="serve", interactive_lane=False)
     batcher = s.ferry.models["fake-embed"].batcher
     batcher.cost = CostModel(LinearCost(1.0, 0.0, 0.0))  # predicts 1 s per batch
     r = httpx.post(s.url + "/v1/embeddings", json={**EMB, "latency_budget_ms": 100})
@@ -66,7 +66,9 @@ def test_on_infeasible_serve_marks_best_effort(fake_server_factory):
 
 def test_deadline_passing_in_the_queue_gives_504(fake_server_factory):
     engine = FakeEmbeddingEngine(fixed=0.3)
-    s = fake_server_factory(embed=engine, max_batch_size=1, max_wait_ms=0, on_infeasible="serve")
+    s = fake_server_factory(
+        embed=engine, max_batch_size=1, max_wait_ms=0, on_infeasible="serve", interactive_lane=False
+    )
 
     async def scenario():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
@@ -171,3 +173,33 @@ def test_a_tpot_header_the_decode_step_cannot_meet_is_refused_at_once(fake_serve
         "ferry_rejections_total", {"model": "fake-chat", "reason": "deadline_infeasible"}
     )
     assert refused == 2
+
+
+def test_an_interactive_request_is_answered_beside_a_long_batch_class_batch(fake_server_factory):
+    """The interactive lane over HTTP: the engine holds a batch-class batch of 8 for two
+    seconds; an interactive request sent while it runs is answered before it ends, in a
+    batch of its own (dispatch reason `lane`, a quarter of a second), and the batch-class
+    one is still served in full."""
+    engine = FakeEmbeddingEngine(fixed=0.0, per_item=0.25)
+    s = fake_server_factory(embed=engine, max_wait_ms=0)
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            bulk = asyncio.create_task(
+                c.post(
+                    "/v1/embeddings",
+                    json={"model": "fake-embed", "input": [f"bulk {i}" for i in range(8)], "priority": "batch"},
+                )
+            )
+            await async_wait_until(lambda: engine.calls, message="the batch-class batch to reach the engine")
+            urgent = await c.post("/v1/embeddings", json={**EMB, "priority": "interactive"})
+            still_running = not bulk.done()
+            return urgent, still_running, await bulk
+
+    urgent, still_running, bulk = asyncio.run(scenario())
+    assert urgent.status_code == 200 and len(urgent.json()["data"]) == 1
+    assert still_running, "the interactive request waited for the batch-class batch"
+    assert bulk.status_code == 200 and len(bulk.json()["data"]) == 8
+    assert sorted(engine.calls) == [1, 8]
+    registry = s.ferry.metrics.registry
+    assert registry.get_sample_value("ferry_batches_total", {"model": "fake-embed", "reason": "lane"}) == 1

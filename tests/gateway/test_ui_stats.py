@@ -93,7 +93,7 @@ def test_stats_after_a_known_sequence():
     # Arrivals: the 14 items that ended and the one refused; nothing is left queued.
     assert m["rates"]["arrivals"] == pytest.approx((7 + 6 + 1 + 1) / 2.0)
     assert m["rates"]["completions"] == pytest.approx(7 / 2.0)
-    assert m["dispatch"] == {"adaptive": 0, "deadline": 0, "drain": 0, "full": 1, "max_wait": 2}
+    assert m["dispatch"] == {"adaptive": 0, "deadline": 0, "drain": 0, "full": 1, "lane": 0, "max_wait": 2}
     sizes = {b["le"]: b["count"] for b in m["batch_sizes"]["embed"]}
     assert (sizes["1"], sizes["2"], sizes["4"], sum(sizes.values())) == (1, 1, 1, 3)
     assert m["expired"] == {"batch": 0, "interactive": 1}

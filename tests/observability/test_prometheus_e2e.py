@@ -302,8 +302,16 @@ def test_promtool_accepts_the_shipped_config_and_rules():
 @needs_prometheus
 def test_every_dashboard_query_and_alert_returns_data_from_a_real_prometheus(fake_server_factory, tmp_path):
     embed, chat = GatedEmbeddings(), GatedChat()
+    # No interactive lane: the gated engine holds one batch and everything after it queues
+    # (with the lane the interactive requests below would run beside it, and block there).
     s = fake_server_factory(
-        embed=embed, chat=chat, max_queue=4, on_infeasible="serve", admin_token="admin", default_budget_ms=3_000_000
+        embed=embed,
+        chat=chat,
+        max_queue=4,
+        on_infeasible="serve",
+        admin_token="admin",
+        default_budget_ms=3_000_000,
+        interactive_lane=False,
     )
     prom = Prometheus(s.port, tmp_path)
     try:

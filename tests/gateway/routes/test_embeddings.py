@@ -79,7 +79,10 @@ def test_body_and_input_limits(fake_server_factory):
 
 def test_queue_full_gets_429_with_retry_after(fake_server_factory):
     engine = FakeEmbeddingEngine(fixed=0.3)
-    s = fake_server_factory(embed=engine, max_batch_size=1, max_queue=2, max_wait_ms=0, policy="fixed")
+    # No interactive lane: requests after the first must queue behind it (they are interactive)
+    s = fake_server_factory(
+        embed=engine, max_batch_size=1, max_queue=2, max_wait_ms=0, policy="fixed", interactive_lane=False
+    )
 
     async def burst():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:

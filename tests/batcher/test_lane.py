@@ -1,0 +1,203 @@
+"""The interactive lane: interactive batches run beside the batch in flight instead of
+waiting for it (MicroBatcher with `execute_lane`), in simulated time."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from batcher.errors import DeadlineInfeasible, EngineError, ShuttingDown
+from batcher.types import DispatchReason, Outcome, Priority
+
+from .conftest import arrivals, cost, drive, exact_rig, run
+
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
+
+
+def test_interactive_work_runs_at_once_beside_a_batch_in_flight():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=32, max_wait_ms=0)
+        await r.batcher.start()
+        bulk = r.batcher.submit_many(list(range(32)), priority=BATCH)
+        await r.clock.advance(0.005)  # the 32-item batch runs until cost(32) = 74 ms
+        arrived = r.clock.now()
+        urgent = r.batcher.submit_many(["u1", "u2"], priority=INTERACTIVE, budget=0.05)
+        await r.clock.advance(0)
+        assert r.lane_batches == [["u1", "u2"]]
+        assert r.lane.runs[0][0] == arrived  # no wait for the batch in flight
+        assert {i.reason for i in urgent} == {DispatchReason.LANE}
+        await r.clock.run_until_idle()
+        assert all(i.outcome is Outcome.RESULT for i in bulk + urgent)
+        assert r.batches == [list(range(32))]  # the bulk batch was not touched
+        assert r.value("ferry_batches_total", model="m", reason="lane") == 1
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_batch_class_work_never_takes_the_lane():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0)
+        await r.batcher.start()
+        r.batcher.submit_many([1, 2, 3, 4], priority=BATCH)
+        await r.clock.advance(0.001)
+        r.batcher.submit_many([5, 6], priority=BATCH)
+        await r.clock.advance(0.001)
+        assert r.lane_batches == []  # they wait for the engine
+        await r.clock.run_until_idle()
+        assert r.batches == [[1, 2, 3, 4], [5, 6]]
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_with_the_lane_off_interactive_work_waits_for_the_batch_in_flight():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=32, max_wait_ms=0)
+        r.batcher.update(interactive_lane=False)  # live
+        await r.batcher.start()
+        t0 = r.clock.now()
+        r.batcher.submit_many(list(range(32)), priority=BATCH)
+        await r.clock.advance(0.005)
+        r.batcher.submit("u", priority=INTERACTIVE)
+        await r.clock.run_until_idle()
+        assert r.lane_batches == []
+        assert r.batches == [list(range(32)), ["u"]]
+        assert r.engine.runs[1][0] == pytest.approx(t0 + cost(32))  # it waited for the bulk batch
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_one_lane_batch_at_a_time_and_later_interactive_work_follows_it():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=32, max_wait_ms=0)
+        await r.batcher.start()
+        t0 = r.clock.now()
+        r.batcher.submit_many(list(range(32)), priority=BATCH)
+        await r.clock.advance(0.001)
+        r.batcher.submit("a", priority=INTERACTIVE)
+        await r.clock.advance(0.001)
+        r.batcher.submit("b", priority=INTERACTIVE)  # the lane is busy with "a"
+        await r.clock.advance(0)
+        assert r.lane_batches == [["a"]]
+        await r.clock.run_until_idle()
+        assert r.lane_batches == [["a"], ["b"]]
+        assert r.lane.runs[1][0] == pytest.approx(t0 + 0.001 + cost(1))  # the moment "a" ended
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_admission_counts_on_the_lane_for_interactive_work():
+    """A 40 ms budget cannot wait for a 74 ms batch in flight, but fits a batch of its own
+    beside it: refused without the lane, admitted (and on time) with it."""
+
+    async def scenario(lane: bool):
+        r = exact_rig(lane=lane, max_batch_size=32, max_wait_ms=0, deadline_margin_ms=1)
+        await r.batcher.start()
+        r.batcher.submit_many(list(range(32)), priority=BATCH)
+        await r.clock.advance(0.001)
+        arrived = r.clock.now()
+        try:
+            (item,) = r.batcher.submit_many(["u"], priority=INTERACTIVE, budget=0.040)
+        except DeadlineInfeasible:
+            await r.batcher.stop()
+            return None
+        done = []
+        item.future.add_done_callback(lambda f: done.append(r.clock.now()))
+        await r.clock.run_until_idle()
+        await r.batcher.stop()
+        return done[0] - arrived
+
+    assert run(scenario(False)) is None
+    assert run(scenario(True)) == pytest.approx(cost(1))
+
+
+def test_the_reserve_does_not_cut_batch_class_batches_while_the_lane_is_open():
+    async def scenario(lane: bool):
+        r = exact_rig(lane=lane, policy="adaptive", max_batch_size=32, max_wait_ms=0)
+        await r.batcher.start()
+        r.batcher.submit("u", priority=INTERACTIVE, budget=0.05)  # interactive traffic lately
+        await r.clock.run_until_idle()
+        now = r.clock.now()
+        reserve = r.batcher.load(now).reserve
+        r.batcher.submit_many(list(range(32)), priority=BATCH, budget=1.0)
+        await r.clock.run_until_idle()
+        await r.batcher.stop()
+        return reserve, [len(b) for b in r.batches[1:]]
+
+    reserve, sizes = run(scenario(False))
+    assert reserve is not None and max(sizes) < 32  # cut so an interactive arrival could wait
+    reserve, sizes = run(scenario(True))
+    assert reserve is None and sizes == [32]
+
+
+def test_an_engine_failure_in_the_lane_fails_only_the_lane_batch():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=8, max_wait_ms=0)
+        r.lane.fail_batches = {0}
+        await r.batcher.start()
+        bulk = r.batcher.submit_many([1, 2, 3, 4], priority=BATCH)
+        await r.clock.advance(0.001)
+        urgent = r.batcher.submit("u", priority=INTERACTIVE)
+        await r.clock.run_until_idle()
+        assert all(i.outcome is Outcome.RESULT for i in bulk)
+        assert urgent.outcome is Outcome.ERROR and isinstance(urgent.future.exception(), EngineError)
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_stop_ends_both_batches_in_flight():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=8, max_wait_ms=0)
+        await r.batcher.start()
+        bulk = r.batcher.submit_many([1, 2, 3], priority=BATCH)
+        await r.clock.advance(0.001)
+        urgent = r.batcher.submit("u", priority=INTERACTIVE)
+        await r.clock.advance(0.001)
+        assert r.lane_batches == [["u"]]
+        await r.batcher.stop()
+        await r.clock.settle()  # the cancelled batches' tasks end
+        for item in [*bulk, urgent]:
+            assert item.outcome is Outcome.ERROR and isinstance(item.future.exception(), ShuttingDown)
+        assert r.value("ferry_running_sequences", model="m") == 0
+
+    run(scenario())
+
+
+@pytest.mark.parametrize("policy", ["fixed", "deadline", "adaptive"])
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
+@given(stream=arrivals, size=st.integers(1, 8), wait_ms=st.sampled_from([0, 2, 10, 40]))
+def test_with_the_lane_no_item_reaches_an_engine_after_its_deadline_and_all_end_once(policy, stream, size, wait_ms):
+    r = exact_rig(
+        lane=True,
+        policy=policy,
+        max_batch_size=size,
+        max_wait_ms=wait_ms,
+        max_queue=30,
+        default_budget_ms=200,
+        on_infeasible="serve",
+        aging_ms=50,
+    )
+    items, finished_at, _ = run(drive(r, stream))
+    for item in items:
+        assert item.finished and item.id in finished_at
+        if item.dispatched_at is not None:
+            assert item.dispatched_at < item.deadline
+        if item.reason is DispatchReason.LANE:
+            assert item.priority is INTERACTIVE
+    assert sum(r.batcher.outcomes.values()) == len(items)
+    assert r.value("ferry_running_sequences", model="m") == 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stream=arrivals, size=st.integers(1, 8), policy=st.sampled_from(["fixed", "deadline", "adaptive"]))
+def test_with_the_lane_admission_rejects_only_what_the_predictions_say_is_infeasible(stream, size, policy):
+    r = exact_rig(lane=True, policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=1000, default_budget_ms=None)
+    items, _, rejected = run(drive(r, stream, check_admission=True))
+    assert rejected + len(items) == len(stream)
