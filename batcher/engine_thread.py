@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -29,18 +31,31 @@ class EngineThread:
         timeout: float | None = None,
         initializer: Callable[[], None] | None = None,
         replace_on_timeout: bool = True,
+        nice: int = 0,
     ):
         """`replace_on_timeout=False` for engines with state (generation's running batch and
         KV cache): a second thread must never touch it while the stuck call might still run,
-        so the timed-out call fails its items and the next call queues behind it."""
+        so the timed-out call fails its items and the next call queues behind it.
+        `nice`: the worker thread's niceness (Linux), raised so that other threads (the
+        interactive lane's, the event loops) get the cores first when they want them."""
         self.name, self.timeout, self._initializer = name, timeout, initializer
         self.replace_on_timeout = replace_on_timeout
+        self.nice = nice
         self.abandoned = 0
         self._pool = self._new_pool()
         self._companions: list[EngineThread] = []
 
     def _new_pool(self) -> ThreadPoolExecutor:
-        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ferry-{self.name}", initializer=self._initializer)
+        return ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ferry-{self.name}", initializer=self._setup)
+
+    def _setup(self) -> None:
+        if self.nice:
+            try:  # raising a thread's niceness needs no privilege on Linux
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except (OSError, AttributeError) as exc:
+                log.warning("could not lower the priority of engine thread %s: %s", self.name, exc)
+        if self._initializer is not None:
+            self._initializer()
 
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await self.start(fn, *args)
@@ -70,11 +85,11 @@ class EngineThread:
             )
             raise EngineTimeout(f"engine call exceeded {self.timeout:g} s") from None
 
-    def companion(self, suffix: str) -> EngineThread:
-        """A second worker thread on the same engine, with the same settings, for calls that
-        may run beside this thread's (the interactive lane: the engine must be safe to call
-        from two threads at once); `close` closes it too."""
-        other = EngineThread(f"{self.name}-{suffix}", self.timeout, self._initializer, self.replace_on_timeout)
+    def companion(self, suffix: str, nice: int = 0) -> EngineThread:
+        """A second worker thread on the same engine, with the same settings but its own
+        niceness, for calls that may run beside this thread's (the interactive lane: the
+        engine must be safe to call from two threads at once); `close` closes it too."""
+        other = EngineThread(f"{self.name}-{suffix}", self.timeout, self._initializer, self.replace_on_timeout, nice)
         self._companions.append(other)
         return other
 

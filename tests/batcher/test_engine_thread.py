@@ -213,3 +213,32 @@ def test_close_waits_for_the_worker_to_finish_and_refuses_new_calls():
             runner.start(current_thread)
 
     asyncio.run(scenario())
+
+
+def test_a_niced_thread_and_its_companion_run_beside_each_other_at_their_own_priorities():
+    """The interactive lane's layout: the main thread niced, the lane's companion not, and
+    a call on the companion runs while the main thread is held by another."""
+
+    def niceness() -> int:
+        import os
+
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def scenario():
+        import os
+
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        main = EngineThread("m", nice=5)
+        lane = main.companion("lane")
+        gate = Gate()
+        held = main.start(gate)
+        await asyncio.to_thread(gate.entered.wait, LONG)
+        assert await lane(niceness) == base  # ran although the main thread is held
+        gate.opened.set()
+        assert await held == "done"
+        assert await main(niceness) == min(19, base + 5)
+        main.close()  # closes the companion too
+        with pytest.raises(RuntimeError):
+            await lane(niceness)
+
+    asyncio.run(scenario())
