@@ -36,8 +36,9 @@ class EngineThread:
         """`replace_on_timeout=False` for engines with state (generation's running batch and
         KV cache): a second thread must never touch it while the stuck call might still run,
         so the timed-out call fails its items and the next call queues behind it.
-        `nice`: the worker thread's niceness (Linux), raised so that other threads (the
-        interactive lane's, the event loops) get the cores first when they want them."""
+        `nice`: the worker thread's niceness relative to the process's (Linux): positive for
+        work that yields the cores (batch-class batches), negative for work that should get
+        them first (the interactive lane), where the process may raise a priority."""
         self.name, self.timeout, self._initializer = name, timeout, initializer
         self.replace_on_timeout = replace_on_timeout
         self.nice = nice
@@ -50,10 +51,13 @@ class EngineThread:
 
     def _setup(self) -> None:
         if self.nice:
-            try:  # raising a thread's niceness needs no privilege on Linux
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            # Raising a thread's niceness needs no privilege on Linux; lowering it below the
+            # process's needs CAP_SYS_NICE: without it the thread keeps the process's own.
+            try:
+                base = os.getpriority(os.PRIO_PROCESS, 0)
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), max(-20, min(19, base + self.nice)))
             except (OSError, AttributeError) as exc:
-                log.warning("could not lower the priority of engine thread %s: %s", self.name, exc)
+                log.info("engine thread %s keeps the process's priority (nice %+d: %s)", self.name, self.nice, exc)
         if self._initializer is not None:
             self._initializer()
 
