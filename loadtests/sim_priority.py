@@ -8,6 +8,11 @@ items takes `fixed + per_item * n` seconds times a random factor: one batch in f
 2x, one in twelve 1.35x, the rest 1.0-1.1x (the shape of a CPU shared with a load
 generator and an HTTP front end). The cost model is fitted online, as in `ferry serve`.
 
+It simulates interactive first without the interactive lane (`interactive_lane: false`;
+one batch at a time, batch-class batches cut by the reserve): the lane's benefit comes from
+the operating system sharing the cores between two engine threads, which the fake clock
+does not model; `bench_latency --cells priority` measures it.
+
 Two variants side by side on the same arrivals: batches around interactive work sized on
 the cost model's 99th-percentile slowdown (`tail`, as shipped) and on its 90th (`slowdown`,
 as before). With `--fixed 0.022 --per-item 0.002` the engine is the fixed-cost-heavy one the

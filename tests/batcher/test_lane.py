@@ -36,6 +36,26 @@ def test_interactive_work_runs_at_once_beside_a_batch_in_flight():
     run(scenario())
 
 
+def test_interactive_work_waits_when_the_batch_in_flight_ends_before_a_lane_batch_would():
+    """A lane batch of one takes cost(1) = 12 ms; 5 ms before the bulk batch ends, waiting
+    for the engine costs nothing: the item joins the next batch, not a batch of its own."""
+
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=32, max_wait_ms=0)
+        await r.batcher.start()
+        t0 = r.clock.now()
+        r.batcher.submit_many(list(range(32)), priority=BATCH)
+        await r.clock.advance(cost(32) - 0.005)
+        r.batcher.submit("u", priority=INTERACTIVE)
+        await r.clock.run_until_idle()
+        assert r.lane_batches == []
+        assert r.batches == [list(range(32)), ["u"]]
+        assert r.engine.runs[1][0] == pytest.approx(t0 + cost(32))
+        await r.batcher.stop()
+
+    run(scenario())
+
+
 def test_batch_class_work_never_takes_the_lane():
     async def scenario():
         r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0)
