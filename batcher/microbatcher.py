@@ -155,8 +155,10 @@ class MicroBatcher(QueueingBatcher):
         could start, and a lane batch would only add a hand-off: 0.71x the requests per
         second of no lane under `bench_gateway`)."""
         s = self.settings
-        load = self.load(now)
         waiting = self.queue.peek_class(Priority.INTERACTIVE, s.max_batch_size)
+        if now + self.lane_cost.predict(1, waiting[0].cost) >= self._busy_until:
+            return []  # not even one item would end in time (checked before the snapshot)
+        load = self.load(now)
         lane_load = replace(load, floor=1, slowdown=self.lane_cost.slowdown, tail=self.lane_cost.tail)
         items = waiting[: deadline_cap(waiting, now, s, self.lane_cost, lane_load)]
         return items if now + batch_cost(self.lane_cost, items) < self._busy_until else []
