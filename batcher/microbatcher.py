@@ -57,6 +57,7 @@ class MicroBatcher(QueueingBatcher):
         self._inflight: asyncio.Task | None = None
         self._inflight_batch: Batch | None = None
         self._busy_until = 0.0
+        self._may_run_until = 0.0  # the batch in flight at its 99th percentile (the cost model's tail)
         self._lane: asyncio.Task | None = None
         self._lane_batch: Batch | None = None
         self._lane_busy_until = 0.0
@@ -139,7 +140,9 @@ class MicroBatcher(QueueingBatcher):
 
     def _dispatch(self, decision: Dispatch, now: float) -> None:
         batch = self._batch(self._take(decision.size, now), now, decision.reason)
-        self._busy_until = now + batch_cost(self.cost, batch.items)
+        predicted = batch_cost(self.cost, batch.items)
+        self._busy_until = now + predicted
+        self._may_run_until = now + predicted * max(self.cost.tail, 1.0)
         # Work left queued behind it: the policies, not the arrivals, chose this size.
         backlogged = len(self.queue) > 0
         self._inflight_batch = batch
@@ -148,20 +151,22 @@ class MicroBatcher(QueueingBatcher):
 
     def _lane_items(self, now: float) -> list[WorkItem]:
         """The queued interactive items, earliest deadline first, as many as make none of
-        them late (as `deadline_cap` sizes any batch with interactive work); none when that
-        batch would not end before the batch in flight is predicted to: then waiting for
-        the engine costs them nothing, and they join the next batch instead of paying a
-        batch of their own (with a near-free engine every batch ends before a second
-        could start, and a lane batch would only add a hand-off: 0.71x the requests per
-        second of no lane under `bench_gateway`)."""
+        them late (as `deadline_cap` sizes any batch with interactive work); none unless
+        the batch in flight may still run, at its 99th percentile (`tail`: a batch running
+        late is when the lane matters most), longer than the deadline margin and than the
+        lane's batch: otherwise waiting for the engine costs them next to nothing, and they
+        join the next batch instead of paying a batch of their own (with a near-free engine
+        every batch ends before a second could start, and a lane batch only added a
+        hand-off: 0.71x the requests per second of no lane under `bench_gateway`)."""
         s = self.settings
+        left = self._may_run_until - now
         waiting = self.queue.peek_class(Priority.INTERACTIVE, s.max_batch_size)
-        if now + self.lane_cost.predict(1, waiting[0].cost) >= self._busy_until:
+        if left <= s.margin or self.lane_cost.predict(1, waiting[0].cost) >= left:
             return []  # not even one item would end in time (checked before the snapshot)
         load = self.load(now)
         lane_load = replace(load, floor=1, slowdown=self.lane_cost.slowdown, tail=self.lane_cost.tail)
         items = waiting[: deadline_cap(waiting, now, s, self.lane_cost, lane_load)]
-        return items if now + batch_cost(self.lane_cost, items) < self._busy_until else []
+        return items if batch_cost(self.lane_cost, items) < left else []
 
     def _dispatch_lane(self, items: list[WorkItem], now: float) -> None:
         for item in items:
