@@ -292,9 +292,15 @@ def test_multi_item_request_is_admitted_all_or_none():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=arrivals, size=st.integers(1, 8), policy=st.sampled_from(["fixed", "deadline", "adaptive"]))
-def test_admission_rejects_only_what_the_cost_model_says_is_infeasible(stream, size, policy):
-    r = exact_rig(policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=1000, default_budget_ms=None)
+@given(
+    stream=arrivals,
+    size=st.integers(1, 8),
+    policy=st.sampled_from(["fixed", "deadline", "adaptive"]),
+    lane=st.booleans(),
+)
+def test_admission_rejects_only_what_the_cost_model_says_is_infeasible(stream, size, policy, lane):
+    """With the interactive lane, the prediction is the sooner of the engine and the lane."""
+    r = exact_rig(lane=lane, policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=1000, default_budget_ms=None)
     items, _, rejected = run(drive(r, stream, check_admission=True))
     assert rejected + len(items) == len(stream)
 

@@ -1,16 +1,16 @@
 """The interactive lane: interactive batches run beside the batch in flight instead of
-waiting for it (MicroBatcher with `execute_lane`), in simulated time."""
+waiting for it (MicroBatcher with `execute_lane`), in simulated time. The properties
+(exactly once, nothing after its deadline, admission as predicted) run with and without the
+lane in test_policy.py and test_admission.py."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from batcher.errors import DeadlineInfeasible, EngineError, ShuttingDown
 from batcher.types import DispatchReason, Outcome, Priority
 
-from .conftest import arrivals, cost, drive, exact_rig, run
+from .conftest import cost, exact_rig, run
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
 
@@ -186,38 +186,3 @@ def test_stop_ends_both_batches_in_flight():
         assert r.value("ferry_running_sequences", model="m") == 0
 
     run(scenario())
-
-
-@pytest.mark.parametrize("policy", ["fixed", "deadline", "adaptive"])
-@settings(
-    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
-)
-@given(stream=arrivals, size=st.integers(1, 8), wait_ms=st.sampled_from([0, 2, 10, 40]))
-def test_with_the_lane_no_item_reaches_an_engine_after_its_deadline_and_all_end_once(policy, stream, size, wait_ms):
-    r = exact_rig(
-        lane=True,
-        policy=policy,
-        max_batch_size=size,
-        max_wait_ms=wait_ms,
-        max_queue=30,
-        default_budget_ms=200,
-        on_infeasible="serve",
-        aging_ms=50,
-    )
-    items, finished_at, _ = run(drive(r, stream))
-    for item in items:
-        assert item.finished and item.id in finished_at
-        if item.dispatched_at is not None:
-            assert item.dispatched_at < item.deadline
-        if item.reason is DispatchReason.LANE:
-            assert item.priority is INTERACTIVE
-    assert sum(r.batcher.outcomes.values()) == len(items)
-    assert r.value("ferry_running_sequences", model="m") == 0
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(stream=arrivals, size=st.integers(1, 8), policy=st.sampled_from(["fixed", "deadline", "adaptive"]))
-def test_with_the_lane_admission_rejects_only_what_the_predictions_say_is_infeasible(stream, size, policy):
-    r = exact_rig(lane=True, policy=policy, max_batch_size=size, max_wait_ms=5, max_queue=1000, default_budget_ms=None)
-    items, _, rejected = run(drive(r, stream, check_admission=True))
-    assert rejected + len(items) == len(stream)

@@ -33,13 +33,17 @@ from batcher.types import DispatchReason, Outcome, Priority, WorkItem
 from .conftest import COST, FIXED, PER_ITEM, arrivals, cost, drive, exact_rig, run
 
 
+@pytest.mark.parametrize("lane", [False, True], ids=["one-batch", "lane"])
 @pytest.mark.parametrize("policy", ["fixed", "deadline", "adaptive"])
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
 @given(stream=arrivals, size=st.integers(1, 8), wait_ms=st.sampled_from([0, 2, 10, 40]))
-def test_no_item_reaches_the_engine_after_its_deadline_and_all_end_once(policy, stream, size, wait_ms):
+def test_no_item_reaches_the_engine_after_its_deadline_and_all_end_once(policy, lane, stream, size, wait_ms):
+    """With the interactive lane too: only interactive items take it, and the running
+    gauge comes back to zero with both batches' items counted."""
     r = exact_rig(
+        lane=lane,
         policy=policy,
         max_batch_size=size,
         max_wait_ms=wait_ms,
@@ -55,7 +59,10 @@ def test_no_item_reaches_the_engine_after_its_deadline_and_all_end_once(policy, 
             assert item.dispatched_at < item.deadline
         if item.outcome is Outcome.EXPIRED:
             assert item.dispatched_at is None and finished_at[item.id] >= item.deadline
+        if item.reason is DispatchReason.LANE:
+            assert item.priority is Priority.INTERACTIVE
     assert sum(r.batcher.outcomes.values()) == len(items)
+    assert r.value("ferry_running_sequences", model="m") == 0
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
