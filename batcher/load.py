@@ -227,9 +227,11 @@ class LoadTracker:
         busy_until: float,
         *,
         shape: bool = True,
+        reserve: bool = True,
     ) -> Load:
         """One frozen view for one decision. `shape=False` (generation) leaves out the floor;
-        its reserve then caps a prefill group, not a whole batch."""
+        its reserve then caps a prefill group, not a whole batch. `reserve=False`: no
+        interactive request waits for the batch in flight (the interactive lane), so none."""
         floor, keep_up = self.floor(now, queue, s, cost) if shape else (1, 0.0)
         return Load(
             busy_until=busy_until,
@@ -237,7 +239,7 @@ class LoadTracker:
             interactive_rate=self.interactive_rate(now),
             typical_tokens=self.typical_tokens,
             floor=floor,
-            reserve=self.reserve(now, s, cost, keep_up),
+            reserve=self.reserve(now, s, cost, keep_up) if reserve else None,
             slowdown=cost.slowdown,
             tail=cost.tail,
             efficient=efficient_batch(s, cost, self.typical_tokens)[0],

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import replace
 from typing import Any
 
 from . import admission
 from .cost import CostModel
 from .errors import EngineError, ShuttingDown
-from .load import Load
+from .load import Load, efficient_batch
 from .policy import Dispatch, batch_cost, deadline_cap, get_policy
 from .protocols import Execute
 from .queue import RequestQueue
@@ -89,8 +88,9 @@ class MicroBatcher(QueueingBatcher):
     def load(self, now: float) -> Load:
         """With the lane open, no reserve: interactive work does not wait for the batch in
         flight, so batch-class batches are not cut for its budgets."""
-        load = super().load(now)
-        return replace(load, reserve=None) if self.lane_open and load.reserve is not None else load
+        return self.tracker.snapshot(
+            now, self.queue, self.settings, self.cost, self.busy_until(now), reserve=not self.lane_open
+        )
 
     def predict(
         self,
@@ -162,10 +162,13 @@ class MicroBatcher(QueueingBatcher):
         left = self._may_run_until - now
         waiting = self.queue.peek_class(Priority.INTERACTIVE, s.max_batch_size)
         if left <= s.margin or self.lane_cost.predict(1, waiting[0].cost) >= left:
-            return []  # not even one item would end in time (checked before the snapshot)
-        load = self.load(now)
-        lane_load = replace(load, floor=1, slowdown=self.lane_cost.slowdown, tail=self.lane_cost.tail)
-        items = waiting[: deadline_cap(waiting, now, s, self.lane_cost, lane_load)]
+            return []  # not even one item would end in time
+        # No floor and no reserve (nothing waits for a lane batch); the lane's own fit times
+        # it, the engine's (the main fit) says its efficient batch.
+        lane = self.lane_cost
+        efficient = efficient_batch(s, self.cost, self.tracker.typical_tokens)[0]
+        lane_load = Load(slowdown=lane.slowdown, tail=lane.tail, efficient=efficient)
+        items = waiting[: deadline_cap(waiting, now, s, lane, lane_load)]
         return items if batch_cost(self.lane_cost, items) < left else []
 
     def _dispatch_lane(self, items: list[WorkItem], now: float) -> None:
