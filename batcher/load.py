@@ -62,11 +62,13 @@ class Load:
     drain_rate: float | None = None
     # Generation: slots free now, slots batch-class prompts must leave free for interactive
     # ones, when each running sequence's slot is predicted to free (sorted), and how long a
-    # typical sequence holds a slot.
+    # typical sequence holds a slot. `prefill_first`: interactive prompts at the head of the
+    # queue join now in a prefill of their own, without the decode step (the lane's rule).
     free_slots: int = 0
     interactive_slots: int = 0
     slots_free_at: tuple[float, ...] = ()
     sequence_seconds: float = 0.0
+    prefill_first: bool = False
 
 
 IDLE = Load()

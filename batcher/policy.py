@@ -176,13 +176,18 @@ def prompt_group(q: RequestQueue, now: float, s: BatchingSettings, cost: CostMod
     slots and `max_batch_size`; at most `prefill_token_budget` prompt tokens (one prompt
     always fits); a predicted prefill within the reserve while interactive work arrives
     (it delays that work's first token as a one-shot batch would); and, interactive first,
-    batch-class prompts only into slots beyond `load.interactive_slots`, unless aged."""
+    batch-class prompts only into slots beyond `load.interactive_slots`, unless aged. With
+    `load.prefill_first`, interactive prompts at the head of the queue go alone: their
+    prefill is the whole iteration, and the prompts behind them join the next."""
     limit = min(load.free_slots, s.max_batch_size)
     batch_room = load.free_slots - load.interactive_slots
     group: list[WorkItem] = []
     tokens = longest = 0
     for item in q.peek(limit, now):
         k = len(group) + 1
+        alone = load.prefill_first and group and group[0].priority is Priority.INTERACTIVE
+        if alone and item.priority is not Priority.INTERACTIVE:
+            break
         longest = max(longest, item.cost)
         if group and tokens + item.cost > s.prefill_token_budget:
             break
@@ -200,11 +205,15 @@ def _admit(
 ) -> tuple[Decision, list[WorkItem]]:
     """The rules all three share: join at once when nothing runs (waiting can only add
     latency), when the group cannot grow (`full`), or when the oldest has waited
-    `max_wait_ms`; and the group to send. `target`: a group this large goes at once."""
+    `max_wait_ms`; and the group to send. `target`: a group this large goes at once.
+    Interactive prompts that go first in a prefill of their own (`load.prefill_first`) go
+    at once (`lane`)."""
     group = prompt_group(q, now, s, cost, load)
     k = len(group)
     if not k:
         return WaitUntil(None), group  # woken when a slot frees or work arrives
+    if load.prefill_first and group[0].priority is Priority.INTERACTIVE:
+        return Dispatch(k, DispatchReason.LANE), group  # waiting for company would cost their first token
     if not load.slots_free_at:
         return Dispatch(k, DispatchReason.ADAPTIVE), group
     if k == min(load.free_slots, s.max_batch_size) or k < len(q):

@@ -29,9 +29,12 @@ from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_g
 from .protocols import EngineCaller, MakeRequest, PrefillRequest, SequenceStep, SteppingEngine
 from .queueing import QueueingBatcher, seconds_until
 from .settings import BatchingSettings
-from .types import Delta, DispatchReason, GenResult, Outcome, TokenCount, WorkItem
+from .types import Delta, DispatchReason, GenResult, Outcome, Priority, TokenCount, WorkItem
 
 log = logging.getLogger("ferry.batcher")
+
+# The 99th percentile of a Poisson count with mean m is about m + 2.33 sqrt(m).
+POISSON_Z99 = 2.33
 
 
 @dataclass(slots=True)
@@ -85,6 +88,11 @@ class GenerationScheduler(QueueingBatcher):
         self._removals: list[int] = []
         self._targeted: list[WorkItem] = []  # unfinished items with an inter-token target (few)
         self._typical_steps = 16.0  # moving average of max_tokens, for how long a slot is held
+        self._skipped_decode = False  # the last iteration was interactive prompts' prefill alone
+        # Seconds between two decode steps, measured (a moving average): what a running
+        # sequence waits per token, prefill groups and prefill-only iterations included.
+        self._token_interval = 0.0
+        self._last_decode_at: float | None = None
         self.iterations = 0
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
         self._keep_trace = 1024
@@ -121,21 +129,58 @@ class GenerationScheduler(QueueingBatcher):
         """The tracker's snapshot plus what runs: free slots, when each running sequence's
         slot frees at its token limit, and how long a typical sequence holds one. Decode
         steps are predicted at the occupancy the queue will bring (at most every slot).
-        Interactive first: while interactive requests arrive, batch-class prompts leave
-        free the slots interactive ones need by Little's law (their arrival rate times a
-        typical sequence's time), plus one."""
+        A sequence's tokens come one a decode step, at least the predicted step apart and
+        at least as far apart as measured lately (prefills share the iterations).
+        Interactive first: batch-class prompts leave free the slots interactive ones need
+        by Little's law (their arrival rate times a typical sequence's time is the mean in
+        use), with room for Poisson arrivals above the mean (their 99th percentile), plus
+        one: one always, or the first interactive prompt after batch-class work filled
+        every slot would wait for a whole sequence to end.
+
+        The reserve bounds a whole iteration, which an interactive prompt may arrive just
+        after: the decode step now takes its share, a prefill group the rest. With the
+        interactive lane, interactive prompts then go first in a prefill of their own
+        (`prefill_first`) while batch-class work runs or waits: their first token no
+        longer waits for a decode step of everyone's, at most one such iteration between
+        two decode steps (the running sequences wait for one prefill)."""
         s = self.settings
         base = self.tracker.snapshot(now, self.queue, s, self.prefill_cost, self.busy_until(now), shape=False)
         slots = self._slot_limit()
         step = self.decode_cost.predict(max(1, min(slots, len(self._running) + len(self.queue))))
+        step = max(step, self._token_interval)
         frees = tuple(sorted(now + max(1, _max_tokens(q.item) - q.tokens) * step for q in self._running.values()))
         held = self._typical_steps * step
         reserved = 0
-        if s.interactive_first and base.interactive_rate > 0:
-            reserved = min(slots - 1, math.ceil(base.interactive_rate * held) + 1)
+        if s.interactive_first:  # one slot even before the first interactive arrival is seen
+            in_use = base.interactive_rate * held
+            reserved = min(slots - 1, math.ceil(in_use + POISSON_Z99 * math.sqrt(in_use)) + 1)
+        reserve = base.reserve
+        if reserve is not None and self._running:
+            reserve = max(reserve - self.decode_cost.predict(len(self._running)), 0.0)
+        first = s.interactive_first and s.interactive_lane and not self._skipped_decode and self._batch_class_present()
         return replace(
-            base, free_slots=self._capacity(), interactive_slots=reserved, slots_free_at=frees, sequence_seconds=held
+            base,
+            reserve=reserve,
+            free_slots=self._capacity(),
+            interactive_slots=reserved,
+            slots_free_at=frees,
+            sequence_seconds=held,
+            prefill_first=first,
         )
+
+    def _time_decode_step(self) -> None:
+        """A decode step starts now: the interval since the last one (back to back only)."""
+        now = self.clock.now()
+        last, self._last_decode_at = self._last_decode_at, now
+        if last is None:
+            return
+        gap = now - last
+        self._token_interval += 0.1 * (gap - self._token_interval) if self._token_interval else gap
+
+    def _batch_class_present(self) -> bool:
+        if self.queue.count(Priority.BATCH):
+            return True
+        return any(seq.item.priority is Priority.BATCH for seq in self._running.values())
 
     def _slot_limit(self) -> int:
         """Most sequences that may run at once: max_running, the engine's own slot count (it
@@ -189,7 +234,8 @@ class GenerationScheduler(QueueingBatcher):
         return max(0, self._slot_limit() - len(self._running))
 
     def _admission(self, now: float) -> tuple[list[WorkItem], float | None]:
-        """Items to admit now (in queue order) and, if none, when to look again."""
+        """Items to admit now (in queue order) and, if none, when to look again. Admitted
+        with reason `lane`: interactive prompts whose prefill is the whole iteration."""
         s = self.settings
         if not len(self.queue) or self._capacity() == 0:
             return [], None
@@ -221,7 +267,9 @@ class GenerationScheduler(QueueingBatcher):
                 admitted, look_again = self._admission(now)
                 if admitted or self._running or self._removals:
                     deliver, pending = pending, None  # _iteration runs it exactly once
-                    pending = await self._iteration(admitted, deliver)
+                    alone = bool(admitted) and admitted[0].reason is DispatchReason.LANE
+                    self._skipped_decode = alone and bool(self._running)
+                    pending = await self._iteration(admitted, deliver, decode=not alone)
                     continue
                 if pending is not None:
                     last_delivery, pending = pending, None
@@ -229,6 +277,7 @@ class GenerationScheduler(QueueingBatcher):
                     continue
                 if not self.busy:
                     self._idle.set()
+                self._last_decode_at = None  # the loop waits: the next step's interval is not a token's
                 wake_at = min(self.queue.min_deadline, look_again if look_again is not None else float("inf"))
                 self._wake.clear()
                 await self.clock.wait(self._wake, seconds_until(wake_at, now))
@@ -237,15 +286,19 @@ class GenerationScheduler(QueueingBatcher):
                 pending()
 
     async def _iteration(
-        self, admitted: list[WorkItem], pending: Callable[[], None] | None
+        self, admitted: list[WorkItem], pending: Callable[[], None] | None, decode: bool = True
     ) -> Callable[[], None] | None:
-        """Run one iteration; returns the delivery of its outputs, for the caller to run."""
+        """Run one iteration; returns the delivery of its outputs, for the caller to run.
+        `decode=False`: the admitted prompts' prefill alone, the running sequences wait."""
         for item in admitted:
             self._running[item.id] = _Seq(item, every_token=not getattr(item.payload.params, "detokenize", True))
         requests = [self._make_request(i.id, i.payload.prompt_ids, i.payload.params) for i in admitted]
         removals, self._removals = self._removals, []
-        decoding = [i for i in self._running if i not in {r.seq_id for r in requests}]
+        joining = {r.seq_id for r in requests}
+        decoding = [i for i in self._running if i not in joining] if decode else []
         self.iterations += 1
+        if decoding:
+            self._time_decode_step()
         self.trace.append((self.iterations, decoding, [r.seq_id for r in requests]))
         if len(self.trace) > self._keep_trace:
             del self.trace[: -self._keep_trace]

@@ -73,7 +73,8 @@ class BatchingSettings(Knobs):
         True,
         "embeddings: a batch of interactive requests runs at once beside the batch in flight, on a second "
         "engine thread, instead of waiting for it; batch-class batches are then not cut for interactive "
-        "budgets. Off (`--no-interactive-lane`): one batch at a time",
+        "budgets. Chat: interactive prompts are prefilled alone, ahead of the decode step, while batch-class "
+        "work runs. Off (`--no-interactive-lane`): one batch at a time",
         live=True,
     )
     # Generation only from here.

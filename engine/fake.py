@@ -172,14 +172,33 @@ class SimulatedExecutor:
 
 class SimulatedEngineThread:
     """Stands in for the generation scheduler's engine thread in tests: each engine call costs
-    fixed + per_row * running rows of simulated time on `clock`, then runs inline."""
+    fixed + per_row * running rows of simulated time on `clock`, then runs inline.
 
-    def __init__(self, clock: _Clock, engine: GenerationEngine, fixed: float = 0.010, per_row: float = 0.001):
+    `per_touched_row` (a FakeGenerationEngine): per_row for each row the call touched
+    instead, decoded or prefilled (a prefill of one prompt costs one row, not every
+    running one); the call then runs first and its result comes after the time it cost."""
+
+    def __init__(
+        self,
+        clock: _Clock,
+        engine: GenerationEngine,
+        fixed: float = 0.010,
+        per_row: float = 0.001,
+        per_touched_row: bool = False,
+    ):
         self.clock, self.engine, self.fixed, self.per_row = clock, engine, fixed, per_row
+        self.per_touched_row = per_touched_row
 
     async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
-        await self.clock.sleep(self.fixed + self.per_row * max(1, self.engine.running))
-        return fn(*args)
+        if not self.per_touched_row:
+            await self.clock.sleep(self.fixed + self.per_row * max(1, self.engine.running))
+            return fn(*args)
+        calls: list[tuple[str, list[int]]] = self.engine.calls  # type: ignore[attr-defined]
+        before = len(calls)
+        result = fn(*args)
+        rows = sum(len(ids) for kind, ids in calls[before:] if kind != "remove")
+        await self.clock.sleep(self.fixed + self.per_row * max(1, rows))
+        return result
 
 
 class FakeGenerationEngine:

@@ -16,7 +16,8 @@
   cell with the defaults.
 - chat-priority: the same for chat (`ferry-tiny-chat`, streamed, `max_tokens` 16): the
   budgets cover the first token (`budget_scope: ttft`, the default), timed at the client to
-  the first content delta; capacity is chat requests per second at saturation.
+  the first content delta; capacity is chat requests per second at saturation. The lane
+  there: interactive prompts prefilled alone, ahead of the batch-class decode step.
 
     python -m loadtests.bench_latency [--cells latency,burst,priority,chat-priority] [--duration 6] [--out f.json]
         [--priority-modes lane,reserve,throughput]
@@ -240,15 +241,15 @@ PRIORITY_MODES: dict[str, dict[str, bool]] = {
 def run_priority(
     url: str, cap: float, duration: float, chat: bool = False, modes: tuple[str, ...] = ("lane", "reserve")
 ) -> list[dict]:
-    """Chat has no lane (generation): its modes are interactive first on and off."""
+    """For chat the lane is interactive prompts prefilled alone ahead of the decode step."""
     rows = []
     for batch_load in PRIORITY_BATCH_LOADS:
         rate = (PRIORITY_INTERACTIVE + batch_load) * cap
         share = PRIORITY_INTERACTIVE / (PRIORITY_INTERACTIVE + batch_load)
-        for mode in ("first", "throughput") if chat else modes:
+        for mode in modes:
             first = mode != "throughput"
             if chat:
-                configure(url, CHAT_MODEL, interactive_first=first)
+                configure(url, CHAT_MODEL, **PRIORITY_MODES[mode])
             else:
                 configure(url, policy="adaptive", **PRIORITY_MODES[mode], **DEFAULTS)
             time.sleep(0.3)
@@ -273,7 +274,7 @@ def run_priority(
                 flush=True,
             )
     if chat:
-        configure(url, CHAT_MODEL, interactive_first=True)  # the default again
+        configure(url, CHAT_MODEL, **PRIORITY_MODES["lane"])  # the defaults again
     else:
         configure(url, MODEL, **PRIORITY_MODES["lane"])
     return rows
@@ -307,7 +308,8 @@ def main() -> None:
             cap = chat_capacity(gw.url, a.duration)
             out["chat_capacity"] = cap
             print(f"measured chat capacity: {cap:.1f} req/s (streamed, max_tokens {CHAT_PRIORITY_TOKENS}, saturated)")
-            out["chat_priority"] = run_priority(gw.url, cap, a.duration, chat=True)
+            modes = tuple(a.priority_modes.split(","))
+            out["chat_priority"] = run_priority(gw.url, cap, a.duration, chat=True, modes=modes)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)

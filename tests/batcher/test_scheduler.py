@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
 from batcher.cost import LinearCost
-from batcher.errors import EngineError
+from batcher.errors import DeadlineInfeasible, EngineError
 from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
@@ -21,7 +23,7 @@ STEP = 0.010  # what one engine iteration (a prefill or a decode step) costs, pl
 
 
 class GenRig:
-    def __init__(self, fail_prompts=None, per_row=0.0, **settings):
+    def __init__(self, fail_prompts=None, per_row=0.0, touched=False, **settings):
         settings.setdefault("default_budget_ms", None)
         self.clock = FakeClock()
         self.engine = FakeGenerationEngine(fail_prompts=fail_prompts)
@@ -30,7 +32,7 @@ class GenRig:
         self.sched = GenerationScheduler(
             "g",
             self.engine,
-            SimulatedEngineThread(self.clock, self.engine, STEP, per_row),
+            SimulatedEngineThread(self.clock, self.engine, STEP, per_row, per_touched_row=touched),
             BatchingSettings(**settings),
             make_request=sequence_request,
             clock=self.clock,
@@ -283,6 +285,114 @@ def test_chat_batch_class_prompts_leave_slots_to_interactive_ones():
         await r.sched.stop()
 
     run(scenario())
+
+
+def test_batch_class_work_alone_leaves_one_slot_for_the_first_interactive_prompt():
+    """Before any interactive request is seen, batch-class prompts still leave one slot:
+    the first interactive prompt joins at the next iteration, not when a whole batch-class
+    sequence ends (or refused for it). Throughput first leaves none."""
+    from batcher.types import Priority
+
+    async def scenario(first: bool):
+        r = GenRig(max_running=8, max_batch_size=8, max_wait_ms=0, interactive_first=first)
+        r.seed_decode_cost()
+        await r.sched.start()
+        jobs = [r.submit(50, budget=30.0, priority=Priority.BATCH) for _ in range(20)]
+        await r.clock.advance(0.1)
+        running = r.sched.running
+        try:
+            late = r.submit(5, budget=0.1)
+        except DeadlineInfeasible:
+            late = None  # no slot frees in time: every one holds a 50-token sequence
+        await r.clock.advance(0.1)
+        for job in jobs:
+            r.sched.cancel(job)
+        await r.clock.run_until_idle()
+        assert all(job.future.exception() is not None for job in jobs)  # cancelled, each heard it
+        await r.sched.stop()
+        if late is None:
+            return running, None
+        assert late.future.result().completion_tokens == 5
+        return running, late.dispatched_at - late.arrival
+
+    running, admitted_within = run(scenario(True))
+    assert running == 7 and admitted_within is not None and admitted_within <= 2 * STEP
+    running, admitted_within = run(scenario(False))
+    assert running == 8 and admitted_within is None
+
+
+async def _first_token_beside_batch_class_work(lane: bool):
+    """40 batch-class sequences decoding (a step of them costs 10 + 40 ms), then an
+    interactive prompt: when its first token comes, and the iteration that prefilled it."""
+    from batcher.types import Priority
+
+    r = GenRig(max_running=64, max_batch_size=16, max_wait_ms=0, per_row=0.001, touched=True, interactive_lane=lane)
+    r.seed_decode_cost()
+    await r.sched.start()
+    r.submit(2, budget=1.0)  # interactive work has been arriving
+    jobs = [r.submit(200, budget=30.0, priority=Priority.BATCH) for _ in range(40)]
+    await r.clock.advance(0.5)
+    assert r.sched.running == 40
+    firsts: list[float] = []
+    late = r.submit(4, budget=0.2, on_delta=lambda d: firsts.append(r.clock.now()) if not firsts else None)
+    await r.clock.advance(0.3)
+    assert late.future.result().completion_tokens == 4
+    ttft = firsts[0] - late.arrival
+    i = r.admitted_at(late)
+    its = {n: (decoded, admitted) for n, decoded, admitted in r.sched.trace}
+    for job in jobs:
+        r.sched.cancel(job)
+    await r.clock.run_until_idle()
+    assert all(job.future.exception() is not None for job in jobs)  # cancelled, each heard it
+    await r.sched.stop()
+    lane_batches = r.registry.get_sample_value("ferry_batches_total", {"model": "g", "reason": "lane"})
+    return ttft, its[i], its[i + 1], lane_batches
+
+
+def test_an_interactive_prompt_is_prefilled_alone_ahead_of_batch_class_decoding():
+    """Interactive first with the lane (the defaults): an interactive prompt arriving while
+    batch-class sequences decode joins in an iteration that is its prefill alone (the
+    running sequences wait for it), then decodes with everyone; its first token waits for
+    the step in flight and its own prefill, not for another step of all 40 rows."""
+    ttft, (decoded, admitted), (next_decoded, _), lane_batches = run(_first_token_beside_batch_class_work(True))
+    assert decoded == [] and len(admitted) == 1
+    assert len(next_decoded) == 41  # everyone decodes next, the newcomer too
+    assert lane_batches == 2  # the first interactive prompt's too: batch-class work was queued behind it
+    assert ttft <= (STEP + 0.040) + (STEP + 0.001) + 1e-9  # the step in flight, then its prefill alone
+
+    ttft_off, (decoded, admitted), _, lane_batches = run(_first_token_beside_batch_class_work(False))
+    assert len(decoded) == 40 and len(admitted) == 1  # without the lane it shares a step of all 40
+    assert not lane_batches
+    assert ttft < ttft_off
+
+
+def test_prefill_alone_never_twice_in_a_row_and_not_for_interactive_traffic_alone():
+    """Interactive prompts every few milliseconds beside batch-class decoding: between two
+    prefill-only iterations there is always a decode step (the running sequences are never
+    starved). With interactive traffic alone nothing waits on another class: every
+    iteration decodes."""
+    from batcher.types import Priority
+
+    async def scenario(batch_class: bool):
+        r = GenRig(max_running=64, max_batch_size=16, max_wait_ms=0, per_row=0.001, touched=True)
+        r.seed_decode_cost()
+        await r.sched.start()
+        jobs = [r.submit(30, budget=30.0, priority=Priority.BATCH if batch_class else Priority.INTERACTIVE)]
+        jobs += [r.submit(30, budget=30.0, priority=Priority.BATCH if batch_class else Priority.INTERACTIVE)]
+        for _ in range(60):
+            await r.clock.advance(0.004)
+            jobs.append(r.submit(3, budget=1.0))
+        await r.clock.run_until_idle()
+        assert all(j.future.result().completion_tokens in (3, 30) for j in jobs)
+        await r.sched.stop()
+        return [(decoded, admitted) for _, decoded, admitted in r.sched.trace]
+
+    trace = run(scenario(True))
+    alone = [n for n, (decoded, admitted) in enumerate(trace) if admitted and not decoded and n > 0]
+    assert len(alone) > 5  # the lane was used
+    assert all(b - a > 1 for a, b in itertools.pairwise(alone))
+    trace = run(scenario(False))
+    assert all(decoded for n, (decoded, admitted) in enumerate(trace) if n > 0)
 
 
 async def _stopped_by_the_caller():

@@ -72,8 +72,14 @@ def scrape(url: str) -> dict[str, dict[str, float]]:
 
 
 def check_saturated(url: str) -> None:
-    queued = lambda: scrape(url)["ferry_queue_depth"]["fake-chat"]  # noqa: E731
-    wait_until(lambda: queued() >= REQUESTS - MAX_RUNNING, timeout=60, message="every request beyond the cap to queue")
+    def saturated() -> bool:
+        m = scrape(url)  # the running pair admitted, and prefilled (the KV gauge follows the first step)
+        return (
+            m["ferry_queue_depth"]["fake-chat"] >= REQUESTS - MAX_RUNNING
+            and m["ferry_kv_cache_usage_ratio"]["fake-chat"] > 0
+        )
+
+    wait_until(saturated, timeout=60, message="every request beyond the cap to queue, the first two prefilled")
     for _ in range(20):  # the picker scrapes every 50 ms: every scrape answers, with the queue as it is
         m = scrape(url)
         waiting = m["ferry_queue_depth"]["fake-chat"]
