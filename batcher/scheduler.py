@@ -35,6 +35,7 @@ log = logging.getLogger("ferry.batcher")
 
 # The 99th percentile of a Poisson count with mean m is about m + 2.33 sqrt(m).
 POISSON_Z99 = 2.33
+SLOT_RATE_MEMORY = 30.0  # seconds over which the interactive slots' rate fades (_slot_rate)
 
 
 @dataclass(slots=True)
@@ -88,10 +89,12 @@ class GenerationScheduler(QueueingBatcher):
         self._removals: list[int] = []
         self._targeted: list[WorkItem] = []  # unfinished items with an inter-token target (few)
         self._typical_steps = 16.0  # moving average of max_tokens, for how long a slot is held
+        self._interactive_steps = 16.0  # the same over interactive requests (the slots kept for them)
         self._skipped_decode = False  # the last iteration was interactive prompts' prefill alone
         # Seconds between two decode steps, measured (a moving average): what a running
         # sequence waits per token, prefill groups and prefill-only iterations included.
         self._token_interval = 0.0
+        self._slow_rate, self._slot_rate_at = 0.0, 0.0  # see _slot_rate
         self._last_decode_at: float | None = None
         self.iterations = 0
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
@@ -121,6 +124,8 @@ class GenerationScheduler(QueueingBatcher):
         items = super().submit_many(payloads, **kw)
         for item in items:
             self._typical_steps += 0.05 * (_max_tokens(item) - self._typical_steps)
+            if item.priority is Priority.INTERACTIVE:
+                self._interactive_steps += 0.05 * (_max_tokens(item) - self._interactive_steps)
         if items[0].itl_target is not None:
             self._targeted.extend(items)
         return items
@@ -132,8 +137,8 @@ class GenerationScheduler(QueueingBatcher):
         A sequence's tokens come one a decode step, at least the predicted step apart and
         at least as far apart as measured lately (prefills share the iterations).
         Interactive first: batch-class prompts leave free the slots interactive ones need
-        by Little's law (their arrival rate times a typical sequence's time is the mean in
-        use), with room for Poisson arrivals above the mean (their 99th percentile), plus
+        by Little's law (their arrival rate, `_slot_rate`, times a typical interactive
+        sequence's time is the mean in use), with room for Poisson arrivals above the mean (their 99th percentile), plus
         one: one always, or the first interactive prompt after batch-class work filled
         every slot would wait for a whole sequence to end.
 
@@ -152,7 +157,7 @@ class GenerationScheduler(QueueingBatcher):
         held = self._typical_steps * step
         reserved = 0
         if s.interactive_first:  # one slot even before the first interactive arrival is seen
-            in_use = base.interactive_rate * held
+            in_use = self._slot_rate(now, base.interactive_rate) * self._interactive_steps * step
             reserved = min(slots - 1, math.ceil(in_use + POISSON_Z99 * math.sqrt(in_use)) + 1)
         reserve = base.reserve
         if reserve is not None and self._running:
@@ -167,6 +172,14 @@ class GenerationScheduler(QueueingBatcher):
             sequence_seconds=held,
             prefill_first=first,
         )
+
+    def _slot_rate(self, now: float, rate: float) -> float:
+        """The interactive arrival rate the slots are kept for: the last 2 s's, or what it
+        was lately, fading over SLOT_RATE_MEMORY. A slot is held for a whole sequence, and
+        a lull of a few seconds in Poisson arrivals says little about the next second."""
+        dt, self._slot_rate_at = max(0.0, now - self._slot_rate_at), now
+        self._slow_rate = max(rate, self._slow_rate * math.exp(-dt / SLOT_RATE_MEMORY))
+        return self._slow_rate
 
     def _time_decode_step(self) -> None:
         """A decode step starts now: the interval since the last one (back to back only)."""

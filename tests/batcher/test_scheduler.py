@@ -321,6 +321,48 @@ def test_batch_class_work_alone_leaves_one_slot_for_the_first_interactive_prompt
     assert running == 8 and admitted_within is None
 
 
+def test_slots_kept_for_interactive_prompts_outlast_a_lull_in_their_arrivals(monkeypatch):
+    """Interactive prompts at 10/s (5 tokens) beside batch-class sequences that hold a slot
+    for 10 s; then 3 s without an interactive arrival, longer than the 2 s their rate is
+    measured over. The slots kept for them are kept through the lull (sized on the
+    interactive sequences' own length, not the batch-class ones'), so a burst of three
+    interactive prompts after it is admitted and joins at once. With no memory of the rate
+    (the last check), batch-class work takes all but one slot in the lull, for 10 s, and
+    the burst is refused. (Aging is set past the test: an aged batch-class prompt may take a
+    kept slot, so that none starves.)"""
+    import batcher.scheduler
+    from batcher.types import Priority
+
+    async def scenario():
+        r = GenRig(max_running=16, max_batch_size=16, max_wait_ms=0, aging_ms=60_000)
+        r.seed_decode_cost()
+        await r.sched.start()
+        chats, jobs = [], []
+        for i in range(20):
+            if i == 10:
+                jobs = [r.submit(1000, budget=60.0, priority=Priority.BATCH) for _ in range(40)]
+            chats.append(r.submit(5, budget=1.0))
+            await r.clock.advance(0.1)
+        await r.clock.advance(3.0)
+        try:
+            burst = [r.submit(5, budget=0.1) for _ in range(3)]
+        finally:
+            await r.clock.advance(0.1)
+            for job in jobs:
+                r.sched.cancel(job)
+            await r.clock.run_until_idle()
+            assert all(job.future.exception() is not None for job in jobs)  # cancelled, each heard it
+            assert all(c.future.result().completion_tokens == 5 for c in chats)
+            await r.sched.stop()
+        assert all(b.future.result().completion_tokens == 5 for b in burst)
+        assert all(b.dispatched_at - b.arrival <= 2 * STEP for b in burst)
+
+    run(scenario())
+    monkeypatch.setattr(batcher.scheduler, "SLOT_RATE_MEMORY", 1e-9)
+    with pytest.raises(DeadlineInfeasible):
+        run(scenario())
+
+
 async def _first_token_beside_batch_class_work(lane: bool):
     """40 batch-class sequences decoding (a step of them costs 10 + 40 ms), then an
     interactive prompt: when its first token comes, and the iteration that prefilled it."""
