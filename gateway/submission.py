@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -117,9 +118,14 @@ async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkI
     # One item (most requests) is awaited as it is; gather() would wrap it in another future.
     gathered = items[0].result_future if len(items) == 1 else asyncio.gather(*(i.result_future for i in items))
     watcher = asyncio.ensure_future(wait_disconnect(request))
+    # Whichever ends first wakes one future: asyncio.wait's sets, waiter and callback
+    # removal cost more than the request's own work under zero-cost engines.
+    either = gathered.get_loop().create_future()
+    wake = partial(_wake, either)
+    gathered.add_done_callback(wake)
+    watcher.add_done_callback(wake)
     try:
-        either: set[asyncio.Future[Any]] = {gathered, watcher}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        await either
     except asyncio.CancelledError:
         cancel_all(batcher, items)
         gathered.add_done_callback(_consume)
@@ -135,6 +141,11 @@ async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkI
     except BatchingError as exc:
         cancel_all(batcher, items, by_client=False)  # one failed: its siblings' work is moot
         raise APIError.from_batching(exc) from None
+
+
+def _wake(either: asyncio.Future, _: asyncio.Future) -> None:
+    if not either.done():
+        either.set_result(None)
 
 
 def _consume(fut: asyncio.Future) -> None:
