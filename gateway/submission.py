@@ -30,6 +30,11 @@ TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
 MAX_SLO_MS = 3_600_000.0
 
 
+# Seconds a request's results may take before a task watches its connection for a
+# disconnect (wait_items).
+WATCH_AFTER = 0.02
+
+
 class ClientGone(Exception):
     """The client disconnected; nobody is listening for an answer."""
 
@@ -117,13 +122,17 @@ async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkI
     never computed if still queued). If one item fails, its siblings are cancelled."""
     # One item (most requests) is awaited as it is; gather() would wrap it in another future.
     gathered = items[0].result_future if len(items) == 1 else asyncio.gather(*(i.result_future for i in items))
-    watcher = asyncio.ensure_future(wait_disconnect(request))
     # Whichever ends first wakes one future: asyncio.wait's sets, waiter and callback
-    # removal cost more than the request's own work under zero-cost engines.
-    either = gathered.get_loop().create_future()
+    # removal cost more than the request's own work under zero-cost engines. The watcher
+    # of the client's connection (a task) starts only if the results take WATCH_AFTER:
+    # most answers under light engines come sooner, and a client that left meanwhile is
+    # seen as soon as it starts.
+    loop = gathered.get_loop()
+    either = loop.create_future()
     wake = partial(_wake, either)
     gathered.add_done_callback(wake)
-    watcher.add_done_callback(wake)
+    watching: list[asyncio.Future[None]] = []
+    timer = loop.call_later(WATCH_AFTER, _watch, request, either, wake, watching)
     try:
         await either
     except asyncio.CancelledError:
@@ -131,7 +140,9 @@ async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkI
         gathered.add_done_callback(_consume)
         raise
     finally:
-        watcher.cancel()
+        timer.cancel()
+        for watcher in watching:
+            watcher.cancel()
     if not gathered.done():
         cancel_all(batcher, items)  # resolves every item future, so `gathered` completes too
         gathered.add_done_callback(_consume)
@@ -141,6 +152,13 @@ async def wait_items(request: Request, batcher: ServedBatcher, items: list[WorkI
     except BatchingError as exc:
         cancel_all(batcher, items, by_client=False)  # one failed: its siblings' work is moot
         raise APIError.from_batching(exc) from None
+
+
+def _watch(request: Request, either: asyncio.Future, wake: Any, watching: list[asyncio.Future[None]]) -> None:
+    if not either.done():
+        watcher = asyncio.ensure_future(wait_disconnect(request))
+        watcher.add_done_callback(wake)
+        watching.append(watcher)
 
 
 def _wake(either: asyncio.Future, _: asyncio.Future) -> None:
