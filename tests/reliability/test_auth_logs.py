@@ -56,8 +56,11 @@ def test_request_id_is_echoed_or_generated_and_logged_once_without_secrets(keyed
     h = {"Authorization": "Bearer key-one", "X-Request-Id": "trace-123"}
     r = httpx.post(keyed.url + "/v1/embeddings", json={"model": "fake-embed", "input": "secret prompt text"}, headers=h)
     assert r.headers["X-Request-Id"] == "trace-123"
-    generated = httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer key-one"}).headers["X-Request-Id"]
-    assert len(generated) == 32
+    ids = [
+        httpx.get(keyed.url + "/v1/models", headers={"Authorization": "Bearer key-one"}).headers["X-Request-Id"]
+        for _ in range(3)
+    ]
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids) and len(set(ids)) == 3  # 32 hex digits, never repeated
     lines = [rec for rec in caplog.records if getattr(rec, "request_id", None) == "trace-123"]
     assert len(lines) == 1
     rec = lines[0]
