@@ -138,9 +138,9 @@ class GenerationScheduler(QueueingBatcher):
         at least as far apart as measured lately (prefills share the iterations).
         Interactive first: batch-class prompts leave free the slots interactive ones need
         by Little's law (their arrival rate, `_slot_rate`, times a typical interactive
-        sequence's time is the mean in use), with room for Poisson arrivals above the mean (their 99th percentile), plus
-        one: one always, or the first interactive prompt after batch-class work filled
-        every slot would wait for a whole sequence to end.
+        sequence's time is the mean in use), with room for Poisson arrivals above the mean
+        (their 99th percentile), plus one: one always, or the first interactive prompt
+        after batch-class work filled every slot would wait for a whole sequence to end.
 
         The reserve bounds a whole iteration, which an interactive prompt may arrive just
         after: the decode step now takes its share, a prefill group the rest. With the
