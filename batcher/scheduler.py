@@ -162,7 +162,13 @@ class GenerationScheduler(QueueingBatcher):
         reserve = base.reserve
         if reserve is not None and self._running:
             reserve = max(reserve - self.decode_cost.predict(len(self._running)), 0.0)
-        first = s.interactive_first and s.interactive_lane and not self._skipped_decode and self._batch_class_present()
+        first = (
+            s.mode == "continuous"  # static mode (the baseline) runs whole groups, whatever their class
+            and s.interactive_first
+            and s.interactive_lane
+            and not self._skipped_decode
+            and self._batch_class_present()
+        )
         return replace(
             base,
             reserve=reserve,

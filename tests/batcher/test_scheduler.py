@@ -437,6 +437,29 @@ def test_prefill_alone_never_twice_in_a_row_and_not_for_interactive_traffic_alon
     assert all(decoded for n, (decoded, admitted) in enumerate(trace) if n > 0)
 
 
+def test_static_mode_has_no_lane():
+    """Static batching, the comparison baseline, admits whole groups whatever their class:
+    an interactive prompt never runs a prefill of its own there."""
+    from batcher.types import Priority
+
+    async def scenario():
+        r = GenRig(mode="static", max_running=8, max_batch_size=8, max_wait_ms=0, touched=True, per_row=0.001)
+        r.seed_decode_cost()
+        await r.sched.start()
+        items = [r.submit(5, budget=30.0, priority=Priority.BATCH) for _ in range(3)]
+        items += [r.submit(5, budget=1.0) for _ in range(2)]
+        items += [r.submit(5, budget=30.0, priority=Priority.BATCH) for _ in range(3)]
+        await r.clock.run_until_idle()
+        assert all(i.future.result().completion_tokens == 5 for i in items)
+        await r.sched.stop()
+        return r, items
+
+    r, items = run(scenario())
+    assert not r.registry.get_sample_value("ferry_batches_total", {"model": "g", "reason": "lane"})
+    first_group = next(admitted for _, _, admitted in r.sched.trace if admitted)
+    assert {items[3].id, items[4].id} < set(first_group)  # the interactive pair, with batch-class company
+
+
 async def _stopped_by_the_caller():
     """An item whose engine makes no text (an engine core's, detokenize=False): a delta for
     every token; after its third, the caller (the front end) found a stop string."""
