@@ -1,10 +1,11 @@
 """Engine-core processes seen from the server (`ferry serve --engine-cores`): start one per
 model, wait until it has loaded, watch it, drain it and stop it.
 
-A core is a `spawn`ed child (a fresh interpreter: no copy of the server's threads, locks
-or event loop) that loads `default_specs(cfg)[index]` itself, so the server never loads
-the weights. It dies with the server: it stops when its end of the pipe closes, whatever
-ended the server (a SIGKILL included).
+A core is a `Child` (gateway/launch.py: a fresh interpreter, with no copy of the server's
+threads, locks or event loop, that never imports the user's main module) that loads
+`default_specs(cfg)[index]` itself, so the server never loads the weights. It dies with the
+server: it stops when its end of the pipe closes, whatever ended the server (a SIGKILL
+included).
 
 A core that dies while the server is not draining or stopping (an exception, an OOM kill,
 SIGKILL) is restarted by its `Supervisor` (docs/architecture.md, step 4): its requests in
@@ -22,7 +23,6 @@ import collections
 import contextlib
 import json
 import logging
-import multiprocessing
 import shutil
 import signal
 import tempfile
@@ -34,6 +34,7 @@ from batcher.settings import BatchingSettings
 
 from . import engine_core
 from .config import ServerConfig
+from .launch import Child
 from .metrics import GatewayMetrics
 from .model_loading import ModelSpec, ServedModel
 from .remote_batcher import RemoteBatcher
@@ -68,20 +69,16 @@ def describe_exit(code: int | None) -> str:
 
 class CoreProcess:
     def __init__(self, cfg: ServerConfig, index: int, settings: BatchingSettings | None = None):
-        mp = multiprocessing.get_context("spawn")
         # The socket lives in a directory of the server's own, removed when the core stops.
         self.dir = tempfile.mkdtemp(prefix="ferry-core-")
         self.address = f"ipc://{self.dir}/core"
         self.settings_file = engine_core.settings_file(self.address)
-        self.conn, child = mp.Pipe()
-        self.process = mp.Process(
-            target=engine_core.run_core,
-            args=(cfg, index, self.address, child, None if settings is None else settings.to_dict()),
+        self.process = Child(
+            engine_core.run_core,
+            (cfg, index, self.address, None if settings is None else settings.to_dict()),
             name=f"ferry-core-{index}",
-            daemon=True,
         )
-        self.process.start()
-        child.close()  # the core holds the only other end: its exit closes the pipe, and ours closes its
+        self.conn = self.process.conn  # the core's exit closes its end; ours closing ends the core
         self._exit: asyncio.Task | None = None
 
     def recorded_settings(self) -> BatchingSettings | None:
@@ -119,7 +116,8 @@ class CoreProcess:
         if status == "failed":
             raise CoreFailed(info)
         await asyncio.to_thread(self.process.join, STOP_GRACE_S)
-        raise CoreFailed(f"{describe_exit(self.process.exitcode)} before its model loaded")
+        why = self.process.last_words()  # its last error line, if it left one
+        raise CoreFailed(f"{describe_exit(self.process.exitcode)} before its model loaded{f': {why}' if why else ''}")
 
     def watch(self, on_exit: Callable[[int | None], Awaitable[None]]) -> None:
         """When the process ends, call `on_exit` with its exit code."""
@@ -151,7 +149,7 @@ class CoreProcess:
     async def stop(self) -> None:
         self._tell(("drain", 0.0))  # no drain: fail what is left and exit
         await self._exited(STOP_GRACE_S)
-        self.conn.close()
+        self.process.close()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def forget_peer(self, identity: bytes) -> None:

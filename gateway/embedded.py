@@ -381,12 +381,6 @@ class Ferry:
             thread.join(self.config.drain_timeout + 30.0)
             if thread.is_alive():
                 log.warning("ferry embedded supervisor did not stop in time")
-        # Handing the listening socket to the spawned front ends started multiprocessing's
-        # fd-sharing thread, which never ends by itself; a later use starts it again.
-        from multiprocessing import resource_sharer
-
-        with contextlib.suppress(Exception):
-            resource_sharer.stop()
 
     def _bind(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET

@@ -3,7 +3,7 @@
 admission, policies, cost model and engine run in this process, so torch never waits on
 the interpreter lock of a process that parses HTTP.
 
-`gateway/core_process.py` starts `run_core` with multiprocessing's `spawn` and a pipe. On the
+`gateway/core_process.py` starts `run_core` as a `Child` (gateway/launch.py) with a pipe. On the
 pipe the core reports `("ready", facts)` or `("failed", one line)` once, then takes
 `("drain", seconds)` and `("peer_gone", identity)` (with `--api-workers N`, the supervisor
 saw the front end whose sockets are named `identity` die: `EngineCore.forget_peer`); the
@@ -334,7 +334,7 @@ def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
 
 
 # -- the process ---------------------------------------------------------------------------------
-def run_core(cfg: ServerConfig, index: int, address: str, conn: Any, settings: dict[str, Any] | None = None) -> None:
+def run_core(conn: Any, cfg: ServerConfig, index: int, address: str, settings: dict[str, Any] | None = None) -> None:
     """The process target: load `default_specs(cfg)[index]`, report on `conn`, serve.
     `settings`: the batching settings to start with (a restarted core's, as its model last had)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)

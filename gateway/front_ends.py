@@ -7,7 +7,7 @@ store, and its `worker_lease` picks the one that runs batch jobs), binds and lis
 host:port, starts one engine core per model and waits for each to load
 (gateway/core_process.py: `CoreProcess`, and `Supervisor`, which restarts a core that dies
 with the settings it last acknowledged, bounded; a core that cannot load its model makes
-`ferry serve` exit 1 with one line), then starts N front ends (`spawn`). Each front end runs
+`ferry serve` exit 1 with one line), then starts N front ends (each a `Child`, gateway/launch.py). Each front end runs
 the gateway app under uvicorn on the one listening socket, handed to it as uvicorn's own
 multi-worker mode does (the kernel gives each connection to one of them), with a
 RemoteBatcher to every core (gateway/server.py, `serve_front_end`).
@@ -44,7 +44,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -70,6 +69,7 @@ from .core_process import (
     describe_exit,
 )
 from .jobs.store import StoreLocked, lock_data_dir
+from .launch import Child
 from .model_loading import default_specs
 from .shared_metrics import SupervisorMetrics, metrics_dir, process_gone, share_metrics
 
@@ -125,7 +125,7 @@ class FrontEnds:
         self.cores: list[SharedCore] = []
         self.supervisors: list[Supervisor] = []  # the cores' (to tell of a front end's death)
         self.generations: dict[int, int] = {}  # index -> how many front ends held it before
-        self.procs: dict[int, Any] = {}  # index -> multiprocessing.Process
+        self.procs: dict[int, Child] = {}  # index -> its front end now
         self.conns: dict[int, Any] = {}  # index -> our end of its pipe
         self.leaving = False
         self.restarts: collections.deque[float] = collections.deque()
@@ -139,20 +139,16 @@ class FrontEnds:
         return f"front-{index}.{self.generations.get(index, 0)}"
 
     def start(self, index: int) -> None:
-        mp = multiprocessing.get_context("spawn")
-        ours, theirs = mp.Pipe()
         if index in self.procs:  # a replacement
             self.generations[index] = self.generations.get(index, 0) + 1
         views = [{**c.view(), "identity": self.identity(index)} for c in self.cores]
-        proc = mp.Process(
-            target=run_front_end,
-            args=(self.cfg, index, self.sock, theirs, views, metrics_dir(self.run_dir)),
+        proc = Child(
+            run_front_end,
+            (self.cfg, index, self.sock.fileno(), views, metrics_dir(self.run_dir)),
             name=f"ferry-front-{index}",
-            daemon=True,
+            pass_fds=(self.sock.fileno(),),
         )
-        proc.start()
-        theirs.close()
-        self.procs[index], self.conns[index] = proc, ours
+        self.procs[index], self.conns[index] = proc, proc.conn
         loop = asyncio.get_running_loop()
         ended = loop.create_future()
 
@@ -172,9 +168,8 @@ class FrontEnds:
             asyncio.get_running_loop().remove_reader(proc.sentinel)
         await asyncio.to_thread(proc.join)
         process_gone(proc.pid, metrics_dir(self.run_dir))  # its live gauges go; its counts stay
-        conn = self.conns.pop(index, None)
-        if conn is not None:
-            conn.close()
+        self.conns.pop(index, None)
+        proc.close()
         # Its clients are gone with it: every core cancels what it still runs or queues for it.
         for supervisor in self.supervisors:
             supervisor.forget_peer(self.identity(index).encode())
@@ -221,16 +216,18 @@ class FrontEnds:
 
 
 def run_front_end(
+    control: Any,
     cfg: ServerConfig,
     index: int,
-    sock: socket.socket,
-    control: Any,
+    sock_fd: int,
     cores: list[dict],
     shared_metrics: str,
 ) -> None:
-    """The process target of one front end; its metrics are kept in `shared_metrics`, the
-    server's metrics directory (gateway/shared_metrics.py), from before any is made."""
+    """The process target of one front end, serving on the inherited listening socket
+    `sock_fd`; its metrics are kept in `shared_metrics`, the server's metrics directory
+    (gateway/shared_metrics.py), from before any is made."""
     share_metrics(shared_metrics)
+    sock = socket.socket(fileno=sock_fd)
     from .logs import setup_logging
     from .server import serve_front_end
 
@@ -351,6 +348,7 @@ async def supervise(
             if p.is_alive():
                 p.kill()
                 await asyncio.to_thread(p.join, STOP_GRACE_S)
+            p.close()
         for s in supervisors:
             await s.stop()
         metrics.close()

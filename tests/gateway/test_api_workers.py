@@ -36,7 +36,7 @@ def serve(*args: str, delay: float = 0.0, log: Path | None = None, workers: int 
 
 
 def children(gw: GatewayProcess) -> list[psutil.Process]:
-    alive = [p for p in psutil.Process(gw.proc.pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    alive = [p for p in psutil.Process(gw.proc.pid).children() if "gateway.launch" in p.cmdline()]
     return [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
 
 

@@ -46,7 +46,7 @@ def serve(*args: str, delay: float = 0.0, log: Path | None = None) -> Iterator[G
 
 def cores_of(pid: int) -> list[psutil.Process]:
     """The engine cores of a server, in the order of its models (they start one by one)."""
-    cores = [p for p in psutil.Process(pid).children() if "spawn_main" in " ".join(p.cmdline())]
+    cores = [p for p in psutil.Process(pid).children() if "gateway.launch" in p.cmdline()]
     return sorted(cores, key=lambda p: p.create_time())
 
 
