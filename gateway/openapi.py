@@ -5,6 +5,7 @@ the served models of each route and the embedding sizes they produce."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from pydantic import BaseModel
@@ -13,7 +14,7 @@ from starlette.requests import Request
 
 from . import schemas as s
 from .config import ServerConfig
-from .jobs.validate import BatchCreate
+from .jobs.validate import MAX_FILE_BYTES, BatchCreate
 from .model_loading import CHAT, EMBEDDING, ServedModel
 from .responses import json_response
 from .routes import admin
@@ -110,7 +111,8 @@ def _json(model: type[BaseModel]) -> dict[str, Any]:
 def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] | None = None) -> dict[str, Any]:
     """The description for a server with this config; `models` (name -> ServedModel), once
     loaded, add the served model names and embedding sizes."""
-    req = s.request_models(cfg or ServerConfig())
+    cfg = cfg or ServerConfig()
+    req = s.request_models(cfg)
     ops = _operations(req)
     batch_models: list[type[BaseModel]] = [s.FileObject, s.BatchObject, s.BatchList]
     wanted: set[type[BaseModel]] = {m for op in ops for m in (op[3], op[4]) if m is not None} | {
@@ -133,7 +135,11 @@ def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] |
         if "{model}" in path:
             op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
         if body is not None:
-            op["requestBody"] = {"required": True, "content": _json(body)}
+            op["requestBody"] = {
+                "required": True,
+                "description": f"At most {cfg.max_body_bytes} bytes (413 body_too_large beyond)",
+                "content": _json(body),
+            }
         content: dict[str, Any] = _json(resp)
         if stream:
             content["text/event-stream"] = {"schema": SSE_EVENT}
@@ -192,6 +198,7 @@ def _served_facts(components: dict[str, Any], models: dict[str, ServedModel[Any]
     ):
         if names[kind]:
             components[schema_name]["properties"]["model"]["enum"] = names[kind]
+    _queue_caps(components, models)
     dims = sorted({m.engine.dim for m in models.values() if m.kind == EMBEDDING})
     if dims:
         components["EmbeddingsRequest"]["properties"]["dimensions"] = {
@@ -199,6 +206,58 @@ def _served_facts(components: dict[str, Any], models: dict[str, ServedModel[Any]
             "default": None,
             "description": "The size the model produces (the only one it supports).",
         }
+
+
+# Per route: the request schema, the kind of model it serves, the field that lists prompts
+# or inputs and which of its anyOf branches is the list.
+LISTED = (
+    ("EmbeddingsRequest", EMBEDDING, "input", 1),
+    ("ChatCompletionRequest", CHAT, "messages", 0),
+    ("CompletionRequest", CHAT, "prompt", 1),
+)
+
+
+def _queue_caps(components: dict[str, Any], models: dict[str, ServedModel[Any]]) -> None:
+    """A request is refused whole (422 request_too_large) when it holds more work items than
+    its model's queue can ever hold (`max_queue`, per model and live): inputs, or prompts x
+    `n` candidates. State that per model as `if model == m then ...` clauses, one per `n`
+    whose cap is below the listed one, so a request the description allows is never refused
+    for its size, and one it refuses is (nothing here is looser or tighter than the server)."""
+    for schema_name, kind, field, branch in LISTED:
+        schema = components[schema_name]
+        props = schema["properties"]
+        listed = props[field]["anyOf"][branch]["maxItems"]
+        n_max = props["n"]["maximum"] if "n" in props else 1
+        clauses, loosest = [], 0
+        for name in sorted(n for n, m in models.items() if m.kind == kind):
+            queue = models[name].batcher.settings.max_queue
+            loosest = max(loosest, min(listed, queue))
+            then: list[dict[str, Any]] = []
+            if queue < n_max:  # even one prompt with more candidates than the queue holds
+                then.append({"properties": {"n": {"maximum": queue}}})
+            for n in range(1, min(n_max, queue) + 1):
+                if queue // n >= listed:
+                    continue
+                capped = copy.deepcopy(props[field])
+                capped["anyOf"][branch]["maxItems"] = queue // n
+                # `properties` holds when n is absent, which means n = 1; n > 1 must be there.
+                when: dict[str, Any] = {"properties": {"n": {"const": n}}} if n_max > 1 else {}
+                if n > 1:
+                    when["required"] = ["n"]
+                then.append(
+                    {"if": when, "then": {"properties": {field: capped}}} if when else {"properties": {field: capped}}
+                )
+            if then:
+                is_model = {"properties": {"model": {"const": name}}, "required": ["model"]}
+                clauses.append({"if": is_model, "then": {"allOf": then}})
+        if clauses:
+            props[field]["anyOf"][branch]["maxItems"] = loosest
+            props[field]["description"] += (
+                f" At most {loosest} per request, fewer where a model's queue (max_queue) holds fewer"
+                + (" items (prompts x n)" if n_max > 1 else "")
+                + ": the per-model clauses say how many."
+            )
+            schema.setdefault("allOf", []).extend(clauses)
 
 
 def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
@@ -258,6 +317,7 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
     # multipart fields other than these two are refused, and the schema says so.
     upload = {
         "required": True,
+        "description": f"A file of at most {MAX_FILE_BYTES} bytes (413 body_too_large beyond)",
         "content": {
             "multipart/form-data": {
                 "schema": {
@@ -336,10 +396,11 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
 
 async def openapi(request: Request):
     ferry = gateway_state(request)
+    if not ferry.ready:  # it lacks the served models and their limits; build again next time
+        return json_response(build(ferry.config))
+    # Built once per set of the limits it states: max_queue changes live (admin PATCH).
+    key = tuple((name, m.batcher.settings.max_queue) for name, m in ferry.models.items())
     cached = getattr(request.app.state, "openapi", None)
-    if cached is not None:
-        return json_response(cached)
-    description = build(ferry.config, ferry.models if ferry.ready else None)
-    if ferry.ready:  # before that it lacks the served models; build again next time
-        request.app.state.openapi = description
-    return json_response(description)
+    if cached is None or cached[0] != key:
+        cached = request.app.state.openapi = (key, build(ferry.config, ferry.models))
+    return json_response(cached[1])

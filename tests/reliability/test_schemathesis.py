@@ -44,7 +44,14 @@ def api(tmp_path_factory):
     # batch is still running when the fuzzer cancels it.
     embed = FakeEmbeddingEngine(hang_seconds=0.5)
     with live(
-        fake_app(embed, admin_token="admin-secret", max_completion_tokens=64, max_prompts=8, data_dir=data_dir)
+        fake_app(
+            embed,
+            admin_token="admin-secret",
+            max_completion_tokens=64,
+            max_prompts=8,
+            max_queue=100,  # below max_inputs and max_prompts x n: the size limits per model hold
+            data_dir=data_dir,
+        )
     ) as server:
         yield server
 
