@@ -4,8 +4,8 @@ gateway over fake engines under light load from a background thread.
 It checks what a person at the page would see: no console errors, charts that gain points,
 a knob change with the admin token that reaches the gateway (its admin GET shows it) and is
 marked on the charts, the 401 message for a wrong token, a read-only form without one, and
-a model name made of HTML shown as text. With FERRY_UI_SCREENSHOT=<path> it also saves a
-screenshot of the page under load there (docs/ui.png was made so).
+a model name made of HTML shown as text. (docs/ui.png is made by loadtests/ui_screenshot.py,
+on the built-in models.)
 
 Needs Debian's `chromium` and `chromium-driver` (`make chromium`, as root) and selenium
 (the test extra); skipped with the reason when one is missing.
@@ -13,7 +13,6 @@ Needs Debian's `chromium` and `chromium-driver` (`make chromium`, as root) and s
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 
@@ -134,10 +133,6 @@ def _check_page(d, server) -> None:
     assert not size.is_enabled() and not apply.is_enabled()
     assert "read-only" in d.find_element(By.ID, "token-note").text
 
-    shot = os.environ.get("FERRY_UI_SCREENSHOT")
-    if shot:  # a screenshot for the docs: some history before and after the change
-        wait_until(lambda: min(_points(chat)) >= 12, message="a dozen points before the change")
-
     # The right token: a change reaches the gateway and is marked on the charts.
     d.find_element(By.ID, "token").send_keys(TOKEN)
     wait_until(size.is_enabled, message="the knobs to become editable with a token")
@@ -154,11 +149,6 @@ def _check_page(d, server) -> None:
     time_charts = chat.find_elements(By.CSS_SELECTOR, ".chart[data-marks]")
     assert len(time_charts) == 3 and all(c.get_attribute("data-marks") == "1" for c in time_charts)
     assert _severe(d) == []
-    if shot:
-        after = min(_points(chat)) + 8
-        wait_until(lambda: min(_points(chat)) >= after, message="points after the change")
-        d.execute_script("window.scrollTo(0, 0)")
-        d.save_screenshot(shot)
 
     # A wrong token: the 401 message, and nothing changes.
     token = d.find_element(By.ID, "token")
