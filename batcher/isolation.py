@@ -3,7 +3,7 @@
 A call over several inputs that raises is retried on each half of them, recursively,
 until the input that fails by itself is found; its exception takes its place among the
 results and its batch mates get theirs. Used for an embeddings batch that runs out of
-memory (gateway/model_loading.py) and for a generation prefill group that fails
+memory (gateway/models/start.py) and for a generation prefill group that fails
 (batcher/scheduler.py). Runs on the engine's worker thread: the retries are engine calls.
 """
 

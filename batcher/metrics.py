@@ -1,5 +1,5 @@
 """Every metric of the batching, defined once; the HTTP request metrics are the gateway's
-(gateway/metrics.py, whose `GatewayMetrics` adds them to these on one registry).
+(gateway/metrics/registry.py, whose `GatewayMetrics` adds them to these on one registry).
 
 Names follow `ferry_<thing>_<unit>`; counters end in `_total`; labels stay in
 {model, route, status, reason, phase, class}. Tests build a `Metrics` on a fresh
@@ -77,7 +77,7 @@ RATIO_BUCKETS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.75, 0.9, 1.0)
 ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 
 # Gauges in prometheus-client's multiprocess mode (the front ends of `--api-workers N`,
-# gateway/shared_metrics.py) are read over the processes alive: an amount summed (SUM), a
+# gateway/metrics/shared.py) are read over the processes alive: an amount summed (SUM), a
 # setting or a figure every process that sets it holds alike, the largest (MAX; `ferry_jobs`
 # is kept by the batch-job lease's holder, the others hold 0, and MAX never counts a job
 # twice while the lease moves). Outside that mode the mode means nothing.

@@ -3,7 +3,7 @@
 The batcher never imports the engine: engine/ classes satisfy these by their shape alone
 (`engine.generation.HFGenerationEngine` and `engine.fake.FakeGenerationEngine` are
 `SteppingEngine`s, `engine.base.SequenceRequest` is a `PrefillRequest` and
-`engine.base.StepOutput` a `SequenceStep`; gateway/model_loading.py turns an embeddings
+`engine.base.StepOutput` a `SequenceStep`; gateway/models/start.py turns an embeddings
 engine into an `Execute`). Each protocol names only what the batcher uses; engine/base.py
 holds the engines' full contract, including what only the gateway needs (chat templates,
 tokenizers).

@@ -252,6 +252,16 @@ class QueueingBatcher:
     async def _loop(self) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def stop_sequence(self, item: WorkItem) -> bool:
+        """End a running sequence as stopped by its caller (generation); a one-shot batcher
+        has none, and a finished item is skipped: False."""
+        return False
+
+    @property
+    def cost_models(self) -> dict[str, CostModel]:  # pragma: no cover - abstract
+        """The fitted cost models by phase, for admin and the live page to show."""
+        raise NotImplementedError
+
     @property
     def busy(self) -> bool:
         return len(self.queue) > 0

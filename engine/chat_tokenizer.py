@@ -1,7 +1,7 @@
 """The front-end half of a chat engine whose model runs in an engine core (`ferry serve
 --engine-cores`): its name, context, tokenizer and chat template, never its weights. The
 gateway's translation (gateway/translate/chat.py) and the front end's detokenization
-(gateway/remote_batcher.py) need no more than this.
+(gateway/cores/client.py) need no more than this.
 
 Without transformers: the model's `tokenizer.json` is read with the `tokenizers` library
 and its chat template rendered with jinja2 exactly as transformers' `apply_chat_template`

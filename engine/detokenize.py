@@ -3,7 +3,7 @@ that never releases half a character, and OpenAI stop strings over the text stre
 
 Torch-free, so that both halves of a chat model use it: the engine in one process
 (engine/generation.py), and the front end when the model runs in an engine core, which
-then sends token ids only (gateway/remote_batcher.py).
+then sends token ids only (gateway/cores/client.py).
 """
 
 from __future__ import annotations

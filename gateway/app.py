@@ -21,10 +21,11 @@ from .config import ServerConfig
 from .endpoint import endpoint, route
 from .errors import APIError
 from .jobs import BatchJobWorker
-from .metrics import GatewayMetrics
-from .model_loading import ModelSpec, default_specs
-from .routes import admin, batches, chat, embeddings, system, ui
+from .metrics.registry import GatewayMetrics
+from .models.catalogue import ModelSpec, default_specs
+from .routes import admin, batches, chat, embeddings, system
 from .state import GatewayState
+from .ui import route as ui
 
 log = logging.getLogger("ferry.gateway")
 
@@ -102,7 +103,7 @@ def create_app(
     cores: list[dict] | None = None,
 ) -> Gateway:
     """`cores`: in a front end of several (`--api-workers N`), the engine cores its
-    supervisor runs, one account per model (gateway/front_ends.py)."""
+    supervisor runs, one account per model (gateway/cores/supervisor.py)."""
     config = config or ServerConfig()
     if cores is not None and specs is not None:
         raise ValueError("engine cores load their models from the configuration; specs cannot cross processes")

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_logging()
     if command == "serve" and cfg.api_workers > 1:  # a supervisor of front ends and cores
-        from .front_ends import serve_front_ends
+        from .cores.supervisor import serve_front_ends
 
         return serve_front_ends(cfg)
     if command == "serve":

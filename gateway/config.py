@@ -15,6 +15,8 @@ from pydantic import BeforeValidator
 from batcher.knobs import Knob, Knobs, SettingsError, knob, knobs
 from batcher.settings import BatchingSettings
 
+from .models.kinds import CHAT, EMBEDDING, ModelKind
+
 AT_LEAST_ONE: dict[str, Any] = {"ge": 1}
 SECONDS: dict[str, Any] = {"unit": "s", "gt": 0}
 
@@ -145,7 +147,7 @@ class _ServerConfigMethods:
             return
         if self.embedding_model == "none" and self.chat_model == "none":
             raise SystemExit("ferry: nothing to serve: both --embedding-model and --chat-model are 'none'")
-        from .model_loading import served_name_target
+        from .config import served_name_target
 
         try:
             served_name_target(cast("ServerConfig", self))
@@ -154,7 +156,7 @@ class _ServerConfigMethods:
 
     def validate_config(self) -> None:
         """The `--config` file: readable, valid, and the only say on which models to serve."""
-        from .model_config import ConfigError, load_config
+        from .models.config_file import ConfigError, load_config
 
         flags = [
             k.flag
@@ -263,3 +265,22 @@ def from_args(argv: list[str] | None = None) -> tuple[str, ServerConfig]:
     if cfg.api_workers > 1:
         cfg.engine_cores = True  # several front ends share engine cores (docs/operations.md)
     return ns.command, cfg
+
+
+def served_name_target(cfg: ServerConfig) -> ModelKind | None:
+    """Which model `--served-model-name` names: the one loaded from a path or Hugging Face
+    id, else the only model served. ValueError when that is not one model."""
+    if not cfg.served_model_name:
+        return None
+    given: dict[ModelKind, str] = {EMBEDDING: cfg.embedding_model, CHAT: cfg.chat_model}
+    served = [k for k, source in given.items() if source != "none"]
+    from_path = [k for k in served if given[k] != "default"]
+    if len(from_path) == 1:
+        return from_path[0]
+    if not from_path and len(served) == 1:
+        return served[0]
+    raise ValueError(
+        "--served-model-name names one model, and this serves "
+        + (" and ".join(f"{k} from {given[k]}" for k in from_path) if from_path else "both default models")
+        + ": give each model its name in a --config file"
+    )

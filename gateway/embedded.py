@@ -14,7 +14,7 @@ stops the server, finishes the models' worker threads and closes the socket, lea
 thread and no open port behind.
 
 `Ferry(api_workers=2, ...)` runs the whole process set of `ferry serve --api-workers 2`
-instead (gateway/front_ends.py): the supervisor in a background thread of yours, the
+instead (gateway/cores/supervisor.py): the supervisor in a background thread of yours, the
 engine cores and front ends as child processes. Entering waits until every front end is
 ready; leaving drains them all and waits until every process has exited. `state` is None
 then (the models live in other processes); `models` comes from `/v1/models`.
@@ -39,13 +39,14 @@ import httpx
 from ferry_client import AsyncFerryClient, FerryClient
 
 from .config import ServerConfig
-from .model_loading import CHAT, EMBEDDING, ModelSpec
+from .models.catalogue import ModelSpec
+from .models.kinds import CHAT, EMBEDDING, kind_of_architectures, looks_like_path
 
 if TYPE_CHECKING:
     import uvicorn
     from starlette.applications import Starlette
 
-    from .metrics import GatewayMetrics
+    from .metrics.registry import GatewayMetrics
     from .state import GatewayState
 
 log = logging.getLogger("ferry.embedded")
@@ -56,12 +57,6 @@ _EMBEDDING_WORDS = {"embeddings", "embedding", "embed"}
 _CHAT_WORDS = {"chat", "completions", "generation", "llm"}
 _DEFAULT_NAMES = {"sentence-transformers/all-MiniLM-L6-v2": EMBEDDING, "ferry-tiny-chat": CHAT}
 _SETTINGS = {f.name for f in dataclasses.fields(ServerConfig)} - {"host", "port"}
-
-
-def _kind_of_architectures(archs: list[str]) -> str:
-    if any(a.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for a in archs):
-        return CHAT
-    return EMBEDDING
 
 
 def _infer_kind(name: str) -> str:
@@ -76,8 +71,8 @@ def _infer_kind(name: str) -> str:
             raise ValueError(
                 f"cannot tell whether {name!r} is an embeddings or a chat model ({type(exc).__name__}: {exc}); {hint}"
             ) from None
-        return _kind_of_architectures(list(archs))
-    if name.startswith(("/", "./", "../", "~")) or os.path.exists(path):
+        return kind_of_architectures(list(archs))
+    if looks_like_path(name) or os.path.exists(path):
         raise ValueError(f"model {name!r}: no such model directory; {hint} once it exists")
     try:
         from transformers import AutoConfig
@@ -87,7 +82,7 @@ def _infer_kind(name: str) -> str:
         raise ValueError(
             f"cannot tell whether {name!r} is an embeddings or a chat model ({type(exc).__name__}); {hint}"
         ) from None
-    return _kind_of_architectures(list(getattr(cfg, "architectures", None) or []))
+    return kind_of_architectures(list(getattr(cfg, "architectures", None) or []))
 
 
 def resolve_models(models: Any) -> tuple[str, str]:
@@ -139,8 +134,8 @@ class Ferry:
 
     models: what to serve (see `resolve_models`; default: both built-in models).
     host, port: where to listen (default 127.0.0.1 and a free port).
-    specs: a list of gateway.model_loading.ModelSpec to serve instead of `models` (fake engines
-    in tests, or engines you built yourself). metrics: a gateway.metrics.GatewayMetrics (default:
+    specs: a list of gateway.models.catalogue.ModelSpec to serve instead of `models` (fake engines
+    in tests, or engines you built yourself). metrics: a gateway.metrics.registry.GatewayMetrics (default:
     a fresh registry, so several Ferry instances can coexist).
     ready_timeout: seconds to wait for the models to load (raises RuntimeError beyond).
     log_level: level of uvicorn's own loggers (None leaves logging alone).
@@ -283,7 +278,7 @@ class Ferry:
         import uvicorn
 
         from .app import create_app
-        from .metrics import GatewayMetrics
+        from .metrics.registry import GatewayMetrics
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._threads_before = set(threading.enumerate())
@@ -350,7 +345,7 @@ class Ferry:
         return self
 
     def _supervise(self) -> None:
-        from .front_ends import supervise
+        from .cores.supervisor import supervise
 
         loop = self._loop = asyncio.new_event_loop()
         asyncio.set_event_loop(loop)

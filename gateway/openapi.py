@@ -15,7 +15,8 @@ from starlette.requests import Request
 from . import schemas as s
 from .config import ServerConfig
 from .jobs.validate import MAX_FILE_BYTES, BatchCreate
-from .model_loading import CHAT, EMBEDDING, ServedModel
+from .models.kinds import CHAT, EMBEDDING
+from .models.start import ServedModel
 from .responses import json_response
 from .routes import admin
 from .state import gateway_state

@@ -19,7 +19,7 @@ import uvicorn
 
 from .app import create_app
 from .config import ServerConfig
-from .model_loading import GIL_SWITCH_INTERVAL_S
+from .models.start import GIL_SWITCH_INTERVAL_S
 
 log = logging.getLogger("ferry.gateway")
 
@@ -108,8 +108,8 @@ def serve_front_end(
 ) -> int:
     """The life of one front end of several: the app over the supervisor's cores, on its
     socket; /metrics reads the series every front end and the supervisor keep in
-    `shared_metrics` (gateway/shared_metrics.py) rather than this process's registry."""
-    from .shared_metrics import shared_registry
+    `shared_metrics` (gateway/metrics/shared.py) rather than this process's registry."""
+    from .metrics.shared import shared_registry
 
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app = create_app(cfg, cores=cores)

@@ -14,16 +14,17 @@ from starlette.requests import HTTPConnection
 from engine.base import EmbeddingEngine, GenerationEngine
 
 from .config import ServerConfig
-from .core_process import CoreFailed, attach_core, start_in_core
+from .cores.client import CoreClient
+from .cores.process import CoreFailed, attach_core, start_in_core
 from .errors import APIError, not_found_model
-from .metrics import GatewayMetrics
-from .model_loading import CHAT, ModelKind, ModelSpec, ServedModel, start_model
-from .remote_batcher import RemoteBatcher
-from .ui_stats import StatsRing
+from .metrics.registry import GatewayMetrics
+from .models.catalogue import ModelSpec
+from .models.kinds import ModelKind
+from .models.start import ServedModel, start_model
+from .ui.stats import StatsRing
 
 if TYPE_CHECKING:
     from .jobs.worker import BatchJobWorker
-    from .remote_batcher import RemoteBatcher
 
 log = logging.getLogger("ferry.gateway")
 
@@ -43,13 +44,13 @@ class GatewayState:
     freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
     fatal: str | None = None  # why the server cannot run at all (`ferry serve` exits with it)
     on_fatal: Any = None  # called once `fatal` is set (`ferry serve` stops)
-    ui_ring: StatsRing = field(default_factory=StatsRing)  # the live page's recent snapshots (gateway/routes/ui.py)
+    ui_ring: StatsRing = field(default_factory=StatsRing)  # the live page's recent snapshots (gateway/ui/route.py)
     # A front end of several (`--api-workers N`): the supervisor's account of each core, by
-    # model index (gateway/front_ends.py), kept current by `core_event`.
+    # model index (gateway/cores/supervisor.py), kept current by `core_event`.
     cores: list[dict[str, Any]] | None = None
-    by_index: dict[int, ServedModel[Any]] = field(default_factory=dict)
+    by_index: dict[int, CoreClient] = field(default_factory=dict)
     # ... and what its /metrics reads instead of `metrics.registry`: the series of every
-    # front end and of the supervisor (gateway/shared_metrics.py), the cores' merged in
+    # front end and of the supervisor (gateway/metrics/shared.py), the cores' merged in
     shared_metrics: CollectorRegistry | None = None
     _events: asyncio.Queue | None = None
     _event_task: asyncio.Task | None = None
@@ -58,14 +59,11 @@ class GatewayState:
         try:
             for index, spec in enumerate(self.specs):
                 if self.cores is not None:
-                    served = await attach_core(spec, self.cores[index])
-                    self.by_index[index] = served
+                    served, self.by_index[index] = await attach_core(spec, self.cores[index])
                 elif self.config.engine_cores:
                     served = await start_in_core(spec, index, self.config, self.metrics)
                 else:
                     served = await start_model(spec, self.config, self.metrics)
-                if served.kind == CHAT and isinstance(served.batcher, RemoteBatcher):
-                    served.batcher.tokenizer = served.engine  # the front end detokenizes what the core generates
                 self.models[served.name] = served
                 self.metrics.core_restarts.labels(served.name)  # at zero from the start, engine cores or not
             if self.freeze_gc:
@@ -105,18 +103,16 @@ class GatewayState:
         assert self._events is not None
         while True:
             kind, index, *rest = await self._events.get()
-            served = self.by_index.get(index)
-            if served is None:  # not attached yet: it starts from the view updated above
+            batcher = self.by_index.get(index)
+            if batcher is None:  # not attached yet: it starts from the view updated above
                 continue
-            batcher = served.batcher
-            assert isinstance(batcher, RemoteBatcher)
             try:
                 if kind == "lost":
                     reason, clean, restarting = rest
                     await batcher.lost(reason, clean=clean, restarting=restarting)
                 elif kind == "reconnect":
                     await batcher.reconnect(rest[0])
-                    log.info("engine core of %s serves again", served.name)
+                    log.info("engine core of %s serves again", batcher.model)
             except Exception:
                 log.exception("applying the supervisor's %s of core %d failed", kind, index)
 
@@ -145,7 +141,7 @@ class GatewayState:
                 503,
                 f"model {name} is unavailable: {served.batcher.failed}",
                 code="model_unavailable",
-                retry_after=1 if getattr(served.batcher, "restarting", False) else None,  # an engine core's restart
+                retry_after=1 if served.batcher.restarting else None,  # an engine core's restart
             )
         return served
 

@@ -5,7 +5,6 @@ cancelling them, and the timing headers they report."""
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -16,11 +15,10 @@ from batcher.errors import BatchingError
 from batcher.types import Priority, WorkItem
 
 from .errors import APIError
-from .remote_batcher import RemoteBatcher
 from .request_body import header
 
 if TYPE_CHECKING:
-    from .model_loading import ServedBatcher
+    from .models.served import ServedBatcher
 
 BUDGET_HEADER = "x-ferry-latency-budget-ms"
 PRIORITY_HEADER = "x-ferry-priority"
@@ -97,15 +95,12 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
 
 
 async def submit(batcher: ServedBatcher, payloads: list[Any], *, one_shot: bool = False, **kw: Any) -> list[WorkItem]:
-    """A batcher in an engine core (gateway/remote_batcher.py) admits asynchronously.
-    `one_shot`: the caller only waits for the results (embeddings): an engine core's batcher
-    returns the items without waiting for admission, and a refusal fails them with the
-    error raised here otherwise (wait_items answers it the same way)."""
+    """Queue a request's items, refusals as APIErrors. `one_shot`: the caller only waits for
+    the results (embeddings): an engine core's batcher returns the items without waiting for
+    admission, and a refusal fails them with the error raised here otherwise (wait_items
+    answers it the same way)."""
     try:
-        if one_shot and isinstance(batcher, RemoteBatcher):
-            kw["wait_admitted"] = False
-        items = batcher.submit_many(payloads, **kw)
-        return await items if inspect.isawaitable(items) else items
+        return await batcher.submit_many(payloads, one_shot=one_shot, **kw)
     except BatchingError as exc:
         raise APIError.from_batching(exc) from None
 

@@ -31,7 +31,8 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import APIError
-from ..model_loading import CHAT, EMBEDDING, ModelKind, ServedModel
+from ..models.kinds import CHAT, EMBEDDING, ModelKind
+from ..models.start import ServedModel
 from ..request_body import validation_error
 from ..schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest, request_models
 from ..translate.chat import GenerationBody, check_generation, generation_work

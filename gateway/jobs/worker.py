@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import os
 import socket
@@ -57,7 +56,8 @@ from batcher.errors import (
 from batcher.types import Priority, WorkItem
 
 from ..errors import APIError, error_body
-from ..model_loading import CHAT, ServedModel
+from ..models.kinds import CHAT
+from ..models.start import ServedModel
 from ..responses import json_bytes, json_response
 from ..translate.chat import GenerationWork
 from ..translate.structured import compile_structures
@@ -66,7 +66,7 @@ from .metrics import JobMetrics
 from .validate import MAX_REPORTED, BatchCreate, LineError, check_create, prepare, validate_file
 
 if TYPE_CHECKING:
-    from ..model_loading import ServedBatcher
+    from ..models.served import ServedBatcher
     from ..state import GatewayState
 
 log = logging.getLogger("ferry.jobs")
@@ -588,7 +588,7 @@ class BatchJobWorker:
                 if job.stop is not None or batcher.closing or budget <= 0:
                     return None
                 try:
-                    items = batcher.submit_many(
+                    run.items = await batcher.submit_many(
                         work.payloads,
                         costs=work.costs,
                         budget=budget,
@@ -596,7 +596,6 @@ class BatchJobWorker:
                         request_id=rid,
                         count_rejection=False,
                     )  # retried, not refused
-                    run.items = await items if inspect.isawaitable(items) else items  # an engine core's
                     break
                 except (QueueFull, DeadlineInfeasible):
                     self.admission_retries += 1

@@ -7,7 +7,6 @@ the batching knobs (batcher/settings.py): GET answers every knob, PATCH takes th
 
 from __future__ import annotations
 
-import inspect
 import logging
 from typing import Annotated, Any
 
@@ -15,7 +14,6 @@ from pydantic import BaseModel, Field, create_model
 from starlette.requests import Request
 from starlette.responses import Response
 
-from batcher.cost import cost_report
 from batcher.errors import BatchingError
 from batcher.knobs import Knob, knobs
 from batcher.settings import BatchingSettings, SettingsError
@@ -96,22 +94,17 @@ def _authorize(request: Request):
 async def get_batching(request: Request, ctx: Ctx) -> Response:
     served = _authorize(request)
     ctx.model = served.name
-    describe = getattr(served.batcher, "describe", None)  # a batcher in an engine core answers from there
-    if describe is not None:
-        return json_response(await _remote(describe()))
-    return json_response({**served.batcher.settings.to_dict(), "cost_model": cost_models(served.batcher)})
+    # Every setting and the fitted cost models, so an operator can see what admission and
+    # policies assume (a batcher in an engine core answers from there).
+    return json_response(await _answered(served.batcher.describe()))
 
 
-async def _remote(answer):
+async def _answered(answer):
+    """An engine core that cannot answer (lost, or too slow) is a BatchingError."""
     try:
         return await answer
     except BatchingError as exc:
         raise APIError.from_batching(exc) from None
-
-
-def cost_models(batcher) -> dict:
-    """The fitted cost models, so an operator can see what admission and policies assume."""
-    return cost_report(getattr(batcher, "cost_models", {"embed": batcher.cost}))
 
 
 async def patch_batching(request: Request, ctx: Ctx) -> Response:
@@ -120,9 +113,7 @@ async def patch_batching(request: Request, ctx: Ctx) -> Response:
     patch = await parse(request, BatchingPatch, 64 * 1024)
     changes = patch.model_dump(exclude_unset=True)
     try:
-        new = served.batcher.update(**changes)
-        if inspect.isawaitable(new):
-            new = await _remote(new)
+        new = await _answered(served.batcher.update(**changes))
     except SettingsError as exc:
         raise APIError(422, f"{exc.field}: {exc.message}", code="invalid_value", param=exc.field) from None
     log.info("admin changed batching of %s: %s", served.name, changes)

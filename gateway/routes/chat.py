@@ -20,7 +20,8 @@ from engine.base import GenerationEngine
 
 from ..endpoint import Ctx, finish
 from ..errors import APIError
-from ..model_loading import CHAT, ServedModel
+from ..models.kinds import CHAT
+from ..models.start import ServedModel
 from ..request_body import parse
 from ..responses import json_bytes, json_response
 from ..schemas import request_models

@@ -5,7 +5,7 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from ..endpoint import Ctx
-from ..model_loading import EMBEDDING
+from ..models.kinds import EMBEDDING
 from ..request_body import parse
 from ..responses import json_response
 from ..schemas import request_models

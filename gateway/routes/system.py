@@ -12,8 +12,7 @@ from starlette.responses import Response
 
 from ..endpoint import Ctx
 from ..errors import APIError
-from ..metrics_merge import merged_exposition, merged_families
-from ..remote_batcher import RemoteBatcher
+from ..metrics.merge import merged_exposition, merged_families
 from ..responses import json_response
 from ..state import gateway_state
 
@@ -47,18 +46,18 @@ async def metrics(request: Request) -> Response:
 
 def _registry(ferry) -> CollectorRegistry:
     """This process's registry or, with several front ends (`--api-workers N`), the one that
-    reads every front end's and the supervisor's series (gateway/shared_metrics.py; this
+    reads every front end's and the supervisor's series (gateway/metrics/shared.py; this
     process's are among them, so its own registry is not read as well)."""
     return ferry.shared_metrics if ferry.shared_metrics is not None else ferry.metrics.registry
 
 
 async def _scrapes(ferry) -> list[Any] | None:
     """Each engine core's metrics (None: no cores, this process holds everything)."""
-    cores = [m.batcher for m in ferry.models.values() if isinstance(m.batcher, RemoteBatcher)]
-    if not cores and ferry.shared_metrics is None:
+    answers = await asyncio.gather(*(m.batcher.scrape() for m in ferry.models.values()), return_exceptions=True)
+    if all(a is None for a in answers) and ferry.shared_metrics is None:
         return None
-    answers = await asyncio.gather(*(b.scrape() for b in cores), return_exceptions=True)
-    return [a for a in answers if not isinstance(a, BaseException)]  # a lost or stuck core is left out
+    # A batcher in this process has nothing to add; a lost or stuck core is left out.
+    return [a for a in answers if a is not None and not isinstance(a, BaseException)]
 
 
 async def all_families(ferry) -> list[Metric]:

@@ -237,7 +237,7 @@ def test_retry_honours_retry_after_of_a_full_queue(fake_server_factory):
     engine = GatedEmbeddings()
     # No interactive lane: the second request must queue behind the running one.
     s = fake_server_factory(embed=engine, max_queue=1, max_batch_size=1, max_wait_ms=0, interactive_lane=False)
-    batcher = s.ferry.models[EMBED].batcher
+    batcher = s.ferry.models[EMBED].batcher.inner
     results: dict[str, list] = {}
 
     def call(text: str) -> None:

@@ -16,8 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine.fake import FakeEmbeddingEngine, FakeGenerationEngine
 from gateway.app import create_app
 from gateway.config import ServerConfig
-from gateway.metrics import GatewayMetrics
-from gateway.model_loading import CHAT, EMBEDDING, ModelSpec
+from gateway.metrics.registry import GatewayMetrics
+from gateway.models.catalogue import ModelSpec
+from gateway.models.kinds import CHAT, EMBEDDING
 
 from ..live import live
 from ..waiting import wait_until

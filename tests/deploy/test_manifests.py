@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from gateway.config import OPTIONS, from_args
-from gateway.model_config import load_config
+from gateway.models.config_file import load_config
 
 from .manifests import CUSTOM, K8S, TARGETS, config_file, container, env, epp_config, one, parse_spec, render, schema
 

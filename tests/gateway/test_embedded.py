@@ -158,7 +158,8 @@ def test_models_argument_reads_the_kind_of_a_local_model(tmp_path):
 
 
 def test_a_model_that_fails_to_load_raises_and_cleans_up():
-    from gateway.model_loading import CHAT, ModelSpec
+    from gateway.models.catalogue import ModelSpec
+    from gateway.models.kinds import CHAT
 
     def broken():
         raise RuntimeError("weights missing")

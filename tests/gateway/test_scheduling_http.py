@@ -39,7 +39,7 @@ def test_infeasible_budget_is_refused_at_once_with_retry_after(fake_server_facto
     batch_time = 0.2  # the engine's, which the cost model knows: a 50 ms budget cannot wait for it
     engine = FakeEmbeddingEngine(fixed=batch_time)
     s = fake_server_factory(embed=engine, max_batch_size=1, max_wait_ms=0, interactive_lane=False)  # queue behind it
-    s.ferry.models["fake-embed"].batcher.cost = CostModel(LinearCost(batch_time, 0.0, 0.0))
+    s.ferry.models["fake-embed"].batcher.inner.cost = CostModel(LinearCost(batch_time, 0.0, 0.0))
 
     async def scenario():
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
@@ -58,7 +58,7 @@ def test_infeasible_budget_is_refused_at_once_with_retry_after(fake_server_facto
 
 def test_on_infeasible_serve_marks_best_effort(fake_server_factory):
     s = fake_server_factory(on_infeasible="serve", interactive_lane=False)
-    batcher = s.ferry.models["fake-embed"].batcher
+    batcher = s.ferry.models["fake-embed"].batcher.inner
     batcher.cost = CostModel(LinearCost(1.0, 0.0, 0.0))  # predicts 1 s per batch
     r = httpx.post(s.url + "/v1/embeddings", json={**EMB, "latency_budget_ms": 100})
     assert r.status_code == 200 and r.headers["X-Ferry-Best-Effort"] == "true"
@@ -140,7 +140,7 @@ def test_slo_headers_that_are_not_positive_numbers_are_a_400_naming_the_header(f
 
 def test_the_ttft_headers_set_the_budget_as_the_ferry_header_does(fake_server_factory):
     s = fake_server_factory()
-    chat = s.ferry.models["fake-chat"].batcher
+    chat = s.ferry.models["fake-chat"].batcher.inner
     chat.prefill_cost = chat.cost = CostModel(LinearCost(1.0, 0.0, 0.0))  # a first token takes 1 s
 
     def answer(headers: dict[str, str]) -> tuple[int, str | None]:
@@ -160,7 +160,7 @@ def test_a_tpot_header_the_decode_step_cannot_meet_is_refused_at_once(fake_serve
     engine = FakeGenerationEngine()
     s = fake_server_factory(chat=engine)
     step = 0.05  # what the decode cost model predicts of one step
-    s.ferry.models["fake-chat"].batcher.decode_cost = CostModel(LinearCost(step, 0.0, 0.0))
+    s.ferry.models["fake-chat"].batcher.inner.decode_cost = CostModel(LinearCost(step, 0.0, 0.0))
     for header in ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms"):
         r = httpx.post(s.url + "/v1/chat/completions", json=CHAT_BODY, headers={header: str(step * 1000 / 2)})
         assert r.status_code == 429, r.text
@@ -182,7 +182,7 @@ def test_an_interactive_request_is_answered_beside_a_long_batch_class_batch(fake
     one is still served in full."""
     engine = FakeEmbeddingEngine(fixed=0.0, per_item=0.25)
     s = fake_server_factory(embed=engine, max_wait_ms=0)
-    batcher = s.ferry.models["fake-embed"].batcher
+    batcher = s.ferry.models["fake-embed"].batcher.inner
     # What warm-up would fit (it is off in tests): the lane is taken when its batch ends
     # before the batch in flight is predicted to.
     batcher.cost = CostModel(LinearCost(0.0, 0.25, 0.0))

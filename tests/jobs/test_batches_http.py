@@ -252,7 +252,7 @@ def test_schema_constrained_lines_with_the_tiny_chat(tmp_path):
 
     from gateway.app import create_app
     from gateway.config import ServerConfig
-    from gateway.metrics import GatewayMetrics
+    from gateway.metrics.registry import GatewayMetrics
     from tests.gateway.routes.test_chat_structured import DOCK, MAX_TOKENS, SHIP, TIDES, fmt
     from tests.live import live
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.registry import GatewayMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "grafana"

@@ -1,5 +1,5 @@
 """The metric catalogue and grafana/ agree: every name a panel or alert uses exists in
-batcher/metrics.py or gateway/metrics.py, every metric there is drawn by a panel, and the names follow the
+batcher/metrics.py or gateway/metrics/registry.py, every metric there is drawn by a panel, and the names follow the
 conventions. Also the static shape of the dashboard, provisioning and scrape config."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from batcher.metrics import Metrics
-from gateway.metrics import GatewayMetrics
+from gateway.metrics.registry import GatewayMetrics
 
 from .artifacts import (
     ALLOWED_LABELS,
@@ -41,7 +41,7 @@ def test_every_name_used_in_grafana_exists_in_the_metrics_modules():
         for name in metric_names(q.expr):
             if base_name(name, known) not in known:
                 unknown.setdefault(name, []).append(q.where)
-    assert not unknown, f"names used in grafana/ but not defined in batcher/ or gateway/metrics.py: {unknown}"
+    assert not unknown, f"names used in grafana/ but not defined in batcher/ or gateway/metrics/registry.py: {unknown}"
 
 
 def test_every_metric_in_the_modules_is_drawn_by_a_panel():

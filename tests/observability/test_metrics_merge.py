@@ -1,4 +1,4 @@
-"""gateway/metrics_merge.py: the server's registry and its cores' texts as one exposition."""
+"""gateway/metrics/merge.py: the server's registry and its cores' texts as one exposition."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.openmetrics.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics_merge import merged_exposition
+from gateway.metrics.merge import merged_exposition
 
 
 def registry_with(batches: float, depth: float | None, model: str = "m") -> CollectorRegistry:

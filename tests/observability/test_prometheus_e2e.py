@@ -178,7 +178,7 @@ def drive_embeddings(s, c: httpx.Client, engine: GatedEmbeddings) -> None:
     assert c.post(url, json={"model": "fake-embed", "input": "x", "dimensions": 3}).status_code == 422
     r = c.post(url, json={"model": "fake-embed", "input": list("abcde")})  # 5 items can never fit max_queue 4
     assert r.status_code == 422 and r.json()["error"]["code"] == "request_too_large"
-    queue = s.ferry.models["fake-embed"].batcher.queue
+    queue = s.ferry.models["fake-embed"].batcher.inner.queue
     engine.gate.clear()
     with ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(c.post, url, json={"model": "fake-embed", "input": "blocker"})
@@ -207,7 +207,7 @@ def drive_chat(s, c: httpx.Client, engine: GatedChat) -> None:
     assert r.status_code == 500  # prefill fails for this prompt alone
     r = c.post(url, json={"model": "fake-chat", "messages": [conv] * 5})
     assert r.status_code == 422 and r.json()["error"]["code"] == "request_too_large"
-    queue = s.ferry.models["fake-chat"].batcher.queue
+    queue = s.ferry.models["fake-chat"].batcher.inner.queue
     engine.gate.clear()
     with ThreadPoolExecutor(2) as pool:
         blocker = pool.submit(c.post, url, json={"model": "fake-chat", "messages": conv, "max_tokens": 3})

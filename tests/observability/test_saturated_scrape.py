@@ -14,7 +14,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.fake import FakeGenerationEngine
-from tests.gateway.test_engine_core import serve
+from tests.gateway.cores.test_core import serve
 from tests.waiting import wait_until
 
 MAX_RUNNING = 2

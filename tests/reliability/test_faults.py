@@ -26,7 +26,7 @@ def test_mixed_faults_fail_only_what_they_touched(fake_server_factory):
     by_text = dict(zip(texts, rs, strict=True))
     assert all(by_text[f"fine {i}"].status_code == 200 for i in range(12))
     assert [by_text[t].status_code for t in texts[12:]] == [500, 500, 500]
-    outcomes = s.ferry.models[MODEL].batcher.outcomes
+    outcomes = s.ferry.models[MODEL].batcher.inner.outcomes
     assert sum(outcomes.values()) == len(texts)
     assert Counter({o.name: n for o, n in outcomes.items() if n}) == Counter({"RESULT": 12, "ERROR": 3})
 
@@ -61,7 +61,7 @@ def test_a_slow_engine_turns_into_fast_429s_not_timeouts(fake_server_factory):
     batch_time = 0.2
     engine = FakeEmbeddingEngine(fixed=batch_time)
     s = fake_server_factory(embed=engine, max_batch_size=2, max_wait_ms=0, max_queue=4)
-    batcher = s.ferry.models[MODEL].batcher
+    batcher = s.ferry.models[MODEL].batcher.inner
     from batcher.cost import CostModel, LinearCost
 
     batcher.cost = CostModel(LinearCost(batch_time, 0.0, 0.0))  # the cost model knows the engine

@@ -15,8 +15,9 @@ from engine.fake import FakeEmbeddingEngine
 from gateway.config import ServerConfig
 from gateway.jobs.validate import BatchCreate
 from gateway.jobs.worker import LEASE_TTL_S, BatchJobWorker
-from gateway.metrics import GatewayMetrics
-from gateway.model_loading import EMBEDDING, ModelSpec
+from gateway.metrics.registry import GatewayMetrics
+from gateway.models.catalogue import ModelSpec
+from gateway.models.kinds import EMBEDDING
 from gateway.state import GatewayState
 
 

@@ -152,7 +152,7 @@ def test_client_disconnect_while_waiting_cancels(fake_server_factory):
             await async_wait_until(lambda: engine.running, message="the blocker to start running")
             waiting = asyncio.create_task(c.post("/v1/chat/completions", json={**blocker, "max_tokens": 2}))
             await async_wait_until(
-                lambda: len(s.ferry.models["fake-chat"].batcher.queue), message="the second request to queue"
+                lambda: len(s.ferry.models["fake-chat"].batcher.inner.queue), message="the second request to queue"
             )
             waiting.cancel()  # the client gives up while queued
             return await first

@@ -94,7 +94,7 @@ def test_queue_full_gets_429_with_retry_after(fake_server_factory):
                 for i in range(2)
             ]
             await async_wait_until(
-                lambda: len(s.ferry.models["fake-embed"].batcher.queue) >= 2, message="two requests to queue"
+                lambda: len(s.ferry.models["fake-embed"].batcher.inner.queue) >= 2, message="two requests to queue"
             )
             rejected = await c.post("/v1/embeddings", json={"model": "fake-embed", "input": "late"})
             return rejected, await asyncio.gather(first, *queued)
@@ -154,7 +154,7 @@ def test_a_failed_input_withdraws_its_siblings_without_counting_a_client_cancel(
     registry = s.ferry.metrics.registry
     for phase in ("queued", "running"):
         assert not registry.get_sample_value("ferry_cancellations_total", {"model": "fake-embed", "phase": phase})
-    assert sum(s.ferry.models["fake-embed"].batcher.outcomes.values()) == 3  # every item still ended once
+    assert sum(s.ferry.models["fake-embed"].batcher.inner.outcomes.values()) == 3  # every item still ended once
 
 
 def test_a_server_process_freezes_what_loading_left_out_of_the_collector():

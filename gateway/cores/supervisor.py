@@ -1,0 +1,358 @@
+"""`ferry serve --api-workers N` (N >= 2): N front-end processes in front of the engine cores,
+under a small supervisor process (docs/architecture.md, "Step 5, as built").
+
+The supervisor is the `ferry serve` process itself (`serve_front_ends`). It holds no HTTP
+app and loads no model: it takes the data directory's lock (the front ends share the job
+store, and its `worker_lease` picks the one that runs batch jobs), binds and listens on
+host:port, starts one engine core per model and waits for each to load
+(gateway/cores/process.py: `CoreProcess`, and `Supervisor`, which restarts a core that dies
+with the settings it last acknowledged, bounded; a core that cannot load its model makes
+`ferry serve` exit 1 with one line), then starts N front ends (each a `Child`,
+gateway/cores/launch.py). Each front end runs the gateway app under uvicorn on the one
+listening socket, handed to it as uvicorn's own
+multi-worker mode does (the kernel gives each connection to one of them), with a
+CoreClient to every core (gateway/server.py, `serve_front_end`).
+
+Control: one pipe per front end. The supervisor tells every front end, in order,
+`("lost", index, reason, clean, restarting)` as soon as it sees a core exit (its process
+sentinel), and `("reconnect", index, address)` once the replacement serves: each front end
+ends its requests in flight for that model at once with `503 model_unavailable` and
+reports the model not ready on /readyz until then. The pipe's end tells a front end that
+its supervisor is gone (it stops); a front end's exit closes its end, and the supervisor
+replaces a front end that exits while it is not draining (bounded as cores are).
+
+A front end's sockets to the cores are named `front-<index>.<generation>` (`identity`; a
+replacement's generation is one more). When one dies, the supervisor tells every core on
+its pipe, `("peer_gone", identity)` (gateway/cores/core.py, `EngineCore.forget_peer`):
+the core cancels that front end's queued and running items, since no client can hear
+their results any more.
+
+Metrics: the supervisor makes `<run dir>/metrics`, where every front end (and the
+supervisor, its `ferry_engine_core_restarts_total`) keeps its series in prometheus-client's
+multiprocess files, read whole by a /metrics scrape of any front end; when a front end
+exits the supervisor marks it dead there, so its live gauges go while its counts stay
+(gateway/metrics/shared.py).
+
+SIGTERM (or SIGINT) to the supervisor drains in order: every front end gets SIGTERM, stops
+accepting (503, /readyz draining) and finishes what it has in flight within
+`--drain-timeout`; once they have exited, the cores finish what they accepted and exit;
+then the supervisor exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from batcher.settings import BatchingSettings
+
+from ..config import ServerConfig
+from ..jobs.store import StoreLocked, lock_data_dir
+from ..metrics.shared import SupervisorMetrics, metrics_dir, process_gone, share_metrics
+from ..models.catalogue import default_specs
+from .launch import Child
+from .process import (
+    MAX_RESTARTS,
+    RESTART_BACKOFF_S,
+    RESTART_WINDOW_S,
+    STOP_GRACE_S,
+    CoreFailed,
+    CoreProcess,
+    Supervisor,
+    describe_exit,
+)
+
+log = logging.getLogger("ferry.gateway")
+
+# A front end lingers this long at most after its drain (gateway/server.py), answering 503.
+FRONT_END_LINGER_S = 5.0
+
+
+class SharedCore:
+    """The supervisor's account of one model's engine core, told to every front end: the
+    `CoreUser` its `Supervisor` reports a death or a restart to."""
+
+    def __init__(self, index: int, address: str, info: dict[str, Any], fronts: FrontEnds):
+        self.index, self.address, self.fronts = index, address, fronts
+        self.facts = info["facts"]
+        self.model: str = self.facts["name"]
+        self._settings = BatchingSettings(**info["settings"])
+        self.failed: str | None = None
+        self.restarting = False
+
+    @property
+    def settings(self) -> BatchingSettings:
+        return self._settings  # a restart prefers what the core recorded (CoreProcess.recorded_settings)
+
+    def view(self) -> dict[str, Any]:
+        """What a front end starting now attaches with (gateway/cores/process.py, attach_core)."""
+        return {
+            "address": self.address,
+            "facts": self.facts,
+            "settings": self._settings.to_dict(),
+            "failed": self.failed,
+            "restarting": self.restarting,
+        }
+
+    async def lost(self, reason: str, *, clean: bool = False, restarting: bool = False) -> None:
+        if self.fronts.leaving:
+            return  # the drain stops the cores; the front ends are gone by then
+        self.failed, self.restarting = reason, restarting
+        log.error("engine core of %s lost: %s", self.model, reason)
+        self.fronts.tell(("lost", self.index, reason, clean, restarting))
+
+    async def reconnect(self, address: str) -> None:
+        self.address, self.failed, self.restarting = address, None, False
+        self.fronts.tell(("reconnect", self.index, address))
+
+
+class FrontEnds:
+    """The N front-end processes: started, replaced when one dies, drained."""
+
+    def __init__(self, cfg: ServerConfig, sock: socket.socket, run_dir: str):
+        self.cfg, self.sock, self.run_dir = cfg, sock, run_dir
+        self.cores: list[SharedCore] = []
+        self.supervisors: list[Supervisor] = []  # the cores' (to tell of a front end's death)
+        self.generations: dict[int, int] = {}  # index -> how many front ends held it before
+        self.procs: dict[int, Child] = {}  # index -> its front end now
+        self.conns: dict[int, Any] = {}  # index -> our end of its pipe
+        self.leaving = False
+        self.restarts: collections.deque[float] = collections.deque()
+        self.fatal: str | None = None
+        self.failed = asyncio.Event()  # set with `fatal`: the supervisor stops
+        self._tasks: set[asyncio.Task] = set()
+
+    def identity(self, index: int) -> str:
+        """The socket identity of the front end at `index` now: its index and generation
+        (a replacement's differs from the one it replaces, so a core never confuses them)."""
+        return f"front-{index}.{self.generations.get(index, 0)}"
+
+    def start(self, index: int) -> None:
+        if index in self.procs:  # a replacement
+            self.generations[index] = self.generations.get(index, 0) + 1
+        views = [{**c.view(), "identity": self.identity(index)} for c in self.cores]
+        proc = Child(
+            run_front_end,
+            (self.cfg, index, self.sock.fileno(), views, metrics_dir(self.run_dir)),
+            name=f"ferry-front-{index}",
+            pass_fds=(self.sock.fileno(),),
+        )
+        self.procs[index], self.conns[index] = proc, proc.conn
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def end() -> None:
+            if not ended.done():
+                ended.set_result(None)
+
+        loop.add_reader(proc.sentinel, end)
+        task = asyncio.create_task(self._watch(index, proc, ended), name=f"ferry-watch-front-{index}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self, index: int, proc: Any, ended: asyncio.Future) -> None:
+        try:
+            await ended
+        finally:
+            asyncio.get_running_loop().remove_reader(proc.sentinel)
+        await asyncio.to_thread(proc.join)
+        process_gone(proc.pid, metrics_dir(self.run_dir))  # its live gauges go; its counts stay
+        self.conns.pop(index, None)
+        proc.close()
+        # Its clients are gone with it: every core cancels what it still runs or queues for it.
+        for supervisor in self.supervisors:
+            supervisor.forget_peer(self.identity(index).encode())
+        if self.leaving:
+            return
+        reason = describe_exit(proc.exitcode).replace("engine core", f"front end {index}")
+        now = time.monotonic()
+        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
+            self.restarts.popleft()
+        if len(self.restarts) >= MAX_RESTARTS:
+            self.fatal = f"{reason}; not replaced: {len(self.restarts)} replacements in the last {RESTART_WINDOW_S:g} s"
+            log.error("%s", self.fatal)
+            self.failed.set()
+            return
+        delay = RESTART_BACKOFF_S * 2 ** len(self.restarts)
+        self.restarts.append(now)
+        log.warning("%s; replacing it", reason)
+        await asyncio.sleep(delay)
+        if not self.leaving:
+            self.start(index)
+
+    def tell(self, message: tuple) -> None:
+        for conn in list(self.conns.values()):
+            with contextlib.suppress(OSError, ValueError):  # a front end that just died
+                conn.send(message)
+
+    async def drain(self, timeout: float) -> None:
+        """SIGTERM to every front end; wait for them to finish what is in flight and exit."""
+        self.leaving = True
+        procs = [p for p in self.procs.values() if p.is_alive()]
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+        end = time.monotonic() + timeout + FRONT_END_LINGER_S + STOP_GRACE_S
+        for p in procs:
+            await asyncio.to_thread(p.join, max(0.0, end - time.monotonic()))
+            if p.is_alive():
+                log.warning("front end %s did not stop in time; killing it", p.name)
+                p.kill()
+                await asyncio.to_thread(p.join, STOP_GRACE_S)
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def run_front_end(
+    control: Any,
+    cfg: ServerConfig,
+    index: int,
+    sock_fd: int,
+    cores: list[dict],
+    shared_metrics: str,
+) -> None:
+    """The process target of one front end, serving on the inherited listening socket
+    `sock_fd`; its metrics are kept in `shared_metrics`, the server's metrics directory
+    (gateway/metrics/shared.py), from before any is made."""
+    share_metrics(shared_metrics)
+    sock = socket.socket(fileno=sock_fd)
+    from ..logs import setup_logging
+    from ..server import serve_front_end
+
+    setup_logging()
+    sys.exit(serve_front_end(cfg, sock, control, cores, shared_metrics))
+
+
+def listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve_front_ends(cfg: ServerConfig) -> int:
+    """`ferry serve` with `--api-workers` 2 or more: supervise the cores and the front ends
+    until SIGTERM; 0 after a drain, 1 with one line on stderr when it cannot serve."""
+    return asyncio.run(supervise(cfg))
+
+
+def _say(line: str) -> None:
+    print(f"ferry: {line}", file=sys.stderr)
+
+
+async def supervise(
+    cfg: ServerConfig,
+    *,
+    stop: asyncio.Event | None = None,
+    on_listening: Callable[[int], None] | None = None,
+    report: Callable[[str], None] = _say,
+) -> int:
+    """The supervisor's life, until SIGTERM or SIGINT (in the main thread) or `stop` is set.
+    `on_listening(port)`: once the socket is bound (embedded mode asks for port 0).
+    `report(line)`: why it cannot serve (default: one line on stderr)."""
+    try:
+        lock_fd = lock_data_dir(cfg.data_dir)
+    except (StoreLocked, OSError) as exc:
+        report(str(exc))
+        return 1
+    try:
+        sock = listen(cfg.host, cfg.port)
+    except OSError as exc:
+        os.close(lock_fd)
+        report(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}")
+        return 1
+    if on_listening is not None:
+        on_listening(sock.getsockname()[1])
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    run_dir = tempfile.mkdtemp(prefix="ferry-run-")
+    os.mkdir(metrics_dir(run_dir))  # every front end's series, and the supervisor's
+    metrics = SupervisorMetrics(metrics_dir(run_dir))  # ferry_engine_core_restarts_total
+    fronts = FrontEnds(cfg, sock, run_dir)
+    supervisors = fronts.supervisors
+    code = 0
+    try:
+        for index, _spec in enumerate(default_specs(cfg)):
+            core = CoreProcess(cfg, index)
+            loading = asyncio.create_task(core.ready())
+            stopping = asyncio.create_task(stop.wait())
+            await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
+            stopping.cancel()
+            if not loading.done():  # SIGTERM while loading: nothing accepted yet
+                loading.cancel()
+                with contextlib.suppress(asyncio.CancelledError, CoreFailed):
+                    await loading
+                await core.stop()
+                return 0
+            try:
+                info = loading.result()
+            except CoreFailed as exc:
+                await core.stop()
+                report(str(exc))
+                return 1
+            shared = SharedCore(index, core.address, info, fronts)
+            supervisor = Supervisor(cfg, index, core, metrics)
+            supervisor.watch(shared)
+            supervisors.append(supervisor)
+            fronts.cores.append(shared)
+            metrics.core_restarts.labels(shared.model)
+        for i in range(cfg.api_workers):
+            fronts.start(i)
+        log.info(
+            "serving on %s:%d: %d front ends, engine cores for %s",
+            cfg.host,
+            sock.getsockname()[1],
+            cfg.api_workers,
+            ", ".join(c.model for c in fronts.cores),
+        )
+        stopping = asyncio.create_task(stop.wait())
+        failing = asyncio.create_task(fronts.failed.wait())
+        await asyncio.wait([stopping, failing], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        failing.cancel()
+        if fronts.fatal is not None:
+            report(fronts.fatal)
+            code = 1
+        log.info("draining for up to %.1f s", cfg.drain_timeout)
+        started = time.monotonic()
+        await fronts.drain(cfg.drain_timeout)
+        left = max(0.0, cfg.drain_timeout - (time.monotonic() - started))
+        await asyncio.gather(*(s.drain(left) for s in supervisors))
+        log.info("stopped")
+        return code
+    finally:
+        fronts.leaving = True
+        for p in fronts.procs.values():
+            if p.is_alive():
+                p.kill()
+                await asyncio.to_thread(p.join, STOP_GRACE_S)
+            p.close()
+        for s in supervisors:
+            await s.stop()
+        metrics.close()
+        sock.close()
+        os.close(lock_fd)
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -1,0 +1,1 @@
+"""The live page (`/ui`): its route, its stats and its static files."""
