@@ -73,10 +73,10 @@ def test_stats_show_no_prompt_key_or_token(fake_server_factory):
 def test_every_asset_ships_as_package_data():
     # tomllib is Python 3.11+; the one line is read as a Python list.
     section = (ROOT / "pyproject.toml").read_text().split("[tool.setuptools.package-data]")[1]
-    patterns = ast.literal_eval(re.search(r"^gateway = (\[.*\])$", section, re.M).group(1))
+    patterns = ast.literal_eval(re.search(r'^"gateway.ui" = (\[.*\])$', section, re.M).group(1))
     assert ASSETS and "index.html" in ASSETS and "vendor/uplot/uPlot.iife.min.js" in ASSETS
     static = ROOT / "gateway" / "ui" / "static"
     for path in static.rglob("*"):
         if path.is_file():
-            rel = "ui/static/" + path.relative_to(static).as_posix()
+            rel = "static/" + path.relative_to(static).as_posix()
             assert any(fnmatch.fnmatch(rel, p) and rel.count("/") == p.count("/") for p in patterns), rel
