@@ -75,13 +75,16 @@ class StepOutput:
     `text` is the newly *released* text: text that might still turn out to be the start
     of a stop string is held back until it is known not to be (always "" for a sequence
     whose params say `detokenize=False`). When `finish_reason` is set ("stop" or "length")
-    the sequence has left the running set and its cache is freed.
+    the sequence has left the running set and its cache is freed. `cached_tokens`, set on
+    a sequence's first output (the one `add` returns), counts the prompt tokens whose KV
+    came from the prefix cache instead of being computed for it.
     """
 
     seq_id: int
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    cached_tokens: int = 0
 
 
 @runtime_checkable

@@ -215,6 +215,10 @@ class FakeGenerationEngine:
     the rows active in each. `fail_prompts` (first prompt token) make `add` raise when
     such a prompt is in the group; `step_delay` makes each call block (wall clock).
     As the front end of a model in an engine core it is also the tokenizer (`decode`).
+
+    Its prefix cache is a count only: a prompt's `cached_tokens` are its leading whole
+    blocks of `prefix_block` tokens (0: none) that an earlier `add` prefilled, never its
+    last token, as engine/prefix_cache.py would serve them with room for everything.
     """
 
     def __init__(
@@ -224,12 +228,15 @@ class FakeGenerationEngine:
         step_delay: float = 0.0,
         fail_prompts: set[int] | None = None,
         roles: Sequence[str] = ("system", "user", "assistant"),
+        prefix_block: int = 16,
     ):
         self.name, self.max_context, self.step_delay = name, max_context, step_delay
         self.roles = frozenset(roles)
         self.fail_prompts = fail_prompts or set()
+        self.prefix_block = prefix_block
         self.calls: list[tuple[str, list[int]]] = []
         self._seqs: dict[int, dict] = {}
+        self._blocks: set[int] = set()  # chained keys of the prompt blocks prefilled so far
 
     @property
     def running(self) -> int:
@@ -263,11 +270,16 @@ class FakeGenerationEngine:
         if any(r.prompt_ids and r.prompt_ids[0] in self.fail_prompts for r in requests):
             raise RuntimeError("simulated prefill failure")
         self._sleep()
+        cached = [self._cached(r.prompt_ids) for r in requests]
         for r in requests:
             p = r.params
             text = SequenceText(self, r.prompt_ids, p.stop) if getattr(p, "detokenize", True) else None
             self._seqs[r.seq_id] = {"prompt": r.prompt_ids, "params": p, "n": 0, "text": text}
-        return [self._emit(r.seq_id) for r in requests]
+            self._remember(r.prompt_ids)
+        outputs = [self._emit(r.seq_id) for r in requests]
+        for out, n in zip(outputs, cached, strict=True):
+            out.cached_tokens = n
+        return outputs
 
     def step(self) -> list:
         ids = list(self._seqs)
@@ -278,6 +290,27 @@ class FakeGenerationEngine:
     def remove(self, seq_ids) -> None:
         for i in seq_ids:
             self._seqs.pop(i, None)
+
+    def _chain(self, prompt: Sequence[int], blocks: int) -> list[int]:
+        b, key, keys = self.prefix_block, 0, []
+        for i in range(blocks):
+            key = hash((key, tuple(prompt[i * b : (i + 1) * b])))  # ints and tuples: the same in every process
+            keys.append(key)
+        return keys
+
+    def _cached(self, prompt: Sequence[int]) -> int:
+        if self.prefix_block < 1:
+            return 0
+        usable = self._chain(prompt, max(len(prompt) - 1, 0) // self.prefix_block)
+        hit = next((i for i, key in enumerate(usable) if key not in self._blocks), len(usable))
+        return hit * self.prefix_block
+
+    def _remember(self, prompt: Sequence[int]) -> None:
+        if self.prefix_block < 1:
+            return
+        if len(self._blocks) > 65536:  # bounded, as a real cache is; a fake need not be LRU
+            self._blocks.clear()
+        self._blocks.update(self._chain(prompt, len(prompt) // self.prefix_block))
 
     def _sleep(self) -> None:
         if self.step_delay > 0:

@@ -2,12 +2,13 @@
 
 Running sequences share preallocated per-slot KV buffers (engine/kv.py), one row each,
 right-aligned at a shared write column and left-padded. `add()` prefills new prompts as
-their own batch (a DynamicCache) and copies their rows into free slots; `step()` decodes
-one token for every row, writing one cache column in place; finished or cancelled rows
-leave at once and their slots are reused. Because rows are left-padded and joined at
-different times, every forward gets an explicit 2D 0/1 attention mask and explicit
-position ids (real tokens before the fed one); transformers' defaults ignore padding and
-give silently wrong tokens. Token ids become text, stop strings included, in
+their own batch (engine/prefill.py), feeding each from the end of the prefix whose KV the
+prefix cache holds (engine/prefix_cache.py), and copies their rows into free slots;
+`step()` decodes one token for every row, writing one cache column in place; finished or
+cancelled rows leave at once and their slots are reused. Because rows are left-padded and
+joined at different times, every forward gets an explicit 2D 0/1 attention mask and
+explicit position ids (real tokens before the fed one); transformers' defaults ignore
+padding and give silently wrong tokens. Token ids become text, stop strings included, in
 engine/detokenize.py.
 """
 
@@ -29,9 +30,13 @@ from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceTex
 from .device import configure_threads, resolve_device, resolve_dtype
 from .grammar import GrammarCache, RowMasks
 from .kv import RunningBatch
+from .prefill import Prefiller
+from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .sampling import SequenceSampler, sample_next_tokens
 
 log = logging.getLogger("ferry.engine")
+
+DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
 
 
 class HFGenerationEngine:
@@ -51,11 +56,20 @@ class HFGenerationEngine:
         max_context: int | None = None,
         torch_threads: int | None = None,
         trust_remote_code: bool = False,
+        prefix_caching: bool = True,
+        prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
+        prefix_block: int = DEFAULT_BLOCK,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
-        to the config's max_position_embeddings."""
+        to the config's max_position_embeddings. With `prefix_caching`, the KV of full
+        `prefix_block`-token blocks of prompts is kept (up to `prefix_cache_bytes`; 0 is
+        off) and reused by later prompts that start with the same tokens."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        # Before the model loads, so a bad setting fails at once, naming itself.
+        prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_caching else None
+        if prefix_cache_bytes == 0:
+            prefix_cache = None  # a cache that can hold nothing would only cost look-ups
         configure_threads(torch_threads)
         self.name = name or model_name_or_path
         self.device = torch.device(resolve_device(device))
@@ -81,13 +95,17 @@ class HFGenerationEngine:
         self.grammars = GrammarCache(copy.deepcopy(self.tokenizer), vocab, self.eos_token_ids)
         self._masks: RowMasks | None = None
         self._batch: RunningBatch[_Sequence] = RunningBatch(max_running)
-        self._check_cache_layout()
+        if not self._check_cache_layout() and prefix_cache is not None:
+            log.warning("prefix caching off for %s: its attention layers differ in KV shape", self.name)
+            prefix_cache = None
+        self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         log.info(
-            "loaded chat model %s on %s (max_context=%d, max_running=%d)",
+            "loaded chat model %s on %s (max_context=%d, max_running=%d, prefix cache %s)",
             self.name,
             self.device,
             self.max_context,
             self.max_running,
+            f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache else "off",
         )
 
     @classmethod
@@ -110,6 +128,14 @@ class HFGenerationEngine:
     @property
     def running_ids(self) -> list[int]:
         return [seq.seq_id for seq in self._batch.seqs]
+
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """queries and hits (prompt tokens looked up, and served from the cache), used_bytes,
+        max_bytes, blocks; all 0 with prefix caching off."""
+        cache = self._prefiller.prefix_cache
+        if cache is None:
+            return {"queries": 0, "hits": 0, "used_bytes": 0, "max_bytes": 0, "blocks": 0}
+        return cache.stats()
 
     def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         return encode_chat(self.tokenizer, self.name, messages, tools)
@@ -187,16 +213,16 @@ class HFGenerationEngine:
             )
 
     def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
-        input_ids, mask = _left_pad_prompts([r.prompt_ids for r in requests], self.device)
-        positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
-        logits, cache = self._forward(input_ids, positions, mask, self._new_cache())
+        done = self._prefiller.run([r.prompt_ids for r in requests])
         seqs = [self._new_sequence(r) for r in requests]
-        self._constrain(logits, seqs)
-        tokens = sample_next_tokens(logits, [s.sampler for s in seqs])
+        self._constrain(done.logits, seqs)
+        tokens = sample_next_tokens(done.logits, [s.sampler for s in seqs])
         outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+        for out, cached in zip(outputs, done.cached, strict=True):
+            out.cached_tokens = cached
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
         if alive:
-            self._batch.admit(cache, mask, seqs, alive)
+            self._batch.admit(done.layers, done.mask, seqs, alive)
         return outputs
 
     def _forward(
@@ -263,8 +289,9 @@ class HFGenerationEngine:
         text, reason = seq.text.advance(token, end)
         return StepOutput(seq.seq_id, [token], text, reason)
 
-    def _check_cache_layout(self) -> None:
-        """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model."""
+    def _check_cache_layout(self) -> bool:
+        """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model.
+        True if every layer's keys and values have one shape, as prefix cache blocks need."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         mask = torch.ones_like(ids)
         with torch.inference_mode():
@@ -275,6 +302,7 @@ class HFGenerationEngine:
                 f"model {self.name!r} uses cache layers {sorted(unsupported)}; only full-attention "
                 "DynamicLayer caches can be merged across sequences"
             )
+        return len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache.layers}) == 1
 
 
 @dataclass(slots=True)
@@ -295,17 +323,6 @@ class _Sequence:
     def total_tokens(self) -> int:
         """Prompt plus completion; the cache holds all but the last completion token."""
         return self.prompt_len + len(self.tokens)
-
-
-def _left_pad_prompts(prompts: Sequence[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    # The pad id is never attended to; 0 is merely a valid embedding index.
-    ids = torch.zeros((len(prompts), width), dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-        mask[row, width - len(prompt) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:

@@ -9,6 +9,7 @@ presents its buffers to transformers as an ordinary `Cache` of `SlotLayer`s.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
 import torch
@@ -94,16 +95,17 @@ class RunningBatch(Generic[Row]):
         """The forward wrote column `end` of every row."""
         self.end += 1
 
-    def admit(self, cache: Any, mask: torch.Tensor, seqs: list[Row], alive: list[int]) -> None:
-        """Copy the alive rows of a prefill (its own left-padded cache) into free slots."""
+    def admit(
+        self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, seqs: list[Row], alive: list[int]
+    ) -> None:
+        """Copy the alive rows of a prefill into free slots: per layer its keys and values
+        [rows, kv_heads, width, head_dim] and its [rows, width] mask. The mask is copied as it
+        is, so a row may have padding anywhere (engine/prefill.py packs rows to the right, so
+        no columns in the middle cost attention); positions come from the engine, not here."""
         if len(alive) < len(seqs):
             index = torch.tensor(alive, device=mask.device)
             mask = mask.index_select(0, index)
-            layers = [
-                (layer.keys.index_select(0, index), layer.values.index_select(0, index)) for layer in cache.layers
-            ]
-        else:
-            layers = [(layer.keys, layer.values) for layer in cache.layers]
+            layers = [(keys.index_select(0, index), values.index_select(0, index)) for keys, values in layers]
         seqs = [seqs[i] for i in alive]
         width = mask.shape[1]
         if self.cache is None:
@@ -152,7 +154,7 @@ class RunningBatch(Generic[Row]):
 
     # -- buffers ---------------------------------------------------------------------
 
-    def _allocate(self, layers: list[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
+    def _allocate(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
         self.layers = [
             SlotLayer(self, slot_buffer(k, self.slots, capacity), slot_buffer(v, self.slots, capacity))
             for k, v in layers

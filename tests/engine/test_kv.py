@@ -5,7 +5,6 @@ misaligned copy shows up as a wrong number."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import torch
 
@@ -18,8 +17,12 @@ def key(seq: int, pos: int, layer: int) -> float:
     return seq * 10_000 + pos * 10 + layer
 
 
-def prefill(prompts: dict[int, int]) -> tuple[SimpleNamespace, torch.Tensor]:
-    """What a left-padded prefill of prompts {seq: length} leaves: its cache and mask."""
+Layers = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def prefill(prompts: dict[int, int]) -> tuple[Layers, torch.Tensor]:
+    """What a left-padded prefill of prompts {seq: length} leaves: its per-layer keys and
+    values, and its mask."""
     width = max(prompts.values())
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     layers = []
@@ -28,8 +31,8 @@ def prefill(prompts: dict[int, int]) -> tuple[SimpleNamespace, torch.Tensor]:
         for row, (seq, length) in enumerate(prompts.items()):
             keys[row, 0, width - length :, 0] = torch.tensor([key(seq, p, layer) for p in range(length)])
             mask[row, width - length :] = 1
-        layers.append(SimpleNamespace(keys=keys, values=-keys))
-    return SimpleNamespace(layers=layers), mask
+        layers.append((keys, -keys))
+    return layers, mask
 
 
 def decode(batch: RunningBatch[int], lengths: dict[int, int]) -> None:
@@ -59,11 +62,36 @@ def assert_rows_exact(batch: RunningBatch[int], lengths: dict[int, int]) -> None
 
 def test_admit_keeps_only_the_alive_rows_of_a_prefill():
     batch: RunningBatch[int] = RunningBatch(slots=4)
-    cache, mask = prefill({1: 3, 2: 5, 3: 2})
-    batch.admit(cache, mask, [1, 2, 3], alive=[0, 2])
+    layers, mask = prefill({1: 3, 2: 5, 3: 2})
+    batch.admit(layers, mask, [1, 2, 3], alive=[0, 2])
     assert batch.seqs == [1, 3]
     lengths = {1: 3, 3: 2}
     assert_rows_exact(batch, lengths)
+    decode(batch, lengths)
+    assert_rows_exact(batch, lengths)
+
+
+def test_padding_in_the_middle_of_a_row_stays_masked_through_decode_and_leaves():
+    """A prefill that reused a cached prefix may leave [pads][prefix][pads][suffix]: admit
+    copies the mask as it is, and every later step keeps each row's own tokens exact."""
+    layers, mask = prefill({1: 6, 2: 3})
+    # Row 2 becomes [pad][pos 0][pad][pad][pos 1, 2].
+    for layer_no, (keys, values) in enumerate(layers):
+        keys[1, 0, :, 0] = -1.0
+        keys[1, 0, [1, 4, 5], 0] = torch.tensor([float(key(2, p, layer_no)) for p in range(3)])
+        values[1] = -keys[1]
+    mask[1] = torch.tensor([0, 1, 0, 0, 1, 1])
+    batch: RunningBatch[int] = RunningBatch(slots=4)
+    batch.admit(layers, mask, [1, 2], alive=[0, 1])
+    lengths = {1: 6, 2: 3}
+    assert_rows_exact(batch, lengths)
+    decode(batch, lengths)
+    batch.admit(*prefill({3: 2}), [3], alive=[0])
+    lengths[3] = 2
+    decode(batch, lengths)
+    assert_rows_exact(batch, lengths)
+    batch.drop({0})
+    del lengths[1]
     decode(batch, lengths)
     assert_rows_exact(batch, lengths)
 
