@@ -20,7 +20,7 @@ from . import openapi
 from .config import ServerConfig
 from .endpoint import endpoint, route
 from .errors import APIError
-from .jobs import BatchJobWorker
+from .jobs.service import BatchJobs
 from .metrics.registry import GatewayMetrics
 from .models.catalogue import ModelSpec, default_specs
 from .routes import admin, batches, chat, embeddings, system
@@ -113,7 +113,7 @@ def create_app(
         config = dataclasses.replace(config, engine_cores=False)
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
     ferry.cores = cores
-    jobs = ferry.jobs = BatchJobWorker(ferry)
+    jobs = ferry.jobs = BatchJobs(ferry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):

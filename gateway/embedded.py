@@ -6,22 +6,24 @@
         client = ferry.client()
         vectors = client.embed("sentence-transformers/all-MiniLM-L6-v2", ["hello", "goodbye"])
 
-`Ferry` runs uvicorn with the gateway app in a background thread with its own event loop,
-listening on a free 127.0.0.1 port (or the `port=` given), so everything the HTTP server
-does (micro-batching across callers, admission, metrics on /metrics) works unchanged and
-several threads or processes can share it. Entering waits until /readyz is 200; leaving
-stops the server, finishes the models' worker threads and closes the socket, leaving no
-thread and no open port behind.
+`Ferry` runs uvicorn with the gateway app in a background thread with its own event loop
+(`_InProcessRunner`), listening on a free 127.0.0.1 port (or the `port=` given), so
+everything the HTTP server does (micro-batching across callers, admission, metrics on
+/metrics) works unchanged and several threads or processes can share it. Entering waits
+until /readyz is 200; leaving stops the server, finishes the models' worker threads and
+closes the socket, leaving no thread and no open port behind.
 
 `Ferry(api_workers=2, ...)` runs the whole process set of `ferry serve --api-workers 2`
-instead (gateway/cores/supervisor.py): the supervisor in a background thread of yours, the
-engine cores and front ends as child processes. Entering waits until every front end is
-ready; leaving drains them all and waits until every process has exited. `state` is None
-then (the models live in other processes); `models` comes from `/v1/models`.
+instead (gateway/cores/supervisor.py; `_ProcessSetRunner`): the supervisor in a background
+thread of yours, the engine cores and front ends as child processes. Entering waits until
+every front end is ready; leaving drains them all and waits until every process has
+exited. `state` is None then (the models live in other processes); `models` comes from
+`/v1/models`.
 """
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import dataclasses
@@ -31,7 +33,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 import httpx
@@ -39,6 +41,7 @@ import httpx
 from ferry_client import AsyncFerryClient, FerryClient
 
 from .config import ServerConfig
+from .cores.listen import listening_socket
 from .models.catalogue import ModelSpec
 from .models.kinds import CHAT, EMBEDDING, kind_of_architectures, looks_like_path
 
@@ -179,35 +182,30 @@ class Ferry:
             dataclasses.replace(self.config, port=self.config.port or 1).validate()
         except SystemExit as exc:
             raise ValueError(str(exc)) from None
-        self.host, self.port = host, int(port)
-        self.specs, self.metrics = specs, metrics
+        self.host, self.specs, self.metrics = host, specs, metrics
         self.ready_timeout, self.log_level = float(ready_timeout), log_level
-        self.app: Starlette | None = None
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
-        self._error: BaseException | None = None
         self._clients: list[Any] = []
         self._started = False
-        # api_workers >= 2: the supervisor's loop, its stop event, its exit code and failure line
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._listening = threading.Event()
-        self._code: int | None = None
-        self._failure: list[str] = []
-        self._names: list[str] = []
+        # The topology, chosen once: the app in this process, or the process set of --api-workers.
+        self._runner: _Runner
         if self.config.api_workers > 1:
             if specs is not None:
                 raise TypeError("api_workers >= 2 serves models= (loaded by the cores); specs cannot cross processes")
             self.config.engine_cores = True
-        self._threads_before: set[threading.Thread] = set()
+            self._runner = _ProcessSetRunner(self.config, self.ready_timeout)
+        else:
+            self._runner = _InProcessRunner(self.config, self.ready_timeout, specs, metrics, log_level)
 
     # -- addresses ---------------------------------------------------------------------
     @property
+    def port(self) -> int:
+        """The port given, or once started the one it listens on (a free one for port=0)."""
+        return self.config.port
+
+    @property
     def url(self) -> str:
         """http://host:port, for FerryClient and curl."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return _url(self.host, self.port)
 
     @property
     def base_url(self) -> str:
@@ -216,43 +214,41 @@ class Ferry:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._runner.running
+
+    @property
+    def app(self) -> Starlette | None:
+        """The gateway app serving in this process (None before start, and with api_workers >= 2)."""
+        return self._runner.app
 
     @property
     def state(self) -> GatewayState | None:
         """The gateway's process state: models, batchers, metrics."""
-        return None if self.app is None else cast("GatewayState", self.app.state.ferry)
+        return self._runner.state
 
     @property
     def models(self) -> list[str]:
         """The served model ids (once started)."""
-        if self.config.api_workers > 1:
-            return list(self._names)
-        return [] if self.state is None else list(self.state.models)
+        return self._runner.models
 
     # -- clients -----------------------------------------------------------------------
-    def _key(self, kw: dict) -> None:
-        if "api_key" not in kw and self.config.api_keys:
-            kw["api_key"] = self.config.api_keys[0]
-
     def client(self, **kw: Any) -> FerryClient:
         """A FerryClient for this gateway (closed when the Ferry stops). kw: FerryClient options."""
-        self._require_running()
-        self._key(kw)
-        c = FerryClient(self.url, **kw)
+        c = FerryClient(self.url, **self._client_options(kw))
         self._clients.append(c)
         return c
 
     def async_client(self, **kw: Any) -> AsyncFerryClient:
         """An AsyncFerryClient for this gateway; close it in its own event loop
         (`async with ferry.async_client() as client:`)."""
-        self._require_running()
-        self._key(kw)
-        return AsyncFerryClient(self.url, **kw)
+        return AsyncFerryClient(self.url, **self._client_options(kw))
 
-    def _require_running(self) -> None:
+    def _client_options(self, kw: dict[str, Any]) -> dict[str, Any]:
         if not self.running:
             raise RuntimeError("this Ferry is not running; use `with Ferry(...) as ferry:` or call start()")
+        if "api_key" not in kw and self.config.api_keys:
+            kw["api_key"] = self.config.api_keys[0]
+        return kw
 
     # -- lifecycle ---------------------------------------------------------------------
     def __enter__(self) -> Ferry:
@@ -274,144 +270,132 @@ class Ferry:
         if self._started:
             raise RuntimeError("this Ferry was already started; create a new one")
         self._started = True
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        try:
+            self._runner.start()
+        except BaseException:
+            self.stop()
+            raise
+        log.info("ferry embedded gateway ready on %s serving %s", self.url, ", ".join(self.models))
+        return self
+
+    def stop(self) -> None:
+        """Stop serving: close this Ferry's clients, let the server finish open requests and
+        drain the batchers, join its thread and close the socket. Idempotent."""
+        for c in self._clients:
+            with contextlib.suppress(Exception):
+                c.close()
+        self._clients.clear()
+        self._runner.stop()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else ("stopped" if self._started else "not started")
+        return f"<Ferry {self.url} {state} models={self.models}>"
+
+
+# uvicorn's settings for an embedded server: logging stays the host program's.
+_UVICORN: dict[str, Any] = {"log_config": None, "access_log": False, "lifespan": "on", "timeout_graceful_shutdown": 5}
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+class _Runner(abc.ABC):
+    """One topology of a Ferry, serving `cfg` (its port becomes the one listened on) from a thread
+    with an event loop of its own: `start` returns once it serves, or raises leaving what it
+    started to `stop`, which is idempotent. `app`: the gateway app, if it runs in this process."""
+
+    app: Starlette | None = None
+
+    def __init__(self, cfg: ServerConfig, ready_timeout: float):
+        self.cfg, self.ready_timeout = cfg, ready_timeout
+        self.thread: threading.Thread | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the thread's
+        self.result: Any = None  # what the thread's coroutine returned
+        self.error: BaseException | None = None  # or what it raised
+
+    @property
+    def running(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    @property
+    def state(self) -> GatewayState | None:
+        return None if self.app is None else cast("GatewayState", self.app.state.ferry)
+
+    @property
+    def models(self) -> list[str]:
+        return [] if self.state is None else list(self.state.models)
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def stop(self) -> None: ...
+
+    def _thread(self, main: Callable[[], Coroutine[Any, Any, Any]], name: str) -> threading.Thread:
+        self.thread = threading.Thread(target=self._run, args=(main,), name=name, daemon=True)
+        self.thread.start()
+        return self.thread
+
+    def _run(self, main: Callable[[], Coroutine[Any, Any, Any]]) -> None:
+        """The thread's body: `main()` in a new event loop, closed with what it started."""
+        loop = self.loop = asyncio.new_event_loop()
+        asyncio.set_event_loop(loop)
+        try:
+            self.result = loop.run_until_complete(main())
+        except BaseException as exc:  # uvicorn exits with SystemExit on startup failure
+            self.error = exc
+        finally:
+            try:
+                loop.run_until_complete(loop.shutdown_asyncgens())
+                loop.run_until_complete(loop.shutdown_default_executor())
+            finally:
+                asyncio.set_event_loop(None)
+                loop.close()
+
+
+class _InProcessRunner(_Runner):
+    """uvicorn serving the gateway app, its models and batchers in this process."""
+
+    def __init__(self, cfg: ServerConfig, ready_timeout: float, specs: Any, metrics: Any, log_level: str | None):
+        super().__init__(cfg, ready_timeout)
+        self.specs: list[ModelSpec] | None = specs
+        self.metrics: GatewayMetrics | None = metrics
+        self.log_level = log_level
+        self._server: uvicorn.Server | None = None
+        self._sock: socket.socket | None = None
+        self._threads_before: set[threading.Thread] = set()
+
+    def start(self) -> None:
         # Imported on start, so that `from gateway import Ferry` stays cheap.
         import uvicorn
 
         from .app import create_app
         from .metrics.registry import GatewayMetrics
 
-        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self._threads_before = set(threading.enumerate())
-        if self.config.api_workers > 1:
-            return self._start_workers()
-        sock = self._sock = self._bind()
-        self.port = sock.getsockname()[1]
-        self.config.port = self.port
+        cfg = self.cfg
         try:
-            self.app = create_app(self.config, self.specs, self.metrics or GatewayMetrics())
-            config = uvicorn.Config(
-                self.app,
-                host=self.host,
-                port=self.port,
-                log_config=None,
-                log_level=self.log_level,
-                access_log=False,
-                lifespan="on",
-                timeout_graceful_shutdown=5,
-            )
-            server = self._server = uvicorn.Server(config)
-            thread = self._thread = threading.Thread(
-                target=self._serve, args=(server, sock), name=f"ferry-embedded-{self.port}", daemon=True
-            )
-            thread.start()
-            self._wait_ready(server, thread)
-        except BaseException:
-            self.stop()
-            raise
-        log.info("ferry embedded gateway ready on %s serving %s", self.url, ", ".join(self.models))
-        return self
-
-    # -- several front ends (api_workers >= 2) ------------------------------------------
-    def _start_workers(self) -> Ferry:
-        thread = self._thread = threading.Thread(
-            target=self._supervise, name=f"ferry-embedded-supervisor-{self.port}", daemon=True
-        )
-        thread.start()
-        try:
-            deadline = time.monotonic() + self.ready_timeout
-            while not self._listening.wait(0.02):
-                if not thread.is_alive():
-                    raise OSError(f"Ferry cannot serve: {'; '.join(self._failure) or 'the supervisor stopped'}")
-            with httpx.Client(base_url=self.url, timeout=5.0) as http:
-                ready = 0  # in a row, on fresh connections: each may reach any front end
-                while ready < 4 * self.config.api_workers:
-                    if not thread.is_alive():
-                        raise RuntimeError(f"Ferry models failed to load: {'; '.join(self._failure) or self._code}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"Ferry not ready within {self.ready_timeout} s")
-                    try:
-                        ok = http.get("/readyz", headers={"Connection": "close"}).status_code == 200
-                    except httpx.HTTPError:
-                        ok = False
-                    ready = ready + 1 if ok else 0
-                    if not ok:
-                        time.sleep(0.05)
-                headers = {"Authorization": f"Bearer {self.config.api_keys[0]}"} if self.config.api_keys else {}
-                self._names = [m["id"] for m in http.get("/v1/models", headers=headers).json()["data"]]
-        except BaseException:
-            self.stop()
-            raise
-        log.info("ferry embedded gateway ready on %s serving %s", self.url, ", ".join(self.models))
-        return self
-
-    def _supervise(self) -> None:
-        from .cores.supervisor import supervise
-
-        loop = self._loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        self._stop = asyncio.Event()
-
-        def listening(port: int) -> None:
-            self.port = self.config.port = port
-            self._listening.set()
-
-        try:
-            self._code = loop.run_until_complete(
-                supervise(self.config, stop=self._stop, on_listening=listening, report=self._failure.append)
-            )
-        except BaseException as exc:
-            self._error = exc
-        finally:
-            try:
-                loop.run_until_complete(loop.shutdown_default_executor())
-            finally:
-                asyncio.set_event_loop(None)
-                loop.close()
-
-    def _stop_workers(self) -> None:
-        loop, stop, thread = self._loop, self._stop, self._thread
-        if loop is not None and stop is not None and thread is not None and thread.is_alive():
-            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
-                loop.call_soon_threadsafe(stop.set)
-            thread.join(self.config.drain_timeout + 30.0)
-            if thread.is_alive():
-                log.warning("ferry embedded supervisor did not stop in time")
-
-    def _bind(self) -> socket.socket:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((self.host, self.port))
+            sock = self._sock = listening_socket(cfg.host, cfg.port)
         except OSError as exc:
-            sock.close()
-            raise OSError(exc.errno, f"Ferry cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
-        return sock
-
-    def _serve(self, server: uvicorn.Server, sock: socket.socket) -> None:
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-        try:
-            loop.run_until_complete(server.serve(sockets=[sock]))
-        except BaseException as exc:  # uvicorn exits with SystemExit on startup failure
-            self._error = exc
-        finally:
-            try:
-                loop.run_until_complete(loop.shutdown_asyncgens())
-                loop.run_until_complete(loop.shutdown_default_executor())  # model-loading threads
-            finally:
-                asyncio.set_event_loop(None)
-                loop.close()
+            raise OSError(exc.errno, f"Ferry {exc.strerror}") from None
+        cfg.port = sock.getsockname()[1]
+        self.app = create_app(cfg, self.specs, self.metrics or GatewayMetrics())
+        config = uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level=self.log_level, **_UVICORN)
+        server = self._server = uvicorn.Server(config)
+        thread = self._thread(lambda: server.serve(sockets=[sock]), f"ferry-embedded-{cfg.port}")
+        self._wait_ready(server, thread)
 
     def _wait_ready(self, server: uvicorn.Server, thread: threading.Thread) -> None:
         deadline = time.monotonic() + self.ready_timeout
         while not server.started:
             if not thread.is_alive():
-                raise RuntimeError(f"the Ferry server failed to start: {self._error!r}")
+                raise RuntimeError(f"the Ferry server failed to start: {self.error!r}")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"the Ferry server did not start within {self.ready_timeout} s")
             time.sleep(0.01)
-        with httpx.Client(base_url=self.url, timeout=5.0) as http:
+        with httpx.Client(base_url=_url(self.cfg.host, self.cfg.port), timeout=5.0) as http:
             while True:
                 state = self.state
                 if state is not None and state.load_error:
@@ -421,7 +405,7 @@ class Ferry:
                         if http.get("/readyz").status_code == 200:
                             return
                 if not thread.is_alive():
-                    raise RuntimeError(f"the Ferry server stopped while loading: {self._error!r}")
+                    raise RuntimeError(f"the Ferry server stopped while loading: {self.error!r}")
                 if time.monotonic() > deadline:
                     raise RuntimeError(
                         f"Ferry models not ready within {self.ready_timeout} s (raise ready_timeout= for large models)"
@@ -429,45 +413,88 @@ class Ferry:
                 time.sleep(0.02)
 
     def stop(self) -> None:
-        """Stop serving: close this Ferry's clients, let uvicorn finish open requests and
-        drain the batchers, join the server thread and close the socket. Idempotent."""
-        for c in self._clients:
-            with contextlib.suppress(Exception):
-                c.close()
-        self._clients.clear()
-        if self.config.api_workers > 1:
-            self._stop_workers()
-            return
-        server, thread = self._server, self._thread
+        server, thread = self._server, self.thread
         if server is not None:
             server.should_exit = True
-        if server is not None and thread is not None and thread.is_alive():
-            thread.join(self.config.drain_timeout + 15.0)
-            if thread.is_alive():
-                log.warning("ferry embedded server did not stop in time; forcing exit")
-                server.force_exit = True
-                thread.join(10.0)
+            if thread is not None and thread.is_alive():
+                thread.join(self.cfg.drain_timeout + 15.0)
+                if thread.is_alive():
+                    log.warning("ferry embedded server did not stop in time; forcing exit")
+                    server.force_exit = True
+                    thread.join(10.0)
         if self._sock is not None:
             self._sock.close()
-        self._stop_progress_monitor()
+        _stop_progress_monitor(self._threads_before)
 
-    def _stop_progress_monitor(self) -> None:
-        """Model loading draws tqdm progress bars, whose first use starts a process-wide
-        monitor thread that never ends by itself. Stop it if we started it and no bar is
-        open (tqdm starts a new one with the next bar)."""
-        for t in threading.enumerate():
-            if t in self._threads_before or t.name != "tqdm_monitor" or not hasattr(t, "tqdm_cls"):
-                continue
-            monitor: Any = t  # tqdm's TMonitor, with its own tqdm_cls and exit()
-            cls = monitor.tqdm_cls
-            with contextlib.suppress(Exception):
-                with cls.get_lock():
-                    if cls._instances:
-                        continue
-                    if getattr(cls, "monitor", None) is t:
-                        cls.monitor = None
-                monitor.exit()
 
-    def __repr__(self) -> str:
-        state = "running" if self.running else ("stopped" if self._started else "not started")
-        return f"<Ferry {self.url} {state} models={self.models}>"
+class _ProcessSetRunner(_Runner):
+    """The `--api-workers` supervisor; `models` is what /v1/models answered once it served."""
+
+    def __init__(self, cfg: ServerConfig, ready_timeout: float):
+        super().__init__(cfg, ready_timeout)
+        self._stop = asyncio.Event()  # set in its loop: the supervisor drains and returns
+        self._listening = threading.Event()
+        self._failure: list[str] = []  # why the supervisor cannot serve, one line each
+        self._names: list[str] = []
+
+    @property
+    def models(self) -> list[str]:
+        return list(self._names)
+
+    def start(self) -> None:
+        from .cores.supervisor import supervise
+
+        def listening(port: int) -> None:
+            self.cfg.port = port
+            self._listening.set()
+
+        thread = self._thread(
+            lambda: supervise(self.cfg, stop=self._stop, on_listening=listening, report=self._failure.append),
+            f"ferry-embedded-supervisor-{self.cfg.port}",
+        )
+        deadline = time.monotonic() + self.ready_timeout
+        while not self._listening.wait(0.02):
+            if not thread.is_alive():
+                raise OSError(f"Ferry cannot serve: {'; '.join(self._failure) or 'the supervisor stopped'}")
+        with httpx.Client(base_url=_url(self.cfg.host, self.cfg.port), timeout=5.0) as http:
+            ready = 0  # in a row, on fresh connections: each may reach any front end
+            while ready < 4 * self.cfg.api_workers:
+                if not thread.is_alive():
+                    raise RuntimeError(f"Ferry models failed to load: {'; '.join(self._failure) or self.result}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Ferry not ready within {self.ready_timeout} s")
+                ok = False
+                with contextlib.suppress(httpx.HTTPError):
+                    ok = http.get("/readyz", headers={"Connection": "close"}).status_code == 200
+                ready = ready + 1 if ok else 0
+                if not ok:
+                    time.sleep(0.05)
+            headers = {"Authorization": f"Bearer {self.cfg.api_keys[0]}"} if self.cfg.api_keys else {}
+            self._names = [m["id"] for m in http.get("/v1/models", headers=headers).json()["data"]]
+
+    def stop(self) -> None:
+        loop, thread = self.loop, self.thread
+        if loop is not None and thread is not None and thread.is_alive():
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile
+                loop.call_soon_threadsafe(self._stop.set)
+            thread.join(self.cfg.drain_timeout + 30.0)
+            if thread.is_alive():
+                log.warning("ferry embedded supervisor did not stop in time")
+
+
+def _stop_progress_monitor(threads_before: set[threading.Thread]) -> None:
+    """Model loading draws tqdm progress bars, whose first use starts a process-wide
+    monitor thread that never ends by itself. Stop it if we started it (it is not among
+    `threads_before`) and no bar is open (tqdm starts a new one with the next bar)."""
+    for t in threading.enumerate():
+        if t in threads_before or t.name != "tqdm_monitor" or not hasattr(t, "tqdm_cls"):
+            continue
+        monitor: Any = t  # tqdm's TMonitor, with its own tqdm_cls and exit()
+        cls = monitor.tqdm_cls
+        with contextlib.suppress(Exception):
+            with cls.get_lock():
+                if cls._instances:
+                    continue
+                if getattr(cls, "monitor", None) is t:
+                    cls.monitor = None
+            monitor.exit()

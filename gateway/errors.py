@@ -79,3 +79,14 @@ def not_found_model(name: str, available: list[str]) -> APIError:
         code="model_not_found",
         param="model",
     )
+
+
+def shutting_down() -> APIError:
+    """503 once the server drains: new work is refused, the client may retry elsewhere."""
+    return APIError(503, "server is shutting down", code="shutting_down", retry_after=1)
+
+
+def not_ready(load_error: str | None) -> APIError:
+    """503 while the models load (`load_error` None), or once their loading failed."""
+    message = "models are still loading" if load_error is None else f"model loading failed: {load_error}"
+    return APIError(503, message, code="not_ready", retry_after=2)

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from . import schemas as s
 from .config import ServerConfig
 from .jobs.validate import MAX_FILE_BYTES, BatchCreate
+from .limits import RequestModels, request_models
 from .models.kinds import CHAT, EMBEDDING
 from .models.start import ServedModel
 from .responses import json_response
@@ -46,7 +47,7 @@ SSE_EVENT = {
 BATCH_ERRORS = ("400", "401", "404", "413", "422", "503")
 
 
-def _operations(req: s.RequestModels) -> list[tuple]:
+def _operations(req: RequestModels) -> list[tuple]:
     # (path, method, summary, request model, 200 model, stream?, tag)
     return [
         (
@@ -113,7 +114,7 @@ def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] |
     """The description for a server with this config; `models` (name -> ServedModel), once
     loaded, add the served model names and embedding sizes."""
     cfg = cfg or ServerConfig()
-    req = s.request_models(cfg)
+    req = request_models(cfg)
     ops = _operations(req)
     batch_models: list[type[BaseModel]] = [s.FileObject, s.BatchObject, s.BatchList]
     wanted: set[type[BaseModel]] = {m for op in ops for m in (op[3], op[4]) if m is not None} | {

@@ -16,7 +16,7 @@ from engine.base import EmbeddingEngine, GenerationEngine
 from .config import ServerConfig
 from .cores.client import CoreClient
 from .cores.process import CoreFailed, attach_core, start_in_core
-from .errors import APIError, not_found_model
+from .errors import APIError, not_found_model, not_ready, shutting_down
 from .metrics.registry import GatewayMetrics
 from .models.catalogue import ModelSpec
 from .models.kinds import ModelKind
@@ -24,7 +24,7 @@ from .models.start import ServedModel, start_model
 from .ui.stats import StatsRing
 
 if TYPE_CHECKING:
-    from .jobs.worker import BatchJobWorker
+    from .jobs.service import BatchJobs
 
 log = logging.getLogger("ferry.gateway")
 
@@ -40,7 +40,7 @@ class GatewayState:
     load_error: str | None = None
     streams: int = 0
     last_request_at: float = 0.0  # time.monotonic() of the latest request, for the drain linger
-    jobs: BatchJobWorker | None = None  # set by create_app
+    jobs: BatchJobs | None = None  # set by create_app
     freeze_gc: bool = False  # set by `ferry serve`, whose process is the server's alone
     fatal: str | None = None  # why the server cannot run at all (`ferry serve` exits with it)
     on_fatal: Any = None  # called once `fatal` is set (`ferry serve` stops)
@@ -125,14 +125,9 @@ class GatewayState:
 
     def model(self, name: str, kind: ModelKind) -> ServedModel[Any]:
         if self.draining:
-            raise APIError(503, "server is shutting down", code="shutting_down", retry_after=1)
+            raise shutting_down()
         if not self.ready:
-            raise APIError(
-                503,
-                "models are still loading" if self.load_error is None else f"model loading failed: {self.load_error}",
-                code="not_ready",
-                retry_after=2,
-            )
+            raise not_ready(self.load_error)
         served = self.models.get(name)
         if served is None or served.kind != kind:
             raise not_found_model(name, [m.name for m in self.models.values() if m.kind == kind])

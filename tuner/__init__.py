@@ -8,7 +8,9 @@ By what each module does:
 - `scrape`: the gateway under tuning, through its admin API and /metrics;
 - `recommend`: the pick and the evidence printed for it;
 - `plot`: the figures;
-- `locustfile`, `arrivals`: the load itself (locust users, open-loop arrival schedules);
+- `locustfile`, `arrivals`: the load itself (locust's entry and events, open-loop arrival
+  schedules), with `users` (the locust users), `options` (the locustfile's options) and
+  `report` (its JSON report);
 - `traffic`: the traffic classes and locust entry names both sides share;
 - `percentile`: the one percentile definition (also used by the benchmarks in loadtests/).
 

@@ -40,7 +40,8 @@ class Child:
     """`target(conn, *args)` in a fresh interpreter; `conn` is our end of the pipe to it.
     `args` must pickle; `pass_fds` are file descriptors the child inherits as they are
     (a listening socket's, say). The face callers use is multiprocessing.Process's:
-    pid, sentinel, is_alive, join, kill, exitcode."""
+    pid, sentinel, is_alive, join, kill, exitcode; and `stop_within`, how every stop
+    waits for a child to exit."""
 
     def __init__(
         self,
@@ -90,6 +91,21 @@ class Child:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             self._popen.kill()
+
+    def stop_within(
+        self, seconds: float, grace: float | None = None, *, before_kill: Callable[[], None] | None = None
+    ) -> bool:
+        """Wait up to `seconds` for the child to exit; if it has not, kill it (calling
+        `before_kill` first) and wait up to `grace` seconds more (None: until it is gone).
+        True when it had to be killed. Blocks: from a loop, run it in a thread."""
+        self.join(seconds)
+        if not self.is_alive():
+            return False
+        if before_kill is not None:
+            before_kill()
+        self.kill()
+        self.join(grace)
+        return True
 
     def last_words(self) -> str | None:
         """The last error line the child wrote before it exited, if any (call once it has)."""

@@ -8,18 +8,17 @@ server: it stops when its end of the pipe closes, whatever ended the server (a S
 included).
 
 A core that dies while the server is not draining or stopping (an exception, an OOM kill,
-SIGKILL) is restarted by its `Supervisor` (docs/architecture.md, step 4): its requests in
+SIGKILL) is restarted by its `CoreRestarter` (docs/architecture.md, step 4): its requests in
 flight end at once with `503 model_unavailable`, the model answers 503 (with Retry-After)
 and /readyz is not ready until the new core, started with the model's current batching
-settings, reports ready. Restarts are bounded (`MAX_RESTARTS` in `RESTART_WINDOW_S`, with
-backoff), and a core that cannot load its model on a restart is not tried again: either
-way the model stays unavailable and the log says why.
+settings, reports ready. Restarts are bounded (gateway/cores/restarts.py: `MAX_RESTARTS`
+in `RESTART_WINDOW_S`, with backoff), and a core that cannot load its model on a restart
+is not tried again: either way the model stays unavailable and the log says why.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
@@ -37,9 +36,10 @@ from ..metrics.registry import GatewayMetrics
 from ..models.catalogue import ModelSpec
 from ..models.kinds import CHAT
 from ..models.start import ServedModel
-from . import core as engine_core
 from .client import CoreClient
 from .launch import Child
+from .proc import run_core, settings_file
+from .restarts import RestartWindow
 
 if TYPE_CHECKING:
     from ..metrics.shared import SupervisorMetrics
@@ -48,12 +48,6 @@ log = logging.getLogger("ferry.gateway")
 
 # How long a core may take beyond its drain timeout, or to stop when told, before SIGKILL.
 STOP_GRACE_S = 5.0
-# At most this many restarts of one model's core within this many seconds; past that the
-# core is left down (a core that keeps dying would otherwise cycle forever).
-MAX_RESTARTS = 5
-RESTART_WINDOW_S = 300.0
-# The wait before a restart: this, doubled for each earlier restart in the window.
-RESTART_BACKOFF_S = 0.25
 
 
 class CoreFailed(Exception):
@@ -70,13 +64,16 @@ def describe_exit(code: int | None) -> str:
 
 
 class CoreProcess:
+    """One engine core's process, seen from the server: started, awaited until it has loaded,
+    watched, drained and stopped."""
+
     def __init__(self, cfg: ServerConfig, index: int, settings: BatchingSettings | None = None):
         # The socket lives in a directory of the server's own, removed when the core stops.
         self.dir = tempfile.mkdtemp(prefix="ferry-core-")
         self.address = f"ipc://{self.dir}/core"
-        self.settings_file = engine_core.settings_file(self.address)
+        self.settings_file = settings_file(self.address)
         self.process = Child(
-            engine_core.run_core,
+            run_core,
             (cfg, index, self.address, None if settings is None else settings.to_dict()),
             name=f"ferry-core-{index}",
         )
@@ -164,26 +161,16 @@ class CoreProcess:
             self.conn.send(message)
 
     async def _exited(self, within: float) -> None:
-        if self._exit is None:  # never watched (it failed to start): just reap it
-            await asyncio.to_thread(self.process.join, within)
-        else:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._exit), within)
-                return
-            except asyncio.TimeoutError:
-                pass
-        if self.process.is_alive():
-            self.process.kill()
-        if self._exit is not None:
+        """The process gone (killed if it is not within `within` s), and its watch done."""
+        await asyncio.to_thread(self.process.stop_within, within)
+        if self._exit is not None:  # None: never watched (it failed to start)
             await self._exit
-        else:
-            await asyncio.to_thread(self.process.join)
 
 
-class CoreUser(Protocol):
-    """Whoever serves from a core and hears of its deaths and restarts: the server's
-    CoreClient, or with several front ends the supervisor's `SharedCore`
-    (gateway/cores/supervisor.py), which tells every front end."""
+class CoreObserver(Protocol):
+    """Whoever is told of an engine core's deaths and restarts: the server's CoreClient, or
+    with several front ends the supervisor's `CoreRelay` (gateway/cores/supervisor.py),
+    which tells every front end."""
 
     model: str
     failed: str | None
@@ -197,9 +184,9 @@ class CoreUser(Protocol):
     async def reconnect(self, address: str) -> None: ...
 
 
-class Supervisor:
-    """The `core` of a CoreClient: drains or stops the engine core that runs now, and
-    starts a fresh one when it dies unexpectedly (see the module's docstring)."""
+class CoreRestarter:
+    """Restarts one model's engine core when it dies unexpectedly (see the module's
+    docstring), and drains or stops the one that runs now: the `core` of a CoreClient."""
 
     def __init__(
         self,
@@ -209,60 +196,57 @@ class Supervisor:
         metrics: GatewayMetrics | SupervisorMetrics | None = None,
     ):
         self.cfg, self.index, self.core, self.metrics = cfg, index, core, metrics
-        self.batcher: CoreUser | None = None
-        self.restarts: collections.deque[float] = collections.deque()  # when each recent restart began
+        self.observer: CoreObserver | None = None
+        self.restarts = RestartWindow()
         self._leaving = False
         self._restart: asyncio.Task | None = None
 
-    def watch(self, batcher: CoreUser) -> None:
-        self.batcher = batcher
+    def watch(self, observer: CoreObserver) -> None:
+        self.observer = observer
         self.core.watch(self._exited)
 
     async def _exited(self, code: int | None) -> None:
-        assert self.batcher is not None
+        assert self.observer is not None
         reason = describe_exit(code)
         if self._leaving:
-            await self.batcher.lost(reason, clean=code == 0)
+            await self.observer.lost(reason, clean=code == 0)
             return
         now = time.monotonic()
-        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
-            self.restarts.popleft()
-        if len(self.restarts) >= MAX_RESTARTS:
-            reason += f"; not restarted: {len(self.restarts)} restarts in the last {RESTART_WINDOW_S:g} s"
-            await self.batcher.lost(reason, clean=code == 0)
+        if not self.restarts.allows(now):
+            reason += f"; not restarted: {len(self.restarts)} restarts in the last {self.restarts.seconds:g} s"
+            await self.observer.lost(reason, clean=code == 0)
             return
-        await self.batcher.lost(reason + "; restarting", clean=code == 0, restarting=True)
-        delay = RESTART_BACKOFF_S * 2 ** len(self.restarts)
-        self.restarts.append(now)
+        await self.observer.lost(reason + "; restarting", clean=code == 0, restarting=True)
+        delay = self.restarts.begin(now)
         self._restart = asyncio.create_task(self._start_again(reason, delay), name=f"ferry-restart-{self.index}")
 
     async def _start_again(self, reason: str, delay: float) -> None:
-        batcher = self.batcher
-        assert batcher is not None
+        observer = self.observer
+        assert observer is not None
         await asyncio.sleep(delay)
         if self._leaving:
             return
-        log.warning("engine core of %s restarting (%s, restart %d)", batcher.model, reason, len(self.restarts))
+        log.warning("engine core of %s restarting (%s, restart %d)", observer.model, reason, len(self.restarts))
         if self.metrics is not None:
-            self.metrics.core_restarts.labels(batcher.model).inc()
+            self.metrics.core_restarts.labels(observer.model).inc()
         old = self.core
-        settings = old.recorded_settings() or batcher.settings  # read before its directory goes
+        settings = old.recorded_settings() or observer.settings  # read before its directory goes
         await old.stop()  # reaped already; this removes its socket's directory
         core = self.core = CoreProcess(self.cfg, self.index, settings)
         try:
             await core.ready()
         except CoreFailed as exc:
             if not self._leaving:  # not started again: it would fail the same way
-                log.error("engine core of %s not restarted: %s", batcher.model, exc)
-                await batcher.lost(f"{reason}; the restarted core failed: {exc}")
+                log.error("engine core of %s not restarted: %s", observer.model, exc)
+                await observer.lost(f"{reason}; the restarted core failed: {exc}")
             await core.stop()
             return
         if self._leaving:
             await core.stop()
             return
-        await batcher.reconnect(core.address)
+        await observer.reconnect(core.address)
         core.watch(self._exited)
-        log.info("engine core of %s restarted", batcher.model)
+        log.info("engine core of %s restarted", observer.model)
 
     def forget_peer(self, identity: bytes) -> None:
         """A front end died (`--api-workers N`): its work in the core now is wasted."""
@@ -299,29 +283,28 @@ async def start_in_core(
     except BaseException:
         await core.stop()
         raise
-    supervisor = Supervisor(cfg, index, core, metrics)
+    restarter = CoreRestarter(cfg, index, core, metrics)
     batcher = CoreClient(
         engine.name,
         core.address,
         BatchingSettings(**info["settings"]),
-        core=supervisor,
+        core=restarter,
         tokenizer=_detokenizer(spec, engine),
     )
     await batcher.start()
-    supervisor.watch(batcher)
+    restarter.watch(batcher)
     return ServedModel(engine.name, spec.kind, engine, batcher, None)
 
 
-class FrontEndCore:
-    """The `core` of a front end's CoreClient when several front ends share the engine
-    cores (`--api-workers N`): the supervisor owns the core, so a front end's drain only
-    waits for its own requests in flight to end (the core keeps serving the others), and
-    stopping leaves the core alone."""
+class AttachedCore:
+    """The `core` of a front end's CoreClient for an engine core the supervisor owns
+    (`--api-workers N`, `attach_core`): stopping leaves the core alone."""
 
     def __init__(self) -> None:
         self.batcher: CoreClient | None = None
 
     async def drain(self, timeout: float) -> None:
+        """Wait for this front end's own requests in flight to end (the core keeps serving the others)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
         # Polled: "no request of this front end in flight" is a count no event signals.
@@ -334,11 +317,11 @@ class FrontEndCore:
 
 async def attach_core(spec: ModelSpec, view: dict[str, Any]) -> tuple[ServedModel, CoreClient]:
     """Serve `spec` from the engine core its supervisor started (`--api-workers N`); `view`
-    is the supervisor's account of it (gateway/cores/supervisor.py, `SharedCore.view`).
+    is the supervisor's account of it (gateway/cores/supervisor.py, `CoreRelay.view`).
     Returns the client too: the supervisor's word on the core reaches it (GatewayState)."""
     assert spec.front is not None
     engine = await asyncio.to_thread(spec.front, view["facts"])
-    control = FrontEndCore()
+    control = AttachedCore()
     identity = view.get("identity")
     batcher = CoreClient(
         engine.name,

@@ -5,7 +5,7 @@ The supervisor is the `ferry serve` process itself (`serve_front_ends`). It hold
 app and loads no model: it takes the data directory's lock (the front ends share the job
 store, and its `worker_lease` picks the one that runs batch jobs), binds and listens on
 host:port, starts one engine core per model and waits for each to load
-(gateway/cores/process.py: `CoreProcess`, and `Supervisor`, which restarts a core that dies
+(gateway/cores/process.py: `CoreProcess`, and `CoreRestarter`, which restarts a core that dies
 with the settings it last acknowledged, bounded; a core that cannot load its model makes
 `ferry serve` exit 1 with one line), then starts N front ends (each a `Child`,
 gateway/cores/launch.py). Each front end runs the gateway app under uvicorn on the one
@@ -42,8 +42,8 @@ then the supervisor exits 0.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import functools
 import logging
 import os
 import shutil
@@ -63,16 +63,9 @@ from ..jobs.store import StoreLocked, lock_data_dir
 from ..metrics.shared import SupervisorMetrics, metrics_dir, process_gone, share_metrics
 from ..models.catalogue import default_specs
 from .launch import Child
-from .process import (
-    MAX_RESTARTS,
-    RESTART_BACKOFF_S,
-    RESTART_WINDOW_S,
-    STOP_GRACE_S,
-    CoreFailed,
-    CoreProcess,
-    Supervisor,
-    describe_exit,
-)
+from .listen import listening_socket
+from .process import STOP_GRACE_S, CoreFailed, CoreProcess, CoreRestarter, describe_exit
+from .restarts import RestartWindow
 
 log = logging.getLogger("ferry.gateway")
 
@@ -80,9 +73,9 @@ log = logging.getLogger("ferry.gateway")
 FRONT_END_LINGER_S = 5.0
 
 
-class SharedCore:
-    """The supervisor's account of one model's engine core, told to every front end: the
-    `CoreUser` its `Supervisor` reports a death or a restart to."""
+class CoreRelay:
+    """The supervisor's account of one model's engine core, which relays its deaths and
+    restarts to every front end: the `CoreObserver` its `CoreRestarter` reports to."""
 
     def __init__(self, index: int, address: str, info: dict[str, Any], fronts: FrontEnds):
         self.index, self.address, self.fronts = index, address, fronts
@@ -123,13 +116,13 @@ class FrontEnds:
 
     def __init__(self, cfg: ServerConfig, sock: socket.socket, run_dir: str):
         self.cfg, self.sock, self.run_dir = cfg, sock, run_dir
-        self.cores: list[SharedCore] = []
-        self.supervisors: list[Supervisor] = []  # the cores' (to tell of a front end's death)
+        self.cores: list[CoreRelay] = []
+        self.restarters: list[CoreRestarter] = []  # the cores' (to tell of a front end's death)
         self.generations: dict[int, int] = {}  # index -> how many front ends held it before
         self.procs: dict[int, Child] = {}  # index -> its front end now
         self.conns: dict[int, Any] = {}  # index -> our end of its pipe
         self.leaving = False
-        self.restarts: collections.deque[float] = collections.deque()
+        self.restarts = RestartWindow()
         self.fatal: str | None = None
         self.failed = asyncio.Event()  # set with `fatal`: the supervisor stops
         self._tasks: set[asyncio.Task] = set()
@@ -172,21 +165,19 @@ class FrontEnds:
         self.conns.pop(index, None)
         proc.close()
         # Its clients are gone with it: every core cancels what it still runs or queues for it.
-        for supervisor in self.supervisors:
-            supervisor.forget_peer(self.identity(index).encode())
+        for restarter in self.restarters:
+            restarter.forget_peer(self.identity(index).encode())
         if self.leaving:
             return
         reason = describe_exit(proc.exitcode).replace("engine core", f"front end {index}")
         now = time.monotonic()
-        while self.restarts and now - self.restarts[0] > RESTART_WINDOW_S:
-            self.restarts.popleft()
-        if len(self.restarts) >= MAX_RESTARTS:
-            self.fatal = f"{reason}; not replaced: {len(self.restarts)} replacements in the last {RESTART_WINDOW_S:g} s"
+        if not self.restarts.allows(now):
+            replaced = f"{len(self.restarts)} replacements in the last {self.restarts.seconds:g} s"
+            self.fatal = f"{reason}; not replaced: {replaced}"
             log.error("%s", self.fatal)
             self.failed.set()
             return
-        delay = RESTART_BACKOFF_S * 2 ** len(self.restarts)
-        self.restarts.append(now)
+        delay = self.restarts.begin(now)
         log.warning("%s; replacing it", reason)
         await asyncio.sleep(delay)
         if not self.leaving:
@@ -206,11 +197,8 @@ class FrontEnds:
                 os.kill(p.pid, signal.SIGTERM)
         end = time.monotonic() + timeout + FRONT_END_LINGER_S + STOP_GRACE_S
         for p in procs:
-            await asyncio.to_thread(p.join, max(0.0, end - time.monotonic()))
-            if p.is_alive():
-                log.warning("front end %s did not stop in time; killing it", p.name)
-                p.kill()
-                await asyncio.to_thread(p.join, STOP_GRACE_S)
+            late = functools.partial(log.warning, "front end %s did not stop in time; killing it", p.name)
+            await asyncio.to_thread(p.stop_within, max(0.0, end - time.monotonic()), STOP_GRACE_S, before_kill=late)
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -234,20 +222,6 @@ def run_front_end(
 
     setup_logging()
     sys.exit(serve_front_end(cfg, sock, control, cores, shared_metrics))
-
-
-def listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 def serve_front_ends(cfg: ServerConfig) -> int:
@@ -276,10 +250,10 @@ async def supervise(
         report(str(exc))
         return 1
     try:
-        sock = listen(cfg.host, cfg.port)
-    except OSError as exc:
+        sock = listening_socket(cfg.host, cfg.port, inheritable=True)
+    except OSError as exc:  # its strerror names the address
         os.close(lock_fd)
-        report(f"cannot listen on {cfg.host}:{cfg.port}: {exc.strerror or exc}")
+        report(exc.strerror or str(exc))
         return 1
     if on_listening is not None:
         on_listening(sock.getsockname()[1])
@@ -292,7 +266,7 @@ async def supervise(
     os.mkdir(metrics_dir(run_dir))  # every front end's series, and the supervisor's
     metrics = SupervisorMetrics(metrics_dir(run_dir))  # ferry_engine_core_restarts_total
     fronts = FrontEnds(cfg, sock, run_dir)
-    supervisors = fronts.supervisors
+    restarters = fronts.restarters
     code = 0
     try:
         for index, _spec in enumerate(default_specs(cfg)):
@@ -313,12 +287,12 @@ async def supervise(
                 await core.stop()
                 report(str(exc))
                 return 1
-            shared = SharedCore(index, core.address, info, fronts)
-            supervisor = Supervisor(cfg, index, core, metrics)
-            supervisor.watch(shared)
-            supervisors.append(supervisor)
-            fronts.cores.append(shared)
-            metrics.core_restarts.labels(shared.model)
+            relay = CoreRelay(index, core.address, info, fronts)
+            restarter = CoreRestarter(cfg, index, core, metrics)
+            restarter.watch(relay)
+            restarters.append(restarter)
+            fronts.cores.append(relay)
+            metrics.core_restarts.labels(relay.model)
         for i in range(cfg.api_workers):
             fronts.start(i)
         log.info(
@@ -340,18 +314,16 @@ async def supervise(
         started = time.monotonic()
         await fronts.drain(cfg.drain_timeout)
         left = max(0.0, cfg.drain_timeout - (time.monotonic() - started))
-        await asyncio.gather(*(s.drain(left) for s in supervisors))
+        await asyncio.gather(*(r.drain(left) for r in restarters))
         log.info("stopped")
         return code
     finally:
         fronts.leaving = True
         for p in fronts.procs.values():
-            if p.is_alive():
-                p.kill()
-                await asyncio.to_thread(p.join, STOP_GRACE_S)
+            await asyncio.to_thread(p.stop_within, 0.0, STOP_GRACE_S)  # killed at once if it lives
             p.close()
-        for s in supervisors:
-            await s.stop()
+        for r in restarters:
+            await r.stop()
         metrics.close()
         sock.close()
         os.close(lock_fd)

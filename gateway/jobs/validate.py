@@ -2,8 +2,8 @@
 
 `validate_file` runs when a batch is created, on a worker thread (it is pure Python:
 JSON, pydantic, the translation layer's tokenizer-free checks; no tokenizer, no engine).
-Every line is checked and every fault reported with its 1-based line number, so a file
-is accepted whole or not at all, before any of it runs:
+Every line is checked and every fault reported with its 1-based line number (`InvalidFile`,
+a 422 naming them), so a file is accepted whole or not at all, before any of it runs:
 
 - not a JSON object, missing/invalid `custom_id`, `method` other than POST;
 - `url` not a batch route, or not the batch's `endpoint`;
@@ -30,17 +30,19 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ..errors import APIError
+from ..errors import APIError, error_body
+from ..limits import request_models
 from ..models.kinds import CHAT, EMBEDDING, ModelKind
 from ..models.start import ServedModel
 from ..request_body import validation_error
-from ..schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest, request_models
+from ..responses import json_response
+from ..schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 from ..translate.chat import GenerationBody, check_generation, generation_work
 from ..translate.embeddings import check_embeddings, embedding_work
 from ..translate.work import Work
 
 if TYPE_CHECKING:
-    from ..state import GatewayState
+    from .host import JobsHost
 
 CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 ROUTES: dict[str, ModelKind] = {CHAT_URL: CHAT, COMPLETIONS_URL: CHAT, EMBEDDINGS_URL: EMBEDDING}  # url -> model kind
@@ -109,6 +111,27 @@ class LineError:
         return {"line": self.line, "message": self.message, "param": self.param, "code": self.code}
 
 
+class InvalidFile(APIError):
+    """422 listing every faulty line of an input file."""
+
+    def __init__(self, file_id: str, errors: list[LineError]):
+        shown = "; ".join(f"line {e.line}: {e.message}" for e in errors[:10])
+        more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
+        super().__init__(
+            422,
+            f"input file {file_id} has {len(errors)} invalid line(s): {shown}{more}",
+            code="invalid_batch_file",
+            param="input_file_id",
+        )
+        self.errors = errors
+
+    def response(self, headers: dict[str, str] | None = None):
+        body = error_body(self.status, self.message, self.code, self.param)
+        body["error"]["lines"] = [e.line for e in self.errors]
+        body["error"]["errors"] = {"object": "list", "data": [e.to_dict() for e in self.errors[:MAX_REPORTED]]}
+        return json_response(body, self.status, headers)
+
+
 @dataclass
 class ValidLine:
     line: int
@@ -117,7 +140,7 @@ class ValidLine:
     body: str  # compact JSON of the request body
 
 
-def validate_file(ferry: GatewayState, content: bytes, endpoint: str) -> tuple[list[ValidLine], list[LineError]]:
+def validate_file(host: JobsHost, content: bytes, endpoint: str) -> tuple[list[ValidLine], list[LineError]]:
     """Every line checked; returns the lines, or the errors (never both non-empty)."""
     good: list[ValidLine] = []
     errors: list[LineError] = []
@@ -136,7 +159,7 @@ def validate_file(ferry: GatewayState, content: bytes, endpoint: str) -> tuple[l
             errors.append(LineError(n, f"the file has more than {MAX_LINES} requests", code="too_many_lines"))
             break
         try:
-            good.append(_check_line(ferry, n, raw, endpoint, seen))
+            good.append(_check_line(host, n, raw, endpoint, seen))
         except _Bad as bad:
             errors.append(LineError(n, bad.message, bad.param, bad.code))
     if not good and not errors:
@@ -150,7 +173,7 @@ class _Bad(Exception):
         self.message, self.param, self.code = message, param, code
 
 
-def _check_line(ferry: GatewayState, n: int, raw: str, endpoint: str, seen: dict[str, int]) -> ValidLine:
+def _check_line(host: JobsHost, n: int, raw: str, endpoint: str, seen: dict[str, int]) -> ValidLine:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
@@ -181,8 +204,8 @@ def _check_line(ferry: GatewayState, n: int, raw: str, endpoint: str, seen: dict
     if not isinstance(body, dict):
         raise _Bad("body must be a JSON object", param="body")
     try:
-        parsed = parse_body(ferry, url, body)
-        check_body(ferry, parsed)
+        parsed = parse_body(host, url, body)
+        check_body(host, parsed)
     except APIError as exc:
         if exc.status >= 500:  # not ready / draining: the whole request fails, not this line
             raise
@@ -191,9 +214,9 @@ def _check_line(ferry: GatewayState, n: int, raw: str, endpoint: str, seen: dict
     return ValidLine(n, cid, url, orjson.dumps(body).decode())
 
 
-def parse_body(ferry: GatewayState, url: str, body: dict) -> EmbeddingsRequest | GenerationBody:
+def parse_body(host: JobsHost, url: str, body: dict) -> EmbeddingsRequest | GenerationBody:
     """The route's own request model, with this server's limits."""
-    models = request_models(ferry.config)
+    models = request_models(host.config)
     schemas: dict[str, type[EmbeddingsRequest] | type[ChatCompletionRequest] | type[CompletionRequest]] = {
         CHAT_URL: models.chat,
         COMPLETIONS_URL: models.completions,
@@ -212,22 +235,22 @@ def parse_body(ferry: GatewayState, url: str, body: dict) -> EmbeddingsRequest |
 # Each check looks up the model first: 404 model_not_found (or 503 while not ready / draining).
 
 
-def check_body(ferry: GatewayState, body: EmbeddingsRequest | GenerationBody) -> None:
+def check_body(host: JobsHost, body: EmbeddingsRequest | GenerationBody) -> None:
     """The translation layer's tokenizer-free checks (limits, per-prompt lists, known model)."""
     if isinstance(body, EmbeddingsRequest):
-        check_embeddings(body, ferry.model(body.model, EMBEDDING).engine)
+        check_embeddings(body, host.model(body.model, EMBEDDING).engine)
     else:
-        ferry.model(body.model, CHAT)
+        host.model(body.model, CHAT)
         check_generation(body)
 
 
-def prepare(ferry: GatewayState, url: str, body_json: str) -> tuple[ServedModel[Any], Work]:
+def prepare(host: JobsHost, url: str, body_json: str) -> tuple[ServedModel[Any], Work]:
     """The line's served model and its work, translated as the route would translate it.
     Runs on the event loop, like the routes (tokenizers are not shared across threads).
     Raises APIError for a line that fails as a direct request would."""
-    body = parse_body(ferry, url, orjson.loads(body_json))
+    body = parse_body(host, url, orjson.loads(body_json))
     if isinstance(body, EmbeddingsRequest):
-        embedder = ferry.model(body.model, EMBEDDING)
-        return embedder, embedding_work(body, embedder.engine, ferry.config)
-    generator = ferry.model(body.model, CHAT)
-    return generator, generation_work(body, generator.engine, ferry.config)
+        embedder = host.model(body.model, EMBEDDING)
+        return embedder, embedding_work(body, embedder.engine, host.config)
+    generator = host.model(body.model, CHAT)
+    return generator, generation_work(body, generator.engine, host.config)

@@ -70,7 +70,7 @@ def process_gone(pid: int, path: str) -> None:
 
 class SupervisorMetrics:
     """The supervisor's `ferry_engine_core_restarts_total` (gateway/cores/process.py's
-    `Supervisor` counts a core's restarts in it), written to `path` in the file format of
+    `CoreRestarter` counts a core's restarts in it), written to `path` in the file format of
     multiprocess mode under the supervisor's pid, so the front ends' scrapes read it."""
 
     def __init__(self, path: str):

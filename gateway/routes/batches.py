@@ -1,6 +1,6 @@
 """The OpenAI-compatible batch API: /v1/files and /v1/batches (see docs/batch-jobs.md).
 
-Handlers parse HTTP and render OpenAI objects; `gateway.jobs.BatchJobWorker` does the work.
+Handlers parse HTTP and render OpenAI objects; `gateway.jobs.service.BatchJobs` does the work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from ..endpoint import Ctx, endpoint, route
 from ..errors import APIError
-from ..jobs import BatchJobWorker
+from ..jobs.service import BatchJobs
 from ..jobs.validate import MAX_FILE_BYTES, BatchCreate
 from ..request_body import parse, read_body
 from ..responses import json_response
@@ -69,9 +69,9 @@ def batch_object(row: dict) -> dict:
     return out
 
 
-def _jobs(request: Request) -> BatchJobWorker:
+def _jobs(request: Request) -> BatchJobs:
     jobs = gateway_state(request).jobs
-    assert jobs is not None, "create_app gives every gateway its batch job worker"
+    assert jobs is not None, "create_app gives every gateway its batch-job service"
     return jobs
 
 

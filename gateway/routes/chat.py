@@ -20,11 +20,11 @@ from engine.base import GenerationEngine
 
 from ..endpoint import Ctx, finish
 from ..errors import APIError
+from ..limits import request_models
 from ..models.kinds import CHAT
 from ..models.start import ServedModel
 from ..request_body import parse
 from ..responses import json_bytes, json_response
-from ..schemas import request_models
 from ..state import gateway_state
 from ..submission import cancel_all, itl_target, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages

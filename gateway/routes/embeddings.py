@@ -5,10 +5,10 @@ from __future__ import annotations
 from starlette.requests import Request
 
 from ..endpoint import Ctx
+from ..limits import request_models
 from ..models.kinds import EMBEDDING
 from ..request_body import parse
 from ..responses import json_response
-from ..schemas import request_models
 from ..state import gateway_state
 from ..submission import itl_target, scheduling, submit, timing_headers, wait_items
 from ..translate.embeddings import embedding_work

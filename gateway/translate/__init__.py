@@ -6,6 +6,10 @@ answered alike.
 - `work`: what a translated request is (`Work`: payloads, costs, `response(results)`).
 - `chat`: chat and completions (prompts through the chat template, per-prompt sampling
   parameters, stop strings, token limits; response bodies and stream chunks).
+- `structured`: response formats and tool calls per prompt, and the constrained answers
+  read back as OpenAI shapes.
+- `per_prompt`: a field given once for every prompt or as a per-prompt list, spread over
+  the prompts.
 - `embeddings`: embedding inputs (tokenization, limits, response body).
 
 Nothing here knows about HTTP: no requests, no headers, no SSE framing.

@@ -21,6 +21,7 @@ from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
 
 from ..errors import APIError, error_body
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
+from .per_prompt import per_prompt
 from .structured import FREE, Structure, ToolCallStream, chat_message, offered_tools, parse_call, structures
 
 if TYPE_CHECKING:
@@ -355,20 +356,3 @@ def stops_per_prompt(stop: Any, n: int) -> list[list[str]]:
     if shared:
         return [list(lists[0]) for _ in range(n)]
     return per_prompt("stop", lists, n, None)
-
-
-def per_prompt(name: str, value: Any, n: int, default: Any) -> list[Any]:
-    """A scalar applies to every prompt; a list must have one value per prompt."""
-    if value is None:
-        return [default] * n
-    if isinstance(value, list):
-        if len(value) != n:
-            raise APIError(
-                422,
-                f"{name} is a list of {len(value)} values but the request has {n} prompts; "
-                f"give one value per prompt or a single value for all",
-                code="prompt_count_mismatch",
-                param=name,
-            )
-        return list(value)
-    return [value] * n

@@ -27,6 +27,7 @@ from engine.grammar import GrammarError, canonical_schema, check_schema
 
 from ..errors import APIError
 from ..schemas import ChatCompletionRequest, FunctionTool, JsonObjectFormat, JsonSchemaFormat, NamedToolChoice
+from .per_prompt import per_prompt
 
 if TYPE_CHECKING:
     from ..schemas import CompletionRequest
@@ -63,8 +64,6 @@ def call_schema(tool: FunctionTool) -> dict[str, Any]:
 def structures(body: ChatCompletionRequest | CompletionRequest, n: int) -> list[Structure]:
     """Each prompt's Structure, checking what needs no tokenizer: list lengths, tool names,
     and that every schema is valid JSON Schema (a 422 naming the prompt and the path)."""
-    from .chat import per_prompt
-
     formats = per_prompt("response_format", body.response_format, n, None)
     tools: list[list[FunctionTool]] = [[] for _ in range(n)]
     choices: list[Any] = [None] * n
@@ -82,8 +81,6 @@ def structures(body: ChatCompletionRequest | CompletionRequest, n: int) -> list[
 
 def offered_tools(body: ChatCompletionRequest, n: int) -> list[list[dict[str, Any]]]:
     """Per prompt, the tools its chat template is given (none where tool_choice is "none")."""
-    from .chat import per_prompt
-
     tools = _tools_per_prompt(body.tools, n)
     choices = per_prompt("tool_choice", body.tool_choice, n, None)
     return [
@@ -97,8 +94,6 @@ def _tools_listed(tools: Any) -> bool:
 
 
 def _tools_per_prompt(tools: Any, n: int) -> list[list[FunctionTool]]:
-    from .chat import per_prompt
-
     if tools is None:
         return [[] for _ in range(n)]
     if _tools_listed(tools):

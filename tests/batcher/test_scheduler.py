@@ -330,7 +330,7 @@ def test_slots_kept_for_interactive_prompts_outlast_a_lull_in_their_arrivals(mon
     (the last check), batch-class work takes all but one slot in the lull, for 10 s, and
     the burst is refused. (Aging is set past the test: an aged batch-class prompt may take a
     kept slot, so that none starves.)"""
-    import batcher.scheduler
+    import batcher.slots
     from batcher.types import Priority
 
     async def scenario():
@@ -358,7 +358,7 @@ def test_slots_kept_for_interactive_prompts_outlast_a_lull_in_their_arrivals(mon
         assert all(b.dispatched_at - b.arrival <= 2 * STEP for b in burst)
 
     run(scenario())
-    monkeypatch.setattr(batcher.scheduler, "SLOT_RATE_MEMORY", 1e-9)
+    monkeypatch.setattr(batcher.slots, "SLOT_RATE_MEMORY", 1e-9)
     with pytest.raises(DeadlineInfeasible):
         run(scenario())
 

@@ -2,7 +2,7 @@
 latency budgets. Simulated time (FakeClock + SimulatedExecutor): nothing here depends on
 the speed of the machine.
 
-The job side mirrors gateway.jobs.worker: at most LINES_IN_FLIGHT batch-class items
+The job side mirrors gateway.jobs.runner: at most LINES_IN_FLIGHT batch-class items
 queued or running, each replaced as soon as it finishes, with the completion window as
 its budget."""
 
@@ -21,7 +21,7 @@ from batcher.microbatcher import MicroBatcher
 from batcher.settings import BatchingSettings
 from batcher.types import Outcome, Priority
 from engine.fake import SimulatedExecutor
-from gateway.jobs.worker import LINES_IN_FLIGHT
+from gateway.jobs.runner import LINES_IN_FLIGHT
 
 BUDGET = 0.150  # interactive latency budget, seconds
 WINDOW = 24 * 3600.0  # the job's completion window

@@ -1,6 +1,6 @@
 """gateway/cores/client.py against a real engine core (gateway/cores/core.py) in the same
 event loop: a MicroBatcher over the fake embeddings engine, served on an ipc:// socket.
-The process around a core is tests/gateway/test_engine_core.py's."""
+The process around a core is tests/gateway/cores/test_core.py's."""
 
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def test_a_submit_cancelled_while_awaiting_admission_is_withdrawn(tmp_path):
             )
             await first[0].future
             await async_wait_until(lambda: not core.requests, message="the core to forget both requests")
-            assert engine.calls == [1] and remote._pending == {} and remote._requests == {}
+            assert engine.calls == [1] and remote.table.pending == {} and remote.table.requests == {}
 
     run(main())
 
@@ -362,6 +362,8 @@ def test_an_inter_token_target_crosses_to_the_core_and_is_checked_there(tmp_path
             await core.close()
             ctx.term()
             thread.close()
+
+    run(main())
 
 
 class GatedGrammars:

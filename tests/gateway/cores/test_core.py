@@ -656,7 +656,7 @@ def test_the_openai_client_streams_through_a_core():
 
 def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(monkeypatch, tmp_path):
     from gateway.config import ServerConfig
-    from gateway.cores.process import Supervisor, start_in_core
+    from gateway.cores.process import CoreRestarter, start_in_core
     from gateway.metrics.registry import GatewayMetrics
     from gateway.models.catalogue import default_specs
     from tests.waiting import async_wait_until
@@ -680,7 +680,7 @@ def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(m
         )
         assert "SIGKILL" in batcher.failed and "no such file or directory" in batcher.failed
         assert metrics.core_restarts.labels("fake-embed")._value.get() == 1
-        assert isinstance(batcher.core, Supervisor) and len(batcher.core.restarts) == 1  # tried once, not again
+        assert isinstance(batcher.core, CoreRestarter) and len(batcher.core.restarts) == 1  # tried once, not again
         with pytest.raises(Exception, match="unavailable"):
             await batcher.submit_many([[1, 2]])
         await batcher.stop()
@@ -695,12 +695,13 @@ def test_a_core_that_cannot_load_its_model_on_a_restart_is_not_restarted_again(m
 def test_restarts_are_bounded(monkeypatch):
     from gateway.config import ServerConfig
     from gateway.cores import process as core_process
+    from gateway.cores import restarts as core_restarts
     from gateway.metrics.registry import GatewayMetrics
     from gateway.models.catalogue import default_specs
     from tests.waiting import async_wait_until
 
     monkeypatch.setenv("FERRY_FAKE_ENGINES", "1")
-    monkeypatch.setattr(core_process, "MAX_RESTARTS", 1)
+    monkeypatch.setattr(core_restarts, "MAX_RESTARTS", 1)
     cfg, metrics = ServerConfig(), GatewayMetrics()
 
     async def scenario() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from gateway.config import ServerConfig
-from gateway.cores.core import with_core_threads
+from gateway.cores.proc import with_core_threads
 
 
 def test_auto_threads_in_a_core_leave_a_core_to_each_front_end(monkeypatch):

@@ -91,3 +91,14 @@ def test_an_inherited_listening_socket_serves_in_the_child() -> None:
     child.join(30)
     assert child.exitcode == 0
     child.close()
+
+
+def test_stop_within_kills_a_child_that_does_not_exit_in_time() -> None:
+    child = Child(echo, ("never answered",), name="ferry-test-stop")
+    alive_before_kill: list[bool] = []
+    assert child.stop_within(0.2, 30, before_kill=lambda: alive_before_kill.append(child.is_alive()))
+    assert alive_before_kill == [True] and child.exitcode == -9
+    child.close()
+    child = Child(exit_with, (0,), name="ferry-test-stop-clean")
+    assert not child.stop_within(30) and child.exitcode == 0  # exited by itself: not killed
+    child.close()

@@ -1,6 +1,6 @@
 """The supervisor of `--api-workers N` (gateway/cores/supervisor.py) refusing to start: one line,
 exit status 1. (Its life with front ends and cores:
-tests/gateway/test_api_workers.py.)"""
+tests/gateway/cores/test_api_workers.py.)"""
 
 from __future__ import annotations
 

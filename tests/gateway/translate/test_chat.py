@@ -11,7 +11,7 @@ from batcher.types import GenResult
 from engine.fake import FakeGenerationEngine
 from gateway.config import ServerConfig
 from gateway.errors import APIError
-from gateway.schemas import request_models
+from gateway.limits import request_models
 from gateway.translate.chat import (
     COMPLETIONS_MAX_TOKENS,
     StreamChunks,

@@ -11,7 +11,7 @@ import pytest
 from engine.fake import FakeEmbeddingEngine
 from gateway.config import ServerConfig
 from gateway.errors import APIError
-from gateway.schemas import request_models
+from gateway.limits import request_models
 from gateway.translate.embeddings import check_embeddings, embedding_work
 
 CFG = ServerConfig()

@@ -1,0 +1,148 @@
+"""The slots of generation: how many sequences may run at once, how many are free, how
+many batch-class prompts leave free for interactive ones, when each running sequence's slot
+frees, and how long tokens take. These are what the generation side of the load snapshot
+(`Load.free_slots`, `interactive_slots`, `slots_free_at`, `sequence_seconds`,
+`prefill_first`) says, and what the generation policies and admission read.
+
+Settings and cost models are passed in on each call: both change live (a PATCH, a refit).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from .cost import CostModel
+from .load import Load
+from .protocols import SteppingEngine
+from .queue import RequestQueue
+from .running import RunningSet
+from .settings import BatchingSettings
+from .types import Priority, WorkItem
+
+# The 99th percentile of a Poisson count with mean m is about m + 2.33 sqrt(m).
+POISSON_Z99 = 2.33
+SLOT_RATE_MEMORY = 30.0  # seconds over which the interactive slots' rate fades (_slot_rate)
+
+
+class Slots:
+    def __init__(self, engine: SteppingEngine, running: RunningSet) -> None:
+        self._engine = engine
+        self._running = running
+        self._targeted: list[WorkItem] = []  # unfinished items with an inter-token target (few)
+        self._typical_steps = 16.0  # moving average of max_tokens, for how long a slot is held
+        self._interactive_steps = 16.0  # the same over interactive requests (the slots kept for them)
+        self.skipped_decode = False  # the last iteration was interactive prompts' prefill alone
+        # Seconds between two decode steps, measured (a moving average): what a running
+        # sequence waits per token, prefill groups and prefill-only iterations included.
+        self._token_interval = 0.0
+        self._slow_rate, self._slot_rate_at = 0.0, 0.0  # see _slot_rate
+        self._last_decode_at: float | None = None
+
+    def submitted(self, items: list[WorkItem]) -> None:
+        """A request's items were queued: their token limits and inter-token target."""
+        for item in items:
+            self._typical_steps += 0.05 * (_max_tokens(item) - self._typical_steps)
+            if item.priority is Priority.INTERACTIVE:
+                self._interactive_steps += 0.05 * (_max_tokens(item) - self._interactive_steps)
+        if items[0].itl_target is not None:
+            self._targeted.extend(items)
+
+    def engine_slots(self, s: BatchingSettings) -> int:
+        """max_running, bounded by the engine's own slot count (it bounds a live PATCH)."""
+        return min(s.max_running, getattr(self._engine, "max_running", s.max_running))
+
+    def limit(self, s: BatchingSettings, decode: CostModel) -> int:
+        """Most sequences that may run at once: the engine's slots (`engine_slots`), and what
+        keeps a decode step under max_itl_ms and under the inter-token target of every
+        queued or running sequence that has one."""
+        cap = self.engine_slots(s)
+        # Queued ones too: the batch shrinks to what their targets allow, so they can join
+        # (and a group admitted with one of them respects it from its first step).
+        if self._targeted:
+            self._targeted = [i for i in self._targeted if not i.finished]
+        targets = [i.itl_target for i in self._targeted if i.itl_target is not None]
+        if s.max_itl_ms is not None:
+            targets.append(s.max_itl_ms / 1000.0)
+        if targets:
+            limit = min(targets)
+            while cap > 1 and decode.predict(cap) > limit:
+                cap -= 1
+        return cap
+
+    def free(self, s: BatchingSettings, decode: CostModel) -> int:
+        """Slots free now (none in static mode while a group runs)."""
+        if s.mode == "static" and self._running:
+            return 0
+        return max(0, self.limit(s, decode) - len(self._running))
+
+    def load(self, base: Load, now: float, s: BatchingSettings, queue: RequestQueue, decode: CostModel) -> Load:
+        """The tracker's snapshot `base` plus what runs: free slots, when each running
+        sequence's slot frees at its token limit, and how long a typical sequence holds one.
+        Decode steps are predicted at the occupancy the queue will bring (at most every
+        slot). A sequence's tokens come one a decode step, at least the predicted step apart
+        and at least as far apart as measured lately (prefills share the iterations).
+        Interactive first: batch-class prompts leave free the slots interactive ones need
+        by Little's law (their arrival rate, `_slot_rate`, times a typical interactive
+        sequence's time is the mean in use), with room for Poisson arrivals above the mean
+        (their 99th percentile), plus one: one always, or the first interactive prompt
+        after batch-class work filled every slot would wait for a whole sequence to end.
+
+        The reserve bounds a whole iteration, which an interactive prompt may arrive just
+        after: the decode step now takes its share, a prefill group the rest. With the
+        interactive lane, interactive prompts then go first in a prefill of their own
+        (`prefill_first`) while batch-class work runs or waits: their first token no
+        longer waits for a decode step of everyone's, at most one such iteration between
+        two decode steps (the running sequences wait for one prefill)."""
+        slots = self.limit(s, decode)
+        step = decode.predict(max(1, min(slots, len(self._running) + len(queue))))
+        step = max(step, self._token_interval)
+        frees = tuple(sorted(now + max(1, _max_tokens(q.item) - q.tokens) * step for q in self._running.values()))
+        held = self._typical_steps * step
+        reserved = 0
+        if s.interactive_first:  # one slot even before the first interactive arrival is seen
+            in_use = self._slot_rate(now, base.interactive_rate) * self._interactive_steps * step
+            reserved = min(slots - 1, math.ceil(in_use + POISSON_Z99 * math.sqrt(in_use)) + 1)
+        reserve = base.reserve
+        if reserve is not None and self._running:
+            reserve = max(reserve - decode.predict(len(self._running)), 0.0)
+        first = (
+            s.mode == "continuous"  # static mode (the baseline) runs whole groups, whatever their class
+            and s.interactive_first
+            and s.interactive_lane
+            and not self.skipped_decode
+            and (bool(queue.count(Priority.BATCH)) or self._running.has_batch_class())
+        )
+        return replace(
+            base,
+            reserve=reserve,
+            free_slots=self.free(s, decode),
+            interactive_slots=reserved,
+            slots_free_at=frees,
+            sequence_seconds=held,
+            prefill_first=first,
+        )
+
+    def _slot_rate(self, now: float, rate: float) -> float:
+        """The interactive arrival rate the slots are kept for: the last 2 s's, or what it
+        was lately, fading over SLOT_RATE_MEMORY. A slot is held for a whole sequence, and
+        a lull of a few seconds in Poisson arrivals says little about the next second."""
+        dt, self._slot_rate_at = max(0.0, now - self._slot_rate_at), now
+        self._slow_rate = max(rate, self._slow_rate * math.exp(-dt / SLOT_RATE_MEMORY))
+        return self._slow_rate
+
+    def decode_step(self, now: float) -> None:
+        """A decode step starts now: the interval since the last one (back to back only)."""
+        last, self._last_decode_at = self._last_decode_at, now
+        if last is None:
+            return
+        gap = now - last
+        self._token_interval += 0.1 * (gap - self._token_interval) if self._token_interval else gap
+
+    def pause(self) -> None:
+        """The loop waits: the next step's interval is not a token's."""
+        self._last_decode_at = None
+
+
+def _max_tokens(item: WorkItem) -> int:
+    return int(getattr(item.payload.params, "max_tokens", 1) or 1)
