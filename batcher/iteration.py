@@ -7,7 +7,7 @@ the cost models."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .cost import CostModel
 from .isolation import split_in_halves
@@ -26,6 +26,8 @@ class IterationResult:
     prefill_seconds: float
     decode_seconds: float
     decoded_rows: int
+    # Of each sequence prefilled now (its prefill succeeded): prompt tokens the prefix cache served.
+    cached: dict[int, int] = field(default_factory=dict)
 
     def apportion(self, total: float) -> None:
         """Charge the iteration's clock time (thread hop included) to its two phases, in the
@@ -55,6 +57,10 @@ class IterationResult:
             )
             m.slowdown.labels(model, "prefill").set(costs["prefill"].slowdown)
             m.prompt_tokens.labels(model).inc(tokens.real)
+        if self.cached:  # the prefix cache: prompt tokens looked up, and served from it
+            queried = sum(len(q.prompt_ids) for q in requests if q.seq_id in self.cached)
+            m.prefix_cache_queries.labels(model).inc(queried)
+            m.prefix_cache_hits.labels(model).inc(sum(self.cached.values()))
 
 
 def run_iteration(
@@ -68,6 +74,7 @@ def run_iteration(
     rows = len(outputs)
     t1 = time.perf_counter()
     failed: dict[int, Exception] = {}
+    cached: dict[int, int] = {}
     if requests:
         # A group that fails is retried by halves, so only the failing prompt fails; a
         # failed call's sequences are removed first, whatever it left behind.
@@ -79,7 +86,9 @@ def run_iteration(
                 failed[request.seq_id] = result
             else:
                 outputs.append(result)
-    return IterationResult(outputs, failed, time.perf_counter() - t1, t1 - t0, rows)
+                if result.token_ids:  # prefilled (a prompt the engine refused has no token)
+                    cached[request.seq_id] = result.cached_tokens
+    return IterationResult(outputs, failed, time.perf_counter() - t1, t1 - t0, rows, cached)
 
 
 def profile(engine: SteppingEngine, make_request: MakeRequest, prompt: list[int]) -> list[tuple[str, int, int, float]]:

@@ -194,6 +194,18 @@ class Metrics:
             "ferry_generated_tokens_total", "Completion tokens generated.", ["model"], registry=r
         )
         self.prompt_tokens = Counter("ferry_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=r)
+        self.prefix_cache_queries = Counter(
+            "ferry_prefix_cache_queries_total",
+            "Prompt tokens of prefilled sequences looked up in the prefix cache (every prompt token).",
+            ["model"],
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "ferry_prefix_cache_hits_total",
+            "Prompt tokens of prefilled sequences whose KV the prefix cache served (not computed again).",
+            ["model"],
+            registry=r,
+        )
         self.running = Gauge(
             "ferry_running_sequences",
             "Requests being computed: a chat model's running sequences, an embeddings model's items "
@@ -284,3 +296,9 @@ class Metrics:
         """Create the engine-error counters of the phases a batcher runs, at zero."""
         for phase in phases:
             self.engine_errors.labels(model, phase)
+
+    def init_prefix_cache(self, model: str) -> None:
+        """Create a generation model's prefix-cache counters at zero (an engine without a
+        prefix cache keeps its hits at 0)."""
+        self.prefix_cache_queries.labels(model)
+        self.prefix_cache_hits.labels(model)

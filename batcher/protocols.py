@@ -45,7 +45,9 @@ class PrefillRequest(Protocol):
 
 class SequenceStep(Protocol):
     """What one sequence produced in one engine call. `text` is released text only; a
-    set `finish_reason` means the sequence has left the engine's running set."""
+    set `finish_reason` means the sequence has left the engine's running set.
+    `cached_tokens`, on the output of a sequence's prefill: its prompt tokens whose KV came
+    from the engine's prefix cache (0 for an engine without one)."""
 
     @property
     def seq_id(self) -> int: ...
@@ -58,6 +60,9 @@ class SequenceStep(Protocol):
 
     @property
     def finish_reason(self) -> str | None: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
 
 
 # Builds the engine's request for one sequence from (seq_id, prompt ids, the payload's

@@ -22,10 +22,12 @@ class _Seq:
     # A delta for every token, text or not: the engine makes no text for this sequence
     # (its params say detokenize=False), the caller decodes the ids (an engine core's front end).
     every_token: bool = False
+    cached_tokens: int = 0  # of its prompt, tokens the engine's prefix cache served (its prefill's)
 
     def result(self, finish_reason: str) -> GenResult:
         """What the item resolves with: the text and the token counts so far."""
-        return GenResult("".join(self.pieces), finish_reason, len(self.item.payload.prompt_ids), self.tokens)
+        prompt = len(self.item.payload.prompt_ids)
+        return GenResult("".join(self.pieces), finish_reason, prompt, self.tokens, self.cached_tokens)
 
 
 class RunningSet:

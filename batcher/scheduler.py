@@ -54,6 +54,7 @@ class GenerationScheduler(QueueingBatcher):
     ) -> None:
         super().__init__(model, settings, **kw)
         self.metrics.init_phases(model, "prefill", "decode")
+        self.metrics.init_prefix_cache(model)
         self.engine = engine
         self.engine_thread = engine_thread
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
@@ -224,8 +225,13 @@ class GenerationScheduler(QueueingBatcher):
         return requests, removals, decoding
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
-        """Failed prefills end their items. Finished sequences leave the running set now, so
-        the next admission sees their slots; returned, their last outputs still to deliver."""
+        """Failed prefills end their items; prefilled sequences learn how much of their prompt
+        the prefix cache served. Finished sequences leave the running set now, so the next
+        admission sees their slots; returned, their last outputs still to deliver."""
+        for seq_id, cached in result.cached.items():
+            joined = self._running.get(seq_id)
+            if joined is not None:
+                joined.cached_tokens = cached
         for seq_id, error in result.failed.items():
             seq = self._running.leave(seq_id)
             if seq is not None:

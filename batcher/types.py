@@ -150,12 +150,15 @@ class GenRequest:
 
 @dataclass(slots=True)
 class GenResult:
-    """What a generation work item resolves to once its sequence finishes."""
+    """What a generation work item resolves to once its sequence finishes. `cached_tokens`:
+    of its prompt tokens, those whose KV the engine's prefix cache served (usage's
+    `prompt_tokens_details.cached_tokens`)."""
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass(slots=True)

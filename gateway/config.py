@@ -68,6 +68,20 @@ class ServerSettings(Knobs):
         "(checked at load; else eager): a busy event loop then cannot slow its forward "
         "(`--no-torchscript`: always eager)",
     )
+    prefix_caching: bool = knob(
+        True,
+        "keep the KV of prompt prefixes of each chat model (16-token blocks, least recently used "
+        "evicted first) and reuse it for later prompts that start with the same tokens (a shared "
+        "system prompt, earlier turns): their prefill computes only the rest, reported as "
+        "`usage.prompt_tokens_details.cached_tokens`. Set at start (docs/scheduling.md)",
+    )
+    prefix_cache_mb: int = knob(
+        256,
+        "memory each chat model's prefix cache may hold, beside its running sequences' KV; 0 turns "
+        "prefix caching off. Set at start",
+        unit="MiB",
+        ge=0,
+    )
     admin_token: str | None = knob(
         None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)", null="admin routes off"
     )
@@ -100,7 +114,8 @@ class ServerSettings(Knobs):
         "`vllm`: /metrics also exports `vllm:num_requests_waiting`, `vllm:num_requests_running` and "
         "`vllm:kv_cache_usage_perc` (label `model_name`), the same values as `ferry_queue_depth`, "
         "`ferry_running_sequences` and `ferry_kv_cache_usage_ratio`, for an endpoint picker left at its "
-        "vLLM defaults",
+        "vLLM defaults, and the counters `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` "
+        "(`ferry_prefix_cache_queries_total`, `ferry_prefix_cache_hits_total`)",
     )
     api_workers: int = knob(
         1,

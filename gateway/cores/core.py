@@ -288,6 +288,7 @@ def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
                 finish_reason=value.finish_reason,
                 prompt_tokens=value.prompt_tokens,
                 completion_tokens=value.completion_tokens,
+                cached_tokens=value.cached_tokens,
             )
         return wire.Result(
             req,

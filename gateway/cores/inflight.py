@@ -215,7 +215,7 @@ class RequestTable:
         item.reason = DispatchReason(t.reason) if t.reason else None
         item.best_effort = t.best_effort
         outcome = Outcome(m.outcome)
-        text = self.texts.result(item, outcome, m.finish_reason)
+        text = self.texts.result(item, outcome, m.finish_reason, m.cached_tokens)
         if text is not None:
             item.finish(Outcome.RESULT, text)
         elif outcome is Outcome.RESULT:

@@ -80,12 +80,16 @@ class TextAssembler:
             text.undelivered = 0
         return text.finish_reason is not None and finish_reason is None
 
-    def result(self, item: WorkItem, outcome: Outcome, finish_reason: str | None) -> GenResult | None:
+    def result(
+        self, item: WorkItem, outcome: Outcome, finish_reason: str | None, cached_tokens: int = 0
+    ) -> GenResult | None:
         """The answer of a generation item whose text is complete here, whatever the core
         ended it with (`outcome`) after this side found a stop string (a Stop, or a deadline
-        meanwhile); None for an item whose answer is the core's (an embedding, an error)."""
+        meanwhile); None for an item whose answer is the core's (an embedding, an error).
+        `cached_tokens`: the core's count of its prompt tokens the prefix cache served."""
         text = self._texts.get(item.id)
         if text is None or (text.finish_reason is None and outcome is not Outcome.RESULT):
             return None
         prompt_tokens = len(item.payload.prompt_ids)
-        return GenResult("".join(text.pieces), text.finish_reason or finish_reason or "", prompt_tokens, text.tokens)
+        finish = text.finish_reason or finish_reason or ""
+        return GenResult("".join(text.pieces), finish, prompt_tokens, text.tokens, cached_tokens)

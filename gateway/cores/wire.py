@@ -123,7 +123,8 @@ class Timing(msgspec.Struct, frozen=True, array_like=True):
 class Result(msgspec.Struct, tag="result", array_like=True):
     """The one terminal outcome of item `index` of `req`: a vector (`floats`) for one-shot
     models, the finish reason and token counts for generation (whose text the front end
-    made from the `NewTokens` before it); `code`/`message`/`retry_after` describe an error."""
+    made from the `NewTokens` before it; `cached_tokens`: its prompt tokens the prefix cache
+    served); `code`/`message`/`retry_after` describe an error."""
 
     req: int
     index: int
@@ -136,6 +137,7 @@ class Result(msgspec.Struct, tag="result", array_like=True):
     code: str | None = None
     message: str | None = None
     retry_after: float | None = None
+    cached_tokens: int = 0
 
 
 class NewTokens(msgspec.Struct, tag="delta", array_like=True):

@@ -10,9 +10,10 @@ holds no batching series of a model served by a core). The `_created` sample of 
 series keeps the earliest time. A core that does not answer (lost, stopping) leaves its
 series out of that scrape.
 
-`--metrics-compat vllm` adds three gauges under vLLM's names, derived from the merged
-families on every scrape (so they hold with engine cores or without): what an endpoint
-picker left at its vLLM defaults reads (`VLLM_COMPAT`).
+`--metrics-compat vllm` adds three gauges and two counters under vLLM's names, derived
+from the merged families on every scrape (so they hold with engine cores or without): what
+an endpoint picker left at its vLLM defaults reads (`VLLM_COMPAT`), and vLLM's prefix-cache
+counters (`VLLM_COUNTERS`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ VLLM_COMPAT: dict[str, tuple[str, str]] = {
     "vllm:kv_cache_usage_perc": (
         "ferry_kv_cache_usage_ratio",
         "KV-cache usage, 1 is 100 percent (ferry_kv_cache_usage_ratio).",
+    ),
+}
+
+# vLLM's counters -> (Ferry's counter family, its help), likewise by model as `model_name`.
+VLLM_COUNTERS: dict[str, tuple[str, str]] = {
+    "vllm:prefix_cache_queries": (
+        "ferry_prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache (ferry_prefix_cache_queries_total).",
+    ),
+    "vllm:prefix_cache_hits": (
+        "ferry_prefix_cache_hits",
+        "Prompt tokens served from the prefix cache (ferry_prefix_cache_hits_total).",
     ),
 }
 
@@ -94,16 +107,20 @@ def _family(f: MetricFamily) -> Metric:
 
 
 def vllm_families(families: dict[str, Metric]) -> list[Metric]:
-    """vLLM's gauges (`VLLM_COMPAT`) from Ferry's, one sample per model."""
+    """vLLM's gauges (`VLLM_COMPAT`) and counters (`VLLM_COUNTERS`) from Ferry's, one
+    sample per model (a counter's `_total`; its `_created` is left out)."""
     out = []
-    for name, (source, help_text) in VLLM_COMPAT.items():
-        family = Metric(name, help_text, "gauge")
-        by_model: dict[str, float] = {}
-        for s in families[source].samples if source in families else []:
-            by_model[s.labels.get("model", "")] = by_model.get(s.labels.get("model", ""), 0.0) + s.value
-        for model, value in by_model.items():
-            family.add_sample(name, {"model_name": model}, value)
-        out.append(family)
+    kinds = [(VLLM_COMPAT, "gauge", ""), (VLLM_COUNTERS, "counter", "_total")]
+    for compat, kind, suffix in kinds:
+        for name, (source, help_text) in compat.items():
+            family = Metric(name, help_text, kind)
+            by_model: dict[str, float] = {}
+            for s in families[source].samples if source in families else []:
+                if s.name == source + suffix:
+                    by_model[s.labels.get("model", "")] = by_model.get(s.labels.get("model", ""), 0.0) + s.value
+            for model, value in by_model.items():
+                family.add_sample(name + suffix, {"model_name": model}, value)
+            out.append(family)
     return out
 
 

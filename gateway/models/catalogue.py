@@ -48,7 +48,17 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
         if fake_engines():
             return fake_specs_from_env([(KIND_OF[e.kind], e.name, e.batching) for e in entries])
         return [
-            model_spec(KIND_OF[e.kind], e.source, cfg, name=e.name, device=e.device, dtype=e.dtype, settings=e.batching)
+            model_spec(
+                KIND_OF[e.kind],
+                e.source,
+                cfg,
+                name=e.name,
+                device=e.device,
+                dtype=e.dtype,
+                settings=e.batching,
+                prefix_caching=e.prefix_caching,
+                prefix_cache_mb=e.prefix_cache_mb,
+            )
             for e in entries
         ]
     if fake_engines():
@@ -77,10 +87,13 @@ def model_spec(
     device: str | None = None,
     dtype: str | None = None,
     settings: dict[str, Any] | None = None,
+    prefix_caching: bool | None = None,
+    prefix_cache_mb: int | None = None,
 ) -> ModelSpec:
     """How to load one model of `kind` from `source` (`default`, a Hugging Face id or a local
     path), served as `name` (default: the engine's own: the built-in model's name, or `source`),
-    on `device` / `dtype` (default: `--device` / `--dtype`)."""
+    on `device` / `dtype` (default: `--device` / `--dtype`); a chat model's prefix cache as
+    `prefix_caching` / `prefix_cache_mb` say (default: `--prefix-caching` / `--prefix-cache-mb`)."""
     path = None if source == "default" else source
     device = device or cfg.device
     dtype = dtype or cfg.dtype
@@ -111,7 +124,12 @@ def model_spec(
         from engine.generation import HFGenerationEngine
 
         max_running = cfg.batching_settings(**(settings or {})).max_running
-        options: dict[str, Any] = {"device": device, "dtype": dtype, "torch_threads": cfg.torch_threads or 1}
+        options: dict[str, Any] = {
+            "device": device,
+            "dtype": dtype,
+            "torch_threads": cfg.torch_threads or 1,
+            **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
+        }
         if name is not None:
             options["name"] = name
         if path is None:
@@ -129,6 +147,16 @@ def model_spec(
 
     described = "ferry-tiny-chat (random weights)" if path is None else path
     return ModelSpec(CHAT, load_chat, dict(settings or {}), chat_front, described, name)
+
+
+def prefix_cache_options(cfg: ServerConfig, caching: bool | None, megabytes: int | None) -> dict[str, Any]:
+    """HFGenerationEngine's prefix-cache arguments: a model's own values (a `--config`
+    entry's), else the flags'."""
+    mb = cfg.prefix_cache_mb if megabytes is None else megabytes
+    return {
+        "prefix_caching": cfg.prefix_caching if caching is None else caching,
+        "prefix_cache_bytes": mb * 1024 * 1024,
+    }
 
 
 def fake_specs_from_env(models: list[tuple[ModelKind, str, dict[str, Any]]] | None = None) -> list[ModelSpec]:

@@ -8,6 +8,8 @@
         dtype: float32            # optional: float32, float16, bfloat16, auto (default: --dtype)
         batching:                 # optional: this model's batching knobs (batcher/settings.py)
           max_batch_size: 64
+        prefix_caching: true      # optional, chat only (default: --prefix-caching)
+        prefix_cache_mb: 256      # optional, chat only (default: --prefix-cache-mb)
 
 The schema is a pydantic model that forbids unknown fields; a bad file fails `ferry serve` at
 start with one line naming the file, the model and the field (`ConfigError`). Each model's
@@ -55,6 +57,10 @@ class ModelEntry(BaseModel):
     batching: dict[str, Any] = Field(
         default_factory=dict, description="this model's batching knobs, by name (docs/settings.md)"
     )
+    prefix_caching: bool | None = Field(None, description="a chat model's prefix cache on or off; null: the flag's")
+    prefix_cache_mb: int | None = Field(
+        None, ge=0, description="a chat model's prefix cache memory in MiB (0: off); null: the flag's"
+    )
 
 
 class ConfigFile(BaseModel):
@@ -86,6 +92,12 @@ def load_config(path: str) -> list[ModelEntry]:
         if entry.name in seen:
             raise ConfigError(f"invalid {where}: model {entry.name!r}: field 'name': another model has this name")
         seen.add(entry.name)
+        if entry.kind != "chat":
+            for field in ("prefix_caching", "prefix_cache_mb"):
+                if getattr(entry, field) is not None:
+                    raise ConfigError(
+                        f"invalid {where}: model {entry.name!r}: field {field!r}: only chat models keep a prefix cache"
+                    )
         try:
             BatchingSettings(**entry.batching)
         except SettingsError as exc:

@@ -108,6 +108,10 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
     return json_response(out, headers=timing_headers(items))
 
 
+# How long the usage chunk waits for results that have not come yet (their counts are then 0).
+RESULT_WAIT_S = 5.0
+
+
 def _sse(obj: Any) -> bytes:
     return b"data: " + json_bytes(obj) + b"\n\n"
 
@@ -183,8 +187,19 @@ async def _stream(
             out.append(_sse(chunks.error(index_of[ev.id], err)))
         yield b"".join(out)
     if include_usage:
-        yield _sse(chunks.usage(state.completion_tokens))
+        yield _sse(chunks.usage(state.completion_tokens, await _cached_tokens(work, items)))
     yield b"data: [DONE]\n\n"
+
+
+async def _cached_tokens(work: GenerationWork, items: list[WorkItem]) -> int:
+    """The usage's cached prompt tokens, from the items' results. From an engine core a
+    result follows its item's last tokens in a later message: waited for, briefly."""
+    futures = [item.result_future for item in items]
+    pending = [f for f in futures if not f.done()]
+    if pending:
+        await asyncio.wait(pending, timeout=RESULT_WAIT_S)
+    results = [f.result() if f.done() and not f.cancelled() and not f.exception() else None for f in futures]
+    return work.cached_tokens(results)
 
 
 def _queue_fields(items: list[WorkItem]) -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -104,16 +105,24 @@ class GenerationWork:
             "created": int(time.time()),
             "model": self.model,
             "choices": choices,
-            "usage": self.usage(sum(r.completion_tokens for r in results)),
+            "usage": self.usage(sum(r.completion_tokens for r in results), self.cached_tokens(results)),
         }
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """OpenAI's usage; `prompt_tokens_details.cached_tokens`: of the prompt tokens, those
+        whose KV the engine's prefix cache served (`cached_tokens`)."""
         prompt = sum(len(ids) for ids in self.prompts)  # once per prompt, whatever n is
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
+
+    def cached_tokens(self, results: Sequence[Any]) -> int:
+        """The prompt tokens the prefix cache served, counted as prompt_tokens is: once per
+        prompt, its first candidate's count (an item that failed counts 0)."""
+        return sum(getattr(results[p * self.n], "cached_tokens", 0) for p in range(len(self.prompts)))
 
 
 class StreamChunks:
@@ -196,8 +205,8 @@ class StreamChunks:
         # Text held back under tool_choice "auto" (it might have become a call) goes out with it.
         return self._chunk(k, self._held.pop(k, None), "content_filter", detail)
 
-    def usage(self, completion_tokens: int) -> dict[str, Any]:
-        return {**self._head(), "choices": [], "usage": self.work.usage(completion_tokens)}
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        return {**self._head(), "choices": [], "usage": self.work.usage(completion_tokens, cached_tokens)}
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.object, "created": self.created, "model": self.work.model}

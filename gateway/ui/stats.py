@@ -184,7 +184,7 @@ def model_stats(view: _View, last: _View, info: ModelInfo, seconds: float | None
         latency["ttft"] = _latency(view, "ferry_time_to_first_token_seconds")
         latency["itl"] = _latency(view, "ferry_inter_token_latency_seconds")
     phases = sorted({dict(k).get("phase") or "" for k in view.now.get("ferry_batch_size_items_count", {})})
-    return {
+    out: dict[str, Any] = {
         "name": info.name,
         "kind": info.kind,
         "rates": {
@@ -212,6 +212,17 @@ def model_stats(view: _View, last: _View, info: ModelInfo, seconds: float | None
         "cost": _cost(view, last, info),
         "config_changes": view.current("ferry_config_changes_total"),
     }
+    if info.kind == "chat":
+        out["prefix_cache"] = _prefix_cache(view)
+    return out
+
+
+def _prefix_cache(view: _View) -> dict[str, float | None]:
+    """Prompt tokens of the sequences prefilled in the window, those the prefix cache served,
+    and their share (None without prompts)."""
+    queries = view.delta("ferry_prefix_cache_queries_total")
+    hits = view.delta("ferry_prefix_cache_hits_total")
+    return {"queries": queries, "hits": hits, "hit_rate": hits / queries if queries > 0 else None}
 
 
 class StatsRing:

@@ -76,6 +76,14 @@ def test_two_conversations_one_request_in_prompt_order(server, client):
     assert requests_total(server, "/v1/chat/completions", CHAT) == 1  # ONE request for both prompts
 
 
+def test_usage_tells_the_prompt_tokens_the_server_had_cached(client):
+    """The fake engine serves the whole 16-token blocks an earlier prompt shared."""
+    (first,) = client.chat(CHAT, [CONV_A], max_completion_tokens=1)
+    (again,) = client.chat(CHAT, [CONV_A], max_completion_tokens=1)
+    assert first.usage.cached_tokens == 0
+    assert again.usage.cached_tokens == 48 and again.usage.prompt_tokens == 53  # three whole blocks of 16
+
+
 def test_three_conversations_keep_prompt_order_and_their_own_max_tokens(server, client):
     responses = client.chat(CHAT, [CONV_A, CONV_B, CONV_C], max_completion_tokens=[8, 2, 5])
     assert [r.prompt_index for r in responses] == [0, 1, 2]

@@ -106,6 +106,11 @@ def test_a_role_the_template_refuses_is_a_422_before_the_engine(real_server):
     assert err["message"].endswith("Unsupported role: tool")  # the template's own words
 
 
+def uncached(usage: dict | None) -> dict | None:
+    """Usage without its cached tokens, which depend on what the server computed before."""
+    return None if usage is None else {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
 def test_stop_strings_through_an_engine_core_are_those_of_one_process(real_server):
     """The real tiny model in an engine core: the core sends token ids only, the front end
     detokenizes and cuts at the stop strings; the answers are those of one process."""
@@ -134,7 +139,7 @@ def test_stop_strings_through_an_engine_core_are_those_of_one_process(real_serve
         out = []
         for b in bodies:
             r = httpx.post(base + url, json=b, timeout=60).json()
-            out.append(([(c["message"]["content"], c["finish_reason"]) for c in r["choices"]], r["usage"]))
+            out.append(([(c["message"]["content"], c["finish_reason"]) for c in r["choices"]], uncached(r["usage"])))
             chunks: dict[int, list] = {}
             usage = None
             stream = {**b, "stream": True, "stream_options": {"include_usage": True}}
@@ -144,7 +149,7 @@ def test_stop_strings_through_an_engine_core_are_those_of_one_process(real_serve
                         chunk = json.loads(line.removeprefix("data: "))
                         for c in chunk["choices"]:
                             chunks.setdefault(c["index"], []).append(c)
-                        usage = chunk.get("usage") or usage
+                        usage = uncached(chunk.get("usage")) or usage
             streamed = [
                 ("".join(c["delta"].get("content") or "" for c in chunks[k]), chunks[k][-1]["finish_reason"])
                 for k in sorted(chunks)
@@ -163,3 +168,61 @@ def test_stop_strings_through_an_engine_core_are_those_of_one_process(real_serve
     assert [finish for _, finish in greedy] == ["stop"] * 4  # each cut at its stop string
     assert all(stops[k // 2][0] not in text for k, (text, _) in enumerate(greedy))
     assert local[0] == local[1]  # streamed as answered
+
+
+SYSTEM = (
+    "You are the harbour master of a busy ferry port. Answer travellers' questions about "
+    "timetables, tickets, luggage and the weather at sea, politely and in few words."
+)
+
+
+def test_a_shared_system_prompt_is_served_from_the_prefix_cache(real_server, tmp_path):
+    """Two conversations with one long system prompt: the second's usage counts the prompt
+    tokens the model's prefix cache served (through its engine core, whole and streamed, and
+    in /metrics), and its greedy answer is the one a server without prefix caching gives."""
+    from prometheus_client import CollectorRegistry
+
+    from gateway.app import create_app
+    from gateway.config import ServerConfig
+    from gateway.metrics.registry import GatewayMetrics
+    from tests.live import live
+
+    def body(question: str) -> dict:
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+        return {"model": MODEL, "messages": messages, "max_tokens": 12, "temperature": 0}
+
+    def metric(url: str, name: str) -> float:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(url + "/metrics", timeout=30).text
+        return sum(
+            s.value
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
+            if s.name == name and s.labels.get("model") == MODEL
+        )
+
+    url = "/v1/chat/completions"
+    questions = ("When does the first boat to the island leave?", "May I bring a bicycle?")
+    hits_before = metric(real_server.url, "ferry_prefix_cache_hits_total")
+    first, second = (httpx.post(real_server.url + url, json=body(q), timeout=60).json() for q in questions)
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 16 <= cached < second["usage"]["prompt_tokens"] and cached % 16 == 0
+    assert metric(real_server.url, "ferry_prefix_cache_hits_total") - hits_before >= cached
+    # The official client reads it where OpenAI puts it, from the stream's usage chunk too.
+    c = client(real_server)
+    stream = c.chat.completions.create(**body(questions[1]), stream=True, stream_options={"include_usage": True})
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None][-1]
+    assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= cached
+
+    cfg = ServerConfig(
+        embedding_model="none", engine_cores=False, prefix_caching=False, warmup=False, data_dir=str(tmp_path)
+    )
+    with live(create_app(cfg, metrics=GatewayMetrics(CollectorRegistry())), ready_timeout=300) as off:
+        plain = [httpx.post(off.url + url, json=body(q), timeout=60).json() for q in questions]
+        assert metric(off.url, "ferry_prefix_cache_hits_total") == 0
+    assert [p["usage"]["prompt_tokens_details"]["cached_tokens"] for p in plain] == [0, 0]
+    assert [p["choices"][0]["message"]["content"] for p in plain] == [
+        first["choices"][0]["message"]["content"],
+        second["choices"][0]["message"]["content"],
+    ]

@@ -127,6 +127,15 @@ def _check_page(d, server) -> None:
                message="observed batches on the embeddings cost chart")  # fmt: skip
     assert _severe(d) == []
 
+    # The chat model's prefix cache hit rate (the load repeats one prompt); none for embeddings.
+    def prefix_cache(section) -> list[str]:
+        panels = section.find_elements(By.CSS_SELECTOR, ".panel")
+        found = [p for p in panels if p.find_element(By.TAG_NAME, "h3").text.startswith("Prefix cache")]
+        return [td.text for p in found for td in p.find_elements(By.CSS_SELECTOR, "td.num")][:1]
+
+    wait_until(lambda: prefix_cache(chat) and prefix_cache(chat)[0].endswith("%"), message="the hit rate shown")
+    assert prefix_cache(embed) == []
+
     # No token: the knobs are read-only.
     size = chat.find_element(By.CSS_SELECTOR, "input[name=max_batch_size]")
     apply = chat.find_element(By.CSS_SELECTOR, "button.apply")

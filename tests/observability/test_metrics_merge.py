@@ -72,3 +72,29 @@ def test_vllm_compat_gauges_sum_each_model_and_label_it_model_name():
     }
     assert "# TYPE vllm:kv_cache_usage_perc gauge" in text
     assert "vllm:" not in merged_exposition(r, []).decode()  # only when asked
+
+
+def test_vllm_compat_prefix_cache_counters_are_ferrys_by_model_name():
+    """`vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` are counters as vLLM exports
+    them (`..._total`, label `model_name`), with Ferry's values, engine cores' included."""
+    r = CollectorRegistry()
+    Counter("ferry_prefix_cache_queries_total", "Queries.", ["model"], registry=r).labels("a").inc(100)
+    Counter("ferry_prefix_cache_hits_total", "Hits.", ["model"], registry=r).labels("a").inc(64)
+    core = CollectorRegistry()
+    Counter("ferry_prefix_cache_queries_total", "Queries.", ["model"], registry=core).labels("b").inc(10)
+    Counter("ferry_prefix_cache_hits_total", "Hits.", ["model"], registry=core).labels("b")
+    text = merged_exposition(r, [generate_latest(core).decode()], compat="vllm").decode()
+    got = {
+        (s.name, s.labels.get("model_name")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("vllm:prefix")
+    }
+    assert got == {
+        ("vllm:prefix_cache_queries_total", "a"): 100,
+        ("vllm:prefix_cache_queries_total", "b"): 10,
+        ("vllm:prefix_cache_hits_total", "a"): 64,
+        ("vllm:prefix_cache_hits_total", "b"): 0,
+    }
+    assert "# TYPE vllm:prefix_cache_hits_total counter" in text
+    assert "vllm:prefix" not in merged_exposition(r, []).decode()

@@ -90,6 +90,8 @@ def check_saturated(url: str) -> None:
         assert m["vllm:num_requests_waiting"]["fake-chat"] == waiting
         assert m["vllm:num_requests_running"]["fake-chat"] == MAX_RUNNING
         assert m["vllm:kv_cache_usage_perc"]["fake-chat"] == ratio
+        for counter in ("prefix_cache_queries_total", "prefix_cache_hits_total"):  # vLLM's counters too
+            assert m["vllm:" + counter]["fake-chat"] == m["ferry_" + counter]["fake-chat"]
         assert m["ferry_kv_cache_usage_ratio"]["fake-embed"] == 0  # embeddings keep no KV cache
         assert m["vllm:num_requests_waiting"]["fake-embed"] == 0
 

@@ -197,6 +197,50 @@ def test_generation_scheduler_metrics_after_a_known_sequence():
     assert late.outcome.name == "EXPIRED"
 
 
+def test_prefix_cache_counters_after_a_known_sequence():
+    """Each prefilled sequence adds its prompt tokens to the queries and its cached tokens
+    (the fake engine's: the whole 16-token blocks an earlier prefill saw, never the last
+    token) to the hits; its result carries its own count."""
+
+    async def scenario():
+        clock = FakeClock()
+        registry = CollectorRegistry()
+        engine = FakeGenerationEngine(fail_prompts={99})
+        settings = BatchingSettings(max_running=4, max_wait_ms=0, default_budget_ms=None)
+        s = GenerationScheduler(
+            "g",
+            engine,
+            SimulatedEngineThread(clock, engine, STEP, 0.0),
+            settings,
+            make_request=sequence_request,
+            clock=clock,
+            metrics=Metrics(registry),
+        )
+        v = Reader(registry)
+        created = (v("ferry_prefix_cache_queries_total", model="g"), v("ferry_prefix_cache_hits_total", model="g"))
+        await s.start()
+        shared = list(range(1, 41))  # 40 tokens: two whole blocks and 8 more
+
+        def run(prompt: list[int]):
+            return s.submit(GenRequest(prompt, SamplingParams(max_tokens=2, temperature=0.0)), cost=len(prompt))
+
+        items = [run([*shared, 41, 42])]  # 42 tokens, nothing cached yet
+        await clock.run_until_idle()
+        items.append(run([*shared, 50]))  # 41 tokens: its first two blocks are the first's
+        items.append(run(list(range(1, 17))))  # 16 tokens: one block, but the last token is never served
+        failed = run([99, *shared])  # its prefill fails: not counted
+        await clock.run_until_idle()
+        await s.stop()
+        return created, v, [i.future.result().cached_tokens for i in items], failed
+
+    created, v, cached, failed = asyncio.run(scenario())
+    assert created == (0, 0)  # there from the start, at zero
+    assert cached == [0, 32, 0]
+    assert failed.outcome.name == "ERROR"
+    assert v("ferry_prefix_cache_queries_total", model="g") == 42 + 41 + 16
+    assert v("ferry_prefix_cache_hits_total", model="g") == 32
+
+
 def test_gateway_request_metrics_after_a_known_sequence(fake_server_factory):
     budget_ms, patched_wait_ms = 3_000_000, 7
     s = fake_server_factory(

@@ -280,6 +280,7 @@
     view.dispatch = panel("Dispatch reasons (last 10 s)");
     view.refusals = panel("Rejections and expiries (last 10 s)");
     view.slo = panel("SLO attainment (last 10 s)");
+    if (model.kind === "chat") view.prefix = panel("Prefix cache (last 10 s)");
     knobForm(view, panels);
     const marksPanel = panel("Knob changes (dashed lines on the charts)");
     view.marksList = el("ol", { class: "marks" });
@@ -316,6 +317,14 @@
     table(view.slo, Object.entries(model.slo).map(([k, v]) => [
       k, v.attainment === null ? "–" : fmt(100 * v.attainment, 1) + " %", fmt(v.met, 0) + " met", fmt(v.missed, 0) + " missed",
     ]));
+    if (view.prefix && model.prefix_cache) {
+      const pc = model.prefix_cache;
+      table(view.prefix, [
+        ["hit rate", pc.hit_rate === null ? "–" : fmt(100 * pc.hit_rate, 1) + " %"],
+        ["prompt tokens", fmt(pc.queries, 0)],
+        ["from the cache", fmt(pc.hits, 0)],
+      ]);
+    }
     // A change (from this page or anyone else's PATCH) shows as a mark on every time chart.
     if (view.lastChanges !== null && model.config_changes > view.lastChanges) {
       const text = knobDiff(view.lastKnobs, model.knobs);

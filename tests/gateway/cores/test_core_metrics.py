@@ -5,6 +5,7 @@ the server shows the batching series of every core once each, next to the server
 from __future__ import annotations
 
 import collections
+import json
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -113,3 +114,31 @@ def test_the_live_page_shows_the_cores_figures_settings_and_fitted_cost_models()
         fit = embed["cost"]["embed"]
         assert fit["observations"] >= len(inputs) and fit["predicted"] and fit["observed"]["batches"] >= 1
         assert {m["name"] for m in stats["models"]} == set(MODELS)
+
+
+def test_cached_prompt_tokens_cross_from_the_core_to_usage_and_metrics():
+    """The fake engine in the chat core serves the whole 16-token blocks a prompt shares with
+    one it prefilled before (`<system>` + 40 characters + `<user>`: three blocks); the count
+    reaches each response's usage (streamed too), the core's prefix-cache counters and,
+    with `--metrics-compat vllm`, vLLM's names."""
+    system = {"role": "system", "content": "You are the harbour master of Ferry port"}
+    with serve("--engine-cores", "--metrics-compat", "vllm") as gw:
+        usages = []
+        for question in ("When does the first boat leave?", "And the last?"):
+            body = chat_body(question, max_tokens=2, messages=[system, {"role": "user", "content": question}])
+            r = httpx.post(gw.url + CHAT, json=body, timeout=30)
+            assert r.status_code == 200
+            usages.append(r.json()["usage"])
+        stream = {"stream": True, "stream_options": {"include_usage": True}}
+        body = chat_body("on time?", max_tokens=2, messages=[system, {"role": "user", "content": "On time?"}], **stream)
+        with httpx.stream("POST", gw.url + CHAT, json=body, timeout=30) as r:
+            chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+        usages.append(json.loads(chunks[-1].removeprefix("data: "))["usage"])
+        assert [u["prompt_tokens_details"]["cached_tokens"] for u in usages] == [0, 48, 48]
+
+        _, samples = scrape(gw.url)
+        queries = value(samples, "ferry_prefix_cache_queries_total", model="fake-chat")
+        assert queries == sum(u["prompt_tokens"] for u in usages)
+        assert value(samples, "ferry_prefix_cache_hits_total", model="fake-chat") == 96
+        assert value(samples, "vllm:prefix_cache_queries_total", model_name="fake-chat") == queries
+        assert value(samples, "vllm:prefix_cache_hits_total", model_name="fake-chat") == 96

@@ -91,6 +91,13 @@ def test_the_shipped_example_is_valid():
             "model 'a'",
             "field 'name': another model has this name",
         ),
+        (
+            "models:\n  - {name: a, kind: embeddings, prefix_cache_mb: 64}\n",
+            "model 'a'",
+            "field 'prefix_cache_mb': only chat models keep a prefix cache",
+        ),
+        ("models:\n  - {name: a, kind: chat, prefix_cache_mb: -1}\n", "model 'a'", "field 'prefix_cache_mb'"),
+        ("models:\n  - {name: a, kind: chat, prefix_caching: 'no'}\n", "model 'a'", "field 'prefix_caching'"),
         ("models: []\n", "", "field 'models'"),
         ("model:\n  - {name: a, kind: chat}\n", "", "field 'model': unknown field"),
     ],
@@ -154,9 +161,43 @@ def test_the_name_reaches_the_engine(tmp_path):
     (so do responses, /v1/models and metric labels, which read the engine's name)."""
     from engine.tiny_chat import ensure_tiny_chat
 
-    cfg = ServerConfig(embedding_model="none", chat_model=ensure_tiny_chat(), served_model_name="tiny", device="cpu")
+    cfg = ServerConfig(
+        embedding_model="none",
+        chat_model=ensure_tiny_chat(),
+        served_model_name="tiny",
+        device="cpu",
+        prefix_cache_mb=64,
+    )
     (spec,) = default_specs(cfg)
-    assert spec.load().name == "tiny"
+    engine = spec.load()
+    assert engine.name == "tiny"
+    assert engine.prefix_cache_stats()["max_bytes"] == 64 * 1024 * 1024  # --prefix-cache-mb reaches it too
+
+
+def test_a_chat_model_s_prefix_cache_is_its_entry_s_or_the_flags(tmp_path, monkeypatch):
+    """--prefix-caching and --prefix-cache-mb, over which a chat model's own entry wins."""
+    import engine.generation
+
+    monkeypatch.delenv("FERRY_FAKE_ENGINES", raising=False)
+    made: dict[str, dict] = {}
+
+    class Recorder:
+        def __init__(self, path: str, **options):
+            made[path] = options
+
+    monkeypatch.setattr(engine.generation, "HFGenerationEngine", Recorder)
+    text = """
+models:
+  - {name: own, kind: chat, source: /m/own, prefix_caching: true, prefix_cache_mb: 32}
+  - {name: zero, kind: chat, source: /m/zero, prefix_cache_mb: 0}
+  - {name: flags, kind: chat, source: /m/flags}
+"""
+    _, cfg = from_args(["serve", "--config", write(tmp_path, text), "--no-prefix-caching", "--prefix-cache-mb", "512"])
+    for spec in default_specs(cfg):
+        spec.load()
+    mib = 1024 * 1024
+    got = {path: (o["prefix_caching"], o["prefix_cache_bytes"]) for path, o in made.items()}
+    assert got == {"/m/own": (True, 32 * mib), "/m/zero": (False, 0), "/m/flags": (False, 512 * mib)}
 
 
 CONFIG = """

@@ -97,6 +97,37 @@ def test_streaming_is_demultiplexed_by_prompt_index(fake_server_factory):
     assert finish == {0: "length", 1: "length"}
 
 
+def test_usage_counts_the_prompt_tokens_served_from_the_prefix_cache(fake_server_factory):
+    """The fake engine serves the whole 16-token blocks a prompt shares with one it
+    prefilled before: `<system>` + a 40-character system prompt + `<user>` is 54 tokens,
+    three whole blocks."""
+    s = fake_server_factory()
+    system = {"role": "system", "content": "You are the harbour master of Ferry port"}
+    assert len(system["content"]) == 40
+
+    def conv(question: str) -> list:
+        return [system, {"role": "user", "content": question}]
+
+    first = chat(s, messages=conv("When does the first boat leave?"), max_tokens=2).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = chat(s, messages=conv("And the last?"), max_tokens=2).json()["usage"]
+    assert second["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert second["prompt_tokens"] == 54 + len("And the last?") + len("<assistant>")
+    body = {"messages": conv("Is it on time?"), "max_tokens": 2, "stream": True}
+    with httpx.stream(
+        "POST",
+        s.url + "/v1/chat/completions",
+        json={"model": "fake-chat", **body, "stream_options": {"include_usage": True}},
+    ) as r:
+        events = sse_events(r)
+    assert events[-2]["usage"]["prompt_tokens_details"] == {"cached_tokens": 48}
+    completion = httpx.post(
+        s.url + "/v1/completions",
+        json={"model": "fake-chat", "prompt": "<system>" + system["content"], "max_tokens": 1},
+    ).json()
+    assert completion["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}  # 48 tokens: the last is never served
+
+
 def test_n_candidates_per_prompt(fake_server_factory):
     s = fake_server_factory()
     r = chat(s, messages=[CONV_A, CONV_B], n=2, max_tokens=2)

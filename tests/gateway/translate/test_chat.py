@@ -161,8 +161,11 @@ def test_one_item_per_prompt_and_candidate_prompt_major_with_distinct_seeds():
     assert work.payloads[0].params is not work.payloads[1].params
 
 
-def _result(text: str, finish: str, tokens: int) -> GenResult:
-    return GenResult(text, finish, 0, tokens)
+def _result(text: str, finish: str, tokens: int, cached: int = 0) -> GenResult:
+    return GenResult(text, finish, 0, tokens, cached)
+
+
+NO_CACHE = {"prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_response_body():
@@ -188,7 +191,7 @@ def test_chat_response_body():
         },
     ]
     prompt = len(work.prompts[0]) + len(work.prompts[1])
-    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3}
+    assert body["usage"] == {"prompt_tokens": prompt, "completion_tokens": 3, "total_tokens": prompt + 3, **NO_CACHE}
 
 
 def test_completions_response_counts_each_prompt_once_whatever_n():
@@ -197,7 +200,21 @@ def test_completions_response_counts_each_prompt_once_whatever_n():
     assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert [list(c) for c in body["choices"]] == [["index", "prompt_index", "text", "finish_reason", "logprobs"]] * 2
     assert [c["text"] for c in body["choices"]] == ["a", "b"]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5, **NO_CACHE}
+
+
+def test_cached_tokens_count_once_per_prompt_as_prompt_tokens_do():
+    """Each prompt's first candidate's count: its candidates share its prompt, which
+    prompt_tokens counts once too."""
+    work = generation_work(completion_body(prompt=["a" * 40, "b" * 20], n=2, max_tokens=1), FakeGenerationEngine(), CFG)
+    results = [_result("x", "length", 1, cached) for cached in (32, 32, 16, 0)]
+    assert work.response(results)["usage"] == {
+        "prompt_tokens": 60,
+        "completion_tokens": 4,
+        "total_tokens": 64,
+        "prompt_tokens_details": {"cached_tokens": 32 + 16},
+    }
+    assert work.cached_tokens([None, None, _result("x", "length", 1, 16), None]) == 16  # failed items: 0
 
 
 def test_chat_stream_chunks_carry_the_role_once_then_content():
@@ -251,5 +268,6 @@ def test_usage_chunk_has_no_choices():
         "created": chunks.created,
         "model": "fake-chat",
         "choices": [],
-        "usage": {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5},
+        "usage": {"prompt_tokens": prompt, "completion_tokens": 5, "total_tokens": prompt + 5, **NO_CACHE},
     }
+    assert chunks.usage(5, 16)["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}

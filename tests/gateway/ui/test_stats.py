@@ -172,7 +172,10 @@ def test_chat_figures_after_a_known_sequence():
     assert m["kind"] == "chat" and m["latency"]["ttft"] is None and m["latency"]["itl"] is None
     assert m["queue"]["running"] == 0
 
+    assert m["prefix_cache"] == {"queries": 0, "hits": 0, "hit_rate": None}  # no prompt yet
+
     m = running["models"][0]
+    assert m["prefix_cache"] == {"queries": 6, "hits": 0, "hit_rate": 0.0}  # two 3-token prompts, nothing cached
     assert m["queue"]["running"] == 2 and m["queue"]["waiting"] == 0 and m["queue"]["depth"] == 0
     assert m["rates"]["arrivals"] == pytest.approx(2 / 0.020)  # both held, none ended yet
     # Both first tokens came 15 ms after arrival, in the bucket (10, 25] ms: p50 (rank 1 of 2)
@@ -214,3 +217,20 @@ def test_stats_over_an_engine_core_match_those_of_the_core_itself():
     assert merged["dispatch"]["full"] == 3
     assert {b["le"]: b["count"] for b in merged["batch_sizes"]["embed"]}["4"] == 1
     assert merged["latency"]["request"]["count"] == 3  # the server's own histogram, beside the core's
+
+
+def test_the_prefix_cache_hit_rate_is_over_the_window_for_chat_models_only():
+    metrics = Metrics(CollectorRegistry())
+    metrics.init_prefix_cache("c")
+    chat = ModelInfo("c", "chat", BatchingSettings().to_dict(), None)
+    embed = ModelInfo("e", "embedding", BatchingSettings().to_dict(), None)
+    clock = FakeClock()
+    ring = StatsRing(clock=clock.now)
+    metrics.prefix_cache_queries.labels("c").inc(1000)  # before the window
+    ring.stats(metrics.registry.collect(), [chat, embed])
+    asyncio.run(clock.advance(1.0))
+    metrics.prefix_cache_queries.labels("c").inc(200)
+    metrics.prefix_cache_hits.labels("c").inc(150)
+    c, e = ring.stats(metrics.registry.collect(), [chat, embed])["models"]
+    assert c["prefix_cache"] == {"queries": 200, "hits": 150, "hit_rate": 0.75}
+    assert "prefix_cache" not in e
