@@ -31,7 +31,7 @@ from .openloop import free_port
 WORDS = ("ferry", "harbour", "tide", "river", "boat", "crossing", "dock", "pier", "wake", "channel", "current")
 
 
-def system_prompt(words: int = 600) -> str:
+def system_prompt(words: int = 255) -> str:
     """A long, deterministic system prompt (~690 tokens of ferry-tiny-chat's tokenizer)."""
     return "You are the harbour's assistant. " + " ".join(WORDS[(i * 7) % len(WORDS)] for i in range(words))
 
