@@ -48,12 +48,14 @@ class IterationResult:
             )
         if requests:
             tokens = TokenCount.of([len(q.prompt_ids) for q in requests])
+            # What the prefill computed: each prompt less what the prefix cache served.
+            computed = TokenCount.of([len(q.prompt_ids) - self.cached.get(q.seq_id, 0) for q in requests])
             m.batch_size.labels(model, "prefill").observe(len(requests))
             m.batch_tokens.labels(model, "prefill").observe(tokens.real)
             m.padding.labels(model, "prefill").observe(tokens.padding_ratio)
             m.batch_seconds.labels(model, "prefill").observe(self.prefill_seconds)
             m.cost_error.labels(model, "prefill").observe(
-                costs["prefill"].observe(len(requests), tokens.padded, self.prefill_seconds)
+                costs["prefill"].observe(len(requests), computed.padded, self.prefill_seconds)
             )
             m.slowdown.labels(model, "prefill").set(costs["prefill"].slowdown)
             m.prompt_tokens.labels(model).inc(tokens.real)
@@ -99,7 +101,10 @@ def profile(engine: SteppingEngine, make_request: MakeRequest, prompt: list[int]
     for n in WARMUP_SIZES:
         ids = list(range(next_id, next_id - n, -1))
         next_id -= n
-        reqs = [make_request(i, prompt, None) for i in ids]
+        # Every row a different rotation of the prompt: no row shares a prefix with another,
+        # here or in an earlier group, so a prefix cache serves none and the seed is what
+        # an uncached prompt costs.
+        reqs = [make_request(i, _rotated(prompt, -i), None) for i in ids]
         t0 = time.perf_counter()
         engine.add(reqs)
         obs.append(("prefill", n, n * len(prompt), time.perf_counter() - t0))
@@ -109,3 +114,8 @@ def profile(engine: SteppingEngine, make_request: MakeRequest, prompt: list[int]
             obs.append(("decode", n, 0, time.perf_counter() - t0))
         engine.remove(ids)
     return obs
+
+
+def _rotated(prompt: list[int], k: int) -> list[int]:
+    k %= len(prompt)
+    return prompt[k:] + prompt[:k]

@@ -97,3 +97,8 @@ class SteppingEngine(Protocol):
 
     def remove(self, seq_ids: Sequence[int]) -> None:
         """Drop sequences; unknown ids are ignored."""
+
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens a prefill would serve from the engine's prefix cache now (0 without
+        one): the scheduler prices a prompt by the rest. Called from the event loop, not
+        the worker thread, so it only reads, and may be stale by the time the prompt runs."""

@@ -90,6 +90,12 @@ class GenerationScheduler(QueueingBatcher):
         return now + self.decode_cost.predict(len(self._running)) if self._running else now
 
     def submit_many(self, payloads: list[Any], **kw: Any) -> list[WorkItem]:
+        costs = kw.get("costs") or [kw.pop("cost", 1)] * len(payloads)
+        if len(costs) == len(payloads):
+            # A prompt is priced by the tokens its prefill will compute: admission and the
+            # time-to-first-token prediction then see a cached prefix as the cheap prompt it is.
+            cached = [self.engine.cached_prefix(p.prompt_ids) for p in payloads]
+            kw["costs"] = [max(1, c - k) for c, k in zip(costs, cached, strict=True)]
         items = super().submit_many(payloads, **kw)
         self._slots.submitted(items)
         return items

@@ -108,6 +108,10 @@ class GenerationEngine(Protocol):
     def remove(self, seq_ids: Sequence[int]) -> None:
         """Drop sequences (cancellation); unknown ids are ignored. Frees their cache."""
 
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens its prefix cache would serve now (0 without one); only reads."""
+        ...
+
     @property
     def running(self) -> int:
         """Number of sequences in the running set."""

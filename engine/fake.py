@@ -298,6 +298,9 @@ class FakeGenerationEngine:
             keys.append(key)
         return keys
 
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        return self._cached(prompt_ids)
+
     def _cached(self, prompt: Sequence[int]) -> int:
         if self.prefix_block < 1:
             return 0

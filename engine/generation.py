@@ -129,6 +129,12 @@ class HFGenerationEngine:
     def running_ids(self) -> list[int]:
         return [seq.seq_id for seq in self._batch.seqs]
 
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens a prefill would serve from the prefix cache now; changes nothing
+        (read from the event loop while the worker thread may store: an estimate)."""
+        cache = self._prefiller.prefix_cache
+        return 0 if cache is None else cache.cached_blocks(prompt_ids) * cache.block
+
     def prefix_cache_stats(self) -> dict[str, int]:
         """queries and hits (prompt tokens looked up, and served from the cache), used_bytes,
         max_bytes, blocks; all 0 with prefix caching off."""

@@ -554,3 +554,55 @@ def test_a_tpot_target_is_served_best_effort_when_asked():
         await r.sched.stop()
 
     run(scenario())
+
+
+def test_a_prompt_is_priced_by_the_tokens_its_prefill_computes():
+    """A prompt whose prefix the engine's cache holds is admitted and timed as the cheap
+    prompt it is; the same length uncached is refused at once for the same budget."""
+
+    async def scenario():
+        r = GenRig(max_batch_size=4, max_wait_ms=0)
+        r.seed_decode_cost()
+        per_token = 0.001  # prefill: STEP + 1 ms per computed token
+        r.sched.prefill_cost._fit = LinearCost(STEP, 0.0, per_token)
+        await r.sched.start()
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        system = [7 + i % 50 for i in range(384)]  # 24 blocks of 16 tokens
+        first = r.sched.submit(GenRequest([*system, *range(100, 116)], params), cost=400, budget=10.0)
+        await r.clock.run_until_idle()
+        assert first.future.result().completion_tokens == 2  # its blocks are in the cache now
+        block = r.engine.prefix_block
+        later = GenRequest([*system, *range(200, 216)], params)
+        assert r.engine.cached_prefix(later.prompt_ids) == len(system) // block * block
+        # 400 tokens uncached predict STEP + 0.4 s to the first token; 16 computed, STEP + 16 ms.
+        budget = 0.1
+        cheap = r.sched.submit(later, cost=400, budget=budget)
+        assert cheap.cost == 400 - len(system)
+        with pytest.raises(DeadlineInfeasible):
+            r.sched.submit(GenRequest([*range(300, 700)], params), cost=400, budget=budget)
+        await r.clock.run_until_idle()
+        assert cheap.future.result().completion_tokens == 2
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_the_warm_up_profile_measures_prefills_the_prefix_cache_cannot_serve():
+    """The seed of the prefill cost model is what an uncached prompt costs: no row of the
+    profile shares a prefix with another, in its group or an earlier one."""
+    from batcher.iteration import WARMUP_SIZES, profile
+
+    engine = FakeGenerationEngine()
+    served: list[int] = []
+    add = engine.add
+
+    def counting_add(requests):
+        outputs = add(requests)
+        served.extend(o.cached_tokens for o in outputs)
+        return outputs
+
+    engine.add = counting_add
+    prompt = list(range(10, 10 + 3 * engine.prefix_block + 5))  # three whole blocks and more
+    obs = profile(engine, sequence_request, prompt)
+    assert len(served) == sum(WARMUP_SIZES) and served == [0] * len(served)
+    assert [o[2] for o in obs if o[0] == "prefill"] == [n * len(prompt) for n in WARMUP_SIZES]
