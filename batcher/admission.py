@@ -103,7 +103,9 @@ def predicted_first_token(
     next iteration boundary, else the one a running sequence frees at its token limit (an
     upper bound: EOS or a stop string ends it sooner). The prompts ahead take slots first,
     each holding it for a typical sequence's time; batch-class prompts also leave
-    `interactive_slots` free. Then its prefill, in a group of at most max_batch_size."""
+    `interactive_slots` free. Then its prefill, in a group of at most max_batch_size; with
+    token-budgeted steps a group over `prefill_chunk` tokens takes a chunk an iteration, each
+    further chunk behind a decode step."""
     ahead = items_ahead(q, item) + siblings
     if item.priority is not Priority.INTERACTIVE:
         ahead += load.interactive_slots
@@ -115,7 +117,11 @@ def predicted_first_token(
         heapq.heappush(slots, heapq.heappop(slots) + load.sequence_seconds)
     group = min(ahead + 1, s.max_batch_size)
     tokens = max(item.cost, 1)
-    return max(slots[0], now) + cost.predict(group, group * tokens)
+    prefill = cost.predict(group, group * tokens)
+    if load.prefill_chunk is not None and group * tokens > load.prefill_chunk:
+        further = math.ceil(group * tokens / load.prefill_chunk) - 1
+        prefill += further * (load.chunk_step + cost.predict(1, 0))
+    return max(slots[0], now) + prefill
 
 
 def check(

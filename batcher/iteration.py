@@ -12,11 +12,27 @@ from dataclasses import dataclass, field
 from .cost import CostModel
 from .isolation import split_in_halves
 from .metrics import Metrics
-from .protocols import MakeRequest, PrefillRequest, SequenceStep, SteppingEngine
+from .protocols import ChunkingEngine, MakeRequest, PrefillRequest, SequenceStep, SteppingEngine
+from .settings import BatchingSettings
 from .types import TokenCount
 
 WARMUP_SIZES = (1, 4, 8)
+MIN_CHUNK = 32  # prompt tokens a budgeted prefill computes at least per step, whatever the decode rows
 WARMUP_PROMPT = "Ferry warms up the engine with an ordinary prompt."
+
+
+@dataclass(slots=True)
+class PrefillWork:
+    """What an iteration's prefill did: rows (prompts or chunks), their tokens (the batch
+    metric's: whole prompts, or the chunks fed), what its forwards computed (real, and
+    padded to each forward's widest row: the cost model's), and the prompt tokens looked
+    up in the prefix cache and served by it."""
+
+    rows: int = 0
+    tokens: TokenCount = field(default_factory=lambda: TokenCount(0, 0))
+    computed: TokenCount = field(default_factory=lambda: TokenCount(0, 0))
+    queried: int = 0
+    hits: int = 0
 
 
 @dataclass(slots=True)
@@ -26,8 +42,9 @@ class IterationResult:
     prefill_seconds: float
     decode_seconds: float
     decoded_rows: int
-    # Of each sequence prefilled now (its prefill succeeded): prompt tokens the prefix cache served.
+    # Of each sequence whose prefill finished now: prompt tokens the prefix cache served.
     cached: dict[int, int] = field(default_factory=dict)
+    prefill: PrefillWork = field(default_factory=PrefillWork)
 
     def apportion(self, total: float) -> None:
         """Charge the iteration's clock time (thread hop included) to its two phases, in the
@@ -39,38 +56,73 @@ class IterationResult:
         self.decode_seconds, self.prefill_seconds = total * share, total * (1.0 - share)
 
     def record(self, requests: list[PrefillRequest], m: Metrics, model: str, costs: dict[str, CostModel]) -> None:
-        """Each phase's batch metrics, and its measured time to its cost model."""
+        """Each phase's batch metrics, and its measured time to its cost model; the new
+        prompts' tokens to the prompt counter."""
         if self.decoded_rows:
             m.batch_size.labels(model, "decode").observe(self.decoded_rows)
             m.batch_seconds.labels(model, "decode").observe(self.decode_seconds)
             m.cost_error.labels(model, "decode").observe(
                 costs["decode"].observe(self.decoded_rows, 0, self.decode_seconds)
             )
-        if requests:
-            tokens = TokenCount.of([len(q.prompt_ids) for q in requests])
-            # What the prefill computed: each prompt less what the prefix cache served.
-            computed = TokenCount.of([len(q.prompt_ids) - self.cached.get(q.seq_id, 0) for q in requests])
-            m.batch_size.labels(model, "prefill").observe(len(requests))
-            m.batch_tokens.labels(model, "prefill").observe(tokens.real)
-            m.padding.labels(model, "prefill").observe(tokens.padding_ratio)
+        work = self.prefill
+        if work.rows:
+            m.batch_size.labels(model, "prefill").observe(work.rows)
+            m.batch_tokens.labels(model, "prefill").observe(work.tokens.real)
+            m.padding.labels(model, "prefill").observe(work.tokens.padding_ratio)
             m.batch_seconds.labels(model, "prefill").observe(self.prefill_seconds)
             m.cost_error.labels(model, "prefill").observe(
-                costs["prefill"].observe(len(requests), computed.padded, self.prefill_seconds)
+                costs["prefill"].observe(work.rows, work.computed.padded, self.prefill_seconds)
             )
             m.slowdown.labels(model, "prefill").set(costs["prefill"].slowdown)
-            m.prompt_tokens.labels(model).inc(tokens.real)
-        if self.cached:  # the prefix cache: prompt tokens looked up, and served from it
-            queried = sum(len(q.prompt_ids) for q in requests if q.seq_id in self.cached)
-            m.prefix_cache_queries.labels(model).inc(queried)
-            m.prefix_cache_hits.labels(model).inc(sum(self.cached.values()))
+        if requests:
+            m.prompt_tokens.labels(model).inc(sum(len(q.prompt_ids) for q in requests))
+        if work.queried:  # the prefix cache: prompt tokens looked up, and served from it
+            m.prefix_cache_queries.labels(model).inc(work.queried)
+            m.prefix_cache_hits.labels(model).inc(work.hits)
+
+
+@dataclass(slots=True)
+class Chunking:
+    """How an iteration prefills on an engine that takes prompts a chunk at a time
+    (`ChunkingEngine`): at most `budget` prompt tokens (None: every waiting prompt whole),
+    the sequences `first` ahead of the rest."""
+
+    budget: int | None
+    first: list[int] = field(default_factory=list)
+
+
+def chunk_budget(s: BatchingSettings, decoding: int, prefill: CostModel, decode: CostModel) -> int | None:
+    """Prompt tokens an iteration's prefill may compute beside `decoding` decode rows:
+    `max_batch_tokens` less the decode rows, or (unset) what the prefill cost model says
+    fits in the time of the decode step (and in what `max_itl_ms` leaves of it), so a
+    running stream's token interval at most doubles while prompts arrive; None (every
+    waiting prompt whole) when nothing decodes. Never under MIN_CHUNK, so prompts progress."""
+    if s.max_batch_tokens is not None:
+        return max(MIN_CHUNK, s.max_batch_tokens - decoding)
+    if not decoding:
+        return None
+    step = decode.predict(decoding)
+    allowance = step if s.max_itl_ms is None else min(step, s.max_itl_ms / 1000.0 - step)
+    per_token = prefill.params.per_token
+    if per_token <= 0:
+        return None
+    return max(MIN_CHUNK, int((allowance - prefill.predict(1, 0)) / per_token))
 
 
 def run_iteration(
-    engine: SteppingEngine, removals: list[int], requests: list[PrefillRequest], decode: bool
+    engine: SteppingEngine,
+    removals: list[int],
+    requests: list[PrefillRequest],
+    decode: bool,
+    chunking: Chunking | None = None,
 ) -> IterationResult:
-    """Runs on the worker thread: everything the engine does in one iteration."""
+    """Runs on the worker thread: everything the engine does in one iteration. With
+    `chunking`, the new prompts are handed over first and the prefill comes after the
+    decode step, a budgeted chunk of every waiting prompt (`ChunkingEngine.prefill`)."""
     if removals:
         engine.remove(removals)
+    if chunking is not None and isinstance(engine, ChunkingEngine):
+        return _chunked_iteration(engine, requests, decode, chunking)
     t0 = time.perf_counter()
     outputs = list(engine.step()) if decode and engine.running else []
     rows = len(outputs)
@@ -90,7 +142,46 @@ def run_iteration(
                 outputs.append(result)
                 if result.token_ids:  # prefilled (a prompt the engine refused has no token)
                     cached[request.seq_id] = result.cached_tokens
-    return IterationResult(outputs, failed, time.perf_counter() - t1, t1 - t0, rows, cached)
+    t2 = time.perf_counter() if requests else t1  # no prefill: the whole iteration was the decode step's
+    work = PrefillWork()
+    if requests:
+        # What the prefill computed: each prompt less what the prefix cache served.
+        computed = TokenCount.of([len(q.prompt_ids) - cached.get(q.seq_id, 0) for q in requests])
+        queried = sum(len(q.prompt_ids) for q in requests if q.seq_id in cached)
+        tokens = TokenCount.of([len(q.prompt_ids) for q in requests])
+        work = PrefillWork(len(requests), tokens, computed, queried, sum(cached.values()))
+    return IterationResult(outputs, failed, t2 - t1, t1 - t0, rows, cached, work)
+
+
+def _chunked_iteration(
+    engine: ChunkingEngine, requests: list[PrefillRequest], decode: bool, chunking: Chunking
+) -> IterationResult:
+    t0 = time.perf_counter()
+    outputs: list[SequenceStep] = []
+    failed: dict[int, Exception] = {}
+    if requests:
+        # Taking a prompt computes nothing; it fails only on what the engine refuses outright.
+        taken = split_in_halves(
+            engine.enqueue, requests, after_failure=lambda group: engine.remove([r.seq_id for r in group])
+        )
+        for request, result in zip(requests, taken, strict=True):
+            if isinstance(result, Exception):
+                failed[request.seq_id] = result
+            elif result.finish_reason is not None:
+                outputs.append(result)  # refused outright (an empty prompt, no room): ends now
+    t1 = time.perf_counter()
+    decoded = list(engine.step()) if decode and engine.running else []
+    t2 = time.perf_counter()
+    done = engine.prefill(chunking.budget, chunking.first)
+    t3 = time.perf_counter()
+    failed.update(done.failed)
+    cached = {out.seq_id: out.cached_tokens for out in done.outputs}
+    tokens = TokenCount(done.computed_tokens, done.padded_tokens)
+    work = PrefillWork(done.rows, tokens, tokens, done.queried_tokens, done.cached_tokens)
+    prefill_seconds = (t1 - t0) + (t3 - t2) if requests or done.rows else 0.0
+    return IterationResult(
+        decoded + outputs + list(done.outputs), failed, prefill_seconds, t2 - t1, len(decoded), cached, work
+    )
 
 
 def profile(engine: SteppingEngine, make_request: MakeRequest, prompt: list[int]) -> list[tuple[str, int, int, float]]:

@@ -69,6 +69,11 @@ class Load:
     slots_free_at: tuple[float, ...] = ()
     sequence_seconds: float = 0.0
     prefill_first: bool = False
+    # Token-budgeted steps: the prompt tokens one iteration prefills beside its decode step
+    # (None: whole prompts), and that decode step, which each further chunk of a longer
+    # prompt waits for.
+    prefill_chunk: int | None = None
+    chunk_step: float = 0.0
 
 
 IDLE = Load()

@@ -102,3 +102,41 @@ class SteppingEngine(Protocol):
         """Prompt tokens a prefill would serve from the engine's prefix cache now (0 without
         one): the scheduler prices a prompt by the rest. Called from the event loop, not
         the worker thread, so it only reads, and may be stale by the time the prompt runs."""
+
+
+class PrefillSteps(Protocol):
+    """What a `ChunkingEngine.prefill` call did (engine.base.PrefillStep)."""
+
+    @property
+    def outputs(self) -> Sequence[SequenceStep]: ...
+
+    @property
+    def failed(self) -> dict[int, Exception]: ...
+
+    @property
+    def rows(self) -> int: ...
+
+    @property
+    def padded_tokens(self) -> int: ...
+
+    @property
+    def computed_tokens(self) -> int: ...
+
+    @property
+    def queried_tokens(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+
+@runtime_checkable
+class ChunkingEngine(SteppingEngine, Protocol):
+    """A `SteppingEngine` that prefills prompts a budgeted chunk at a time (token-budgeted
+    steps): `enqueue` takes prompts without computing (one output each: no token, or a
+    finish for a prompt refused outright), `prefill(budget, first)` computes at most
+    `budget` prompt tokens of the waiting ones (None: all), `first` ahead, and gives the
+    first token of each whose last chunk ran. Sequences taken count in `running`."""
+
+    def enqueue(self, requests: Sequence[Any]) -> Sequence[SequenceStep]: ...
+
+    def prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> PrefillSteps: ...

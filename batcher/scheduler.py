@@ -20,21 +20,22 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 from . import admission
 from .cost import CostModel, LinearCost
 from .delivery import Delivery
 from .errors import DeadlineExceeded, DeadlineInfeasible, EngineError, ShuttingDown
-from .iteration import WARMUP_PROMPT, IterationResult, profile, run_iteration
+from .iteration import WARMUP_PROMPT, Chunking, IterationResult, chunk_budget, profile, run_iteration
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
-from .protocols import EngineCaller, MakeRequest, PrefillRequest, SteppingEngine
+from .protocols import ChunkingEngine, EngineCaller, MakeRequest, PrefillRequest, SteppingEngine
 from .queueing import QueueingBatcher, seconds_until
 from .running import RunningSet, _Seq
 from .settings import BatchingSettings
 from .slots import Slots
-from .types import DispatchReason, Outcome, WorkItem
+from .types import DispatchReason, Outcome, Priority, WorkItem
 
 log = logging.getLogger("ferry.batcher")
 
@@ -62,6 +63,8 @@ class GenerationScheduler(QueueingBatcher):
         self.cost = self.prefill_cost  # admission predicts time to first token from prefill
         # Passed in: the batcher does not import the engine (see batcher.protocols).
         self._make_request = make_request
+        # Prompts prefilled a budgeted chunk a step (batcher/iteration.py), where the engine can.
+        self._chunked = isinstance(engine, ChunkingEngine)
         self._running = RunningSet()
         self._slots = Slots(engine, self._running)
         self._delivery = Delivery(model, self.metrics, self._running, self._finish, self._record_slo)
@@ -105,7 +108,12 @@ class GenerationScheduler(QueueingBatcher):
         (`Slots.load`)."""
         s = self.settings
         base = self.tracker.snapshot(now, self.queue, s, self.prefill_cost, self.busy_until(now), shape=False)
-        return self._slots.load(base, now, s, self.queue, self.decode_cost)
+        load = self._slots.load(base, now, s, self.queue, self.decode_cost)
+        running = len(self._running)
+        if not self._chunked or not running:
+            return load
+        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost)
+        return replace(load, prefill_chunk=chunk, chunk_step=self.decode_cost.predict(running))
 
     def check_itl(self, item: WorkItem, siblings: int) -> bool:
         """A request's inter-token target against the predicted decode step at the
@@ -194,7 +202,7 @@ class GenerationScheduler(QueueingBatcher):
         requests, removals, decoding = self._schedule(admitted, decode)
         started = self.clock.now()
         try:
-            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding))
+            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding), self._chunking())
         finally:
             if pending is not None:  # the last step's finished items live only in it
                 pending()
@@ -229,6 +237,16 @@ class GenerationScheduler(QueueingBatcher):
             del self.trace[: -self._keep_trace]
         self._publish_gen()
         return requests, removals, decoding
+
+    def _chunking(self) -> Chunking | None:
+        """This iteration's prefill budget, interactive prompts' chunks first (None: the
+        engine prefills whole prompts as they join)."""
+        if not self._chunked:
+            return None
+        seqs = self._running.values()
+        decoding = sum(1 for seq in seqs if seq.tokens)
+        first = [seq.item.id for seq in seqs if not seq.tokens and seq.item.priority is Priority.INTERACTIVE]
+        return Chunking(chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost), first)
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt

@@ -91,7 +91,19 @@ class BatchingSettings(Knobs):
         **BUDGET,
     )
     max_running: int = knob(64, "most sequences decoding at once", live=True, **COUNT)
-    prefill_token_budget: int = knob(2048, "most prompt tokens prefilled in one step (one prompt always fits)", **COUNT)
+    prefill_token_budget: int = knob(
+        2048, "most prompt tokens admitted to prefill in one step (one prompt always fits)", **COUNT
+    )
+    max_batch_tokens: int | None = knob(
+        None,
+        "generation: most tokens one engine step computes, decode rows and prompt chunks together (vLLM's "
+        "`max_num_batched_tokens`): a longer prompt is prefilled a chunk a step, so it never stalls the "
+        "streams decoding; unset, each step's chunk is sized to take no longer than its decode step "
+        "(inter-token latency within 2x steady, and within `max_itl_ms`), and prompts go whole while nothing decodes",
+        null="auto",
+        live=True,
+        **COUNT,
+    )
     mode: Literal["continuous", "static"] = knob(
         "continuous", "generation batching; `static` is the comparison baseline", option="batching"
     )

@@ -87,6 +87,22 @@ class StepOutput:
     cached_tokens: int = 0
 
 
+@dataclass(slots=True)
+class PrefillStep:
+    """What one token-budgeted prefill call (`prefill`) did: the first token of each
+    sequence whose last chunk ran (its `cached_tokens` set), the sequences whose chunk
+    failed alone (dropped), and what its forwards computed: rows, fed tokens padded to each
+    forward's widest chunk and not, and prompt tokens looked up in the prefix cache and served by it."""
+
+    outputs: list[StepOutput] = field(default_factory=list)
+    failed: dict[int, Exception] = field(default_factory=dict)
+    rows: int = 0
+    padded_tokens: int = 0
+    computed_tokens: int = 0
+    queried_tokens: int = 0
+    cached_tokens: int = 0
+
+
 @runtime_checkable
 class GenerationEngine(Protocol):
     name: str

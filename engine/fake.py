@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .base import ChatTemplateError, EmbeddingResult, GenerationEngine, StepOutput
+from .base import ChatTemplateError, EmbeddingResult, GenerationEngine, PrefillStep, StepOutput
 from .detokenize import FINISH_LENGTH, SequenceText
 
 
@@ -329,3 +329,71 @@ class FakeGenerationEngine:
         if finish is not None:
             del self._seqs[seq_id]
         return StepOutput(seq_id, [token], text, finish)
+
+
+class FakeChunkingEngine(FakeGenerationEngine):
+    """A FakeGenerationEngine that also prefills a budgeted chunk at a time, as
+    engine/chunks.py does (a `ChunkingEngine`): `enqueue` takes prompts, `prefill(budget,
+    first)` feeds at most `budget` of their tokens, `first` ahead, and a prompt fed whole
+    gives its first token. `calls` records ("enqueue", ids) and ("prefill", ids fed), and
+    `fed` the tokens each prefill call fed. A prompt starting with a `fail_prompts` token
+    fails alone in `prefill` (its chunk), not in `enqueue`."""
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._waiting: dict[int, list] = {}  # seq id -> [request, tokens fed]
+        self.fed: list[int] = []
+
+    @property
+    def running(self) -> int:
+        return len(self._seqs) + len(self._waiting)
+
+    @property
+    def prefilling(self) -> int:
+        return len(self._waiting)
+
+    def enqueue(self, requests) -> list:
+        self.calls.append(("enqueue", [r.seq_id for r in requests]))
+        outputs = []
+        for r in requests:
+            if not r.prompt_ids or r.params.max_tokens < 1:
+                outputs.append(StepOutput(r.seq_id, [], "", FINISH_LENGTH))
+            else:
+                self._waiting[r.seq_id] = [r, 0]
+                outputs.append(StepOutput(r.seq_id, [], ""))
+        return outputs
+
+    def prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> PrefillStep:
+        order = [i for i in dict.fromkeys(first) if i in self._waiting]
+        order += [i for i in self._waiting if i not in order]
+        left = budget if budget is not None else sum(len(w[0].prompt_ids) for w in self._waiting.values())
+        done, fed = PrefillStep(), []
+        for seq_id in order:
+            if left <= 0:
+                break
+            request, so_far = self._waiting[seq_id]
+            n = min(len(request.prompt_ids) - so_far, left)
+            left -= n
+            fed.append(seq_id)
+            done.rows, done.computed_tokens = done.rows + 1, done.computed_tokens + n
+            if request.prompt_ids[0] in self.fail_prompts:
+                del self._waiting[seq_id]
+                done.failed[seq_id] = RuntimeError("simulated prefill failure")
+                continue
+            self._waiting[seq_id][1] = so_far + n
+            if so_far + n == len(request.prompt_ids):
+                del self._waiting[seq_id]
+                p = request.params
+                text = SequenceText(self, request.prompt_ids, p.stop) if getattr(p, "detokenize", True) else None
+                self._seqs[seq_id] = {"prompt": request.prompt_ids, "params": p, "n": 0, "text": text}
+                done.outputs.append(self._emit(seq_id))
+        done.padded_tokens = done.computed_tokens
+        self.calls.append(("prefill", fed))
+        self.fed.append(done.computed_tokens)
+        self._sleep()
+        return done
+
+    def remove(self, seq_ids) -> None:
+        super().remove(seq_ids)
+        for i in seq_ids:
+            self._waiting.pop(i, None)

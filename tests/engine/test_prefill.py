@@ -4,8 +4,7 @@ meet the cache; the counters show the cache was used. The helpers on plain tenso
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -14,8 +13,7 @@ from engine.base import SamplingParams, SequenceRequest
 from engine.generation import HFGenerationEngine
 from engine.prefill import prefill_inputs, right_align, shared_prefixes
 from engine.prefix_cache import PrefixCache
-
-BLOCK = 16
+from tests.engine.conftest import BLOCK
 
 # -- helpers on plain tensors -------------------------------------------------------------
 
@@ -58,50 +56,6 @@ def test_shared_prefixes_are_the_longest_uncached_ones_once_each():
 
 
 # -- on a model: cache on vs off --------------------------------------------------------
-
-
-def build_gqa_llama(path: Path, tokenizer_from: Path) -> None:
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_from))
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,  # grouped-query attention: 4 query heads per KV head
-        max_position_embeddings=1024,
-        tie_word_embeddings=False,  # tied ones make a random model repeat one token
-        initializer_range=0.1,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(11)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(str(path))
-    tokenizer.save_pretrained(str(path))
-
-
-@pytest.fixture(scope="module", params=["tiny-chat", "gqa-llama"])
-def model_path(request, tiny_chat_dir: Path, tmp_path_factory) -> Path:
-    if request.param == "tiny-chat":
-        return tiny_chat_dir
-    path = tmp_path_factory.mktemp("gqa-llama")
-    build_gqa_llama(path, tiny_chat_dir)
-    return path
-
-
-@pytest.fixture(scope="module")
-def pair(model_path: Path) -> Iterator[tuple[HFGenerationEngine, HFGenerationEngine]]:
-    """(cache on, cache off) engines of one model."""
-    on = HFGenerationEngine(str(model_path), max_running=16, prefix_block=BLOCK)
-    off = HFGenerationEngine(str(model_path), max_running=16, prefix_caching=False)
-    yield on, off
-    for engine in (on, off):
-        engine.remove(engine.running_ids)
 
 
 def system_prompt(engine: HFGenerationEngine, tag: str, words: int = 60) -> list[int]:

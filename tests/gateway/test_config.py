@@ -65,6 +65,7 @@ EXISTING_PATCH_FIELDS = {
     "default_budget_ms",
     "max_itl_ms",
     "max_running",
+    "max_batch_tokens",
     "on_infeasible",
     "aging_ms",
     "interactive_first",

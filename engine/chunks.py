@@ -1,0 +1,190 @@
+"""Token-budgeted prefill (chunked prefill): prompts wait in the engine's pending set and
+are prefilled a chunk at a time, at most a token budget per engine step, so that one long
+prompt never stalls the streams already decoding (vLLM's `max_num_batched_tokens`).
+
+A pending prompt keeps the KV of the part of it computed so far; its next chunk is fed
+from there, exactly as a prompt is fed from the end of its cached prefix
+(`Prefiller.extend`). Its first look at the prefix cache is at its first chunk, not when it
+joins, so a prompt that shares a prefix with one prefilling ahead of it waits until that
+prefix is stored, then takes it from the cache: 32 conversations with one system prompt
+compute it once, whatever the budget. Who goes first is the caller's (the scheduler puts
+interactive prompts first); the rest go in the order they joined.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from .prefill import Prefilled, Prefiller
+from .prefix_cache import chain_keys
+
+Row = TypeVar("Row")  # the engine's own state of the sequence; opaque here
+
+
+@dataclass(slots=True, eq=False)
+class Pending(Generic[Row]):
+    seq_id: int
+    prompt: list[int]
+    seq: Row
+    keys: list[bytes]  # the prompt's usable prefix-cache chain (empty without a cache)
+    done: int = 0  # prompt tokens whose KV is in `kv`
+    kv: torch.Tensor | None = None  # [layers, 2, kv_heads, done, head_dim]
+    # Once a chunk has run: [layers, 2, kv_heads, prompt length, head_dim], `kv` its first
+    # `done` columns, so each chunk copies in only its own columns.
+    buffer: torch.Tensor | None = None
+    cached: int = 0  # of `done`, tokens the prefix cache served
+    started: bool = False  # it has looked the prefix cache up
+
+    @property
+    def left(self) -> int:
+        return len(self.prompt) - self.done
+
+
+@dataclass(slots=True)
+class Chunk(Generic[Row]):
+    pending: Pending[Row]
+    start: int  # prompt tokens whose KV is known before it
+    tokens: int  # fed now
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+    @property
+    def completes(self) -> bool:
+        return self.end == len(self.pending.prompt)
+
+
+@dataclass(slots=True)
+class ChunkStats:
+    """What one step's chunks cost, for the scheduler's cost model and metrics."""
+
+    rows: int = 0
+    padded: int = 0  # fed tokens, each forward's rows x its widest chunk
+    computed: int = 0  # fed tokens
+    queried: int = 0  # prompt tokens looked up in the prefix cache (prompts started now)
+    hits: int = 0  # of those, tokens it served
+
+
+class PendingPrefills(Generic[Row]):
+    """The prompts an engine has taken but not yet fully prefilled, in the order they joined."""
+
+    def __init__(self, prefiller: Prefiller) -> None:
+        self.prefiller = prefiller
+        self._pending: dict[int, Pending[Row]] = {}
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __contains__(self, seq_id: object) -> bool:
+        return seq_id in self._pending
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._pending)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Prompt tokens whose KV the pending prompts hold."""
+        return sum(p.done for p in self._pending.values())
+
+    def add(self, seq_id: int, prompt: list[int], seq: Row) -> None:
+        cache = self.prefiller.prefix_cache
+        keys = [] if cache is None else chain_keys(prompt, cache.block, cache.usable_blocks(len(prompt)))
+        self._pending[seq_id] = Pending(seq_id, list(prompt), seq, keys)
+
+    def discard(self, seq_ids: Iterable[int]) -> None:
+        for seq_id in seq_ids:
+            self._pending.pop(seq_id, None)
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+    def plan(self, budget: int | None, first: Sequence[int], stats: ChunkStats) -> list[Chunk[Row]]:
+        """This step's chunks: at most `budget` tokens in all (None: every pending prompt
+        whole), `first` ids ahead of the rest. A prompt starts by taking what the prefix
+        cache holds for it, unless a prompt prefilling ahead of it is about to compute the
+        next block it needs: then it waits for that block to be stored."""
+        cache = self.prefiller.prefix_cache
+        ahead = [self._pending[i] for i in dict.fromkeys(first) if i in self._pending]
+        order = ahead + [p for p in self._pending.values() if p not in ahead]
+        # Blocks that prompts already started will compute (and store) in this or a later step.
+        claimed = {key for p in order if p.started for key in p.keys[p.done // cache.block :]} if cache else set()
+        left = budget if budget is not None else sum(p.left for p in order)
+        chunks: list[Chunk[Row]] = []
+        for p in order:
+            if left <= 0:
+                break
+            if not p.started:
+                if cache is not None:
+                    have = cache.cached_blocks(p.prompt)
+                    if have < len(p.keys) and p.keys[have] in claimed:
+                        continue  # another prompt computes this block first: wait, then take it
+                    p.cached, p.kv = cache.lookup(p.prompt)
+                    p.done = p.cached
+                    stats.queried += len(p.prompt)
+                    stats.hits += p.cached
+                    claimed.update(p.keys[p.done // cache.block :])
+                p.started = True
+            n = min(p.left, left)
+            chunks.append(Chunk(p, p.done, n))
+            left -= n
+        return chunks
+
+    def run_isolated(
+        self, chunks: Sequence[Chunk[Row]], stats: ChunkStats, failed: dict[int, Exception]
+    ) -> list[tuple[list[Chunk[Row]], Prefilled]]:
+        """`run`, and when a forward raises, each half of its chunks again, down to the
+        chunk that fails alone: its prompt is dropped, its error in `failed`. The groups
+        that ran, each with its result."""
+        if not chunks:
+            return []
+        try:
+            return [(list(chunks), self.run(chunks, stats))]
+        except Exception as exc:
+            if len(chunks) == 1:
+                self.discard([chunks[0].pending.seq_id])
+                failed[chunks[0].pending.seq_id] = exc
+                return []
+            mid = (len(chunks) + 1) // 2
+            return self.run_isolated(chunks[:mid], stats, failed) + self.run_isolated(chunks[mid:], stats, failed)
+
+    def run(self, chunks: Sequence[Chunk[Row]], stats: ChunkStats) -> Prefilled:
+        """One forward over `chunks`. Afterwards each unfinished prompt keeps its KV so far;
+        a finished one leaves the pending set (its KV is in the result, right-aligned, for
+        the running batch). A forward that raises changes nothing."""
+        prompts = [c.pending.prompt[: c.end] for c in chunks]
+        done = self.prefiller.extend(prompts, [(c.start, c.pending.kv) for c in chunks])
+        width = done.mask.shape[1]
+        for row, c in enumerate(chunks):
+            p = c.pending
+            if c.completes:
+                self._pending.pop(p.seq_id, None)
+            else:
+                _keep(p, c, row, done.layers, width)
+            p.done = c.end
+        stats.rows += len(chunks)
+        stats.padded += len(chunks) * max(c.tokens for c in chunks)
+        stats.computed += sum(c.tokens for c in chunks)
+        return done
+
+
+def _keep(p: Pending, c: Chunk, row: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int) -> None:
+    """Keep row `row`'s KV of the prompt's first `c.end` tokens (right-aligned in `layers`,
+    `width` wide) in the prompt's own buffer: the columns of this chunk, or all of them the
+    first time (they may have come from the prefix cache)."""
+    keys = layers[0][0]
+    if p.buffer is None:
+        shape = (len(layers), 2, keys.shape[1], len(p.prompt), keys.shape[3])
+        p.buffer = keys.new_empty(shape)
+        lo = 0
+    else:
+        lo = c.start
+    for i, (k, v) in enumerate(layers):
+        p.buffer[i, 0, :, lo : c.end] = k[row, :, width - c.end + lo :]
+        p.buffer[i, 1, :, lo : c.end] = v[row, :, width - c.end + lo :]
+    p.kv = p.buffer[:, :, :, : c.end]

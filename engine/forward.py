@@ -1,0 +1,58 @@
+"""One forward of a Hugging Face causal LM as the generation engine calls it: explicit
+2D attention mask and position ids, the given cache, the logits of the last position only.
+And the load-time check that its cache layers are ones the engine can merge across
+sequences."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class CausalForward:
+    def __init__(self, model: Any, name: str) -> None:
+        self.model, self.name = model, name
+        self._cache_kwarg = _cache_kwarg(model)
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any
+    ) -> tuple[torch.Tensor, Any]:
+        """(logits [rows, vocab] at the last position, the cache after the forward)."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_kwarg: cache},
+        )
+        cache = out.cache if self._cache_kwarg == "cache" else out.past_key_values
+        return out.logits[:, -1, :], cache
+
+    def new_cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+    def check_cache_layout(self, device: torch.device) -> bool:
+        """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model.
+        True if every layer's keys and values have one shape, as prefix cache blocks need."""
+        ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+        mask = torch.ones_like(ids)
+        with torch.inference_mode():
+            _, cache = self(ids, torch.zeros_like(ids), mask, self.new_cache())
+        unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+        if unsupported:
+            raise NotImplementedError(
+                f"model {self.name!r} uses cache layers {sorted(unsupported)}; only full-attention "
+                "DynamicLayer caches can be merged across sequences"
+            )
+        return len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache.layers}) == 1
+
+
+def _cache_kwarg(model: Any) -> str:
+    """transformers 5.x renamed `past_key_values` to `cache` (the old name warns)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -1,0 +1,127 @@
+"""Token-budgeted steps on a fake clock: a long prompt is prefilled a budget at a time
+while the running streams decode every iteration, an interactive prompt's chunk goes
+ahead of a batch-class one, a failing chunk fails only its item; and the budget itself."""
+
+from __future__ import annotations
+
+import itertools
+
+from prometheus_client import CollectorRegistry
+
+from batcher.clock import FakeClock
+from batcher.cost import CostModel, LinearCost
+from batcher.errors import EngineError
+from batcher.iteration import MIN_CHUNK, chunk_budget
+from batcher.metrics import Metrics
+from batcher.scheduler import GenerationScheduler
+from batcher.settings import BatchingSettings
+from batcher.types import GenRequest, Priority
+from engine.base import SamplingParams, sequence_request
+from engine.fake import FakeChunkingEngine, SimulatedEngineThread
+
+from .conftest import run
+
+
+class ChunkRig:
+    def __init__(self, fail_prompts=None, **settings):
+        settings.setdefault("default_budget_ms", None)
+        self.clock = FakeClock()
+        self.engine = FakeChunkingEngine(fail_prompts=fail_prompts, max_context=4096)
+        self.sched = GenerationScheduler(
+            "g",
+            self.engine,
+            SimulatedEngineThread(self.clock, self.engine, 0.010, 0.0),
+            BatchingSettings(**settings),
+            make_request=sequence_request,
+            clock=self.clock,
+            metrics=Metrics(CollectorRegistry()),
+        )
+
+    def submit(self, prompt_len: int, max_tokens: int, first_token: int = 1, **kw):
+        prompt = [first_token] + [2] * (prompt_len - 1)
+        payload = GenRequest(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        return self.sched.submit(payload, cost=prompt_len, **kw)
+
+    def prefills_of(self, item) -> list[int]:
+        """Indices in the engine's calls of the prefill calls that fed `item`."""
+        return [i for i, (kind, ids) in enumerate(self.engine.calls) if kind == "prefill" and item.id in ids]
+
+
+def test_a_long_prompt_is_prefilled_a_budget_at_a_time_while_the_streams_decode():
+    async def scenario():
+        r = ChunkRig(max_batch_tokens=40, max_running=8, max_batch_size=8)
+        await r.sched.start()
+        streams = [r.submit(3, 40) for _ in range(3)]
+        await r.clock.advance(0.05)
+        long = r.submit(300, 2)
+        await r.clock.run_until_idle()
+        assert all(s.future.result().completion_tokens == 40 for s in streams)
+        assert long.future.result().completion_tokens == 2
+        chunks = r.prefills_of(long)
+        assert len(chunks) >= 300 // (40 - 3)
+        # Every prefill call fed at most the budget less the three decode rows.
+        assert max(r.engine.fed) <= 40 - 3
+        # Between two of the long prompt's chunks, a decode step of every stream.
+        calls = r.engine.calls
+        for a, b in itertools.pairwise(chunks):
+            steps = [ids for kind, ids in calls[a:b] if kind == "step"]
+            assert any({s.id for s in streams} <= set(ids) for ids in steps)
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_an_interactive_prompts_chunk_goes_ahead_of_a_batch_class_one():
+    async def scenario():
+        r = ChunkRig(max_batch_tokens=64, max_running=8, max_batch_size=8, interactive_lane=False)
+        await r.sched.start()
+        stream = r.submit(3, 60, priority=Priority.INTERACTIVE)
+        await r.clock.advance(0.05)
+        bulk = r.submit(600, 1, priority=Priority.BATCH)
+        await r.clock.advance(0.05)
+        urgent = r.submit(100, 1, priority=Priority.INTERACTIVE)
+        await r.clock.run_until_idle()
+        for item in (stream, bulk, urgent):
+            assert item.future.result().completion_tokens >= 1
+        urgent_calls, bulk_calls = r.prefills_of(urgent), r.prefills_of(bulk)
+        assert bulk_calls[0] < urgent_calls[0]  # the batch-class prompt had started
+        assert urgent_calls[-1] < bulk_calls[-1]  # the interactive one finished first
+        for i in urgent_calls:
+            assert r.engine.calls[i][1][0] == urgent.id  # its chunk first in every call
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_a_failing_chunk_fails_only_its_item():
+    async def scenario():
+        r = ChunkRig(fail_prompts={66}, max_batch_tokens=50, max_running=8, max_batch_size=8)
+        await r.sched.start()
+        good, bad = r.submit(120, 3), r.submit(120, 3, first_token=66)
+        await r.clock.run_until_idle()
+        assert good.future.result().completion_tokens == 3
+        assert isinstance(bad.future.exception(), EngineError)
+        assert r.sched.running == 0 and r.engine.running == 0
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def fitted(fixed: float, per_item: float, per_token: float) -> CostModel:
+    model = CostModel()
+    model._fit = LinearCost(fixed, per_item, per_token)
+    return model
+
+
+def test_the_budget_is_max_batch_tokens_less_the_decode_rows_or_what_fits_the_decode_step():
+    prefill, decode = fitted(0.002, 0.0, 0.0001), fitted(0.010, 0.001, 0.0)
+    fixed = BatchingSettings(max_batch_tokens=100)
+    assert chunk_budget(fixed, 10, prefill, decode) == 90
+    assert chunk_budget(fixed, 90, prefill, decode) == MIN_CHUNK
+    auto = BatchingSettings()
+    assert chunk_budget(auto, 0, prefill, decode) is None  # nothing decodes: prompts go whole
+    # A 20 ms decode step at 10 rows: a chunk of (20 - 2) ms at 0.1 ms a token.
+    assert chunk_budget(auto, 10, prefill, decode) == 180
+    # Within max_itl_ms: 25 ms leaves 5 ms beside the step, 30 tokens, raised to the floor.
+    assert chunk_budget(BatchingSettings(max_itl_ms=25), 10, prefill, decode) == MIN_CHUNK
+    assert chunk_budget(BatchingSettings(max_itl_ms=60), 10, prefill, decode) == 180

@@ -1,0 +1,153 @@
+"""Token-budgeted prefill (engine/chunks.py): prompts fed a chunk at a time, beside decode
+steps, give the greedy tokens of whole prompts prefilled without a cache, on the built-in
+tiny chat model and on a grouped-query-attention Llama; no call computes more than its
+budget; a prompt sharing a prefix with one prefilling ahead of it takes that prefix from
+the cache; `first` goes first; a failing chunk fails only its prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from engine.base import SequenceRequest
+from engine.detokenize import FINISH_LENGTH
+from engine.generation import HFGenerationEngine
+from tests.engine.conftest import BLOCK
+from tests.engine.test_prefill import Run, greedy, system_prompt, turn
+
+
+class ChunkedRun:
+    """One engine driven as the scheduler drives it with a budget: prompts taken by
+    `enqueue`, then each iteration a decode step and a budgeted `prefill`."""
+
+    def __init__(self, engine: HFGenerationEngine, budget: int | None, first: Sequence[int] = ()) -> None:
+        self.engine, self.budget, self.first = engine, budget, list(first)
+        self.tokens: dict[int, list[int]] = {}
+        self.cached: dict[int, int] = {}
+        self.first_token_call: dict[int, int] = {}  # seq id -> which prefill call gave its first token
+        self.computed: list[int] = []  # prompt tokens each prefill call fed
+
+    def add(self, *requests: SequenceRequest) -> None:
+        for out in self.engine.enqueue(list(requests)):
+            assert not out.token_ids
+            self.tokens[out.seq_id] = []
+
+    def step(self, n: int = 1) -> None:
+        for _ in range(n):
+            for out in self.engine.step():
+                self.tokens[out.seq_id] += out.token_ids
+            done = self.engine.prefill(self.budget, self.first)
+            assert not done.failed
+            self.computed.append(done.computed_tokens)
+            for out in done.outputs:
+                self.tokens[out.seq_id] = list(out.token_ids)
+                self.cached[out.seq_id] = out.cached_tokens
+                self.first_token_call[out.seq_id] = len(self.computed)
+
+    def drain(self) -> ChunkedRun:
+        for _ in range(400):
+            if not self.engine.running:
+                return self
+            self.step()
+        raise AssertionError("sequences did not finish")
+
+
+def prompts_of(engine: HFGenerationEngine, tag: str) -> list[list[int]]:
+    system = system_prompt(engine, tag, words=150)
+    return [
+        system + turn(engine, " a first question"),
+        turn(engine, "short"),
+        system_prompt(engine, tag + "other", words=90),
+        system + turn(engine, " a second, longer question about the harbour"),
+    ]
+
+
+@pytest.mark.parametrize("budget", [16, 45, None])
+def test_chunked_prompts_give_the_tokens_of_whole_prompts_without_a_cache(pair, budget):
+    on, off = pair
+    prompts = prompts_of(on, f"chunk{budget}")
+
+    def script(r: Run | ChunkedRun) -> None:
+        r.add(greedy(1, prompts[0], max_tokens=20), greedy(2, prompts[1]))
+        r.step(3)
+        r.add(greedy(3, prompts[2]), greedy(4, prompts[3]))
+        r.drain()
+
+    chunked, whole = ChunkedRun(on, budget), Run(off)
+    script(chunked)
+    script(whole)
+    assert chunked.tokens == whole.tokens
+    if budget is not None:
+        assert max(chunked.computed) <= budget
+        assert len(chunked.computed) > len(prompts[0]) // budget  # the long prompts took several steps
+    assert on.running == 0 and on.kv_tokens == 0
+
+
+def test_a_prompt_sharing_a_prefix_with_one_prefilling_waits_and_takes_it_from_the_cache(pair):
+    on, off = pair
+    system = system_prompt(on, "wait", words=120)
+    a, b = system + turn(on, " one"), system + turn(on, " two")
+    chunked = ChunkedRun(on, budget=48)
+    chunked.add(greedy(1, a), greedy(2, b))
+    chunked.drain()
+    whole = Run(off)
+    whole.add(greedy(1, a), greedy(2, b))
+    whole.drain()
+    assert chunked.tokens == whole.tokens
+    assert chunked.cached[1] == 0 and chunked.cached[2] >= len(system) // BLOCK * BLOCK
+    # The shared prefix was computed once: everything fed is a and the part of b past it.
+    assert sum(chunked.computed) == len(a) + len(b) - chunked.cached[2]
+
+
+def test_first_goes_ahead_of_prompts_that_joined_before_it(engine):
+    long_a = system_prompt(engine, "firstA", words=150)
+    long_b = system_prompt(engine, "firstB", words=150)
+    run = ChunkedRun(engine, budget=64, first=[2])
+    run.add(greedy(1, long_a), greedy(2, long_b))
+    run.drain()
+    assert run.first_token_call[2] < run.first_token_call[1]
+
+
+def test_a_chunk_that_fails_alone_fails_only_its_prompt(pair, monkeypatch):
+    on, _ = pair
+    good, bad = system_prompt(on, "goodchunk", words=60), system_prompt(on, "badchunk", words=60)
+    extend = on._prefiller.extend
+
+    def failing(prompts, hits):
+        if any(p[: len(bad) // 2] == bad[: len(bad) // 2] for p in prompts):
+            raise RuntimeError("out of memory")
+        return extend(prompts, hits)
+
+    monkeypatch.setattr(on._prefiller, "extend", failing)
+    on.enqueue([greedy(1, good, max_tokens=3), greedy(2, bad, max_tokens=3)])
+    done = on.prefill(None)
+    assert list(done.failed) == [2] and "out of memory" in str(done.failed[2])
+    assert [out.seq_id for out in done.outputs] == [1] and done.outputs[0].token_ids
+    assert on.running_ids == [1]
+    on.remove([1])
+
+
+def test_removed_while_prefilling_and_refused_outright(engine):
+    prompt = system_prompt(engine, "removed", words=150)
+    outs = engine.enqueue([greedy(1, prompt), greedy(2, []), SequenceRequest(3, prompt, greedy(3, []).params)])
+    assert [out.finish_reason for out in outs] == [None, FINISH_LENGTH, None]
+    engine.prefill(32)
+    assert engine.prefilling == 2 and engine.kv_tokens > 0
+    engine.remove([1, 3])
+    assert engine.running == 0 and engine.kv_tokens == 0
+    assert not engine.prefill(32).outputs
+
+
+def test_a_failed_decode_step_drops_the_prompts_prefilling_too(engine, monkeypatch):
+    engine.add([greedy(1, turn(engine, "decoding"))])
+    engine.enqueue([greedy(2, system_prompt(engine, "dropped", words=150))])
+    engine.prefill(32)
+
+    def broken(*args):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine, "_forward", broken)
+    with pytest.raises(RuntimeError):
+        engine.step()
+    assert engine.running == 0 and engine.kv_tokens == 0
