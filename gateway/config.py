@@ -230,7 +230,8 @@ def parser() -> argparse.ArgumentParser:
     for name, k in OPTIONS.items():
         env = os.environ.get(k.env)
         default = k.default if env is None else _from_env(k, env)
-        help_text = f"{_help(k)} (env {k.env})"
+        # argparse formats help with %: a literal one ("99% of requests") must be doubled.
+        help_text = f"{_help(k)} (env {k.env})".replace("%", "%%")
         if k.kind is bool:
             serve.add_argument(
                 k.flag, dest=name, default=default, action=argparse.BooleanOptionalAction, help=help_text

@@ -275,3 +275,11 @@ def test_a_changed_declaration_makes_the_docs_check_fail(tmp_path):
         text = (settings_docs.ROOT / name).read_text()
         (tmp_path / name).write_text(re.sub(r"\| 1024 \|", "| 512 |", text, count=1))
     assert "docs/settings.md" in settings_docs.outdated(tmp_path)
+
+
+def test_serve_help_prints_every_flag(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parser().parse_args(["serve", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "--max-batch-tokens" in out and "99%" in out
