@@ -51,6 +51,15 @@ class SamplingParams:
     detokenize: bool = True
     # Canonical JSON text of a JSON schema the output must match (engine/grammar.py).
     json_schema: str | None = None
+    # OpenAI's and vLLM's further sampling fields (engine/logits.py); each default asks for nothing.
+    top_k: int = 0  # keep the k most likely tokens (0 or -1: all)
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from every token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated
+    repetition_penalty: float = 1.0  # Hugging Face's: tokens of the prompt or output, logit / p if > 0 else x p
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # no end-of-sequence token before this many tokens
+    ignore_eos: bool = False  # an end-of-sequence token does not end the sequence
 
 
 @dataclass(slots=True)

@@ -30,6 +30,7 @@ from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
 from .grammar import GrammarCache, RowMasks
 from .kv import RunningBatch
+from .logits import LogitRules, apply_rules
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .sampling import SequenceSampler, sample_next_tokens
@@ -88,6 +89,7 @@ class HFGenerationEngine:
         self._detok = copy.deepcopy(self.tokenizer)
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        self._eos = sorted(self.eos_token_ids)
         self._forward = CausalForward(self.model, self.name)
         vocab = int(self.model.config.vocab_size)
         # Its own tokenizer copy, for the same reason as the detokenizer's: compiled from
@@ -299,19 +301,12 @@ class HFGenerationEngine:
         return outputs
 
     def _new_sequence(self, request: SequenceRequest) -> _Sequence:
-        params = request.params
-        return _Sequence(
-            seq_id=request.seq_id,
-            params=params,
-            prompt_len=len(request.prompt_ids),
-            sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed),
-            # None: the front end detokenizes (an engine core sends token ids only)
-            text=SequenceText(self._detok, request.prompt_ids, params.stop) if params.detokenize else None,
-            matcher=self.grammars.matcher(params.json_schema) if params.json_schema is not None else None,
-        )
+        return _Sequence.of(request, self._detok, self.grammars)
 
     def _constrain(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> None:
-        """Mask the logits of constrained rows to the tokens their grammar allows."""
+        """Each row's logit rules (bias, min_tokens, penalties: engine/logits.py), then the
+        logits of constrained rows masked to the tokens their grammar allows."""
+        apply_rules(logits, [s.rules for s in seqs], [len(s.tokens) for s in seqs], self._eos)
         matchers = [s.matcher for s in seqs]
         if all(m is None for m in matchers):
             return
@@ -322,8 +317,10 @@ class HFGenerationEngine:
     def _advance(self, seq: _Sequence, token: int) -> StepOutput:
         """Account one new token: release text, decide whether the sequence finishes."""
         seq.tokens.append(token)
+        if seq.rules is not None:
+            seq.rules.observe(token)
         end = None
-        if token in self.eos_token_ids:
+        if token in self.eos_token_ids and not seq.params.ignore_eos:
             end = FINISH_STOP
         else:
             if seq.matcher is not None:
@@ -348,7 +345,22 @@ class _Sequence:
     sampler: SequenceSampler
     text: SequenceText | None
     matcher: Any = None  # llguidance matcher of a constrained row
+    rules: LogitRules | None = None  # bias, min_tokens, penalties (engine/logits.py)
     tokens: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache) -> _Sequence:
+        params = request.params
+        return cls(
+            seq_id=request.seq_id,
+            params=params,
+            prompt_len=len(request.prompt_ids),
+            sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed, params.top_k, params.min_p),
+            rules=LogitRules.of(params, request.prompt_ids),
+            # None: the front end detokenizes (an engine core sends token ids only)
+            text=SequenceText(detok, request.prompt_ids, params.stop) if params.detokenize else None,
+            matcher=grammars.matcher(params.json_schema) if params.json_schema is not None else None,
+        )
 
     @property
     def last_token(self) -> int:

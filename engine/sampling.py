@@ -3,7 +3,7 @@
 Reproducibility contract: a sequence's tokens depend only on its own logits and its own
 seeded generator, never on its batch mates. Each sampled sequence draws exactly one
 uniform number per step from its private `torch.Generator` and picks the token by
-inverse CDF over its (temperature-scaled, top-p-filtered) distribution in vocabulary
+inverse CDF over its (temperature-scaled, top-k/min-p/top-p-filtered) distribution in vocabulary
 order. Batch mates change logits only by ~1e-6 of matmul rounding, so seeded output
 matches alone and batched except at near-exact ties.
 
@@ -30,10 +30,14 @@ class SequenceSampler:
     temperature: float
     top_p: float
     generator: torch.Generator
+    top_k: int = 0  # 0 or less: every token
+    min_p: float = 0.0
 
     @classmethod
-    def create(cls, temperature: float, top_p: float, seed: int | None) -> SequenceSampler:
-        return cls(temperature=temperature, top_p=top_p, generator=make_generator(seed))
+    def create(
+        cls, temperature: float, top_p: float, seed: int | None, top_k: int = 0, min_p: float = 0.0
+    ) -> SequenceSampler:
+        return cls(temperature, top_p, make_generator(seed), top_k, min_p)
 
     @property
     def greedy(self) -> bool:
@@ -68,6 +72,7 @@ def _sample_rows(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> t
     temperature = torch.tensor([s.temperature for s in samplers], device=device)
     top_p = torch.tensor([s.top_p for s in samplers], device=device)
     probs = torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1)
+    probs = _apply_top_k_min_p(probs, samplers)
     probs = _apply_top_p(probs, top_p)
     # Drawn on CPU from each sequence's own generator, whatever the logits' device.
     uniforms = torch.cat([torch.rand(1, generator=s.generator) for s in samplers]).to(device)
@@ -75,6 +80,25 @@ def _sample_rows(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> t
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
     picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     return picked.clamp_(max=probs.shape[-1] - 1)
+
+
+def _apply_top_k_min_p(probs: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
+    """Zero out tokens outside each row's top k, and those less likely than its min_p x its
+    most likely token (rows that ask for neither untouched)."""
+    vocab = probs.shape[-1]
+    k = [s.top_k if 0 < s.top_k < vocab else 0 for s in samplers]
+    if any(k):
+        rows = torch.tensor([i for i, kk in enumerate(k) if kk], device=probs.device)
+        ks = torch.tensor([kk for kk in k if kk], device=probs.device)
+        top = probs.index_select(0, rows).topk(int(ks.max()), dim=-1).values
+        kth = top.gather(1, (ks - 1).unsqueeze(1))
+        sub = probs.index_select(0, rows)
+        probs[rows] = sub.masked_fill(sub < kth, 0.0)
+    if any(s.min_p > 0 for s in samplers):
+        min_p = torch.tensor([s.min_p for s in samplers], device=probs.device, dtype=probs.dtype)
+        floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    return probs
 
 
 def _apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,6 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "reasoning_effort",
         "reasoning",
-        "logprobs",
-        "top_logprobs",
-        "logit_bias",
-        "presence_penalty",
-        "frequency_penalty",
         "functions",
         "function_call",
         "modalities",

@@ -118,6 +118,13 @@ Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000), Integral]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Integral]
+Penalty = Annotated[float, Field(ge=-2, le=2)]
+RepetitionPenalty = Annotated[float, Field(gt=0, le=100)]
+TopK = Annotated[int, Field(ge=-1, le=1_000_000), Integral]
+MinP = Annotated[float, Field(ge=0, le=1)]
+MinTokens = Annotated[int, Field(ge=0, le=1_000_000), Integral]
+# OpenAI's logit_bias: token ids (as JSON object keys, so strings) to a bias in [-100, 100].
+LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]]
 StopList = Annotated[list[str], Field(max_length=16)]
 Stop = str | StopList | list[str | StopList | None] | None
 
@@ -205,6 +212,20 @@ class GenerationParams(Scheduling):
     response_format: ResponseFormats = Field(
         None, description="text, json_object or json_schema; one for every prompt or a per-prompt list."
     )
+    presence_penalty: Penalty | list[Penalty] | None = None
+    frequency_penalty: Penalty | list[Penalty] | None = None
+    repetition_penalty: RepetitionPenalty | list[RepetitionPenalty] | None = None
+    top_k: TopK | list[TopK] | None = None
+    min_p: MinP | list[MinP] | None = None
+    min_tokens: MinTokens | list[MinTokens] | None = None
+    ignore_eos: StrictBool | list[StrictBool] | None = None
+    logit_bias: LogitBias | Annotated[list[LogitBias | None], Field(min_length=1)] | None = Field(
+        None, description="Token id (a string) to a bias in [-100, 100], for every prompt or a per-prompt list."
+    )
+    # Accepted only where they ask for nothing (false / null, 0): log probabilities are not
+    # computed yet, and asking for them is refused by name (`unsupported_parameter`).
+    logprobs: StrictBool | Annotated[int, Field(ge=0, le=20), Integral] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = None
 
 
 class ChatCompletionRequest(GenerationParams):

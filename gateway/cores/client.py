@@ -67,9 +67,22 @@ class CoreControl(Protocol):
     async def stop(self) -> None: ...  # exit now
 
 
-def sampling_of(params: SamplingParams) -> wire.Sampling:
+def sampling_of(p: SamplingParams) -> wire.Sampling:
     return wire.Sampling(
-        params.max_tokens, params.temperature, params.top_p, params.seed, list(params.stop), params.json_schema
+        p.max_tokens,
+        p.temperature,
+        p.top_p,
+        p.seed,
+        list(p.stop),
+        p.json_schema,
+        p.top_k,
+        p.min_p,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
+        dict(p.logit_bias),
+        p.min_tokens,
+        p.ignore_eos,
     )
 
 

@@ -58,6 +58,14 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     seed: int | None = None
     stop: list[str] = []
     json_schema: str | None = None  # canonical JSON schema text the output must match
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = {}
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):

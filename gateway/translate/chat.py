@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from batcher.types import GenRequest
@@ -38,13 +38,29 @@ COMPLETIONS_MAX_TOKENS = 16
 @dataclass(frozen=True)
 class PromptParams:
     """One prompt's sampling parameters as the request gives them. `max_tokens` is None
-    when not given: the default depends on the route and the prompt's length."""
+    when not given: the default depends on the route and the prompt's length. `extra`: the
+    further sampling fields (SamplingParams' names), only those given."""
 
     max_tokens: int | None
     temperature: float
     top_p: float
     seed: int | None
     stop: list[str]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# The further sampling fields: each a scalar for every prompt or a per-prompt list, None
+# (absent) leaving SamplingParams' default, which asks for nothing.
+EXTRA_FIELDS = (
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "min_tokens",
+    "ignore_eos",
+)
 
 
 @dataclass
@@ -69,17 +85,7 @@ class GenerationWork:
                 # Candidates of one seeded prompt differ from each other, reproducibly.
                 seed = None if sp.seed is None else sp.seed + j
                 self.payloads.append(
-                    GenRequest(
-                        ids,
-                        SamplingParams(
-                            sp.max_tokens,
-                            sp.temperature,
-                            sp.top_p,
-                            seed,
-                            list(sp.stop),
-                            json_schema=self.structures[p].schema,
-                        ),
-                    )
+                    GenRequest(ids, replace(sp, seed=seed, stop=list(sp.stop), json_schema=self.structures[p].schema))
                 )
                 self.prompt_index.append(p)
 
@@ -326,7 +332,17 @@ def sampling_params(
     context = engine.max_context
     limit_prompt = min(context - 1, cfg.max_prompt_tokens or context)
     params = []
+    vocab = getattr(getattr(engine, "grammars", None), "vocab_size", None)
     for i, (ids, req) in enumerate(zip(prompts, requested, strict=True)):
+        outside = [t for t in req.extra.get("logit_bias", {}) if vocab is not None and t >= vocab]
+        if outside:
+            raise APIError(
+                422,
+                f"logit_bias of prompt {i}: token id {outside[0]} is not in the vocabulary of {engine.name} "
+                f"({vocab} tokens)",
+                code="invalid_token_id",
+                param="logit_bias",
+            )
         if len(ids) > limit_prompt:
             raise APIError(
                 422,
@@ -338,7 +354,12 @@ def sampling_params(
         max_tokens = min(req.max_tokens if req.max_tokens is not None else default_max, context - len(ids))
         params.append(
             SamplingParams(
-                max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed, stop=req.stop
+                max_tokens=max_tokens,
+                temperature=req.temperature,
+                top_p=req.top_p,
+                seed=req.seed,
+                stop=req.stop,
+                **req.extra,
             )
         )
     return params
@@ -350,6 +371,7 @@ def prompt_params(body: GenerationBody, n: int) -> list[PromptParams]:
     max_name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = body.max_tokens
+    refuse_logprobs(body)
     columns = (
         per_prompt(max_name, max_tokens, n, None),
         per_prompt("temperature", body.temperature, n, 1.0),
@@ -357,7 +379,37 @@ def prompt_params(body: GenerationBody, n: int) -> list[PromptParams]:
         per_prompt("seed", body.seed, n, None),
         stops_per_prompt(body.stop, n),
     )
-    return [PromptParams(*row) for row in zip(*columns, strict=True)]
+    extras = [extra_params(body, name, n) for name in EXTRA_FIELDS]
+    rows = []
+    for i, row in enumerate(zip(*columns, strict=True)):
+        extra = {name: values[i] for name, values in zip(EXTRA_FIELDS, extras, strict=True) if values[i] is not None}
+        rows.append(PromptParams(*row, extra=extra))
+    return rows
+
+
+def extra_params(body: GenerationBody, name: str, n: int) -> list[Any]:
+    """One further sampling field per prompt (None: not given); logit_bias's keys as ints."""
+    values = per_prompt(name, getattr(body, name), n, None)
+    if name == "logit_bias":
+        values = [None if v is None else {int(k): float(b) for k, b in v.items()} for v in values]
+    return values
+
+
+def refuse_logprobs(body: GenerationBody) -> None:
+    """Log probabilities are not computed yet: a request that asks for them is refused by
+    name; one that sends the values asking for nothing (chat `logprobs: false`,
+    `top_logprobs: 0`) is served."""
+    chat = isinstance(body, ChatCompletionRequest)
+    asks = body.logprobs is True or (not chat and body.logprobs is not None and body.logprobs is not False)
+    if asks or body.top_logprobs:
+        name = "top_logprobs" if body.top_logprobs and not asks else "logprobs"
+        raise APIError(
+            422,
+            f"{name}: this server does not return log probabilities yet; send {name} as "
+            + ("false or omit it" if name == "logprobs" and chat else "0 or omit it"),
+            code="unsupported_parameter",
+            param=name,
+        )
 
 
 def stops_per_prompt(stop: Any, n: int) -> list[list[str]]:

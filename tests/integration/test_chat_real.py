@@ -226,3 +226,64 @@ def test_a_shared_system_prompt_is_served_from_the_prefix_cache(real_server, tmp
         first["choices"][0]["message"]["content"],
         second["choices"][0]["message"]["content"],
     ]
+
+
+def test_the_defaults_a_chat_ui_sends_are_served(real_server):
+    """Penalties 0, an empty logit_bias, logprobs false, top_p 1 and stream_options, as
+    many chat front ends send them with every request: each asks for nothing."""
+    stream = client(real_server).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hello there"}],
+        max_tokens=6,
+        temperature=0.7,
+        top_p=1,
+        presence_penalty=0,
+        frequency_penalty=0,
+        logit_bias={},
+        logprobs=False,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+
+
+EOS_ID = 2  # ferry-tiny-chat's <|eos|> (engine/tiny_chat.py: pad=0, bos=1, eos=2)
+
+
+def test_sampling_fields_per_prompt_reach_the_engine_core(real_server):
+    """Three conversations in one request, each with its own logit_bias, min_tokens and
+    ignore_eos, through the front end, the wire and the engine core."""
+    conversation = [{"role": "user", "content": "Name a boat"}]
+    body = {
+        "model": MODEL,
+        "messages": [conversation] * 3,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logit_bias": [{str(EOS_ID): 100}, {str(EOS_ID): 100}, {str(EOS_ID): 100}],
+        "min_tokens": [0, 3, 0],
+        "ignore_eos": [False, False, True],
+        "presence_penalty": [0.5, 0, 0],
+        "repetition_penalty": 1.2,
+    }
+    r = httpx.post(real_server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = sorted(r.json()["choices"], key=lambda c: c["prompt_index"])
+    assert [c["finish_reason"] for c in choices] == ["stop", "stop", "length"]
+    # EOS at once; EOS after three tokens (min_tokens); EOS five times, ignored (ignore_eos).
+    per_prompt = ("logit_bias", "min_tokens", "ignore_eos", "presence_penalty")
+    counted = [
+        httpx.post(
+            real_server.url + "/v1/chat/completions",
+            json={**body, "messages": conversation, **{k: body[k][i] for k in per_prompt}},
+            timeout=60,
+        ).json()["usage"]["completion_tokens"]
+        for i in range(3)
+    ]
+    assert counted == [1, 4, 5]
+    bad = httpx.post(
+        real_server.url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": conversation, "logit_bias": {"999999": 5}},
+        timeout=60,
+    )
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_token_id"

@@ -37,6 +37,7 @@ NOT_IN_JSON_SCHEMA = frozenset(
         "too_many_tokens",
         "chat_template_error",
         "invalid_batch_file",
+        "invalid_token_id",  # a logit_bias key beyond the model's vocabulary
     }
 )
 # Refusals that depend on a resource's state, not on the request: cancelling a batch that has

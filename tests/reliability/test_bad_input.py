@@ -81,10 +81,24 @@ CASES = [
     ),
     (
         C,
-        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 1}',
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "logprobs": true}',
         422,
         "unsupported_parameter",
+        "logprobs",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 3}',
+        422,
+        "invalid_value",
         "frequency_penalty",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"x": 1}}',
+        422,
+        "invalid_value",
+        "logit_bias.x",
     ),
     (
         C,

@@ -1,0 +1,114 @@
+"""Logit rules and the further sampling fields (engine/logits.py, engine/sampling.py): the
+penalties by their published formulas (OpenAI's presence and frequency penalties, Hugging
+Face's repetition penalty checked against transformers' own processor), the bias,
+min_tokens and ignore_eos, top_k and min_p; then on the built-in model through the engine."""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+from engine.base import SamplingParams, SequenceRequest
+from engine.detokenize import FINISH_LENGTH, FINISH_STOP
+from engine.logits import LogitRules, apply_rules
+from engine.sampling import SequenceSampler, sample_next_tokens
+
+VOCAB = 12
+
+
+def rules(prompt=(1, 2), **params) -> LogitRules:
+    made = LogitRules.of(SamplingParams(**params), list(prompt))
+    assert made is not None
+    return made
+
+
+def test_values_that_ask_for_nothing_make_no_rules():
+    nothing = SamplingParams(presence_penalty=0, frequency_penalty=0, repetition_penalty=1.0, logit_bias={})
+    assert LogitRules.of(nothing, [1, 2]) is None
+
+
+def test_presence_and_frequency_penalties_follow_openais_formula():
+    r = rules(presence_penalty=0.5, frequency_penalty=0.25)
+    logits = torch.zeros(1, VOCAB)
+    apply_rules(logits, [r], [0], [])
+    assert torch.equal(logits, torch.zeros(1, VOCAB))  # nothing generated yet
+    for token in (3, 3, 5):
+        r.observe(token)
+    logits = torch.zeros(1, VOCAB)
+    apply_rules(logits, [r], [3], [])
+    want = torch.zeros(VOCAB)
+    want[3] = -(2 * 0.25 + 0.5)  # mu[j] - c[j] * frequency - (c[j] > 0) * presence
+    want[5] = -(1 * 0.25 + 0.5)
+    assert torch.allclose(logits[0], want)
+
+
+def test_repetition_penalty_is_hugging_faces_over_prompt_and_output():
+    r = rules(prompt=(1, 2), repetition_penalty=1.7)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(0))
+    plain_row = logits[1].clone()
+    apply_rules(logits[:1], [r], [0], [])  # prompt tokens only so far
+    r.observe(7)
+    mine = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(1))
+    theirs = mine.clone()
+    apply_rules(mine, [r], [1], [])
+    expected = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([[1, 2, 7]]), theirs)
+    assert torch.allclose(mine, expected)
+    assert torch.equal(logits[1], plain_row)  # a row without rules is untouched
+
+
+def test_bias_and_min_tokens_and_rows_mixed_in_one_batch():
+    eos = 11
+    biased, early, free = rules(logit_bias={4: 5.0, 6: -100.0}), rules(min_tokens=2), None
+    logits = torch.zeros(3, VOCAB)
+    apply_rules(logits, [biased, early, free], [0, 1, 0], [eos])
+    assert logits[0, 4] == 5.0 and logits[0, 6] == -100.0 and logits[0].abs().sum() == 105.0
+    assert logits[1, eos] == float("-inf") and logits[1, :eos].abs().sum() == 0
+    assert logits[2].abs().sum() == 0
+    logits = torch.zeros(1, VOCAB)
+    apply_rules(logits, [early], [2], [eos])  # two tokens generated: EOS allowed again
+    assert logits[0, eos] == 0
+
+
+def test_top_k_and_min_p_keep_only_their_tokens():
+    logits = torch.log(torch.tensor([[0.40, 0.30, 0.15, 0.10, 0.05]] * 2))
+    top2 = SequenceSampler.create(1.0, 1.0, seed=0, top_k=2)
+    floor = SequenceSampler.create(1.0, 1.0, seed=1, min_p=0.3)  # keeps p >= 0.12: tokens 0, 1, 2
+    seen: list[set[int]] = [set(), set()]
+    for _ in range(300):
+        a, b = sample_next_tokens(logits.clone(), [top2, floor])
+        seen[0].add(a)
+        seen[1].add(b)
+    assert seen == [{0, 1}, {0, 1, 2}]
+
+
+def greedy(seq_id: int, prompt: list[int], **params) -> SequenceRequest:
+    return SequenceRequest(seq_id, prompt, SamplingParams(max_tokens=6, temperature=0.0, **params))
+
+
+def run_alone(engine, request: SequenceRequest) -> tuple[list[int], str | None]:
+    out = engine.add([request])[0]
+    tokens, reason = list(out.token_ids), out.finish_reason
+    while reason is None:
+        (out,) = engine.step()
+        tokens += out.token_ids
+        reason = out.finish_reason
+    return tokens, reason
+
+
+def test_on_the_model_bias_min_tokens_and_ignore_eos(engine):
+    prompt = engine.encode_prompt("Ferries cross the harbour at dawn.")
+    eos = min(engine.eos_token_ids)
+    forced, reason = run_alone(engine, greedy(1, prompt, logit_bias={42: 100.0}))
+    assert forced == [42] * 6 and reason == FINISH_LENGTH
+    tokens, reason = run_alone(engine, greedy(2, prompt, logit_bias={eos: 100.0}, min_tokens=3))
+    assert eos not in tokens[:3] and tokens[3] == eos and reason == FINISH_STOP and len(tokens) == 4
+    tokens, reason = run_alone(engine, greedy(3, prompt, logit_bias={eos: 100.0}, ignore_eos=True))
+    assert tokens == [eos] * 6 and reason == FINISH_LENGTH
+
+
+def test_on_the_model_a_repetition_penalty_changes_a_repetitive_greedy_output(engine):
+    prompt = engine.encode_prompt("one one one one one one")
+    plain, _ = run_alone(engine, greedy(1, prompt))
+    penalized, _ = run_alone(engine, greedy(2, prompt, repetition_penalty=50.0))
+    assert len(set(plain)) < len(plain)  # the random model repeats itself
+    assert len(set(penalized)) == len(penalized)  # a seen token must beat a 50x handicap: none did
