@@ -24,9 +24,9 @@ from . import admission
 from .cost import CostModel
 from .errors import EngineError, ShuttingDown
 from .load import Load, efficient_batch
-from .policy import Dispatch, batch_cost, deadline_cap, get_policy
+from .policy import Dispatch, batch_cost, deadline_cap, get_policy, token_cap
 from .protocols import Execute
-from .queue import RequestQueue
+from .queue import LengthGrouping, RequestQueue, by_length
 from .queueing import QueueingBatcher, seconds_until
 from .settings import BatchingSettings
 from .types import Batch, DispatchReason, Outcome, Priority, TokenCount, WorkItem
@@ -134,12 +134,24 @@ class MicroBatcher(QueueingBatcher):
 
     def _decide(self, now: float):
         s = self.settings
+        # Grouped by length for this decision and the take that may follow it (same `now`).
+        self.queue.grouping = self._grouping(now) if s.group_by_length else None
         if self._closing and len(self.queue):
-            return Dispatch(min(len(self.queue), s.max_batch_size), DispatchReason.DRAIN)
+            fits = token_cap(self.queue.peek(s.max_batch_size, now), s)
+            return Dispatch(fits, DispatchReason.DRAIN)
         return get_policy(s.policy)(self.queue, now, s, self.cost, self.load(now))
 
+    def _grouping(self, now: float) -> LengthGrouping:
+        """A window of four batches; an item is urgent (keeps its place) when two full
+        batches at their slow pace would end after its deadline."""
+        s = self.settings
+        full = self.cost.predict(s.max_batch_size, s.batch_tokens) * self.cost.slowdown
+        return LengthGrouping(window=4 * s.max_batch_size, urgent_before=now + 2 * full + s.margin)
+
     def _dispatch(self, decision: Dispatch, now: float) -> None:
-        batch = self._batch(self._take(decision.size, now), now, decision.reason)
+        items = self._take(decision.size, now)
+        self.queue.grouping = None
+        batch = self._batch(items, now, decision.reason)
         predicted = batch_cost(self.cost, batch.items)
         self._busy_until = now + predicted
         self._may_run_until = now + predicted * max(self.cost.tail, 1.0)
@@ -160,7 +172,13 @@ class MicroBatcher(QueueingBatcher):
         hand-off: 0.71x the requests per second of no lane under `bench_gateway`)."""
         s = self.settings
         left = self._may_run_until - now
-        waiting = self.queue.peek_class(Priority.INTERACTIVE, s.max_batch_size)
+        if s.group_by_length:  # like the main batches: of like lengths, within max_batch_tokens
+            g = self._grouping(now)
+            waiting = by_length(self.queue.peek_class(Priority.INTERACTIVE, g.window), now, 0.0, g.urgent_before)
+        else:
+            waiting = self.queue.peek_class(Priority.INTERACTIVE, s.max_batch_size)
+        waiting = waiting[: s.max_batch_size]
+        waiting = waiting[: token_cap(waiting, s)]
         if left <= s.margin or self.lane_cost.predict(1, waiting[0].cost) >= left:
             return []  # not even one item would end in time
         # No floor and no reserve (nothing waits for a lane batch); the lane's own fit times

@@ -86,6 +86,17 @@ def deadline_cap(items: Sequence[WorkItem], now: float, s: BatchingSettings, cos
     return best_k
 
 
+def token_cap(items: Sequence[WorkItem], s: BatchingSettings) -> int:
+    """How many of `items` (in order) fit in one batch of at most `batch_tokens` padded
+    tokens (rows x longest row); the first always does."""
+    longest = 0
+    for k, item in enumerate(items, start=1):
+        longest = max(longest, item.cost)
+        if k > 1 and k * longest > s.batch_tokens:
+            return k - 1
+    return len(items)
+
+
 def latest_start(items: Sequence[WorkItem], s: BatchingSettings, cost: CostModel) -> float:
     """Last moment this batch can start and still meet its tightest deadline."""
     deadline = min((i.deadline for i in items if i.deadline is not None), default=INF)
@@ -100,11 +111,14 @@ def max_wait_due(q: RequestQueue, s: BatchingSettings) -> float:
 
 
 def fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load = IDLE) -> Decision:
+    """A full batch at once (`max_batch_size` items, or as many as `max_batch_tokens`
+    holds), else whatever waits once the oldest has waited `max_wait_ms`."""
     n = len(q)
     if n == 0:
         return WaitUntil(None)
-    if n >= s.max_batch_size:
-        return Dispatch(s.max_batch_size, DispatchReason.FULL)
+    fits = token_cap(q.peek(s.max_batch_size, now), s)
+    if n >= s.max_batch_size or fits < n:
+        return Dispatch(fits, DispatchReason.FULL)
     due = max_wait_due(q, s)
     if now >= due:
         return Dispatch(n, DispatchReason.MAX_WAIT)
@@ -116,6 +130,7 @@ def deadline(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if len(q) == 0:
         return base
     items = q.peek(s.max_batch_size, now)
+    items = items[: token_cap(items, s)]
     cap = deadline_cap(items, now, s, cost, load)
     if isinstance(base, Dispatch):
         return Dispatch(min(base.size, cap), base.reason)
@@ -138,8 +153,9 @@ def adaptive(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, 
     if n == 0:
         return WaitUntil(None)
     items = q.peek(s.max_batch_size, now)
+    items = items[: token_cap(items, s)]
     cap = deadline_cap(items, now, s, cost, load)
-    if n >= s.max_batch_size:
+    if n >= s.max_batch_size or len(items) < n:  # the batch cannot grow: by count or by tokens
         return Dispatch(cap, DispatchReason.FULL)
     rate = load.offered_rate
     target = fill_target(rate, s, cost)

@@ -3,6 +3,12 @@
 Interactive work goes first, earliest deadline first (EDF). Batch-class work fills what
 interactive work leaves, but an item that has waited `aging` seconds is ordered among the
 interactive items as if its deadline were `arrival + aging`, so it cannot starve.
+
+With `grouping` set (embeddings, `group_by_length`), what a batch takes is grouped by
+length (`LengthGrouping`): the head of that order leads, the items that cannot wait for
+another batch follow, then the rest of a window of the next items, each class (interactive
+or aged first) by how close its length is to the leader's. Inputs are padded to the
+longest of their batch, so mixed lengths compute mostly padding.
 """
 
 from __future__ import annotations
@@ -11,10 +17,20 @@ import heapq
 import math
 from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from .types import Priority, WorkItem
 
 INF = math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class LengthGrouping:
+    """How `peek` groups by length: over the first `window` items of dispatch order, the
+    ones with a deadline before `urgent_before` keep their place behind the leader."""
+
+    window: int
+    urgent_before: float
 
 
 def _key(item: WorkItem) -> tuple[float, int]:
@@ -28,6 +44,7 @@ class RequestQueue:
         self._all: dict[int, WorkItem] = {}
         self._batch_fifo: dict[int, WorkItem] = {}
         self._edf: dict[Priority, list[tuple[float, int]]] = {p: [] for p in Priority}
+        self.grouping: LengthGrouping | None = None  # set by the batcher around one decision
 
     def __len__(self) -> int:
         return len(self._all)
@@ -90,14 +107,20 @@ class RequestQueue:
                 yield self._all[item_id]
 
     def peek(self, n: int, now: float) -> list[WorkItem]:
+        """The first `n` items a batch would take now: dispatch order, grouped by length
+        when `grouping` says so."""
         out: list[WorkItem] = []
         if n <= 0:
             return out
+        g = self.grouping
+        want = n if g is None else max(n, g.window)
         for item in self.ordered(now):
             out.append(item)
-            if len(out) >= n:
+            if len(out) >= want:
                 break
-        return out
+        if g is not None and len(out) > 1:
+            out = by_length(out, now, self.aging, g.urgent_before)
+        return out[:n]
 
     def peek_class(self, priority: Priority, n: int) -> list[WorkItem]:
         """The first `n` queued items of one class, earliest deadline first (no aging)."""
@@ -118,3 +141,20 @@ class RequestQueue:
                     break
                 out.append(self._all[item_id])
         return out
+
+
+def by_length(items: list[WorkItem], now: float, aging: float, urgent_before: float) -> list[WorkItem]:
+    """`items` (dispatch order) regrouped: the first leads; items due before `urgent_before`
+    follow in order; then the others, interactive (and aged) ones before batch-class ones,
+    each by the distance of their length (`cost`) from the leader's, ties in order."""
+    lead, rest = items[0], items[1:]
+    urgent = [i for i in rest if i.deadline is not None and i.deadline <= urgent_before]
+    taken = {i.id for i in urgent}
+
+    def key(pair: tuple[int, WorkItem]) -> tuple[int, int, int]:
+        position, item = pair
+        first = item.priority is Priority.INTERACTIVE or item.arrival + aging <= now
+        return (0 if first else 1, abs(item.cost - lead.cost), position)
+
+    others = sorted(((p, i) for p, i in enumerate(rest) if i.id not in taken), key=key)
+    return [lead, *urgent, *(i for _, i in others)]

@@ -12,6 +12,9 @@ __all__ = ["BatchingSettings", "PolicyName", "SettingsError"]
 # batcher/policy.py implements each name (POLICIES, GENERATION_POLICIES); a test keeps them equal.
 PolicyName = Literal["fixed", "deadline", "adaptive"]
 COUNT: dict[str, Any] = {"ge": 1, "le": 1_000_000}
+# Padded tokens of one embeddings batch when `max_batch_tokens` is unset; measured on this
+# machine's two cores (docs/benchmarks.md, "Batches of like lengths").
+EMBED_BATCH_TOKENS = 2048
 WAIT: dict[str, Any] = {"unit": "ms", "ge": 0, "lt": MAX_MS}
 BUDGET: dict[str, Any] = {"unit": "ms", "gt": 0, "lt": MAX_MS}
 
@@ -77,6 +80,23 @@ class BatchingSettings(Knobs):
         "work runs. Off (`--no-interactive-lane`): one batch at a time",
         live=True,
     )
+    max_batch_tokens: int | None = knob(
+        None,
+        "most tokens one batch computes. Embeddings: padded tokens (rows x longest row) of one batch, "
+        "one input always fits; unset, 2048. Generation: decode rows and prompt chunks of one engine step "
+        "(vLLM's `max_num_batched_tokens`): a longer prompt is prefilled a chunk a step, so it never stalls "
+        "the streams decoding; unset, each step's chunk is sized to take no longer than its decode step "
+        "(inter-token latency within 2x steady, and within `max_itl_ms`), and prompts go whole while nothing decodes",
+        null="auto",
+        live=True,
+        **COUNT,
+    )
+    group_by_length: bool = knob(
+        True,
+        "embeddings: a batch takes queued items of similar length, so little of it is padding; the "
+        "most urgent item leads, and items whose deadline cannot wait for another batch always join",
+        live=True,
+    )
     # Generation only from here.
     budget_scope: Literal["ttft", "total"] = knob(
         "ttft",
@@ -94,19 +114,14 @@ class BatchingSettings(Knobs):
     prefill_token_budget: int = knob(
         2048, "most prompt tokens admitted to prefill in one step (one prompt always fits)", **COUNT
     )
-    max_batch_tokens: int | None = knob(
-        None,
-        "generation: most tokens one engine step computes, decode rows and prompt chunks together (vLLM's "
-        "`max_num_batched_tokens`): a longer prompt is prefilled a chunk a step, so it never stalls the "
-        "streams decoding; unset, each step's chunk is sized to take no longer than its decode step "
-        "(inter-token latency within 2x steady, and within `max_itl_ms`), and prompts go whole while nothing decodes",
-        null="auto",
-        live=True,
-        **COUNT,
-    )
     mode: Literal["continuous", "static"] = knob(
         "continuous", "generation batching; `static` is the comparison baseline", option="batching"
     )
+
+    @property
+    def batch_tokens(self) -> int:
+        """The padded tokens one one-shot (embeddings) batch may hold."""
+        return self.max_batch_tokens if self.max_batch_tokens is not None else EMBED_BATCH_TOKENS
 
     @property
     def max_wait(self) -> float:

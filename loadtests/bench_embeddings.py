@@ -10,7 +10,15 @@
     python -m loadtests.bench_embeddings [--rates 40,80,...] [--duration 10] [--slo-ms 200]
 
 Prints throughput, goodput (answers within the SLO, per second), p50/p99 latency and the
-ratios (Ferry / ceiling, Ferry / unbatched).
+ratios (Ferry / ceiling, Ferry / unbatched). That is the default cell (`--cells default`).
+
+`--cells length-mix` (issue #32) runs loadtests/length_mix.py instead: inputs of long-tailed
+and bimodal lengths, the raw engine's ceilings in arrival order, sorted, and sorted under a
+token budget (with their padding), Ferry under closed-loop clients and, with
+`--vllm-python`, vLLM's pooling runner on the same inputs:
+
+    python -m loadtests.bench_embeddings --cells length-mix [--duration 10] [--clients 64] [--slo-ms 200]
+    python -m loadtests.bench_embeddings --cells length-mix --vllm-python /tmp/vllm-venv/bin/python
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import time
 
 from tuner.traffic import sentence
 
+from . import length_mix
 from .openloop import GatewayProcess, open_loop, post_json, summarise
 
 MODEL = "sentence-transformers/all-MiniLM-L6-v2"
@@ -78,8 +87,22 @@ def main() -> None:
     p.add_argument("--ceiling-threads", type=int, default=len(os.sched_getaffinity(0)))
     p.add_argument("--ferry-args", default="", help="extra flags for the batched gateway")
     p.add_argument("--skip-unbatched", action="store_true")
+    p.add_argument("--cells", default="default", help="comma-separated subset of default,length-mix")
+    length_mix.add_arguments(p)
     a = p.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    cells = [c.strip() for c in a.cells.split(",") if c.strip()]
+    unknown = set(cells) - {"default", "length-mix"}
+    if unknown:
+        p.error(f"--cells: unknown {', '.join(sorted(unknown))}; expected default,length-mix")
+    if "default" in cells:
+        default_cell(a)
+    if "length-mix" in cells:
+        print("\nlength-mix cell:" if "default" in cells else "length-mix cell:")
+        length_mix.run(a)
+
+
+def default_cell(a: argparse.Namespace) -> None:
     rates = [float(r) for r in a.rates.split(",")]
     print(f"raw engine ceiling ({a.ceiling_threads} torch threads, tokenization included):")
     best_n, ceiling = engine_ceiling(a.ceiling_threads)

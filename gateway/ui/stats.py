@@ -210,11 +210,24 @@ def model_stats(view: _View, last: _View, info: ModelInfo, seconds: float | None
         "slo": slo,
         "knobs": info.settings,
         "cost": _cost(view, last, info),
+        "tokens": {ph: _tokens(view, ph) for ph in phases if ph},
         "config_changes": view.current("ferry_config_changes_total"),
     }
     if info.kind == "chat":
         out["prefix_cache"] = _prefix_cache(view)
     return out
+
+
+def _tokens(view: _View, phase: str) -> dict[str, float | None]:
+    """One phase's batches in the window: real tokens per batch and the mean share of each
+    batch that was padding (None without batches)."""
+    batches = view.delta("ferry_batch_size_tokens_count", phase=phase)
+    padded = view.delta("ferry_batch_padding_ratio_count", phase=phase)
+    return {
+        "batches": batches,
+        "tokens_per_batch": view.delta("ferry_batch_size_tokens_sum", phase=phase) / batches if batches else None,
+        "padding": view.delta("ferry_batch_padding_ratio_sum", phase=phase) / padded if padded else None,
+    }
 
 
 def _prefix_cache(view: _View) -> dict[str, float | None]:

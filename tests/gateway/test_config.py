@@ -66,6 +66,7 @@ EXISTING_PATCH_FIELDS = {
     "max_itl_ms",
     "max_running",
     "max_batch_tokens",
+    "group_by_length",
     "on_infeasible",
     "aging_ms",
     "interactive_first",

@@ -280,6 +280,7 @@
     view.dispatch = panel("Dispatch reasons (last 10 s)");
     view.refusals = panel("Rejections and expiries (last 10 s)");
     view.slo = panel("SLO attainment (last 10 s)");
+    view.tokens = panel("Batch tokens and padding (last 10 s)");
     if (model.kind === "chat") view.prefix = panel("Prefix cache (last 10 s)");
     knobForm(view, panels);
     const marksPanel = panel("Knob changes (dashed lines on the charts)");
@@ -316,6 +317,10 @@
       .concat(Object.entries(model.expired).map(([k, v]) => ["expired: " + k, fmt(v, 0)])));
     table(view.slo, Object.entries(model.slo).map(([k, v]) => [
       k, v.attainment === null ? "–" : fmt(100 * v.attainment, 1) + " %", fmt(v.met, 0) + " met", fmt(v.missed, 0) + " missed",
+    ]));
+    table(view.tokens, Object.entries(model.tokens || {}).filter(([, v]) => v.batches > 0).map(([phase, v]) => [
+      phase, fmt(v.tokens_per_batch, 0) + " tokens/batch",
+      v.padding === null ? "–" : fmt(100 * v.padding, 1) + " % padding",
     ]));
     if (view.prefix && model.prefix_cache) {
       const pc = model.prefix_cache;

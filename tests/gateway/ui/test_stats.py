@@ -234,3 +234,21 @@ def test_the_prefix_cache_hit_rate_is_over_the_window_for_chat_models_only():
     c, e = ring.stats(metrics.registry.collect(), [chat, embed])["models"]
     assert c["prefix_cache"] == {"queries": 200, "hits": 150, "hit_rate": 0.75}
     assert "prefix_cache" not in e
+
+
+def test_batch_tokens_and_padding_are_over_the_window_per_phase():
+    metrics = Metrics(CollectorRegistry())
+    embed = ModelInfo("e", "embedding", BatchingSettings().to_dict(), None)
+    clock = FakeClock()
+    ring = StatsRing(clock=clock.now)
+    metrics.batch_size.labels("e", "embed").observe(4)  # before the window
+    metrics.batch_tokens.labels("e", "embed").observe(400)
+    metrics.padding.labels("e", "embed").observe(0.9)
+    ring.stats(metrics.registry.collect(), [embed])
+    asyncio.run(clock.advance(1.0))
+    for tokens, padding in ((100, 0.1), (300, 0.3)):
+        metrics.batch_size.labels("e", "embed").observe(8)
+        metrics.batch_tokens.labels("e", "embed").observe(tokens)
+        metrics.padding.labels("e", "embed").observe(padding)
+    (e,) = ring.stats(metrics.registry.collect(), [embed])["models"]
+    assert e["tokens"]["embed"] == {"batches": 2, "tokens_per_batch": 200.0, "padding": pytest.approx(0.2)}
