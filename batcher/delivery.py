@@ -71,8 +71,15 @@ class Delivery:
         if out.text:
             seq.pieces.append(out.text)
         seq.undelivered += produced
+        logprobs = getattr(out, "logprobs", None)  # an engine that reports them, where asked
+        if logprobs:
+            if seq.logprobs is None:
+                seq.logprobs = []
+            seq.logprobs.extend(logprobs)
+            seq.undelivered_logprobs.extend(logprobs)
         if item.on_delta is not None and (out.text or out.finish_reason or (produced and seq.every_token)):
-            item.on_delta(Delta(item, out.text, seq.undelivered, out.finish_reason, out.token_ids))
-            seq.undelivered = 0
+            lps = seq.undelivered_logprobs or None
+            item.on_delta(Delta(item, out.text, seq.undelivered, out.finish_reason, out.token_ids, lps))
+            seq.undelivered, seq.undelivered_logprobs = 0, []
         if out.finish_reason is not None:
             self._finish(item, Outcome.RESULT, seq.result(out.finish_reason))

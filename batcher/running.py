@@ -8,6 +8,7 @@ resolved elsewhere (batcher/delivery.py, batcher/scheduler.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from .types import GenResult, Priority, WorkItem
 
@@ -23,11 +24,13 @@ class _Seq:
     # (its params say detokenize=False), the caller decodes the ids (an engine core's front end).
     every_token: bool = False
     cached_tokens: int = 0  # of its prompt, tokens the engine's prefix cache served (its prefill's)
+    logprobs: list[Any] | None = None  # each token's, where the request asked
+    undelivered_logprobs: list[Any] = field(default_factory=list)  # of the `undelivered` tokens
 
     def result(self, finish_reason: str) -> GenResult:
         """What the item resolves with: the text and the token counts so far."""
         prompt = len(self.item.payload.prompt_ids)
-        return GenResult("".join(self.pieces), finish_reason, prompt, self.tokens, self.cached_tokens)
+        return GenResult("".join(self.pieces), finish_reason, prompt, self.tokens, self.cached_tokens, self.logprobs)
 
 
 class RunningSet:

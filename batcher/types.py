@@ -152,13 +152,15 @@ class GenRequest:
 class GenResult:
     """What a generation work item resolves to once its sequence finishes. `cached_tokens`:
     of its prompt tokens, those whose KV the engine's prefix cache served (usage's
-    `prompt_tokens_details.cached_tokens`)."""
+    `prompt_tokens_details.cached_tokens`). `logprobs`: each generated token's, where the
+    request asked (the engine's `TokenLogprob` tuples), else None."""
 
     text: str
     finish_reason: str
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    logprobs: list[Any] | None = None
 
 
 @dataclass(slots=True)
@@ -171,3 +173,4 @@ class Delta:
     tokens: int
     finish_reason: str | None = None
     token_ids: Sequence[int] = ()
+    logprobs: Sequence[Any] | None = None  # of the `tokens` it counts, where the request asked

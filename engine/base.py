@@ -60,6 +60,8 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # no end-of-sequence token before this many tokens
     ignore_eos: bool = False  # an end-of-sequence token does not end the sequence
+    # None: no log probabilities; k >= 0: each token's, and the k most likely alternatives'.
+    logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +77,11 @@ def sequence_request(seq_id: int, prompt_ids: list[int], params: SamplingParams 
     return SequenceRequest(
         seq_id, list(prompt_ids), params if params is not None else SamplingParams(max_tokens=8, temperature=0.0)
     )
+
+
+# A generated token's log probability: (token id, logprob, [(id, logprob) of the most likely
+# tokens, most likely first]), of the distribution it was sampled from (engine/sampling.py).
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]
 
 
 @dataclass(slots=True)
@@ -94,6 +101,7 @@ class StepOutput:
     text: str
     finish_reason: str | None = None
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token, when its params ask
 
 
 @dataclass(slots=True)
@@ -123,6 +131,9 @@ class GenerationEngine(Protocol):
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a plain completion prompt."""
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Token ids as text (a log probability entry's token)."""
 
     def add(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
         """Batched prefill of new sequences; each produces its first token."""

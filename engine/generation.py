@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import PrefillStep, SamplingParams, SequenceRequest, StepOutput
+from .base import PrefillStep, SamplingParams, SequenceRequest, StepOutput, TokenLogprob
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, ChunkStats, PendingPrefills
 from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceText
@@ -33,7 +33,7 @@ from .kv import RunningBatch
 from .logits import LogitRules, apply_rules
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
-from .sampling import SequenceSampler, sample_next_tokens
+from .sampling import SequenceSampler, sample_next_tokens, token_logprobs
 
 log = logging.getLogger("ferry.engine")
 
@@ -158,6 +158,9 @@ class HFGenerationEngine:
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
     @torch.inference_mode()
     def add(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
         """Prefill `requests` together; each yields its first token (or finishes at once).
@@ -233,9 +236,8 @@ class HFGenerationEngine:
         mask = batch.decode_mask()
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
-        self._constrain(logits, batch.seqs)
-        tokens = sample_next_tokens(logits, [s.sampler for s in batch.seqs])
-        outputs = [self._advance(seq, token) for seq, token in zip(batch.seqs, tokens, strict=True)]
+        tokens = self._sample(logits, batch.seqs)
+        outputs = [self._advance(seq, *token) for seq, token in zip(batch.seqs, tokens, strict=True)]
         finished = {i for i, out in enumerate(outputs) if out.finish_reason}
         if finished:
             batch.drop(finished)
@@ -274,12 +276,10 @@ class HFGenerationEngine:
         if not finished:
             return
         seqs = [c.pending.seq for c in chunks]
-        logits = done.logits[finished]
-        self._constrain(logits, [seqs[row] for row in finished])
-        tokens = sample_next_tokens(logits, [seqs[row].sampler for row in finished])
+        tokens = self._sample(done.logits[finished], [seqs[row] for row in finished])
         alive = []
         for row, token in zip(finished, tokens, strict=True):
-            out = self._advance(seqs[row], token)
+            out = self._advance(seqs[row], *token)
             out.cached_tokens = chunks[row].pending.cached
             result.outputs.append(out)
             if out.finish_reason is None:
@@ -290,9 +290,8 @@ class HFGenerationEngine:
     def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
         done = self._prefiller.run([r.prompt_ids for r in requests])
         seqs = [self._new_sequence(r) for r in requests]
-        self._constrain(done.logits, seqs)
-        tokens = sample_next_tokens(done.logits, [s.sampler for s in seqs])
-        outputs = [self._advance(seq, token) for seq, token in zip(seqs, tokens, strict=True)]
+        tokens = self._sample(done.logits, seqs)
+        outputs = [self._advance(seq, *token) for seq, token in zip(seqs, tokens, strict=True)]
         for out, cached in zip(outputs, done.cached, strict=True):
             out.cached_tokens = cached
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
@@ -303,18 +302,22 @@ class HFGenerationEngine:
     def _new_sequence(self, request: SequenceRequest) -> _Sequence:
         return _Sequence.of(request, self._detok, self.grammars)
 
-    def _constrain(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> None:
-        """Each row's logit rules (bias, min_tokens, penalties: engine/logits.py), then the
-        logits of constrained rows masked to the tokens their grammar allows."""
+    def _sample(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> list[tuple[int, TokenLogprob | None]]:
+        """Each row's next token, and its log probabilities where asked: the logit rules
+        (bias, min_tokens, penalties: engine/logits.py), constrained rows masked to what
+        their grammar allows, then each row sampled with its own sampler."""
         apply_rules(logits, [s.rules for s in seqs], [len(s.tokens) for s in seqs], self._eos)
         matchers = [s.matcher for s in seqs]
-        if all(m is None for m in matchers):
-            return
-        if self._masks is None:
-            self._masks = RowMasks(max(self.max_running, len(seqs)), self.grammars.vocab_size)
-        self._masks.apply(logits, matchers)
+        if any(m is not None for m in matchers):
+            if self._masks is None:
+                self._masks = RowMasks(max(self.max_running, len(seqs)), self.grammars.vocab_size)
+            self._masks.apply(logits, matchers)
+        samplers = [s.sampler for s in seqs]
+        tokens = sample_next_tokens(logits, samplers)
+        logprobs = token_logprobs(logits, samplers, tokens, [s.params.logprobs for s in seqs])
+        return list(zip(tokens, logprobs, strict=True))
 
-    def _advance(self, seq: _Sequence, token: int) -> StepOutput:
+    def _advance(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
         """Account one new token: release text, decide whether the sequence finishes."""
         seq.tokens.append(token)
         if seq.rules is not None:
@@ -331,10 +334,11 @@ class HFGenerationEngine:
                     end = FINISH_COMPLETE
             if end is None and (len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context):
                 end = FINISH_LENGTH
+        logprobs = None if logprob is None else [logprob]
         if seq.text is None:
-            return StepOutput(seq.seq_id, [token], "", end)
+            return StepOutput(seq.seq_id, [token], "", end, logprobs=logprobs)
         text, reason = seq.text.advance(token, end)
-        return StepOutput(seq.seq_id, [token], text, reason)
+        return StepOutput(seq.seq_id, [token], text, reason, logprobs=logprobs)
 
 
 @dataclass(slots=True)

@@ -67,6 +67,32 @@ def sample_next_tokens(logits: torch.Tensor, samplers: Sequence[SequenceSampler]
     return tokens.tolist()
 
 
+def token_logprobs(
+    logits: torch.Tensor, samplers: Sequence[SequenceSampler], tokens: Sequence[int], wanted: Sequence[int | None]
+) -> list[tuple[int, float, list[tuple[int, float]]] | None]:
+    """Per row, None where `wanted[i]` is None, else (token, its log probability, the
+    `wanted[i]` most likely tokens with theirs): the log-softmax of the row's logits (after
+    the logit rules and a grammar's mask) over its temperature (1 for greedy rows), before
+    top-k, min-p and top-p: the distribution the model and temperature give, as vLLM's
+    default `logprobs` reports it."""
+    rows = [i for i, k in enumerate(wanted) if k is not None]
+    out: list[tuple[int, float, list[tuple[int, float]]] | None] = [None] * len(wanted)
+    if not rows:
+        return out
+    device = logits.device
+    index = torch.tensor(rows, device=device)
+    temps = torch.tensor([samplers[i].temperature if samplers[i].temperature > 0 else 1.0 for i in rows], device=device)
+    lp = torch.log_softmax(logits.index_select(0, index).float() / temps.unsqueeze(1), dim=-1)
+    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=device)).squeeze(1).tolist()
+    most = max(wanted[i] or 0 for i in rows)
+    values, ids = lp.topk(most, dim=-1) if most else (lp[:, :0], lp[:, :0].long())
+    values_l, ids_l = values.tolist(), ids.tolist()
+    for j, i in enumerate(rows):
+        k = wanted[i] or 0
+        out[i] = (tokens[i], chosen[j], list(zip(ids_l[j][:k], values_l[j][:k], strict=True)))
+    return out
+
+
 def _sample_rows(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
     device = logits.device
     temperature = torch.tensor([s.temperature for s in samplers], device=device)

@@ -21,6 +21,7 @@ LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_s
 UNSUPPORTED_FIELDS = frozenset(
     {
         "reasoning_effort",
+        "echo",
         "reasoning",
         "functions",
         "function_call",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator
 
 
 def _integral(v: Any) -> Any:
@@ -124,7 +124,16 @@ TopK = Annotated[int, Field(ge=-1, le=1_000_000), Integral]
 MinP = Annotated[float, Field(ge=0, le=1)]
 MinTokens = Annotated[int, Field(ge=0, le=1_000_000), Integral]
 # OpenAI's logit_bias: token ids (as JSON object keys, so strings) to a bias in [-100, 100].
-LogitBias = dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]]
+_TOKEN_ID = r"^[0-9]{1,9}$"
+_BIAS_SCHEMA = {
+    "type": "object",
+    "patternProperties": {_TOKEN_ID: {"type": "number", "minimum": -100, "maximum": 100}},
+    "additionalProperties": False,  # pydantic states the key pattern only, which lets any other key through
+}
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=_TOKEN_ID)], Annotated[float, Field(ge=-100, le=100)]],
+    WithJsonSchema(_BIAS_SCHEMA),
+]
 StopList = Annotated[list[str], Field(max_length=16)]
 Stop = str | StopList | list[str | StopList | None] | None
 
@@ -222,10 +231,6 @@ class GenerationParams(Scheduling):
     logit_bias: LogitBias | Annotated[list[LogitBias | None], Field(min_length=1)] | None = Field(
         None, description="Token id (a string) to a bias in [-100, 100], for every prompt or a per-prompt list."
     )
-    # Accepted only where they ask for nothing (false / null, 0): log probabilities are not
-    # computed yet, and asking for them is refused by name (`unsupported_parameter`).
-    logprobs: StrictBool | Annotated[int, Field(ge=0, le=20), Integral] | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = None
 
 
 class ChatCompletionRequest(GenerationParams):
@@ -238,6 +243,10 @@ class ChatCompletionRequest(GenerationParams):
     )
     tool_choice: ToolChoice | Annotated[list[ToolChoice | None], Field(min_length=1)] | None = None
     parallel_tool_calls: StrictBool | Annotated[list[StrictBool | None], Field(min_length=1)] | None = None
+    logprobs: StrictBool | None = Field(None, description="Each generated token's log probability.")
+    top_logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = Field(
+        None, description="With logprobs true: the most likely alternatives listed per token (0-20)."
+    )
 
     @field_validator("messages")
     @classmethod
@@ -254,6 +263,9 @@ class ChatCompletionRequest(GenerationParams):
 class CompletionRequest(GenerationParams):
     prompt: str | Annotated[list[str], Field(min_length=1)] = Field(
         description="One prompt or a list of prompts (one choice per prompt, in order)."
+    )
+    logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = Field(
+        None, description="Each generated token's log probability, with the N most likely alternatives."
     )
 
     @property

@@ -83,6 +83,7 @@ def sampling_of(p: SamplingParams) -> wire.Sampling:
         dict(p.logit_bias),
         p.min_tokens,
         p.ignore_eos,
+        p.logprobs,
     )
 
 

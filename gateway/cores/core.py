@@ -176,7 +176,8 @@ class EngineCore:
         # Called by the scheduler before the item's future resolves, so on this one socket
         # an item's deltas always precede its Result.
         peer, req = key
-        self._send(peer, wire.NewTokens(req, d.item.prompt_index, wire.ids(list(d.token_ids)), d.finish_reason))
+        lps = None if d.logprobs is None else list(d.logprobs)
+        self._send(peer, wire.NewTokens(req, d.item.prompt_index, wire.ids(list(d.token_ids)), d.finish_reason, lps))
 
     def _finished(self, key: tuple[bytes, int], item: WorkItem, fut: asyncio.Future) -> None:
         peer, req = key
@@ -276,6 +277,7 @@ def payloads(m: wire.Submit) -> list[Any]:
                 logit_bias=dict(s.logit_bias),
                 min_tokens=s.min_tokens,
                 ignore_eos=s.ignore_eos,
+                logprobs=s.logprobs,
             ),
         )
         for ids, s in zip(prompts, m.sampling, strict=True)

@@ -22,7 +22,7 @@ from engine.detokenize import SequenceText
 class _ItemText:
     """A generation item's text, made here from the token ids its core sends."""
 
-    __slots__ = ("finish_reason", "pieces", "sequence", "tokens", "undelivered")
+    __slots__ = ("finish_reason", "logprobs", "pieces", "sequence", "tokens", "undelivered", "undelivered_logprobs")
 
     def __init__(self, tokenizer: Any, request: GenRequest):
         self.sequence = SequenceText(tokenizer, request.prompt_ids, request.params.stop)
@@ -30,6 +30,8 @@ class _ItemText:
         self.tokens = 0  # generated tokens that made the text (none after a stop string)
         self.undelivered = 0  # tokens whose text is held back, counted in the next delta
         self.finish_reason: str | None = None  # known here: the text is complete
+        self.logprobs: list[Any] | None = None  # each token's, where the request asked
+        self.undelivered_logprobs: list[Any] = []
 
 
 class TextAssembler:
@@ -56,7 +58,7 @@ class TextAssembler:
         text = self._texts.get(item.id)
         return text is not None and text.finish_reason is None
 
-    def add(self, item: WorkItem, ids: list[int], finish_reason: str | None) -> bool:
+    def add(self, item: WorkItem, ids: list[int], finish_reason: str | None, logprobs: list[Any] | None = None) -> bool:
         """Detokenize `ids`, the next tokens of `item` (which `takes` them), and hand a
         streamed item its `Delta`. `finish_reason`: the core's, for the last of them (EOS or
         out of room). True when a stop string was found here: the core would go on
@@ -75,9 +77,15 @@ class TextAssembler:
         text.pieces.append(released)
         text.tokens += used
         text.undelivered += used
+        if logprobs:
+            if text.logprobs is None:
+                text.logprobs = []
+            text.logprobs.extend(logprobs[:used])
+            text.undelivered_logprobs.extend(logprobs[:used])
         if item.on_delta is not None and (released or text.finish_reason):
-            item.on_delta(Delta(item, released, text.undelivered, text.finish_reason, ids[:used]))
-            text.undelivered = 0
+            lps = text.undelivered_logprobs or None
+            item.on_delta(Delta(item, released, text.undelivered, text.finish_reason, ids[:used], lps))
+            text.undelivered, text.undelivered_logprobs = 0, []
         return text.finish_reason is not None and finish_reason is None
 
     def result(
@@ -92,4 +100,4 @@ class TextAssembler:
             return None
         prompt_tokens = len(item.payload.prompt_ids)
         finish = text.finish_reason or finish_reason or ""
-        return GenResult("".join(text.pieces), finish, prompt_tokens, text.tokens, cached_tokens)
+        return GenResult("".join(text.pieces), finish, prompt_tokens, text.tokens, cached_tokens, text.logprobs)

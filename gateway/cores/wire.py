@@ -66,6 +66,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     logit_bias: dict[int, float] = {}
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
@@ -160,6 +161,8 @@ class NewTokens(msgspec.Struct, tag="delta", array_like=True):
     index: int
     token_ids: bytes
     finish_reason: str | None = None
+    # Where the request asked: per token (id, logprob, [(id, logprob) of the most likely]).
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
 
 
 class SettingsChange(msgspec.Struct, tag="settings", array_like=True):

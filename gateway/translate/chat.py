@@ -22,6 +22,7 @@ from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
 
 from ..errors import APIError, error_body
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
+from . import logprobs as lp
 from .per_prompt import per_prompt
 from .structured import FREE, Structure, ToolCallStream, chat_message, offered_tools, parse_call, structures
 
@@ -73,6 +74,8 @@ class GenerationWork:
     params: list[SamplingParams]  # one per prompt
     n: int  # candidates per prompt
     structures: list[Structure] = field(default_factory=list)  # per prompt; none given: free text
+    logprobs: int | None = None  # alternatives per token's log probability entry; None: none asked
+    decode: lp.Decode | None = None  # a token id's text (the entries' `token`)
     payloads: list[GenRequest] = field(init=False, repr=False)
     prompt_index: list[int] = field(init=False, repr=False)  # of each item
 
@@ -103,7 +106,7 @@ class GenerationWork:
                 choice["message"], finish_reason = chat_message(self.structures[prompt_index], r.text, finish_reason)
             else:
                 choice["text"] = r.text
-            choice.update(finish_reason=finish_reason, logprobs=None)
+            choice.update(finish_reason=finish_reason, logprobs=self.logprobs_of(getattr(r, "logprobs", None)))
             choices.append(choice)
         return {
             "id": response_id(self.chat),
@@ -113,6 +116,14 @@ class GenerationWork:
             "choices": choices,
             "usage": self.usage(sum(r.completion_tokens for r in results), self.cached_tokens(results)),
         }
+
+    def logprobs_of(self, entries: Any, offset: int = 0) -> dict[str, Any] | None:
+        """A choice's (or a chunk's) `logprobs`: None unless the request asked for them."""
+        if self.logprobs is None or self.decode is None:
+            return None
+        if self.chat:
+            return lp.chat_logprobs(entries or [], self.decode)
+        return lp.completion_logprobs(entries or [], self.decode, offset)
 
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """OpenAI's usage; `prompt_tokens_details.cached_tokens`: of the prompt tokens, those
@@ -143,11 +154,30 @@ class StreamChunks:
         self._calls: dict[int, ToolCallStream] = {}  # items whose output is a forced tool call
         self._held: dict[int, str] = {}  # "auto" items' text held back while it may be a call
         self._free: set[int] = set()  # "auto" items whose text cannot be a call: streamed as it comes
+        self._entries: dict[int, list[Any]] = {}  # log probability entries not yet sent, by item
+        self._offsets: dict[int, int] = {}  # completions: characters of each item's text sent
 
     def delta(self, k: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
         return self._chunk(k, text, finish_reason)
 
-    def deltas(self, k: int, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
+    def deltas(
+        self, k: int, text: str | None, finish_reason: str | None, entries: Sequence[Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """`_deltas`, with the log probabilities of the delta's tokens (where the request
+        asked) on its first chunk, or on the next chunk of the item when it has none."""
+        chunks = self._deltas(k, text, finish_reason)
+        if self.work.logprobs is None:
+            return chunks
+        waiting = self._entries.setdefault(k, [])
+        waiting.extend(entries or [])
+        if chunks:
+            offset = self._offsets.get(k, 0)
+            chunks[0]["choices"][0]["logprobs"] = self.work.logprobs_of(waiting, offset)
+            self._offsets[k] = offset + len(text or "")
+            self._entries[k] = []
+        return chunks
+
+    def _deltas(self, k: int, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
         """The chunks of one delta of item `k`: one, or for a forced tool call the
         `delta.tool_calls` fragments it completes (none while the call's head is incomplete),
         or for tools offered under "auto" what `_auto` lets out."""
@@ -260,7 +290,15 @@ def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerC
     prompts = encode_prompts(body, engine)
     chat = isinstance(body, ChatCompletionRequest)
     shapes = structures(body, len(prompts))
-    return GenerationWork(engine.name, chat, prompts, sampling_params(body, prompts, engine, cfg), body.n, shapes)
+    params = sampling_params(body, prompts, engine, cfg)
+    asked = lp.requested(body)
+    if asked is not None:
+        params = [replace(p, logprobs=asked) for p in params]
+
+    def decode(ids: list[int]) -> str:
+        return engine.decode(ids, skip_special_tokens=False)
+
+    return GenerationWork(engine.name, chat, prompts, params, body.n, shapes, asked, decode)
 
 
 def check_generation(body: GenerationBody) -> None:
@@ -371,7 +409,7 @@ def prompt_params(body: GenerationBody, n: int) -> list[PromptParams]:
     max_name = "max_completion_tokens" if max_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = body.max_tokens
-    refuse_logprobs(body)
+    lp.requested(body)  # its refusals, before anything else is queued
     columns = (
         per_prompt(max_name, max_tokens, n, None),
         per_prompt("temperature", body.temperature, n, 1.0),
@@ -393,23 +431,6 @@ def extra_params(body: GenerationBody, name: str, n: int) -> list[Any]:
     if name == "logit_bias":
         values = [None if v is None else {int(k): float(b) for k, b in v.items()} for v in values]
     return values
-
-
-def refuse_logprobs(body: GenerationBody) -> None:
-    """Log probabilities are not computed yet: a request that asks for them is refused by
-    name; one that sends the values asking for nothing (chat `logprobs: false`,
-    `top_logprobs: 0`) is served."""
-    chat = isinstance(body, ChatCompletionRequest)
-    asks = body.logprobs is True or (not chat and body.logprobs is not None and body.logprobs is not False)
-    if asks or body.top_logprobs:
-        name = "top_logprobs" if body.top_logprobs and not asks else "logprobs"
-        raise APIError(
-            422,
-            f"{name}: this server does not return log probabilities yet; send {name} as "
-            + ("false or omit it" if name == "logprobs" and chat else "0 or omit it"),
-            code="unsupported_parameter",
-            param=name,
-        )
 
 
 def stops_per_prompt(stop: Any, n: int) -> list[list[str]]:

@@ -138,8 +138,11 @@ def test_typed_errors(fake_server_factory):
             c.embed(EMBED, ["x" * 4096])
         assert info.value.code == "body_too_large"
         with pytest.raises(UnprocessableEntity) as info:
-            c.chat(CHAT, CONV_A, frequency_penalty=1.0)  # unknown field: the server names it
+            c.chat(CHAT, CONV_A, frequency_penalty=3.0)  # out of range: the server names the field
         assert info.value.param == "frequency_penalty"
+        with pytest.raises(UnprocessableEntity) as info:
+            c.chat(CHAT, CONV_A, reasoning_effort="high")  # refused by name: the server names it
+        assert (info.value.code, info.value.param) == ("unsupported_parameter", "reasoning_effort")
         assert c.chat(CHAT, CONV_A, max_tokens=1).text == words(1)
 
 

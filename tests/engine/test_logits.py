@@ -112,3 +112,33 @@ def test_on_the_model_a_repetition_penalty_changes_a_repetitive_greedy_output(en
     penalized, _ = run_alone(engine, greedy(2, prompt, repetition_penalty=50.0))
     assert len(set(plain)) < len(plain)  # the random model repeats itself
     assert len(set(penalized)) == len(penalized)  # a seen token must beat a 50x handicap: none did
+
+
+def reference_logprobs(engine, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    """The model's own log-softmax at each generated position, one plain forward."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with torch.inference_mode():
+        logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
+    return torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+
+
+def test_log_probabilities_agree_with_the_models_own_forward(engine):
+    prompt = engine.encode_prompt("The ferry leaves the harbour at")
+    for temperature, seed in ((0.0, None), (0.7, 5)):
+        request = SequenceRequest(
+            1, prompt, SamplingParams(max_tokens=5, temperature=temperature, seed=seed, logprobs=3)
+        )
+        outputs = [engine.add([request])[0]]
+        while outputs[-1].finish_reason is None:
+            outputs += engine.step()
+        entries = [entry for out in outputs for entry in out.logprobs]
+        tokens = [t for out in outputs for t in out.token_ids]
+        assert [e[0] for e in entries] == tokens
+        want = reference_logprobs(engine, prompt, tokens, temperature)
+        for row, (token, logprob, top) in enumerate(entries):
+            assert abs(logprob - float(want[row, token])) < 1e-4
+            values, ids = want[row].topk(3)
+            assert [i for i, _ in top] == ids.tolist()
+            assert max(abs(v - w) for (_, v), w in zip(top, values.tolist(), strict=True)) < 1e-4
+    plain = engine.add([SequenceRequest(2, prompt, SamplingParams(max_tokens=1, temperature=0.0))])[0]
+    assert plain.logprobs is None  # none asked, none computed

@@ -287,3 +287,32 @@ def test_sampling_fields_per_prompt_reach_the_engine_core(real_server):
         timeout=60,
     )
     assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_token_id"
+
+
+def test_log_probabilities_through_the_openai_client(real_server):
+    """Chat `logprobs=True, top_logprobs=5`, whole and streamed (the same greedy tokens,
+    the same entries), and completions `logprobs=2` in the legacy shape."""
+    c = client(real_server)
+    msgs = [{"role": "user", "content": "Name a river"}]
+    whole = c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5
+    )
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 5
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the most likely
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    streamed = []
+    for chunk in c.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, logprobs=True, top_logprobs=5, stream=True
+    ):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed += chunk.choices[0].logprobs.content
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+    plain = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, temperature=0)
+    assert plain.choices[0].logprobs is None
+    legacy = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, logprobs=2)
+    lp = legacy.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == legacy.usage.completion_tokens
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0

@@ -38,6 +38,7 @@ NOT_IN_JSON_SCHEMA = frozenset(
         "chat_template_error",
         "invalid_batch_file",
         "invalid_token_id",  # a logit_bias key beyond the model's vocabulary
+        "logprobs_required",  # top_logprobs without logprobs: true (a rule across two fields)
     }
 )
 # Refusals that depend on a resource's state, not on the request: cancelling a batch that has

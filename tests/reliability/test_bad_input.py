@@ -81,10 +81,17 @@ CASES = [
     ),
     (
         C,
-        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "logprobs": true}',
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}',
+        422,
+        "logprobs_required",
+        "top_logprobs",
+    ),
+    (
+        P,
+        b'{"model": "fake-chat", "prompt": "x", "echo": true}',
         422,
         "unsupported_parameter",
-        "logprobs",
+        "echo",
     ),
     (
         C,

@@ -334,7 +334,9 @@ def test_per_prompt_tools_and_choices(real_server):
         ({"messages": [CONV, CONV], "response_format": [None]}, "response_format", "2 prompts"),
         ({"messages": [CONV, CONV], "tools": [[WEATHER]]}, "tools", "2 prompts"),
         ({"reasoning_effort": "high"}, "reasoning_effort", "cannot honour"),
-        ({"logit_bias": {"5": 10}}, "logit_bias", "cannot honour"),
+        ({"logit_bias": {"99999999": 10}}, "logit_bias", "not in the vocabulary"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        ({"echo": True}, "echo", "cannot honour"),
     ],
 )
 def test_what_cannot_be_followed_is_a_422(real_server, body, param, words):

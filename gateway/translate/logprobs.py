@@ -1,0 +1,62 @@
+"""Log probabilities in OpenAI's shapes: what a request asks for, and each generated token's
+log probability (the engine's `TokenLogprob`: id, logprob, the most likely alternatives)
+as chat's `choices[].logprobs.content[]` or the legacy completions `logprobs` object."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import APIError
+from ..schemas import ChatCompletionRequest, CompletionRequest
+
+Decode = Callable[[list[int]], str]  # one token id's text
+
+
+def requested(body: ChatCompletionRequest | CompletionRequest) -> int | None:
+    """How many alternatives each token's entry lists (0: the token's own only), or None
+    when the request asks for no log probabilities. Chat: `logprobs: true` with
+    `top_logprobs` (0-20; it needs `logprobs: true`). Completions: `logprobs: N` (0-20);
+    `echo` (the prompt's own) is not served."""
+    if isinstance(body, ChatCompletionRequest):
+        if body.logprobs:
+            return body.top_logprobs or 0
+        if body.top_logprobs:
+            raise APIError(
+                422, "top_logprobs: needs logprobs set to true", code="logprobs_required", param="top_logprobs"
+            )
+        return None
+    return body.logprobs
+
+
+def _token(decode: Decode, token_id: int) -> tuple[str, list[int]]:
+    text = decode([token_id])
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(entries: Sequence[Any], decode: Decode) -> dict[str, Any]:
+    """`{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`."""
+    content = []
+    for token_id, logprob, top in entries:
+        text, raw = _token(decode, token_id)
+        alternatives = []
+        for alt_id, alt_logprob in top:
+            alt_text, alt_raw = _token(decode, alt_id)
+            alternatives.append({"token": alt_text, "logprob": alt_logprob, "bytes": alt_raw})
+        content.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
+    return {"content": content}
+
+
+def completion_logprobs(entries: Sequence[Any], decode: Decode, offset: int = 0) -> dict[str, Any]:
+    """The legacy shape: `tokens`, `token_logprobs`, `top_logprobs` (token text to logprob,
+    one object per token) and `text_offset` (each token's character offset in the completion,
+    from `offset`)."""
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for token_id, logprob, top in entries:
+        text, _ = _token(decode, token_id)
+        tokens.append(text)
+        logprobs.append(logprob)
+        tops.append({_token(decode, alt)[0]: value for alt, value in top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
