@@ -7,6 +7,7 @@ the cost models."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from .cost import CostModel
@@ -127,21 +128,12 @@ def run_iteration(
     outputs = list(engine.step()) if decode and engine.running else []
     rows = len(outputs)
     t1 = time.perf_counter()
-    failed: dict[int, Exception] = {}
     cached: dict[int, int] = {}
-    if requests:
-        # A group that fails is retried by halves, so only the failing prompt fails; a
-        # failed call's sequences are removed first, whatever it left behind.
-        results = split_in_halves(
-            engine.add, requests, after_failure=lambda group: engine.remove([r.seq_id for r in group])
-        )
-        for request, result in zip(requests, results, strict=True):
-            if isinstance(result, Exception):
-                failed[request.seq_id] = result
-            else:
-                outputs.append(result)
-                if result.token_ids:  # prefilled (a prompt the engine refused has no token)
-                    cached[request.seq_id] = result.cached_tokens
+    done, failed = _each_alone(engine.add, engine, requests)
+    for request, result in done:
+        outputs.append(result)
+        if result.token_ids:  # prefilled (a prompt the engine refused has no token)
+            cached[request.seq_id] = result.cached_tokens
     t2 = time.perf_counter() if requests else t1  # no prefill: the whole iteration was the decode step's
     work = PrefillWork()
     if requests:
@@ -153,22 +145,35 @@ def run_iteration(
     return IterationResult(outputs, failed, t2 - t1, t1 - t0, rows, cached, work)
 
 
+EngineCall = Callable[[list[PrefillRequest]], Sequence[SequenceStep]]  # the engine's `add` or `enqueue`
+
+
+def _each_alone(
+    call: EngineCall, engine: SteppingEngine, requests: list[PrefillRequest]
+) -> tuple[list[tuple[PrefillRequest, SequenceStep]], dict[int, Exception]]:
+    """`call(requests)` (the engine's `add` or `enqueue`): each request's output, and the
+    failures. A group that fails is retried by halves, so only the failing prompt fails; a
+    failed call's sequences are removed first, whatever it left behind."""
+    if not requests:
+        return [], {}
+    results = split_in_halves(call, requests, after_failure=lambda group: engine.remove([r.seq_id for r in group]))
+    done: list[tuple[PrefillRequest, SequenceStep]] = []
+    failed: dict[int, Exception] = {}
+    for request, result in zip(requests, results, strict=True):
+        if isinstance(result, Exception):
+            failed[request.seq_id] = result
+        else:
+            done.append((request, result))
+    return done, failed
+
+
 def _chunked_iteration(
     engine: ChunkingEngine, requests: list[PrefillRequest], decode: bool, chunking: Chunking
 ) -> IterationResult:
     t0 = time.perf_counter()
-    outputs: list[SequenceStep] = []
-    failed: dict[int, Exception] = {}
-    if requests:
-        # Taking a prompt computes nothing; it fails only on what the engine refuses outright.
-        taken = split_in_halves(
-            engine.enqueue, requests, after_failure=lambda group: engine.remove([r.seq_id for r in group])
-        )
-        for request, result in zip(requests, taken, strict=True):
-            if isinstance(result, Exception):
-                failed[request.seq_id] = result
-            elif result.finish_reason is not None:
-                outputs.append(result)  # refused outright (an empty prompt, no room): ends now
+    # Taking a prompt computes nothing; it fails only on what the engine refuses outright.
+    taken, failed = _each_alone(engine.enqueue, engine, requests)
+    outputs = [result for _, result in taken if result.finish_reason is not None]  # refused outright: ends now
     t1 = time.perf_counter()
     decoded = list(engine.step()) if decode and engine.running else []
     t2 = time.perf_counter()
