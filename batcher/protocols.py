@@ -137,6 +137,10 @@ class ChunkingEngine(SteppingEngine, Protocol):
     `budget` prompt tokens of the waiting ones (None: all), `first` ahead, and gives the
     first token of each whose last chunk ran. Sequences taken count in `running`."""
 
+    @property
+    def prefilling(self) -> int:
+        """Of `running`, the sequences still prefilling."""
+
     def enqueue(self, requests: Sequence[Any]) -> Sequence[SequenceStep]: ...
 
     def prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> PrefillSteps: ...

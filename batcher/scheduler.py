@@ -109,11 +109,17 @@ class GenerationScheduler(QueueingBatcher):
         s = self.settings
         base = self.tracker.snapshot(now, self.queue, s, self.prefill_cost, self.busy_until(now), shape=False)
         load = self._slots.load(base, now, s, self.queue, self.decode_cost)
+        if not self._chunked:
+            return load
+        # With token-budgeted steps an interactive prompt's chunk already goes first in every
+        # step; a lane iteration (its prefill alone, no decode) would only cost the running
+        # streams a token interval for one chunk.
+        load = replace(load, prefill_first=False)
         running = len(self._running)
-        if not self._chunked or not running:
+        if not running and s.max_batch_tokens is None:
             return load
         chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost)
-        return replace(load, prefill_chunk=chunk, chunk_step=self.decode_cost.predict(running))
+        return replace(load, prefill_chunk=chunk, chunk_step=self.decode_cost.predict(running) if running else 0.0)
 
     def check_itl(self, item: WorkItem, siblings: int) -> bool:
         """A request's inter-token target against the predicted decode step at the
@@ -243,8 +249,9 @@ class GenerationScheduler(QueueingBatcher):
         engine prefills whole prompts as they join)."""
         if not self._chunked:
             return None
+        # The worker is idle here (the last iteration was awaited): the engine's own counts hold.
+        decoding = self.engine.running - getattr(self.engine, "prefilling", 0)
         seqs = self._running.values()
-        decoding = sum(1 for seq in seqs if seq.tokens)
         first = [seq.item.id for seq in seqs if not seq.tokens and seq.item.priority is Priority.INTERACTIVE]
         return Chunking(chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost), first)
 
@@ -297,8 +304,8 @@ class GenerationScheduler(QueueingBatcher):
         seq = self._running.drop(item.id)
         if seq is None:
             return False
+        self._finish(item, Outcome.RESULT, seq.result("stop"))  # first: nothing below may leave it open
         self._publish_gen()
-        self._finish(item, Outcome.RESULT, seq.result("stop"))
         self._wake.set()
         return True
 

@@ -90,7 +90,8 @@ class PendingPrefills(Generic[Row]):
     @property
     def kv_tokens(self) -> int:
         """Prompt tokens whose KV the pending prompts hold."""
-        return sum(p.done for p in self._pending.values())
+        # A snapshot: the event loop reads this (a gauge) while the worker thread changes the set.
+        return sum(p.done for p in tuple(self._pending.values()))
 
     def add(self, seq_id: int, prompt: list[int], seq: Row) -> None:
         cache = self.prefiller.prefix_cache
@@ -160,12 +161,15 @@ class PendingPrefills(Generic[Row]):
         prompts = [c.pending.prompt[: c.end] for c in chunks]
         done = self.prefiller.extend(prompts, [(c.start, c.pending.kv) for c in chunks])
         width = done.mask.shape[1]
+        # Every unfinished prompt's KV kept first (an allocation may fail), then the state
+        # moves on for all at once: a failure leaves every prompt where it was.
+        kept = {row: _kept(c, row, done.layers, width) for row, c in enumerate(chunks) if not c.completes}
         for row, c in enumerate(chunks):
             p = c.pending
             if c.completes:
                 self._pending.pop(p.seq_id, None)
             else:
-                _keep(p, c, row, done.layers, width)
+                p.buffer, p.kv = kept[row]
             p.done = c.end
         stats.rows += len(chunks)
         stats.padded += len(chunks) * max(c.tokens for c in chunks)
@@ -173,18 +177,20 @@ class PendingPrefills(Generic[Row]):
         return done
 
 
-def _keep(p: Pending, c: Chunk, row: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int) -> None:
-    """Keep row `row`'s KV of the prompt's first `c.end` tokens (right-aligned in `layers`,
-    `width` wide) in the prompt's own buffer: the columns of this chunk, or all of them the
-    first time (they may have come from the prefix cache)."""
-    keys = layers[0][0]
-    if p.buffer is None:
-        shape = (len(layers), 2, keys.shape[1], len(p.prompt), keys.shape[3])
-        p.buffer = keys.new_empty(shape)
+def _kept(
+    c: Chunk, row: int, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row `row`'s KV of its prompt's first `c.end` tokens (right-aligned in `layers`, `width`
+    wide) in the prompt's own buffer, and the view of what is filled: the columns of this
+    chunk are written (past what the prompt's `kv` views, so that stays as it was), or all of
+    them into a new buffer the first time (they may have come from the prefix cache)."""
+    p = c.pending
+    buffer, lo = p.buffer, c.start
+    if buffer is None:
+        keys = layers[0][0]
+        buffer = keys.new_empty((len(layers), 2, keys.shape[1], len(p.prompt), keys.shape[3]))
         lo = 0
-    else:
-        lo = c.start
     for i, (k, v) in enumerate(layers):
-        p.buffer[i, 0, :, lo : c.end] = k[row, :, width - c.end + lo :]
-        p.buffer[i, 1, :, lo : c.end] = v[row, :, width - c.end + lo :]
-    p.kv = p.buffer[:, :, :, : c.end]
+        buffer[i, 0, :, lo : c.end] = k[row, :, width - c.end + lo :]
+        buffer[i, 1, :, lo : c.end] = v[row, :, width - c.end + lo :]
+    return buffer, buffer[:, :, :, : c.end]

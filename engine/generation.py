@@ -284,8 +284,9 @@ class HFGenerationEngine:
             result.outputs.append(out)
             if out.finish_reason is None:
                 alive.append(row)
-        if alive:
-            self._batch.admit(done.layers, done.mask, seqs, alive)
+        if alive:  # rows are right-aligned: the finished ones need their own columns only
+            w = max(chunks[row].end for row in alive)
+            self._batch.admit([(k[:, :, -w:], v[:, :, -w:]) for k, v in done.layers], done.mask[:, -w:], seqs, alive)
 
     def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
         done = self._prefiller.run([r.prompt_ids for r in requests])

@@ -23,6 +23,7 @@ import torch
 # A trained model's nucleus at top_p <= 0.95 nearly always lies within its top 256
 # tokens; topk(256) over a 32k-128k vocabulary is ~10x cheaper than a full sort.
 TOP_P_PREFILTER_K = 256
+LOGPROB_FLOOR = -9999.0  # the log probability reported for a token that cannot be drawn (vLLM's)
 
 
 @dataclass(slots=True)
@@ -83,6 +84,7 @@ def token_logprobs(
     index = torch.tensor(rows, device=device)
     temps = torch.tensor([samplers[i].temperature if samplers[i].temperature > 0 else 1.0 for i in rows], device=device)
     lp = torch.log_softmax(logits.index_select(0, index).float() / temps.unsqueeze(1), dim=-1)
+    lp.clamp_(min=LOGPROB_FLOOR)  # a masked token's -inf would reach JSON as null
     chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=device)).squeeze(1).tolist()
     most = max(wanted[i] or 0 for i in rows)
     values, ids = lp.topk(most, dim=-1) if most else (lp[:, :0], lp[:, :0].long())
@@ -124,6 +126,9 @@ def _apply_top_k_min_p(probs: torch.Tensor, samplers: Sequence[SequenceSampler])
         min_p = torch.tensor([s.min_p for s in samplers], device=probs.device, dtype=probs.dtype)
         floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
         probs = probs.masked_fill(probs < floor, 0.0)
+    if any(k) or any(s.min_p > 0 for s in samplers):
+        # What is left sums to 1 again before top-p measures its nucleus (as Hugging Face and vLLM).
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
 
 

@@ -151,3 +151,43 @@ def test_a_failed_decode_step_drops_the_prompts_prefilling_too(engine, monkeypat
     with pytest.raises(RuntimeError):
         engine.step()
     assert engine.running == 0 and engine.kv_tokens == 0
+
+
+def test_a_prompt_finishing_beside_a_long_chunk_joins_the_batch_at_its_own_width(engine):
+    long_prompt, short = system_prompt(engine, "widthL", words=150), turn(engine, "hi")
+    engine.enqueue([greedy(2, short), greedy(1, long_prompt)])
+    done = engine.prefill(80)  # the short one whole, and a chunk of the long one, in one forward
+    assert [out.seq_id for out in done.outputs] == [2]
+    assert engine._batch.width == len(short)  # not the long prompt's chunk's width
+    engine.remove([1, 2])
+
+
+def test_a_failure_keeping_one_prompts_kv_fails_it_alone(pair, monkeypatch):
+    import engine.chunks as chunks
+
+    on, off = pair
+    a, b = system_prompt(on, "keepA", words=12), system_prompt(on, "keepB", words=90)
+    kept = chunks._kept
+
+    def failing(c, row, layers, width):
+        if c.pending.seq_id == 2:
+            raise RuntimeError("out of memory")
+        return kept(c, row, layers, width)
+
+    monkeypatch.setattr(chunks, "_kept", failing)
+    run = ChunkedRun(on, budget=40)
+    on.enqueue([greedy(1, a), greedy(2, b)])
+    try:
+        # a whole and a first chunk of b in one forward; b's KV cannot be kept: the forward
+        # is retried by halves, a completes alone, b fails alone.
+        done = on.prefill(len(a) + 20)
+        assert list(done.failed) == [2] and [out.seq_id for out in done.outputs] == [1]
+        monkeypatch.undo()
+        run.tokens[1] = list(done.outputs[0].token_ids)
+        run.drain()
+    finally:
+        on.remove([1, 2])
+    whole = Run(off)
+    whole.add(greedy(1, a))
+    whole.drain()
+    assert run.tokens[1] == whole.tokens[1] and on.running == 0

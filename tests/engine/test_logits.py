@@ -11,7 +11,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from engine.base import SamplingParams, SequenceRequest
 from engine.detokenize import FINISH_LENGTH, FINISH_STOP
 from engine.logits import LogitRules, apply_rules
-from engine.sampling import SequenceSampler, sample_next_tokens
+from engine.sampling import LOGPROB_FLOOR, SequenceSampler, sample_next_tokens, token_logprobs
 
 VOCAB = 12
 
@@ -79,6 +79,16 @@ def test_top_k_and_min_p_keep_only_their_tokens():
         seen[0].add(a)
         seen[1].add(b)
     assert seen == [{0, 1}, {0, 1, 2}]
+    # After top-k the rest is renormalised before top-p measures its nucleus: of 0.4 and 0.3
+    # (0.57 and 0.43 once renormalised), top_p 0.5 keeps the first alone.
+    both = SequenceSampler.create(1.0, 0.5, seed=2, top_k=2)
+    assert {sample_next_tokens(logits[:1].clone(), [both])[0] for _ in range(100)} == {0}
+
+
+def test_a_token_that_cannot_be_drawn_reports_a_finite_floor():
+    logits = torch.tensor([[0.0, float("-inf"), 1.0]])
+    (entry,) = token_logprobs(logits, [SequenceSampler.create(0.0, 1.0, seed=0)], [2], [3])
+    assert entry is not None and entry[2][-1] == (1, LOGPROB_FLOOR)
 
 
 def greedy(seq_id: int, prompt: list[int], **params) -> SequenceRequest:
