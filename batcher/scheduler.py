@@ -111,10 +111,9 @@ class GenerationScheduler(QueueingBatcher):
         load = self._slots.load(base, now, s, self.queue, self.decode_cost)
         if not self._chunked:
             return load
-        # With token-budgeted steps an interactive prompt's chunk already goes first in every
-        # step; a lane iteration (its prefill alone, no decode) would only cost the running
-        # streams a token interval for one chunk.
-        load = replace(load, prefill_first=False)
+        # The lane's prefill-alone iterations stay on with chunks: measured, turning them off
+        # cost interactive first tokens (on time 86-93% where 98% with them, bench_latency's
+        # chat priority cells, docs/benchmarks.md "Token-budgeted steps").
         running = len(self._running)
         if not running and s.max_batch_tokens is None:
             return load

@@ -15,7 +15,7 @@ from batcher.iteration import MIN_CHUNK, chunk_budget
 from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
-from batcher.types import DispatchReason, GenRequest, Priority
+from batcher.types import GenRequest, Priority
 from engine.base import SamplingParams, sequence_request
 from engine.fake import FakeChunkingEngine, SimulatedEngineThread
 
@@ -125,26 +125,3 @@ def test_the_budget_is_max_batch_tokens_less_the_decode_rows_or_what_fits_the_de
     # Within max_itl_ms: 25 ms leaves 5 ms beside the step, 30 tokens, raised to the floor.
     assert chunk_budget(BatchingSettings(max_itl_ms=25), 10, prefill, decode) == MIN_CHUNK
     assert chunk_budget(BatchingSettings(max_itl_ms=60), 10, prefill, decode) == 180
-
-
-def test_with_chunks_no_iteration_skips_the_decode_step_for_an_interactive_prompt():
-    """The interactive lane's prefill-alone iterations are off when the engine chunks: an
-    interactive chunk goes first anyway, and a skipped decode step would cost every stream."""
-
-    async def scenario():
-        r = ChunkRig(max_batch_tokens=48, max_running=8, max_batch_size=8)  # the lane on, as by default
-        await r.sched.start()
-        bulk = [r.submit(3, 30, priority=Priority.BATCH) for _ in range(3)]
-        await r.clock.advance(0.05)
-        urgent = r.submit(200, 1, priority=Priority.INTERACTIVE)
-        await r.clock.run_until_idle()
-        assert urgent.future.result().completion_tokens == 1
-        assert all(b.future.result().completion_tokens == 30 for b in bulk)
-        assert all(item.reason is not DispatchReason.LANE for item in [urgent, *bulk])
-        calls = [kind for kind, ids in r.engine.calls if kind in ("step", "prefill") and ids]
-        # While the bulk streams decode, every prefill that fed a chunk follows a decode step.
-        first, last = calls.index("step"), len(calls) - 1 - calls[::-1].index("step")
-        assert all(calls[i - 1] == "step" for i in range(first + 1, last) if calls[i] == "prefill")
-        await r.sched.stop()
-
-    run(scenario())
