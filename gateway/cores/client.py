@@ -68,23 +68,9 @@ class CoreControl(Protocol):
 
 
 def sampling_of(p: SamplingParams) -> wire.Sampling:
-    return wire.Sampling(
-        p.max_tokens,
-        p.temperature,
-        p.top_p,
-        p.seed,
-        list(p.stop),
-        p.json_schema,
-        p.top_k,
-        p.min_p,
-        p.presence_penalty,
-        p.frequency_penalty,
-        p.repetition_penalty,
-        dict(p.logit_bias),
-        p.min_tokens,
-        p.ignore_eos,
-        p.logprobs,
-    )
+    """The wire's copy of a prompt's sampling parameters: every field of `wire.Sampling`,
+    named as in SamplingParams."""
+    return wire.Sampling(**{name: getattr(p, name) for name in wire.Sampling.__struct_fields__})
 
 
 class CoreClient:

@@ -261,24 +261,7 @@ def payloads(m: wire.Submit) -> list[Any]:
     return [
         GenRequest(
             ids,
-            SamplingParams(
-                s.max_tokens,
-                s.temperature,
-                s.top_p,
-                s.seed,
-                [],
-                detokenize=False,
-                json_schema=s.json_schema,
-                top_k=s.top_k,
-                min_p=s.min_p,
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                repetition_penalty=s.repetition_penalty,
-                logit_bias=dict(s.logit_bias),
-                min_tokens=s.min_tokens,
-                ignore_eos=s.ignore_eos,
-                logprobs=s.logprobs,
-            ),
+            SamplingParams(**{**msgspec.structs.asdict(s), "stop": [], "detokenize": False}),
         )
         for ids, s in zip(prompts, m.sampling, strict=True)
     ]

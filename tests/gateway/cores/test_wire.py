@@ -159,3 +159,34 @@ def test_metrics_requests_and_answers_round_trip_each_to_its_side():
     assert to_front_end(a) == a
     with pytest.raises(msgspec.ValidationError):
         to_front_end(m)
+
+
+def test_sampling_parameters_cross_the_wire_and_back_whole():
+    from dataclasses import asdict
+
+    from engine.base import SamplingParams
+    from gateway.cores.client import sampling_of
+    from gateway.cores.core import payloads
+
+    sent = SamplingParams(
+        max_tokens=7,
+        temperature=0.3,
+        top_p=0.9,
+        seed=4,
+        stop=["x"],
+        json_schema='{"type":"string"}',
+        top_k=5,
+        min_p=0.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        repetition_penalty=1.2,
+        logit_bias={3: -2.0},
+        min_tokens=2,
+        ignore_eos=True,
+        logprobs=3,
+    )
+    submit = wire.Submit(1, "m", [wire.ids([1, 2])], [2], None, sampling=[sampling_of(sent)])
+    (arrived,) = wire.unpack_to_core(wire.pack([submit]))
+    (got,) = payloads(arrived)
+    # Everything but the stop strings (the front end's) and the text (the front end makes it).
+    assert asdict(got.params) == {**asdict(sent), "stop": [], "detokenize": False}
