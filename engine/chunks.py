@@ -19,6 +19,7 @@ from typing import Generic, TypeVar
 
 import torch
 
+from .base import PrefillStep
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import chain_keys
 
@@ -59,17 +60,6 @@ class Chunk(Generic[Row]):
         return self.end == len(self.pending.prompt)
 
 
-@dataclass(slots=True)
-class ChunkStats:
-    """What one step's chunks cost, for the scheduler's cost model and metrics."""
-
-    rows: int = 0
-    padded: int = 0  # fed tokens, each forward's rows x its widest chunk
-    computed: int = 0  # fed tokens
-    queried: int = 0  # prompt tokens looked up in the prefix cache (prompts started now)
-    hits: int = 0  # of those, tokens it served
-
-
 class PendingPrefills(Generic[Row]):
     """The prompts an engine has taken but not yet fully prefilled, in the order they joined."""
 
@@ -105,7 +95,7 @@ class PendingPrefills(Generic[Row]):
     def clear(self) -> None:
         self._pending.clear()
 
-    def plan(self, budget: int | None, first: Sequence[int], stats: ChunkStats) -> list[Chunk[Row]]:
+    def plan(self, budget: int | None, first: Sequence[int], step: PrefillStep) -> list[Chunk[Row]]:
         """This step's chunks: at most `budget` tokens in all (None: every pending prompt
         whole), `first` ids ahead of the rest. A prompt starts by taking what the prefix
         cache holds for it, unless a prompt prefilling ahead of it is about to compute the
@@ -127,8 +117,8 @@ class PendingPrefills(Generic[Row]):
                         continue  # another prompt computes this block first: wait, then take it
                     p.cached, p.kv = cache.lookup(p.prompt)
                     p.done = p.cached
-                    stats.queried += len(p.prompt)
-                    stats.hits += p.cached
+                    step.queried_tokens += len(p.prompt)
+                    step.cached_tokens += p.cached
                     claimed.update(p.keys[p.done // cache.block :])
                 p.started = True
             n = min(p.left, left)
@@ -136,25 +126,23 @@ class PendingPrefills(Generic[Row]):
             left -= n
         return chunks
 
-    def run_isolated(
-        self, chunks: Sequence[Chunk[Row]], stats: ChunkStats, failed: dict[int, Exception]
-    ) -> list[tuple[list[Chunk[Row]], Prefilled]]:
+    def run_isolated(self, chunks: Sequence[Chunk[Row]], step: PrefillStep) -> list[tuple[list[Chunk[Row]], Prefilled]]:
         """`run`, and when a forward raises, each half of its chunks again, down to the
-        chunk that fails alone: its prompt is dropped, its error in `failed`. The groups
-        that ran, each with its result."""
+        chunk that fails alone: its prompt is dropped, its error in `step.failed`. The
+        groups that ran, each with its result."""
         if not chunks:
             return []
         try:
-            return [(list(chunks), self.run(chunks, stats))]
+            return [(list(chunks), self.run(chunks, step))]
         except Exception as exc:
             if len(chunks) == 1:
                 self.discard([chunks[0].pending.seq_id])
-                failed[chunks[0].pending.seq_id] = exc
+                step.failed[chunks[0].pending.seq_id] = exc
                 return []
             mid = (len(chunks) + 1) // 2
-            return self.run_isolated(chunks[:mid], stats, failed) + self.run_isolated(chunks[mid:], stats, failed)
+            return self.run_isolated(chunks[:mid], step) + self.run_isolated(chunks[mid:], step)
 
-    def run(self, chunks: Sequence[Chunk[Row]], stats: ChunkStats) -> Prefilled:
+    def run(self, chunks: Sequence[Chunk[Row]], step: PrefillStep) -> Prefilled:
         """One forward over `chunks`. Afterwards each unfinished prompt keeps its KV so far;
         a finished one leaves the pending set (its KV is in the result, right-aligned, for
         the running batch). A forward that raises changes nothing."""
@@ -171,9 +159,9 @@ class PendingPrefills(Generic[Row]):
             else:
                 p.buffer, p.kv = kept[row]
             p.done = c.end
-        stats.rows += len(chunks)
-        stats.padded += len(chunks) * max(c.tokens for c in chunks)
-        stats.computed += sum(c.tokens for c in chunks)
+        step.rows += len(chunks)
+        step.padded_tokens += len(chunks) * max(c.tokens for c in chunks)
+        step.computed_tokens += sum(c.tokens for c in chunks)
         return done
 
 

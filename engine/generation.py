@@ -24,7 +24,7 @@ import torch
 
 from .base import PrefillStep, SamplingParams, SequenceRequest, StepOutput, TokenLogprob
 from .chat_tokenizer import encode_chat
-from .chunks import Chunk, ChunkStats, PendingPrefills
+from .chunks import Chunk, PendingPrefills
 from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceText
 from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
@@ -199,18 +199,15 @@ class HFGenerationEngine:
         fails alone fails (in `failed`, and dropped). If this raises, every sequence the
         engine held has failed and has been dropped.
         """
-        stats = ChunkStats()
         result = PrefillStep()
         try:
-            chunks = self._pending.plan(budget, first, stats)
-            for group, done in self._pending.run_isolated(chunks, stats, result.failed):
+            chunks = self._pending.plan(budget, first, result)
+            for group, done in self._pending.run_isolated(chunks, result):
                 self._first_tokens(group, done, result)
         except BaseException:
             self._batch = RunningBatch(self.max_running)
             self._pending.clear()
             raise
-        result.rows, result.padded_tokens, result.computed_tokens = stats.rows, stats.padded, stats.computed
-        result.queried_tokens, result.cached_tokens = stats.queried, stats.hits
         return result
 
     @torch.inference_mode()
