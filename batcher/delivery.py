@@ -77,9 +77,13 @@ class Delivery:
                 seq.logprobs = []
             seq.logprobs.extend(logprobs)
             seq.undelivered_logprobs.extend(logprobs)
+        prompt_logprobs = getattr(out, "prompt_logprobs", None)
+        if prompt_logprobs is not None:
+            seq.prompt_logprobs = list(prompt_logprobs)
         if item.on_delta is not None and (out.text or out.finish_reason or (produced and seq.every_token)):
             lps = seq.undelivered_logprobs or None
-            item.on_delta(Delta(item, out.text, seq.undelivered, out.finish_reason, out.token_ids, lps))
-            seq.undelivered, seq.undelivered_logprobs = 0, []
+            prompt = None if seq.prompt_delivered else seq.prompt_logprobs
+            item.on_delta(Delta(item, out.text, seq.undelivered, out.finish_reason, out.token_ids, lps, prompt))
+            seq.undelivered, seq.undelivered_logprobs, seq.prompt_delivered = 0, [], True
         if out.finish_reason is not None:
             self._finish(item, Outcome.RESULT, seq.result(out.finish_reason))

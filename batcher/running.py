@@ -26,11 +26,21 @@ class _Seq:
     cached_tokens: int = 0  # of its prompt, tokens the engine's prefix cache served (its prefill's)
     logprobs: list[Any] | None = None  # each token's, where the request asked
     undelivered_logprobs: list[Any] = field(default_factory=list)  # of the `undelivered` tokens
+    prompt_logprobs: list[Any] | None = None  # where the request asked; with its first delta
+    prompt_delivered: bool = False
 
     def result(self, finish_reason: str) -> GenResult:
         """What the item resolves with: the text and the token counts so far."""
         prompt = len(self.item.payload.prompt_ids)
-        return GenResult("".join(self.pieces), finish_reason, prompt, self.tokens, self.cached_tokens, self.logprobs)
+        return GenResult(
+            "".join(self.pieces),
+            finish_reason,
+            prompt,
+            self.tokens,
+            self.cached_tokens,
+            self.logprobs,
+            self.prompt_logprobs,
+        )
 
 
 class RunningSet:

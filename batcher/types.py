@@ -161,6 +161,7 @@ class GenResult:
     completion_tokens: int
     cached_tokens: int = 0
     logprobs: list[Any] | None = None
+    prompt_logprobs: list[Any] | None = None  # each prompt token's after the first, where asked
 
 
 @dataclass(slots=True)
@@ -174,3 +175,4 @@ class Delta:
     finish_reason: str | None = None
     token_ids: Sequence[int] = ()
     logprobs: Sequence[Any] | None = None  # of the `tokens` it counts, where the request asked
+    prompt_logprobs: Sequence[Any] | None = None  # on a sequence's first delta, where the request asked

@@ -62,6 +62,8 @@ class SamplingParams:
     ignore_eos: bool = False  # an end-of-sequence token does not end the sequence
     # None: no log probabilities; k >= 0: each token's, and the k most likely alternatives'.
     logprobs: int | None = None
+    # The same for every prompt token after the first (engine/prompt_logprobs.py), on the first output.
+    prompt_logprobs: int | None = None
 
 
 @dataclass(slots=True)
@@ -102,6 +104,8 @@ class StepOutput:
     finish_reason: str | None = None
     cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None  # one per token, when its params ask
+    # On a sequence's first output, when its params ask: None for the first prompt token, then one each.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from transformers.cache_utils import DynamicLayer
 class CausalForward:
     def __init__(self, model: Any, name: str) -> None:
         self.model, self.name = model, name
+        self.device: torch.device = model.device
         self._cache_kwarg = _cache_kwarg(model)
 
     def __call__(
@@ -31,6 +32,11 @@ class CausalForward:
         )
         cache = out.cache if self._cache_kwarg == "cache" else out.past_key_values
         return out.logits[:, -1, :], cache
+
+    def all_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, len, vocab] at every position of unpadded prompts, no cache."""
+        out = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=0)
+        return out.logits
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -33,6 +33,7 @@ from .kv import RunningBatch
 from .logits import LogitRules, apply_rules
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
+from .prompt_logprobs import prompt_logprobs
 from .sampling import SequenceSampler, sample_next_tokens, token_logprobs
 
 log = logging.getLogger("ferry.engine")
@@ -298,7 +299,7 @@ class HFGenerationEngine:
         return outputs
 
     def _new_sequence(self, request: SequenceRequest) -> _Sequence:
-        return _Sequence.of(request, self._detok, self.grammars)
+        return _Sequence.of(request, self._detok, self.grammars, self._forward)
 
     def _sample(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """Each row's next token, and its log probabilities where asked: the logit rules
@@ -333,10 +334,11 @@ class HFGenerationEngine:
             if end is None and (len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context):
                 end = FINISH_LENGTH
         logprobs = None if logprob is None else [logprob]
+        prompt = seq.prompt_logprobs if len(seq.tokens) == 1 else None
         if seq.text is None:
-            return StepOutput(seq.seq_id, [token], "", end, logprobs=logprobs)
+            return StepOutput(seq.seq_id, [token], "", end, logprobs=logprobs, prompt_logprobs=prompt)
         text, reason = seq.text.advance(token, end)
-        return StepOutput(seq.seq_id, [token], text, reason, logprobs=logprobs)
+        return StepOutput(seq.seq_id, [token], text, reason, logprobs=logprobs, prompt_logprobs=prompt)
 
 
 @dataclass(slots=True)
@@ -349,10 +351,14 @@ class _Sequence:
     matcher: Any = None  # llguidance matcher of a constrained row
     rules: LogitRules | None = None  # bias, min_tokens, penalties (engine/logits.py)
     tokens: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # where its params ask; sent with its first token
 
     @classmethod
-    def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache) -> _Sequence:
+    def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache, forward: CausalForward) -> _Sequence:
         params = request.params
+        scored = None
+        if params.prompt_logprobs is not None:  # a forward of its own, before its prefill
+            scored = prompt_logprobs(forward, request.prompt_ids, params.prompt_logprobs)
         return cls(
             seq_id=request.seq_id,
             params=params,
@@ -362,6 +368,7 @@ class _Sequence:
             # None: the front end detokenizes (an engine core sends token ids only)
             text=SequenceText(detok, request.prompt_ids, params.stop) if params.detokenize else None,
             matcher=grammars.matcher(params.json_schema) if params.json_schema is not None else None,
+            prompt_logprobs=scored,
         )
 
     @property

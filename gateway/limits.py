@@ -21,6 +21,7 @@ from .schemas import (
     CompletionRequest,
     EmbeddingsRequest,
     as_conversations,
+    completion_prompts,
     one_or_many,
     stop_lists,
 )
@@ -136,7 +137,8 @@ def _bounded(lim: Limits) -> RequestModels:
 
     def completions_schema(schema: dict) -> None:
         patch_generation(schema)
-        schema["properties"]["prompt"]["anyOf"][1]["maxItems"] = lim.max_prompts
+        branches = schema["properties"]["prompt"]["anyOf"]
+        branches[1]["maxItems"] = branches[3]["maxItems"] = lim.max_prompts  # strings, token-id lists
 
     def embeddings_schema(schema: dict) -> None:
         schema["properties"]["input"]["anyOf"][1]["maxItems"] = lim.max_inputs
@@ -160,7 +162,7 @@ def _bounded(lim: Limits) -> RequestModels:
         @field_validator("prompt")
         @classmethod
         def _prompts(cls, v: Any) -> Any:
-            return check_prompts(len(one_or_many(v)), v)
+            return check_prompts(len(completion_prompts(v)), v)
 
         _tokens = field_validator("max_tokens")(limit_tokens)
         _stops = field_validator("stop")(limit_stops)

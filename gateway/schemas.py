@@ -260,17 +260,41 @@ class ChatCompletionRequest(GenerationParams):
         return as_conversations(self.messages)
 
 
+TokenId = Annotated[int, Field(ge=0), Integral]
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
+    """`prompt` is a string, a list of strings, token ids, or a list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return prompt
+
+
 class CompletionRequest(GenerationParams):
-    prompt: str | Annotated[list[str], Field(min_length=1)] = Field(
-        description="One prompt or a list of prompts (one choice per prompt, in order)."
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenPrompt
+        | Annotated[list[TokenPrompt], Field(min_length=1)]
+    ) = Field(
+        description="One prompt or a list of prompts (one choice per prompt, in order); a prompt is text or "
+        "its token ids."
     )
     logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = Field(
         None, description="Each generated token's log probability, with the N most likely alternatives."
     )
+    echo: StrictBool = Field(
+        False,
+        description="The prompt before each completion in `text`; with `logprobs`, the prompt tokens' log "
+        "probabilities before the completion's (the first token's null).",
+    )
 
     @property
-    def prompts(self) -> list[str]:
-        return one_or_many(self.prompt)
+    def prompts(self) -> list[str] | list[list[int]]:
+        return completion_prompts(self.prompt)
 
 
 # -- responses (documented in /openapi.json; the routes build the same shapes) ----------
@@ -318,7 +342,7 @@ class ChatChoice(BaseModel):
     prompt_index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length", "tool_calls"]
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # where the request asked: OpenAI's shape for the route
 
 
 class ChatCompletionResponse(BaseModel):
@@ -335,7 +359,7 @@ class CompletionChoice(BaseModel):
     prompt_index: int
     text: str
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None  # where the request asked: OpenAI's shape for the route
 
 
 class CompletionResponse(BaseModel):

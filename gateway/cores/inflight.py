@@ -192,7 +192,7 @@ class RequestTable:
             # of the stop string found here): its sequence is stopping in the core
             self.dropped += 1
             return
-        if self.texts.add(item, wire.ids_of(m.token_ids), m.finish_reason, m.logprobs):
+        if self.texts.add(item, wire.ids_of(m.token_ids), m.finish_reason, m.logprobs, m.prompt_logprobs):
             # A stop string found here: the core would go on generating; its Result follows.
             self._send(wire.Stop(m.req, m.index))
 

@@ -22,7 +22,17 @@ from engine.detokenize import SequenceText
 class _ItemText:
     """A generation item's text, made here from the token ids its core sends."""
 
-    __slots__ = ("finish_reason", "logprobs", "pieces", "sequence", "tokens", "undelivered", "undelivered_logprobs")
+    __slots__ = (
+        "finish_reason",
+        "logprobs",
+        "pieces",
+        "prompt_logprobs",
+        "prompt_undelivered",
+        "sequence",
+        "tokens",
+        "undelivered",
+        "undelivered_logprobs",
+    )
 
     def __init__(self, tokenizer: Any, request: GenRequest):
         self.sequence = SequenceText(tokenizer, request.prompt_ids, request.params.stop)
@@ -32,6 +42,8 @@ class _ItemText:
         self.finish_reason: str | None = None  # known here: the text is complete
         self.logprobs: list[Any] | None = None  # each token's, where the request asked
         self.undelivered_logprobs: list[Any] = []
+        self.prompt_logprobs: list[Any] | None = None  # each prompt token's, where the request asked
+        self.prompt_undelivered = False  # prompt_logprobs not yet on a delta
 
 
 class TextAssembler:
@@ -58,7 +70,14 @@ class TextAssembler:
         text = self._texts.get(item.id)
         return text is not None and text.finish_reason is None
 
-    def add(self, item: WorkItem, ids: list[int], finish_reason: str | None, logprobs: list[Any] | None = None) -> bool:
+    def add(
+        self,
+        item: WorkItem,
+        ids: list[int],
+        finish_reason: str | None,
+        logprobs: list[Any] | None = None,
+        prompt_logprobs: list[Any] | None = None,
+    ) -> bool:
         """Detokenize `ids`, the next tokens of `item` (which `takes` them), and hand a
         streamed item its `Delta`. `finish_reason`: the core's, for the last of them (EOS or
         out of room). True when a stop string was found here: the core would go on
@@ -82,10 +101,13 @@ class TextAssembler:
                 text.logprobs = []
             text.logprobs.extend(logprobs[:used])
             text.undelivered_logprobs.extend(logprobs[:used])
+        if prompt_logprobs is not None:
+            text.prompt_logprobs, text.prompt_undelivered = prompt_logprobs, True
         if item.on_delta is not None and (released or text.finish_reason):
             lps = text.undelivered_logprobs or None
-            item.on_delta(Delta(item, released, text.undelivered, text.finish_reason, ids[:used], lps))
-            text.undelivered, text.undelivered_logprobs = 0, []
+            prompt = text.prompt_logprobs if text.prompt_undelivered else None
+            item.on_delta(Delta(item, released, text.undelivered, text.finish_reason, ids[:used], lps, prompt))
+            text.undelivered, text.undelivered_logprobs, text.prompt_undelivered = 0, [], False
         return text.finish_reason is not None and finish_reason is None
 
     def result(
@@ -100,4 +122,6 @@ class TextAssembler:
             return None
         prompt_tokens = len(item.payload.prompt_ids)
         finish = text.finish_reason or finish_reason or ""
-        return GenResult("".join(text.pieces), finish, prompt_tokens, text.tokens, cached_tokens, text.logprobs)
+        return GenResult(
+            "".join(text.pieces), finish, prompt_tokens, text.tokens, cached_tokens, text.logprobs, text.prompt_logprobs
+        )

@@ -67,6 +67,7 @@ class Sampling(msgspec.Struct, frozen=True, array_like=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
@@ -163,6 +164,8 @@ class NewTokens(msgspec.Struct, tag="delta", array_like=True):
     finish_reason: str | None = None
     # Where the request asked: per token (id, logprob, [(id, logprob) of the most likely]).
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
+    # On an item's first tokens, where the request asked: each prompt token's (None for the first).
+    prompt_logprobs: list[tuple[int, float, list[tuple[int, float]]] | None] | None = None
 
 
 class SettingsChange(msgspec.Struct, tag="settings", array_like=True):

@@ -172,7 +172,12 @@ async def _stream(
         for ev in events:
             if isinstance(ev, Delta):
                 state.completion_tokens += ev.tokens
-                out.extend(_sse(c) for c in chunks.deltas(index_of[ev.item.id], ev.text, ev.finish_reason, ev.logprobs))
+                out.extend(
+                    _sse(c)
+                    for c in chunks.deltas(
+                        index_of[ev.item.id], ev.text, ev.finish_reason, ev.logprobs, ev.prompt_logprobs
+                    )
+                )
                 if ev.finish_reason is not None:
                     open_items.discard(ev.item.id)
                 continue

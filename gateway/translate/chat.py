@@ -76,6 +76,7 @@ class GenerationWork:
     structures: list[Structure] = field(default_factory=list)  # per prompt; none given: free text
     logprobs: int | None = None  # alternatives per token's log probability entry; None: none asked
     decode: lp.Decode | None = None  # a token id's text (the entries' `token`)
+    echo: list[str] | None = None  # completions with `echo`: each prompt's text, before its completion
     payloads: list[GenRequest] = field(init=False, repr=False)
     prompt_index: list[int] = field(init=False, repr=False)  # of each item
 
@@ -105,8 +106,11 @@ class GenerationWork:
             if self.chat:
                 choice["message"], finish_reason = chat_message(self.structures[prompt_index], r.text, finish_reason)
             else:
-                choice["text"] = r.text
-            choice.update(finish_reason=finish_reason, logprobs=self.logprobs_of(getattr(r, "logprobs", None)))
+                choice["text"] = r.text if self.echo is None else self.echo[prompt_index] + r.text
+            entries = getattr(r, "logprobs", None)
+            if self.echo is not None and self.logprobs is not None:
+                entries = self.prompt_entries(prompt_index, getattr(r, "prompt_logprobs", None)) + (entries or [])
+            choice.update(finish_reason=finish_reason, logprobs=self.logprobs_of(entries))
             choices.append(choice)
         return {
             "id": response_id(self.chat),
@@ -124,6 +128,13 @@ class GenerationWork:
         if self.chat:
             return lp.chat_logprobs(entries or [], self.decode)
         return lp.completion_logprobs(entries or [], self.decode, offset)
+
+    def prompt_entries(self, prompt_index: int, computed: Sequence[Any] | None) -> list[Any]:
+        """The echoed prompt's log probability entries: the engine's, the first token's
+        (which nothing predicts) as (id, None, None)."""
+        ids = self.prompts[prompt_index]
+        entries = list(computed or [])
+        return [(ids[0], None, None), *entries[1:]] if ids else []
 
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """OpenAI's usage; `prompt_tokens_details.cached_tokens`: of the prompt tokens, those
@@ -156,15 +167,28 @@ class StreamChunks:
         self._free: set[int] = set()  # "auto" items whose text cannot be a call: streamed as it comes
         self._entries: dict[int, list[Any]] = {}  # log probability entries not yet sent, by item
         self._offsets: dict[int, int] = {}  # completions: characters of each item's text sent
+        self._echoed: set[int] = set()  # completions with echo: items whose prompt went out
 
     def delta(self, k: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
         return self._chunk(k, text, finish_reason)
 
     def deltas(
-        self, k: int, text: str | None, finish_reason: str | None, entries: Sequence[Any] | None = None
+        self,
+        k: int,
+        text: str | None,
+        finish_reason: str | None,
+        entries: Sequence[Any] | None = None,
+        prompt_entries: Sequence[Any] | None = None,
     ) -> list[dict[str, Any]]:
         """`_deltas`, with the log probabilities of the delta's tokens (where the request
-        asked) on its first chunk, or on the next chunk of the item when it has none."""
+        asked) on its first chunk, or on the next chunk of the item when it has none. With
+        `echo`, an item's first chunk begins with its prompt (and the prompt's entries)."""
+        if self.work.echo is not None and k not in self._echoed:
+            self._echoed.add(k)
+            p = self.work.prompt_index[k]
+            text = self.work.echo[p] + (text or "")
+            if self.work.logprobs is not None:
+                entries = self.work.prompt_entries(p, prompt_entries) + list(entries or [])
         chunks = self._deltas(k, text, finish_reason)
         if self.work.logprobs is None:
             return chunks
@@ -292,13 +316,17 @@ def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerC
     shapes = structures(body, len(prompts))
     params = sampling_params(body, prompts, engine, cfg)
     asked = lp.requested(body)
+    echo = None
+    if isinstance(body, CompletionRequest) and body.echo:
+        echo = [t if isinstance(t, str) else engine.decode(t, skip_special_tokens=False) for t in body.prompts]
     if asked is not None:
-        params = [replace(p, logprobs=asked) for p in params]
+        prompt_asked = asked if echo is not None else None
+        params = [replace(p, logprobs=asked, prompt_logprobs=prompt_asked) for p in params]
 
     def decode(ids: list[int]) -> str:
         return engine.decode(ids, skip_special_tokens=False)
 
-    return GenerationWork(engine.name, chat, prompts, params, body.n, shapes, asked, decode)
+    return GenerationWork(engine.name, chat, prompts, params, body.n, shapes, asked, decode, echo)
 
 
 def check_generation(body: GenerationBody) -> None:
@@ -340,7 +368,10 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[
     prompts as they are. A conversation the template refuses is the client's error (422
     naming the prompt and quoting the template)."""
     if not isinstance(body, ChatCompletionRequest):
-        return [engine.encode_prompt(t) for t in body.prompts]
+        given: list[Any] = list(body.prompts)  # texts, or token ids
+        return [
+            engine.encode_prompt(t) if isinstance(t, str) else token_prompt(t, i, engine) for i, t in enumerate(given)
+        ]
     conversations = body.conversations
     nested = conversations is body.messages  # a list of conversations, not one
     tools = offered_tools(body, len(conversations))
@@ -357,6 +388,20 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[
                 param=f"messages.{i}" if nested else "messages",
             ) from None
     return prompts
+
+
+def token_prompt(ids: list[int], i: int, engine: GenerationEngine) -> list[int]:
+    """A prompt given as token ids, each in the model's vocabulary."""
+    vocab = getattr(getattr(engine, "grammars", None), "vocab_size", None)
+    outside = [t for t in ids if vocab is not None and t >= vocab]
+    if outside:
+        raise APIError(
+            422,
+            f"prompt {i}: token id {outside[0]} is not in the vocabulary of {engine.name} ({vocab} tokens)",
+            code="invalid_token_id",
+            param="prompt",
+        )
+    return list(ids)
 
 
 def sampling_params(

@@ -16,8 +16,8 @@ Decode = Callable[[list[int]], str]  # one token id's text
 def requested(body: ChatCompletionRequest | CompletionRequest) -> int | None:
     """How many alternatives each token's entry lists (0: the token's own only), or None
     when the request asks for no log probabilities. Chat: `logprobs: true` with
-    `top_logprobs` (0-20; it needs `logprobs: true`). Completions: `logprobs: N` (0-20);
-    `echo` (the prompt's own) is not served."""
+    `top_logprobs` (0-20; it needs `logprobs: true`). Completions: `logprobs: N` (0-20),
+    with `echo` the prompt's tokens' too (GenerationWork.prompt_entries)."""
     if isinstance(body, ChatCompletionRequest):
         if body.logprobs:
             return body.top_logprobs or 0
@@ -50,13 +50,16 @@ def chat_logprobs(entries: Sequence[Any], decode: Decode) -> dict[str, Any]:
 def completion_logprobs(entries: Sequence[Any], decode: Decode, offset: int = 0) -> dict[str, Any]:
     """The legacy shape: `tokens`, `token_logprobs`, `top_logprobs` (token text to logprob,
     one object per token) and `text_offset` (each token's character offset in the completion,
-    from `offset`)."""
-    tokens, logprobs, tops, offsets = [], [], [], []
+    from `offset`). An echoed prompt's first token has null for both (logprob None)."""
+    tokens: list[str] = []
+    logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
     for token_id, logprob, top in entries:
         text, _ = _token(decode, token_id)
         tokens.append(text)
         logprobs.append(logprob)
-        tops.append({_token(decode, alt)[0]: value for alt, value in top})
+        tops.append(None if logprob is None else {_token(decode, alt)[0]: value for alt, value in top})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}

@@ -152,3 +152,28 @@ def test_log_probabilities_agree_with_the_models_own_forward(engine):
             assert max(abs(v - w) for (_, v), w in zip(top, values.tolist(), strict=True)) < 1e-4
     plain = engine.add([SequenceRequest(2, prompt, SamplingParams(max_tokens=1, temperature=0.0))])[0]
     assert plain.logprobs is None  # none asked, none computed
+
+
+def test_prompt_log_probabilities_score_what_decoding_generated(engine):
+    """Echo's prompt log probabilities (one full forward) give each token what the running
+    batch's decode steps gave it when it was generated (greedy: temperature 1), and agree
+    with the model's own forward; the first token has none."""
+    prompt = engine.encode_prompt("Every evening the ferry")
+    request = SequenceRequest(1, prompt, SamplingParams(max_tokens=6, temperature=0.0, logprobs=2))
+    outputs = [engine.add([request])[0]]
+    while outputs[-1].finish_reason is None:
+        outputs += engine.step()
+    generated = [entry for out in outputs for entry in out.logprobs]
+    tokens = [e[0] for e in generated]
+    scored = SequenceRequest(2, prompt + tokens, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
+    first = engine.add([scored])[0]
+    engine.remove([2])
+    entries = first.prompt_logprobs
+    assert entries is not None and len(entries) == len(prompt) + len(tokens) and entries[0] is None
+    for (token, logprob, top), (want_token, want, want_top) in zip(entries[len(prompt) :], generated, strict=True):
+        assert token == want_token and abs(logprob - want) < 1e-4
+        assert [i for i, _ in top] == [i for i, _ in want_top]
+    want = reference_logprobs(engine, prompt[:1], prompt[1:] + tokens, 0.0)
+    for row, (token, logprob, _) in enumerate(entries[1:]):
+        assert abs(logprob - float(want[row, token])) < 1e-4
+    assert first.logprobs is None  # the completion's own were not asked

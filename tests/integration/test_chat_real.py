@@ -316,3 +316,37 @@ def test_log_probabilities_through_the_openai_client(real_server):
     lp = legacy.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == legacy.usage.completion_tokens
     assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+
+
+def test_echo_scores_a_continuation_as_evaluation_harnesses_ask(real_server):
+    """lm-evaluation-harness's loglikelihood request (token ids, `echo`, `logprobs: 1`,
+    `max_tokens: 1`) through the openai client and an engine core: one entry per prompt
+    token plus the generated one, the first null; the text is the prompt, then the
+    completion; streamed, the first chunk carries the prompt and the same entries."""
+    c = client(real_server)
+    ids = [72, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101]  # byte-level ids of the tiny model
+    whole = c.completions.create(model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    assert whole.usage.prompt_tokens == len(ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(top) >= 1 for top in lp.top_logprobs[1:])
+    assert choice.text.startswith("".join(lp.tokens[: len(ids)]))
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed_text, streamed = "", []
+    for chunk in c.completions.create(
+        model=MODEL, prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True, stream=True
+    ):
+        if chunk.choices:
+            streamed_text += chunk.choices[0].text
+            if chunk.choices[0].logprobs is not None:
+                streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed_text == choice.text
+    assert [None if v is None else round(v, 4) for v in streamed] == [
+        None if v is None else round(v, 4) for v in lp.token_logprobs
+    ]
+    text = c.completions.create(model=MODEL, prompt="Hello there", max_tokens=2, temperature=0, echo=True)
+    assert text.choices[0].text.startswith("Hello there") and text.choices[0].logprobs is None
+    r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": [10**9]}, timeout=30)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_token_id"

@@ -87,8 +87,8 @@ CASES = [
         "top_logprobs",
     ),
     (
-        P,
-        b'{"model": "fake-chat", "prompt": "x", "echo": true}',
+        C,  # echo is the legacy completions' (served there); chat refuses it by name
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "echo": true}',
         422,
         "unsupported_parameter",
         "echo",

@@ -1,0 +1,42 @@
+"""The log probability of every prompt token given the tokens before it (vLLM's
+`prompt_logprobs`, what OpenAI's legacy completions return with `echo`): how evaluation
+harnesses score a continuation (lm-evaluation-harness's loglikelihood tasks).
+
+One forward over the whole prompt, apart from the prefill that generates: a cached prefix
+has KV but no logits, and the prefill keeps only the last position's. The values are the
+model's own distribution (no temperature, penalties or bias: nothing was sampled), as
+vLLM's default reports them. The first token has none (nothing precedes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .base import TokenLogprob
+from .forward import CausalForward
+from .sampling import LOGPROB_FLOOR
+
+# Positions whose log-softmax is taken at once: bounds the float32 copy to this many rows
+# of the vocabulary, however long the prompt.
+SLICE = 256
+
+
+@torch.inference_mode()
+def prompt_logprobs(forward: CausalForward, prompt: Sequence[int], top: int) -> list[TokenLogprob | None]:
+    """[None, then for each later token (id, logprob, the `top` most likely ids with theirs)]."""
+    ids = torch.tensor([list(prompt)], device=forward.device)
+    logits = forward.all_logits(ids)[0]  # [len, vocab]; position i predicts token i + 1
+    targets = ids[0, 1:]
+    out: list[TokenLogprob | None] = [None]
+    for lo in range(0, len(prompt) - 1, SLICE):
+        hi = min(lo + SLICE, len(prompt) - 1)
+        lp = torch.log_softmax(logits[lo:hi].float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
+        chosen = lp.gather(1, targets[lo:hi, None]).squeeze(1).tolist()
+        values, alts = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
+        for token, value, alt_ids, alt_values in zip(
+            targets[lo:hi].tolist(), chosen, alts.tolist(), values.tolist(), strict=True
+        ):
+            out.append((token, value, list(zip(alt_ids, alt_values, strict=True))))
+    return out
