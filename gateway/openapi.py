@@ -213,9 +213,9 @@ def _served_facts(components: dict[str, Any], models: dict[str, ServedModel[Any]
 # Per route: the request schema, the kind of model it serves, the field that lists prompts
 # or inputs and which of its anyOf branches is the list.
 LISTED = (
-    ("EmbeddingsRequest", EMBEDDING, "input", 1),
-    ("ChatCompletionRequest", CHAT, "messages", 0),
-    ("CompletionRequest", CHAT, "prompt", 1),
+    ("EmbeddingsRequest", EMBEDDING, "input", (1,)),
+    ("ChatCompletionRequest", CHAT, "messages", (0,)),
+    ("CompletionRequest", CHAT, "prompt", (1, 3)),  # a list of texts, a list of token-id lists
 )
 
 
@@ -224,24 +224,27 @@ def _queue_caps(components: dict[str, Any], models: dict[str, ServedModel[Any]])
     its model's queue can ever hold (`max_queue`, per model and live): inputs, or prompts x
     `n` candidates. State that per model as `if model == m then ...` clauses, one per `n`
     whose cap is below the listed one, so a request the description allows is never refused
-    for its size, and one it refuses is (nothing here is looser or tighter than the server)."""
-    for schema_name, kind, field, branch in LISTED:
+    for its size, and one it refuses is (nothing here is looser or tighter than the server).
+    One exception, said in words: a per-prompt list of `n` is refused when its sum exceeds
+    the queue, which no JSON Schema keyword can state."""
+    for schema_name, kind, field, branches in LISTED:
         schema = components[schema_name]
         props = schema["properties"]
-        listed = props[field]["anyOf"][branch]["maxItems"]
-        n_max = props["n"]["maximum"] if "n" in props else 1
+        listed = props[field]["anyOf"][branches[0]]["maxItems"]
+        n_max = props["n"]["anyOf"][0]["maximum"] if "n" in props else 1
         clauses, loosest = [], 0
         for name in sorted(n for n, m in models.items() if m.kind == kind):
             queue = models[name].batcher.settings.max_queue
             loosest = max(loosest, min(listed, queue))
             then: list[dict[str, Any]] = []
             if queue < n_max:  # even one prompt with more candidates than the queue holds
-                then.append({"properties": {"n": {"maximum": queue}}})
+                then.append({"properties": {"n": {"maximum": queue, "items": {"maximum": queue}}}})
             for n in range(1, min(n_max, queue) + 1):
                 if queue // n >= listed:
                     continue
                 capped = copy.deepcopy(props[field])
-                capped["anyOf"][branch]["maxItems"] = queue // n
+                for branch in branches:
+                    capped["anyOf"][branch]["maxItems"] = queue // n
                 # `properties` holds when n is absent, which means n = 1; n > 1 must be there.
                 when: dict[str, Any] = {"properties": {"n": {"const": n}}} if n_max > 1 else {}
                 if n > 1:
@@ -253,10 +256,11 @@ def _queue_caps(components: dict[str, Any], models: dict[str, ServedModel[Any]])
                 is_model = {"properties": {"model": {"const": name}}, "required": ["model"]}
                 clauses.append({"if": is_model, "then": {"allOf": then}})
         if clauses:
-            props[field]["anyOf"][branch]["maxItems"] = loosest
+            for branch in branches:
+                props[field]["anyOf"][branch]["maxItems"] = loosest
             props[field]["description"] += (
                 f" At most {loosest} per request, fewer where a model's queue (max_queue) holds fewer"
-                + (" items (prompts x n)" if n_max > 1 else "")
+                + (" items (prompts x n; with a per-prompt list of n, its sum)" if n_max > 1 else "")
                 + ": the per-model clauses say how many."
             )
             schema.setdefault("allOf", []).extend(clauses)

@@ -117,6 +117,7 @@ Conversation = Annotated[list[ChatMessage], Field(min_length=1)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000), Integral]
+Candidates = Annotated[int, Field(ge=1, le=16), Integral]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Integral]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=100)]
@@ -215,7 +216,9 @@ class GenerationParams(Scheduling):
     max_tokens: MaxTokens | list[MaxTokens] | None = None
     seed: Seed | list[Seed] | None = None
     stop: Stop = Field(None, description="A string or list of strings for every prompt, or a per-prompt list of lists.")
-    n: Annotated[int, Field(ge=1, le=16), Integral] = 1
+    n: Candidates | Annotated[list[Candidates], Field(min_length=1)] = Field(
+        1, description="Candidates per prompt (1-16): one number for every prompt, or a per-prompt list."
+    )
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormats = Field(

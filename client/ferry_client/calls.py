@@ -87,7 +87,7 @@ class Call:
     chat: bool = True
     stream: bool = False
     want_usage: bool = False
-    n: int = 1
+    n: int | list[int] = 1  # candidates per prompt: one number, or a per-prompt list
     numpy: bool = False
 
 
@@ -157,7 +157,7 @@ class ClientBase:
         elif include_usage is not None:
             raise ValueError("include_usage applies to streams only (stream=True)")
         n = body.get("n", 1)
-        return Call(path, body, n_prompts, single, chat, stream, want_usage, n if isinstance(n, int) else 1)
+        return Call(path, body, n_prompts, single, chat, stream, want_usage, n if isinstance(n, (int, list)) else 1)
 
     def _embed_call(self, model: str, texts: Any, numpy: bool, params: dict) -> Call:
         ts, single = _texts(texts)

@@ -81,15 +81,21 @@ class EventAssembler:
     """Turns decoded SSE payloads into StreamEvents: merges a prompt's "error" finish with
     the error event that follows it, and the last finish with the usage chunk."""
 
-    def __init__(self, n_prompts: int, n: int, want_usage: bool, chat: bool, request_id: str | None):
-        self.total = n_prompts * n
-        self.n, self.want_usage, self.chat, self.request_id = max(n, 1), want_usage, chat, request_id
+    def __init__(self, n_prompts: int, n: int | list[int], want_usage: bool, chat: bool, request_id: str | None):
+        counts = n if isinstance(n, list) else [max(n, 1)] * n_prompts
+        self.first = [sum(counts[:p]) for p in range(len(counts))]  # each prompt's first choice index
+        self.total = sum(counts)
+        self.want_usage, self.chat, self.request_id = want_usage, chat, request_id
         self.finished = 0
         self.held: StreamEvent | None = None
         self.done = False
         self.usage: Usage | None = None
         self.id: str | None = None
         self.model: str | None = None
+
+    def _prompt_of(self, k: int) -> int:
+        """The prompt of choice `k` (a server that does not say: choices are prompt-major)."""
+        return max([p for p, first in enumerate(self.first) if first <= k] or [0])
 
     def feed(self, data: str) -> list[StreamEvent]:
         out: list[StreamEvent] = []
@@ -134,9 +140,10 @@ class EventAssembler:
         self._release(out)
         for c in choices:
             k = int(c.get("index", 0))
-            p = int(c.get("prompt_index", k // self.n))
+            p = int(c.get("prompt_index", self._prompt_of(k)))
             text = ((c.get("delta") or {}).get("content") if self.chat else c.get("text")) or ""
-            ev = StreamEvent(p, text, c.get("finish_reason"), max(0, k - p * self.n))
+            start = self.first[p] if 0 <= p < len(self.first) else k
+            ev = StreamEvent(p, text, c.get("finish_reason"), max(0, k - start))
             if ev.finish_reason is not None:
                 self.finished += 1
                 if isinstance(c.get("error"), dict):  # a failed prompt's final chunk

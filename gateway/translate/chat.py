@@ -72,20 +72,22 @@ class GenerationWork:
     chat: bool  # chat.completion shapes, else text_completion
     prompts: list[list[int]]  # token ids, in prompt order
     params: list[SamplingParams]  # one per prompt
-    n: int  # candidates per prompt
+    n: list[int]  # candidates of each prompt
     structures: list[Structure] = field(default_factory=list)  # per prompt; none given: free text
     logprobs: int | None = None  # alternatives per token's log probability entry; None: none asked
     decode: lp.Decode | None = None  # a token id's text (the entries' `token`)
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, before its completion
     payloads: list[GenRequest] = field(init=False, repr=False)
     prompt_index: list[int] = field(init=False, repr=False)  # of each item
+    first_item: list[int] = field(init=False, repr=False)  # of each prompt: its first candidate's item
 
     def __post_init__(self) -> None:
-        self.payloads, self.prompt_index = [], []
+        self.payloads, self.prompt_index, self.first_item = [], [], []
         if not self.structures:
             self.structures = [FREE] * len(self.prompts)
-        for p, (ids, sp) in enumerate(zip(self.prompts, self.params, strict=True)):
-            for j in range(self.n):
+        for p, (ids, sp, n) in enumerate(zip(self.prompts, self.params, self.n, strict=True)):
+            self.first_item.append(len(self.payloads))
+            for j in range(n):
                 # Candidates of one seeded prompt differ from each other, reproducibly.
                 seed = None if sp.seed is None else sp.seed + j
                 self.payloads.append(
@@ -150,7 +152,7 @@ class GenerationWork:
     def cached_tokens(self, results: Sequence[Any]) -> int:
         """The prompt tokens the prefix cache served, counted as prompt_tokens is: once per
         prompt, its first candidate's count (an item that failed counts 0)."""
-        return sum(getattr(results[p * self.n], "cached_tokens", 0) for p in range(len(self.prompts)))
+        return sum(getattr(results[k], "cached_tokens", 0) for k in self.first_item)
 
 
 class StreamChunks:
@@ -322,11 +324,9 @@ def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerC
     if asked is not None:
         prompt_asked = asked if echo is not None else None
         params = [replace(p, logprobs=asked, prompt_logprobs=prompt_asked) for p in params]
-
-    def decode(ids: list[int]) -> str:
-        return engine.decode(ids, skip_special_tokens=False)
-
-    return GenerationWork(engine.name, chat, prompts, params, body.n, shapes, asked, decode, echo)
+    n = per_prompt("n", body.n, len(prompts), 1)
+    decode = lp.token_texts(engine) if asked is not None else None
+    return GenerationWork(engine.name, chat, prompts, params, n, shapes, asked, decode, echo)
 
 
 def check_generation(body: GenerationBody) -> None:
@@ -336,6 +336,7 @@ def check_generation(body: GenerationBody) -> None:
     n = len(body.conversations if isinstance(body, ChatCompletionRequest) else body.prompts)
     prompt_params(body, n)
     structures(body, n)
+    per_prompt("n", body.n, n, 1)
 
 
 def template_messages(conversation: list[ChatMessage]) -> list[dict[str, Any]]:

@@ -112,6 +112,11 @@ def test_n_candidates_per_prompt(client):
     a, b = client.chat(CHAT, [CONV_A, CONV_B], n=2, max_tokens=[1, 2])
     assert [c.index for c in a.choices] == [0, 1] and a.texts == [words(1)] * 2
     assert b.texts == [words(2)] * 2 and b.text == words(2)
+    a, b = client.chat(CHAT, [CONV_A, CONV_B], n=[1, 3], max_tokens=[1, 2])  # a per-prompt list
+    assert a.texts == [words(1)] and b.texts == [words(2)] * 3
+    streamed = client.chat(CHAT, [CONV_A, CONV_B], n=[3, 1], max_tokens=[2, 1], stream=True).gather()
+    assert [r.texts for r in streamed] == [[words(2)] * 3, [words(1)]]
+    assert streamed[0].usage is not None and streamed[0].usage.completion_tokens == 3 * 2 + 1
 
 
 def test_wrong_length_list_raises_typed_422_naming_the_field(server, client):

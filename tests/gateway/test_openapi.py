@@ -90,3 +90,28 @@ def test_every_request_body_states_the_body_limit(fake_server_factory) -> None:
     doc = httpx.get(server.url + "/openapi.json").json()
     for path in ("/v1/embeddings", "/v1/chat/completions", "/v1/completions"):
         assert "At most 65536 bytes" in doc["paths"][path]["post"]["requestBody"]["description"]
+
+
+def test_a_per_prompt_list_of_n_counts_its_sum(server) -> None:
+    """`n` as a per-prompt list: each prompt's candidates in prompt order, each choice with
+    its prompt_index; the queue cap counts the list's sum (which the description says in
+    words); a list of the wrong length names `n`."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        body = {"model": "fake-chat", "prompt": ["a", "b", "c"], "max_tokens": 1, "n": [1, 3, 2]}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert [(c["index"], c["prompt_index"]) for c in r.json()["choices"]] == [
+            (0, 0),
+            (1, 1),
+            (2, 1),
+            (3, 1),
+            (4, 2),
+            (5, 2),
+        ]
+        too_many = http.post("/v1/completions", json={**body, "n": [4, 4, 3]})  # 11 items, queue 10
+        assert too_many.status_code == 422 and too_many.json()["error"]["code"] == "request_too_large"
+        wrong = http.post("/v1/completions", json={**body, "n": [1, 2]})
+        err = wrong.json()["error"]
+        assert wrong.status_code == 422 and (err["code"], err["param"]) == ("prompt_count_mismatch", "n")
+        doc = http.get("/openapi.json").json()
+        assert "its sum" in doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["description"]

@@ -175,7 +175,7 @@ def streamed(s: Structure, pieces: list[str], finish_reason: str) -> tuple[dict,
     from engine.base import SamplingParams
     from gateway.translate.chat import GenerationWork, StreamChunks
 
-    chunks = StreamChunks(GenerationWork("m", True, [[1]], [SamplingParams()], 1, [s]))
+    chunks = StreamChunks(GenerationWork("m", True, [[1]], [SamplingParams()], [1], [s]))
     out = []
     for k, piece in enumerate(pieces):
         out += chunks.deltas(0, piece, finish_reason if k == len(pieces) - 1 else None)
@@ -251,7 +251,9 @@ def test_an_auto_stream_holds_back_only_what_may_be_a_call():
     from gateway.translate.chat import GenerationWork, StreamChunks
 
     auto = Structure(tools=("move",))
-    chunks = StreamChunks(GenerationWork("m", True, [[1], [1], [1]], [SamplingParams()] * 3, 1, [auto, auto, FREE]))
+    chunks = StreamChunks(
+        GenerationWork("m", True, [[1], [1], [1]], [SamplingParams()] * 3, [1, 1, 1], [auto, auto, FREE])
+    )
     assert chunks.deltas(0, " ", None) == []  # whitespace: may still be a call
     (first,) = chunks.deltas(0, " sail", None)  # cannot be one: out at once, with what was held
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": "  sail"}
