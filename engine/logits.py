@@ -4,16 +4,17 @@ penalties on tokens already seen (OpenAI's presence and frequency penalties over
 output; Hugging Face's repetition penalty over the prompt and the output), in vLLM's order:
 bias and min_tokens, then the penalties, on the raw logits before temperature.
 
-Per row state is a count of each output token (and, for the repetition penalty, which
-tokens the prompt and output hold), kept as one vocabulary-wide tensor per sequence and
-updated a token at a time; a step stacks the tensors of the rows that use them and applies
-each rule to all of those rows at once. Rows that ask for nothing cost nothing.
+Per row state is sparse: the count of each token the output holds (presence and frequency)
+and the ids the prompt and output hold (repetition), never a vocabulary-wide tensor per
+sequence. A step gathers the (row, token) pairs of every row that uses a rule and applies
+it to all of them in one indexed operation, so its cost follows the tokens a sequence has
+seen, not rows x vocabulary. Rows that ask for nothing cost nothing.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,8 +29,13 @@ class LogitRules:
     bias: dict[int, float]
     min_tokens: int
     prompt_ids: list[int]
-    counts: torch.Tensor | None = None  # [vocab] float32: times each token was generated
-    seen: torch.Tensor | None = None  # [vocab] bool: in the prompt or the output (repetition)
+    counts: dict[int, int] = field(default_factory=dict)  # each generated token -> its place below
+    count_ids: torch.Tensor | None = None  # `counts` as tensors: its keys, in first-seen order,
+    count_values: torch.Tensor | None = None  # and their counts, updated in place as tokens come
+    seen: set[int] = field(default_factory=set)  # in the prompt or the output (repetition)
+    seen_ids: torch.Tensor | None = None  # `seen` as a tensor, grown as tokens come
+    bias_ids: torch.Tensor | None = None  # the bias as tensors, made once
+    bias_values: torch.Tensor | None = None
 
     @classmethod
     def of(cls, params: SamplingParams, prompt_ids: Sequence[int]) -> LogitRules | None:
@@ -46,6 +52,7 @@ class LogitRules:
             dict(p.logit_bias),
             p.min_tokens,
             keep_prompt,
+            seen=set(keep_prompt),
         )
 
     @property
@@ -54,17 +61,30 @@ class LogitRules:
 
     def observe(self, token: int) -> None:
         """A token was generated."""
-        if self.counts is not None:
-            self.counts[token] += 1
-        if self.seen is not None:
-            self.seen[token] = True
+        if self.penalizes:
+            at = self.counts.get(token)
+            if at is not None:
+                if self.count_values is not None:
+                    self.count_values[at] += 1
+            else:
+                self.counts[token] = len(self.counts)
+                if self.count_ids is not None and self.count_values is not None:
+                    self.count_ids = torch.cat([self.count_ids, self.count_ids.new_tensor([token])])
+                    self.count_values = torch.cat([self.count_values, self.count_values.new_ones(1)])
+        if self.repetition != 1.0 and token not in self.seen:
+            self.seen.add(token)
+            if self.seen_ids is not None:
+                self.seen_ids = torch.cat([self.seen_ids, self.seen_ids.new_tensor([token])])
 
-    def _state(self, vocab: int, device: torch.device) -> None:
-        if self.penalizes and self.counts is None:
-            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-        if self.repetition != 1.0 and self.seen is None:
-            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.seen[torch.tensor(self.prompt_ids, dtype=torch.long, device=device)] = True
+    def _state(self, device: torch.device, dtype: torch.dtype) -> None:
+        if self.bias and self.bias_ids is None:
+            self.bias_ids = torch.tensor(list(self.bias), dtype=torch.long, device=device)
+            self.bias_values = torch.tensor(list(self.bias.values()), dtype=dtype, device=device)
+        if self.repetition != 1.0 and self.seen_ids is None:
+            self.seen_ids = torch.tensor(sorted(self.seen), dtype=torch.long, device=device)
+        if self.penalizes and self.count_ids is None:  # before any token: counts is empty
+            self.count_ids = torch.zeros(0, dtype=torch.long, device=device)
+            self.count_values = torch.zeros(0, dtype=dtype, device=device)
 
 
 def apply_rules(
@@ -76,25 +96,32 @@ def apply_rules(
     if not chosen:
         return
     vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
-    eos = torch.tensor([e for e in eos_ids if e < vocab], dtype=torch.long, device=device)
-    for i, r in chosen:
-        r._state(vocab, device)
-        if r.bias:
-            ids = torch.tensor(list(r.bias), dtype=torch.long, device=device)
-            logits[i, ids] += torch.tensor(list(r.bias.values()), dtype=dtype, device=device)
-        if generated[i] < r.min_tokens and eos.numel():
-            logits[i, eos] = float("-inf")
-    repeat = [(i, r) for i, r in chosen if r.seen is not None]
+    for _, r in chosen:
+        r._state(device, dtype)
+    biased = [(i, r.bias_ids, r.bias_values) for i, r in chosen if r.bias_ids is not None]
+    if biased:  # every row's bias in one scatter
+        rows = torch.cat([torch.full_like(ids, i) for i, ids, _ in biased])
+        ids = torch.cat([ids for _, ids, _ in biased])
+        values = torch.cat([v for _, _, v in biased if v is not None])
+        logits.index_put_((rows, ids), values, accumulate=True)
+    early = [i for i, r in chosen if generated[i] < r.min_tokens]
+    eos = [e for e in eos_ids if e < vocab]
+    if early and eos:
+        logits[torch.tensor(early, device=device).unsqueeze(1), torch.tensor(eos, device=device)] = float("-inf")
+    repeat = [(i, r.seen_ids, r.repetition) for i, r in chosen if r.seen_ids is not None and r.seen_ids.numel()]
     if repeat:
-        index = torch.tensor([i for i, _ in repeat], device=device)
-        seen = torch.stack([r.seen for _, r in repeat if r.seen is not None])
-        penalty = torch.tensor([r.repetition for _, r in repeat], device=device, dtype=dtype).unsqueeze(1)
-        sub = logits.index_select(0, index)
-        logits[index] = torch.where(seen, torch.where(sub > 0, sub / penalty, sub * penalty), sub)
-    penalized = [(i, r) for i, r in chosen if r.counts is not None]
+        rows = torch.cat([torch.full_like(ids, i) for i, ids, _ in repeat])
+        ids = torch.cat([ids for _, ids, _ in repeat])
+        penalty = torch.cat([torch.full(ids.shape, p, dtype=dtype, device=device) for _, ids, p in repeat])
+        seen = logits[rows, ids]
+        logits[rows, ids] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    penalized = [(i, r) for i, r in chosen if r.counts]
     if penalized:
-        index = torch.tensor([i for i, _ in penalized], device=device)
-        counts = torch.stack([r.counts for _, r in penalized if r.counts is not None]).to(dtype)
-        frequency = torch.tensor([r.frequency for _, r in penalized], device=device, dtype=dtype).unsqueeze(1)
-        presence = torch.tensor([r.presence for _, r in penalized], device=device, dtype=dtype).unsqueeze(1)
-        logits[index] = logits.index_select(0, index) - frequency * counts - presence * (counts > 0).to(dtype)
+        ids = torch.cat([r.count_ids for _, r in penalized if r.count_ids is not None])
+        counts = torch.cat([r.count_values for _, r in penalized if r.count_values is not None])
+        sizes = torch.tensor([len(r.counts) for _, r in penalized], device=device)
+        rows = torch.tensor([i for i, _ in penalized], device=device).repeat_interleave(sizes)
+        frequency = torch.tensor([r.frequency for _, r in penalized], dtype=dtype, device=device)
+        presence = torch.tensor([r.presence for _, r in penalized], dtype=dtype, device=device)
+        adjust = counts * frequency.repeat_interleave(sizes) + presence.repeat_interleave(sizes)
+        logits.index_put_((rows, ids), -adjust, accumulate=True)

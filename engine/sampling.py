@@ -112,23 +112,25 @@ def _sample_rows(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> t
 
 def _apply_top_k_min_p(probs: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:
     """Zero out tokens outside each row's top k, and those less likely than its min_p x its
-    most likely token (rows that ask for neither untouched)."""
+    most likely token, then make what is left sum to 1 again before top-p measures its
+    nucleus (as Hugging Face and vLLM). Only the rows that ask are touched: one top-k gives
+    both thresholds (its first value is the row's most likely token) and one mask applies
+    the larger."""
     vocab = probs.shape[-1]
     k = [s.top_k if 0 < s.top_k < vocab else 0 for s in samplers]
-    if any(k):
-        rows = torch.tensor([i for i, kk in enumerate(k) if kk], device=probs.device)
-        ks = torch.tensor([kk for kk in k if kk], device=probs.device)
-        top = probs.index_select(0, rows).topk(int(ks.max()), dim=-1).values
-        kth = top.gather(1, (ks - 1).unsqueeze(1))
-        sub = probs.index_select(0, rows)
-        probs[rows] = sub.masked_fill(sub < kth, 0.0)
-    if any(s.min_p > 0 for s in samplers):
-        min_p = torch.tensor([s.min_p for s in samplers], device=probs.device, dtype=probs.dtype)
-        floor = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        probs = probs.masked_fill(probs < floor, 0.0)
-    if any(k) or any(s.min_p > 0 for s in samplers):
-        # What is left sums to 1 again before top-p measures its nucleus (as Hugging Face and vLLM).
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+    rows = [i for i, s in enumerate(samplers) if k[i] or s.min_p > 0]
+    if not rows:
+        return probs
+    device, dtype = probs.device, probs.dtype
+    index = torch.tensor(rows, device=device)
+    sub = probs.index_select(0, index)
+    ks = [k[i] for i in rows]
+    top = sub.topk(max(max(ks), 1), dim=-1).values
+    kth = top.gather(1, torch.tensor([max(kk, 1) - 1 for kk in ks], device=device).unsqueeze(1))
+    kth.mul_(torch.tensor([kk > 0 for kk in ks], device=device, dtype=dtype).unsqueeze(1))  # 0: no top-k
+    floor = top[:, :1] * torch.tensor([samplers[i].min_p for i in rows], device=device, dtype=dtype).unsqueeze(1)
+    sub.mul_(sub >= torch.maximum(kth, floor))  # masked_fill is several times slower on CPU
+    probs[index] = sub / sub.sum(dim=-1, keepdim=True)
     return probs
 
 

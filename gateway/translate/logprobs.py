@@ -4,6 +4,7 @@ as chat's `choices[].logprobs.content[]` or the legacy completions `logprobs` ob
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +12,26 @@ from ..errors import APIError
 from ..schemas import ChatCompletionRequest, CompletionRequest
 
 Decode = Callable[[list[int]], str]  # one token id's text
+
+# Each model's token texts, decoded once: every log probability entry names a token and its
+# alternatives, so a stream with top_logprobs 5 decodes six tokens per generated one.
+_TEXTS: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+
+
+def token_texts(engine: Any) -> Decode:
+    """`decode` for the entries: a token id's text as the model's tokenizer writes it
+    (special tokens included), remembered per model."""
+    texts = _TEXTS.setdefault(engine, {})
+
+    def decode(ids: list[int]) -> str:
+        if len(ids) != 1:
+            return str(engine.decode(ids, skip_special_tokens=False))
+        text = texts.get(ids[0])
+        if text is None:
+            text = texts[ids[0]] = str(engine.decode(ids, skip_special_tokens=False))
+        return text
+
+    return decode
 
 
 def requested(body: ChatCompletionRequest | CompletionRequest) -> int | None:

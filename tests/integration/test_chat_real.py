@@ -350,3 +350,24 @@ def test_echo_scores_a_continuation_as_evaluation_harnesses_ask(real_server):
     assert text.choices[0].text.startswith("Hello there") and text.choices[0].logprobs is None
     r = httpx.post(real_server.url + "/v1/completions", json={"model": MODEL, "prompt": [10**9]}, timeout=30)
     assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_token_id"
+
+
+def test_candidates_per_prompt_through_the_openai_client(real_server):
+    """`n` as a per-prompt list through the openai client (extra_body) and an engine core:
+    two conversations with 1 and 3 candidates, whole and streamed, each choice tagged with
+    its prompt; seeded candidates of one prompt differ from each other."""
+    c = client(real_server)
+    conversations = [[{"role": "user", "content": "Name a boat"}], [{"role": "user", "content": "Name a port"}]]
+    whole = c.chat.completions.create(
+        model=MODEL, messages=[], max_tokens=4, seed=3, extra_body={"messages": conversations, "n": [1, 3]}
+    )
+    tags = [(ch.index, ch.model_extra["prompt_index"]) for ch in whole.choices]
+    assert tags == [(0, 0), (1, 1), (2, 1), (3, 1)]
+    assert len({ch.message.content for ch in whole.choices[1:]}) > 1
+    seen = set()
+    for chunk in c.chat.completions.create(
+        model=MODEL, messages=[], max_tokens=4, seed=3, stream=True, extra_body={"messages": conversations, "n": [1, 3]}
+    ):
+        for ch in chunk.choices:
+            seen.add((ch.index, ch.model_extra["prompt_index"]))
+    assert seen == set(tags)
