@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class ChatTemplateError(ValueError):
@@ -129,9 +129,12 @@ class GenerationEngine(Protocol):
     name: str
     max_context: int  # prompt + completion tokens
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        """Apply the chat template (with the generation prompt and any function `tools`)
-        and tokenize; raises ChatTemplateError for a conversation the template refuses."""
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        """Apply the chat template (with the generation prompt, any function `tools` and
+        further names the template reads, `template_kwargs`) and tokenize; raises
+        ChatTemplateError for a conversation the template refuses."""
 
     def encode_prompt(self, text: str) -> list[int]:
         """Tokenize a plain completion prompt."""

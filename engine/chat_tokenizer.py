@@ -51,15 +51,27 @@ def grammar_cache(tokenizer: Any, path: str, trust_remote_code: bool) -> Grammar
     return GrammarCache(copy.deepcopy(tokenizer), vocab, [eos] if isinstance(eos, int) else [])
 
 
-def encode_chat(tokenizer: Any, name: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def encode_chat(
+    tokenizer: Any,
+    name: str,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
     """A conversation through the model's chat template, with transformers' tokenizer (the
     engine's): token ids ready to generate from; `tools` (OpenAI function tools) go to the
-    template, which decides how to show them."""
+    template, which decides how to show them; `template_kwargs` (`enable_thinking`, ...) are
+    further names the template may read."""
     if not tokenizer.chat_template:
         raise ChatTemplateError(f"model {name!r} has no chat template")
     try:
         ids = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **(template_kwargs or {}),
         )
     except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined name it needs
         raise ChatTemplateError(exc.message or type(exc).__name__) from None
@@ -141,7 +153,11 @@ def compile_chat_template(source: str) -> jinja2.Template:
 
 
 def render_chat(
-    template: str, messages: Sequence[dict], special_tokens: dict[str, str], tools: list[dict] | None = None
+    template: str,
+    messages: Sequence[dict],
+    special_tokens: dict[str, str],
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The prompt text of a conversation, ending with the generation prompt. Keys whose
     value is None are dropped from each message, as transformers does (templates handle a
@@ -150,7 +166,12 @@ def render_chat(
     try:
         compiled = compile_chat_template(template)
         return compiled.render(
-            messages=messages, tools=tools or None, documents=None, add_generation_prompt=True, **special_tokens
+            **(template_kwargs or {}),
+            messages=messages,
+            tools=tools or None,
+            documents=None,
+            add_generation_prompt=True,
+            **special_tokens,
         )
     except jinja2.TemplateError as exc:  # raise_exception(...) in the template, or an undefined name it needs
         raise ChatTemplateError(exc.message or type(exc).__name__) from None
@@ -221,12 +242,14 @@ class ChatTokenizer:
             self.chat_template = self._auto.chat_template
             self.grammars = grammar_cache(self._auto, path, trust_remote_code)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         if self._auto is not None:
-            return encode_chat(self._auto, self.name, messages, tools)
+            return encode_chat(self._auto, self.name, messages, tools, template_kwargs)
         if not self.chat_template:
             raise ChatTemplateError(f"model {self.name!r} has no chat template")
-        text = render_chat(self.chat_template, messages, self.special_tokens, tools)
+        text = render_chat(self.chat_template, messages, self.special_tokens, tools, template_kwargs)
         return list(self._fast.encode(text, add_special_tokens=False).ids)  # the template wrote them
 
     def encode_prompt(self, text: str) -> list[int]:

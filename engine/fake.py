@@ -247,7 +247,9 @@ class FakeGenerationEngine:
         longest = max((len(s["prompt"]) + s["n"] for s in self._seqs.values()), default=0)
         return longest * len(self._seqs)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
         # The same refusal as the built-in tiny model's template, so tests over fake engines
         # meet what a real template does to roles it does not know.
         for m in messages:

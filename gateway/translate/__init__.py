@@ -5,7 +5,9 @@ answered alike.
 
 - `work`: what a translated request is (`Work`: payloads, costs, `response(results)`).
 - `chat`: chat and completions (prompts through the chat template, per-prompt sampling
-  parameters, stop strings, token limits; response bodies and stream chunks).
+  parameters, stop strings, token limits; response bodies); `stream`: their stream chunks.
+- `reasoning`: thinking per prompt (template arguments; reasoning split from the answer).
+- `logprobs`: log probabilities in OpenAI's chat and legacy completions shapes.
 - `structured`: response formats and tool calls per prompt, and the constrained answers
   read back as OpenAI shapes.
 - `per_prompt`: a field given once for every prompt or as a per-prompt list, spread over

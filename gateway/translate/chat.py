@@ -19,17 +19,22 @@ from typing import TYPE_CHECKING, Any
 
 from batcher.types import GenRequest
 from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
+from engine.grammar import after_thinking
 
-from ..errors import APIError, error_body
+from ..errors import APIError
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
 from . import logprobs as lp
 from .per_prompt import per_prompt
-from .structured import FREE, Structure, ToolCallStream, chat_message, offered_tools, parse_call, structures
+from .reasoning import left_open, split, template_kwargs, template_of, thinks
+from .structured import FREE, Structure, chat_message, offered_tools, structures
 
 if TYPE_CHECKING:
     from ..config import ServerConfig
 
 GenerationBody = ChatCompletionRequest | CompletionRequest
+
+# A rendered prompt's last tokens, enough to hold the generation prompt's `<think>`.
+THINK_TAIL = 32
 
 # OpenAI's legacy completions stop after 16 tokens unless told otherwise; chat runs to
 # the server's --max-completion-tokens.
@@ -77,6 +82,9 @@ class GenerationWork:
     logprobs: int | None = None  # alternatives per token's log probability entry; None: none asked
     decode: lp.Decode | None = None  # a token id's text (the entries' `token`)
     echo: list[str] | None = None  # completions with `echo`: each prompt's text, before its completion
+    # Chat on a model whose template has a thinking section: per prompt, whether its prompt
+    # leaves one open (translate/reasoning.py); None: no reasoning fields.
+    thinking: list[bool] | None = None
     payloads: list[GenRequest] = field(init=False, repr=False)
     prompt_index: list[int] = field(init=False, repr=False)  # of each item
     first_item: list[int] = field(init=False, repr=False)  # of each prompt: its first candidate's item
@@ -106,7 +114,13 @@ class GenerationWork:
             choice: dict[str, Any] = {"index": k, "prompt_index": prompt_index}
             finish_reason = r.finish_reason
             if self.chat:
-                choice["message"], finish_reason = chat_message(self.structures[prompt_index], r.text, finish_reason)
+                reasoning, answer = (
+                    (None, r.text) if self.thinking is None else split(r.text, self.thinking[prompt_index])
+                )
+                message, finish_reason = chat_message(self.structures[prompt_index], answer, finish_reason)
+                if self.thinking is not None:
+                    message.update(reasoning_content=reasoning, reasoning=reasoning)
+                choice["message"] = message
             else:
                 choice["text"] = r.text if self.echo is None else self.echo[prompt_index] + r.text
             entries = getattr(r, "logprobs", None)
@@ -136,6 +150,8 @@ class GenerationWork:
         (which nothing predicts) as (id, None, None)."""
         ids = self.prompts[prompt_index]
         entries = list(computed or [])
+        if len(entries) != len(ids):  # an engine that cannot score its prompt: every value null
+            entries = [(token, None, None) for token in ids]
         return [(ids[0], None, None), *entries[1:]] if ids else []
 
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
@@ -153,155 +169,6 @@ class GenerationWork:
         """The prompt tokens the prefix cache served, counted as prompt_tokens is: once per
         prompt, its first candidate's count (an item that failed counts 0)."""
         return sum(getattr(results[k], "cached_tokens", 0) for k in self.first_item)
-
-
-class StreamChunks:
-    """The chunk objects of one streamed response (OpenAI's shapes plus `prompt_index`);
-    `k` is the item's index, the choice's `index`."""
-
-    def __init__(self, work: GenerationWork):
-        self.work = work
-        self.id, self.created = response_id(work.chat), int(time.time())
-        self.object = "chat.completion.chunk" if work.chat else "text_completion"
-        self._started: set[int] = set()  # chat choices whose first delta (the role) went out
-        self._calls: dict[int, ToolCallStream] = {}  # items whose output is a forced tool call
-        self._held: dict[int, str] = {}  # "auto" items' text held back while it may be a call
-        self._free: set[int] = set()  # "auto" items whose text cannot be a call: streamed as it comes
-        self._entries: dict[int, list[Any]] = {}  # log probability entries not yet sent, by item
-        self._offsets: dict[int, int] = {}  # completions: characters of each item's text sent
-        self._echoed: set[int] = set()  # completions with echo: items whose prompt went out
-
-    def delta(self, k: int, text: str | None, finish_reason: str | None) -> dict[str, Any]:
-        return self._chunk(k, text, finish_reason)
-
-    def deltas(
-        self,
-        k: int,
-        text: str | None,
-        finish_reason: str | None,
-        entries: Sequence[Any] | None = None,
-        prompt_entries: Sequence[Any] | None = None,
-    ) -> list[dict[str, Any]]:
-        """`_deltas`, with the log probabilities of the delta's tokens (where the request
-        asked) on its first chunk, or on the next chunk of the item when it has none. With
-        `echo`, an item's first chunk begins with its prompt (and the prompt's entries)."""
-        if self.work.echo is not None and k not in self._echoed:
-            self._echoed.add(k)
-            p = self.work.prompt_index[k]
-            text = self.work.echo[p] + (text or "")
-            if self.work.logprobs is not None:
-                entries = self.work.prompt_entries(p, prompt_entries) + list(entries or [])
-        chunks = self._deltas(k, text, finish_reason)
-        if self.work.logprobs is None:
-            return chunks
-        waiting = self._entries.setdefault(k, [])
-        waiting.extend(entries or [])
-        if chunks:
-            offset = self._offsets.get(k, 0)
-            chunks[0]["choices"][0]["logprobs"] = self.work.logprobs_of(waiting, offset)
-            self._offsets[k] = offset + len(text or "")
-            self._entries[k] = []
-        return chunks
-
-    def _deltas(self, k: int, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
-        """The chunks of one delta of item `k`: one, or for a forced tool call the
-        `delta.tool_calls` fragments it completes (none while the call's head is incomplete),
-        or for tools offered under "auto" what `_auto` lets out."""
-        structure = self.work.structures[self.work.prompt_index[k]]
-        if not (self.work.chat and structure.tools):
-            return [self._chunk(k, text, finish_reason)]
-        if not structure.tool_call:
-            return self._auto(k, structure, text, finish_reason)
-        stream = self._calls.setdefault(k, ToolCallStream())
-        final = finish_reason is not None
-        # A whole call, not one a stop string cut short (which ends as text would).
-        complete = finish_reason == "stop" and parse_call(stream.buffer + (text or "")) is not None
-        entries = stream.feed(text or "", final, complete)
-        if final and not stream.started:  # cut short before a call took shape: its text as content
-            return [self._chunk(k, stream.buffer, finish_reason)]
-        chunks = [self._chunk(k, None, None, tool_calls=[entry]) for entry in entries]
-        if final:
-            reason = "tool_calls" if complete else finish_reason
-            if chunks:
-                chunks[-1]["choices"][0]["finish_reason"] = reason
-            else:
-                chunks.append(self._chunk(k, None, reason))
-        return chunks
-
-    def _auto(self, k: int, s: Structure, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
-        """Under tool_choice "auto" the answer is a call only if it is exactly one, which is
-        known at its end. So its text is held back while it may still be a call (nothing
-        but whitespace yet, or it begins with `{`): at the end it goes out as the whole
-        answer would (`chat_message`), either as `delta.tool_calls` (a head fragment, then
-        the arguments) with finish_reason "tool_calls", or as the held content. Text that
-        cannot be a call streams as it comes."""
-        if k in self._free:
-            return [self._chunk(k, text, finish_reason)]
-        buffer = self._held.get(k, "") + (text or "")
-        start = buffer.lstrip()
-        if start and not start.startswith("{"):
-            self._held.pop(k, None)
-            self._free.add(k)
-            return [self._chunk(k, buffer, finish_reason)]
-        if finish_reason is None:
-            self._held[k] = buffer
-            return []
-        self._held.pop(k, None)
-        message, reason = chat_message(s, buffer, finish_reason)
-        if not message.get("tool_calls"):
-            return [self._chunk(k, buffer, reason)]
-        (call,) = message["tool_calls"]
-        function = {"name": call["function"]["name"], "arguments": ""}
-        head = {"index": 0, "id": call["id"], "type": "function", "function": function}
-        arguments = {"index": 0, "function": {"arguments": call["function"]["arguments"]}}
-        return [self._chunk(k, None, None, tool_calls=[head]), self._chunk(k, None, reason, tool_calls=[arguments])]
-
-    def error(self, k: int, err: APIError) -> dict[str, Any]:
-        """The error rides on the item's own final chunk: a separate top-level error event
-        would make OpenAI clients abort the whole stream, and with it the other prompts'
-        answers. Its finish_reason is the one value OpenAI's chat and completion chunk
-        types both allow that does not claim a whole answer; the `error` field tells a
-        failure from a real content filter."""
-        detail = error_body(err.status, err.message, err.code)["error"]
-        detail.update(status=err.status, prompt_index=self.work.prompt_index[k], index=k)
-        # Text held back under tool_choice "auto" (it might have become a call) goes out with it.
-        return self._chunk(k, self._held.pop(k, None), "content_filter", detail)
-
-    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-        return {**self._head(), "choices": [], "usage": self.work.usage(completion_tokens, cached_tokens)}
-
-    def _head(self) -> dict[str, Any]:
-        return {"id": self.id, "object": self.object, "created": self.created, "model": self.work.model}
-
-    def _chunk(
-        self,
-        k: int,
-        text: str | None,
-        finish_reason: str | None,
-        error: dict | None = None,
-        tool_calls: list[dict] | None = None,
-    ) -> dict[str, Any]:
-        choice: dict[str, Any] = {
-            "index": k,
-            "prompt_index": self.work.prompt_index[k],
-            "finish_reason": finish_reason,
-            "logprobs": None,
-        }
-        if error is not None:
-            choice["error"] = error
-        if self.work.chat:
-            delta: dict[str, Any] = {}
-            if k not in self._started:
-                delta["role"] = "assistant"
-                self._started.add(k)
-            if text:
-                delta["content"] = text
-            if tool_calls:
-                delta["tool_calls"] = tool_calls
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        return {**self._head(), "choices": [choice]}
 
 
 def response_id(chat: bool) -> str:
@@ -326,7 +193,15 @@ def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerC
         params = [replace(p, logprobs=asked, prompt_logprobs=prompt_asked) for p in params]
     n = per_prompt("n", body.n, len(prompts), 1)
     decode = lp.token_texts(engine) if asked is not None else None
-    return GenerationWork(engine.name, chat, prompts, params, n, shapes, asked, decode, echo)
+    thinking = None
+    if chat and thinks(template_of(engine)):
+        thinking = [left_open(engine.decode(ids[-THINK_TAIL:], skip_special_tokens=False)) for ids in prompts]
+        # Structured output and forced calls constrain the answer: a thinking prompt reasons first.
+        shapes = [
+            replace(s, schema=after_thinking(s.schema)) if s.schema is not None and open_ else s
+            for s, open_ in zip(shapes, thinking, strict=True)
+        ]
+    return GenerationWork(engine.name, chat, prompts, params, n, shapes, asked, decode, echo, thinking)
 
 
 def check_generation(body: GenerationBody) -> None:
@@ -353,6 +228,8 @@ def template_messages(conversation: list[ChatMessage]) -> list[dict[str, Any]]:
             ]
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None or m.reasoning is not None:
+            message["reasoning_content"] = m.reasoning_content if m.reasoning_content is not None else m.reasoning
         out.append(message)
     return out
 
@@ -376,11 +253,15 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[
     conversations = body.conversations
     nested = conversations is body.messages  # a list of conversations, not one
     tools = offered_tools(body, len(conversations))
+    extra = template_kwargs(body, len(conversations), thinks(template_of(engine)), engine.name)
     prompts = []
     for i, conv in enumerate(conversations):
         try:
             messages = template_messages(conv)
-            prompts.append(engine.encode_chat(messages, tools[i]) if tools[i] else engine.encode_chat(messages))
+            if extra[i]:
+                prompts.append(engine.encode_chat(messages, tools[i] or None, extra[i]))
+            else:
+                prompts.append(engine.encode_chat(messages, tools[i]) if tools[i] else engine.encode_chat(messages))
         except ChatTemplateError as exc:
             raise APIError(
                 422,

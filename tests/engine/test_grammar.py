@@ -161,3 +161,20 @@ def test_masks_touch_only_constrained_rows_and_never_allow_padding_columns(engin
     assert allowed and all(t < vocab for t in allowed)
     assert all(engine.tokenizer.decode([t]).startswith('"') for t in allowed)
     assert bool(torch.isinf(logits[1, vocab:]).all())
+
+
+def test_after_thinking_the_schema_binds_the_answer_only(engine):
+    """A thinking row's constraint (`after_thinking`): any text up to `</think>`, then only
+    what the schema allows, and the row ends when the answer is complete."""
+    from engine.grammar import after_thinking
+
+    wrapped = after_thinking(canonical_schema({"type": "object", "properties": {"a": {"type": "integer"}}}))
+    tokenizer = engine.tokenizer
+    free = engine.grammars.matcher(wrapped)
+    ids = tokenizer.encode('Twelve, I think.\n</think>\n\n{"a":12}', add_special_tokens=False)
+    assert all(free.consume_token(t) for t in ids) and free.is_stopped()
+    strict = engine.grammars.matcher(wrapped)
+    ids = tokenizer.encode("x</think>hello", add_special_tokens=False)
+    assert [strict.consume_token(t) for t in ids][-5:] != [True] * 5  # "hello" is no JSON
+    with pytest.raises(GrammarError):
+        engine.grammars.compile(after_thinking(canonical_schema({"type": "object", "if": {}})))

@@ -371,3 +371,41 @@ def test_candidates_per_prompt_through_the_openai_client(real_server):
         for ch in chunk.choices:
             seen.add((ch.index, ch.model_extra["prompt_index"]))
     assert seen == set(tags)
+
+
+def test_reasoning_per_prompt_through_the_openai_client(real_server):
+    """The built-in model's template has a thinking section, off unless asked. Two
+    conversations, thinking off and on (reasoning_effort per prompt): the second's prompt
+    opens `<think>`, and what the model writes goes to `reasoning_content` (the random model
+    never closes it: all of it), the first's to `content`; streamed the same, as separate
+    deltas; chat_template_kwargs says the same in vLLM's words; a schema binds the answer
+    only, so a thinking prompt with one still reasons in free text."""
+    c = client(real_server)
+    conversations = [[{"role": "user", "content": "Name a boat"}]] * 2
+    extra = {"messages": conversations, "reasoning_effort": ["none", "high"]}
+    whole = c.chat.completions.create(model=MODEL, messages=[], max_tokens=6, temperature=0, extra_body=extra)
+    off, on = (ch.message for ch in whole.choices)
+    assert off.content and off.model_extra["reasoning_content"] is None
+    assert on.model_extra["reasoning_content"] and on.model_extra["reasoning"] == on.model_extra["reasoning_content"]
+    assert not on.content
+    body = {"model": MODEL, "messages": conversations[0], "max_tokens": 6, "temperature": 0}
+    plain = httpx.post(real_server.url + "/v1/chat/completions", json=body, timeout=60).json()
+    kwargs = {**body, "chat_template_kwargs": {"enable_thinking": True}}
+    vllm_words = httpx.post(real_server.url + "/v1/chat/completions", json=kwargs, timeout=60).json()
+    assert vllm_words["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]  # the template opened <think>
+    assert vllm_words["choices"][0]["message"]["reasoning_content"] == on.model_extra["reasoning_content"]
+    reasoning, content = {0: "", 1: ""}, {0: "", 1: ""}
+    for chunk in c.chat.completions.create(
+        model=MODEL, messages=[], max_tokens=6, temperature=0, stream=True, extra_body=extra
+    ):
+        for ch in chunk.choices:
+            reasoning[ch.index] += (ch.delta.model_extra or {}).get("reasoning_content") or ""
+            content[ch.index] += ch.delta.content or ""
+    assert (reasoning[0], content[0]) == ("", off.content)
+    assert (reasoning[1], content[1]) == (on.model_extra["reasoning_content"], "")
+    schema = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}
+    shaped = {**body, "reasoning_effort": "high", "response_format": schema}
+    r = httpx.post(real_server.url + "/v1/chat/completions", json=shaped, timeout=60)
+    assert r.status_code == 200, r.text
+    message = r.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == on.model_extra["reasoning_content"]  # free text, not JSON

@@ -14,11 +14,11 @@ from gateway.errors import APIError
 from gateway.limits import request_models
 from gateway.translate.chat import (
     COMPLETIONS_MAX_TOKENS,
-    StreamChunks,
     check_generation,
     generation_work,
     stops_per_prompt,
 )
+from gateway.translate.stream import StreamChunks
 
 CFG = ServerConfig()
 CONV_A = [{"role": "user", "content": "hi"}]

@@ -173,7 +173,8 @@ def test_a_call_streams_as_a_head_then_argument_fragments(cuts):
 def streamed(s: Structure, pieces: list[str], finish_reason: str) -> tuple[dict, str]:
     """The message and finish_reason a client rebuilds from the chunks of one streamed choice."""
     from engine.base import SamplingParams
-    from gateway.translate.chat import GenerationWork, StreamChunks
+    from gateway.translate.chat import GenerationWork
+    from gateway.translate.stream import StreamChunks
 
     chunks = StreamChunks(GenerationWork("m", True, [[1]], [SamplingParams()], [1], [s]))
     out = []
@@ -248,7 +249,8 @@ def test_an_auto_stream_agrees_with_the_whole_answer(text, finish_reason, size):
 def test_an_auto_stream_holds_back_only_what_may_be_a_call():
     from engine.base import SamplingParams
     from gateway.errors import APIError
-    from gateway.translate.chat import GenerationWork, StreamChunks
+    from gateway.translate.chat import GenerationWork
+    from gateway.translate.stream import StreamChunks
 
     auto = Structure(tools=("move",))
     chunks = StreamChunks(
