@@ -307,6 +307,27 @@ def ferry_chat(label: str, model: str, device: str, flags: list[str], plan: Plan
     return {"label": label, "flags": flags, "rows": rows, "peak_tokens_per_s": best and best["tokens_per_s"]}
 
 
+def chat_cells(device: str, plan: Plan, budget: Budget) -> dict[str, Any]:
+    """bench_chat's shared-prefix cell (32 conversations, one ~690-token system prompt) and
+    its saturation cell (closed loops of 64 and 128 clients, 64 new tokens each) on the device."""
+    from .prefix_cell import run_cell
+    from .saturation_cell import run_saturation
+
+    out: dict[str, Any] = {"label": "ferry-tiny-chat"}
+    args = ("--embedding-model", "none", "--device", device)
+    with GatewayProcess(*args, ready_timeout=budget.startup()) as gw:
+        out["shared_prefix"] = run_cell(
+            "shared system prompt", gw.url, "ferry-tiny-chat", rounds=2 if plan.quick else 6
+        )
+        window = 3.0 if plan.quick else 15.0
+        out["saturation"] = [
+            run_saturation("saturation", gw.url, "ferry-tiny-chat", clients, window)
+            for clients in ((8,) if plan.quick else (64, 128))
+            if budget.allows(window * 2 + 10)
+        ]
+    return out
+
+
 def _peak(label: str, flags: list[str], rows: list[dict]) -> dict:
     done = [r for r in rows if "throughput" in r]
     return {
@@ -381,6 +402,15 @@ def results_table(result: dict[str, Any]) -> str:
     for ch in result.get("chat", []):
         fig = f"{ch['peak_tokens_per_s']:.0f} tokens/s peak" if ch.get("peak_tokens_per_s") else ch.get("note", "-")
         lines.append(f"| Ferry chat | {ch['label']} | {fig} |")
+    cells = result.get("chat_cells") or {}
+    if cells.get("shared_prefix"):
+        p = cells["shared_prefix"]
+        lines.append(
+            f"| Ferry chat, shared system prompt | 32 conversations | {p['req_s']:.1f} req/s, "
+            f"{100 * p['cached_share']:.0f}% of prompt tokens from the cache |"
+        )
+    for row in cells.get("saturation", []):
+        lines.append(f"| Ferry chat, saturation | {row['clients']} closed-loop clients | {row['tok_s']:.0f} tokens/s |")
     return "\n".join(lines)
 
 
@@ -471,6 +501,9 @@ def main() -> None:
                 result.setdefault("chat", []).append({"label": label, "note": "skipped: time budget"})
                 continue
             phase(result, "chat", ferry_chat, label, model, device, flags, plan, budget, append=True, label=label)
+        print("Ferry chat, shared system prompt and saturation:", flush=True)
+        if budget.allows(90):
+            phase(result, "chat_cells", chat_cells, device, plan, budget)
 
     for pool in _POOLS.values():
         pool.shutdown()
