@@ -136,8 +136,9 @@ class GenerationEngine(Protocol):
         further names the template reads, `template_kwargs`) and tokenize; raises
         ChatTemplateError for a conversation the template refuses."""
 
-    def encode_prompt(self, text: str) -> list[int]:
-        """Tokenize a plain completion prompt."""
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize a plain completion prompt (with the tokenizer's special tokens, as a
+        completion prompt gets them, unless told otherwise)."""
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Token ids as text (a log probability entry's token)."""

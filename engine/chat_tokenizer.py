@@ -252,10 +252,10 @@ class ChatTokenizer:
         text = render_chat(self.chat_template, messages, self.special_tokens, tools, template_kwargs)
         return list(self._fast.encode(text, add_special_tokens=False).ids)  # the template wrote them
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self._auto is not None:
-            return list(self._auto.encode(text))
-        return list(self._fast.encode(text).ids)
+            return list(self._auto.encode(text, add_special_tokens=add_special_tokens))
+        return list(self._fast.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(
         self, ids: Sequence[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False

@@ -258,8 +258,8 @@ class FakeGenerationEngine:
         text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages) + "<assistant>"
         return self.encode_prompt(text)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return [ord(c) % 256 for c in text] or [0]
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) % 256 for c in text] or [0]  # no special tokens either way
 
     def decode(
         self, ids: Sequence[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False

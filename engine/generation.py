@@ -158,8 +158,8 @@ class HFGenerationEngine:
     ) -> list[int]:
         return encode_chat(self.tokenizer, self.name, messages, tools, template_kwargs)
 
-    def encode_prompt(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))

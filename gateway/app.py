@@ -23,7 +23,7 @@ from .errors import APIError
 from .jobs.service import BatchJobs
 from .metrics.registry import GatewayMetrics
 from .models.catalogue import ModelSpec, default_specs
-from .routes import admin, batches, chat, embeddings, system
+from .routes import admin, batches, chat, embeddings, system, tokenize
 from .state import GatewayState
 from .ui import route as ui
 
@@ -52,6 +52,9 @@ def routes(models: dict[str, Callable[[Request], Awaitable[Response]]]) -> list[
         Route("/openapi.json", openapi.openapi, methods=["GET"]),
         Route("/v1/models", endpoint("/v1/models", system.list_models), methods=["GET"]),
         Route("/v1/models/{model:path}", endpoint("/v1/models/{model}", system.get_model), methods=["GET"]),
+        Route("/tokenize", endpoint("/tokenize", tokenize.tokenize), methods=["POST"]),
+        Route("/detokenize", endpoint("/detokenize", tokenize.detokenize), methods=["POST"]),
+        Route("/tokenizer_info", endpoint("/tokenizer_info", tokenize.tokenizer_info), methods=["GET"]),
         *batches.batch_routes(),
         route(
             "/admin/models/{model:path}/batching",

@@ -19,7 +19,7 @@ from .limits import RequestModels, request_models
 from .models.kinds import CHAT, EMBEDDING
 from .models.start import ServedModel
 from .responses import json_response
-from .routes import admin
+from .routes import admin, tokenize
 from .state import gateway_state
 
 REF = "#/components/schemas/{model}"
@@ -78,6 +78,33 @@ def _operations(req: RequestModels) -> list[tuple]:
             "v1",
         ),
         ("/v1/models", "get", "List served models", None, s.ModelList, False, "v1"),
+        (
+            "/tokenize",
+            "post",
+            "A text or a conversation as a chat model's tokens (vLLM's)",
+            tokenize.TokenizeRequest,
+            tokenize.TokenizeResponse,
+            False,
+            "v1",
+        ),
+        (
+            "/detokenize",
+            "post",
+            "Token ids as a chat model's text (vLLM's)",
+            tokenize.DetokenizeRequest,
+            tokenize.DetokenizeResponse,
+            False,
+            "v1",
+        ),
+        (
+            "/tokenizer_info",
+            "get",
+            "A chat model's special tokens, chat template and length (vLLM's)",
+            None,
+            tokenize.TokenizerInfo,
+            False,
+            "v1",
+        ),
         ("/v1/models/{model}", "get", "One served model", None, s.ModelCard, False, "v1"),
         ("/healthz", "get", "Liveness", None, s.Status, False, "ops"),
         ("/readyz", "get", "Readiness: models loaded and warmed up", None, s.Status, False, "ops"),

@@ -5,14 +5,15 @@ Two tasks defined on loadtests/data/ferry_eval.jsonl (shipped; no hub): a multip
 loglikelihood task (`output_type: multiple_choice`, which lm-eval scores through
 `/v1/completions` with `echo`, `logprobs: 1`, `max_tokens: 1` and token-id prompts) and a
 generation task (`generate_until`). lm-eval runs them through `local-completions`, and the
-generation task through `local-chat-completions` too. Then every loglikelihood lm-eval logged
+generation task through `local-chat-completions` too, with lm-eval's default settings: it finds
+Ferry's `/tokenizer_info` and `/tokenize` and tokenizes through them. Then every loglikelihood lm-eval logged
 is compared with the model's own, computed here in-process with one plain forward of the
 same tokens: the largest difference must stay under 1e-4.
 
     python -m loadtests.lm_eval_check --lm-eval /tmp/lmeval-venv/bin/lm_eval
 
-The lm-eval venv: `pip install "lm-eval[api]" transformers` (transformers for the
-model's tokenizer, which lm-eval loads from the built-in model's directory).
+The lm-eval venv: `pip install "lm-eval[api]"` (the comparison in this process loads the
+model with Ferry's own transformers).
 """
 
 from __future__ import annotations
@@ -140,8 +141,9 @@ def main() -> None:
         root = Path(os.environ.get("FERRY_LM_EVAL_DIR") or tmp)
         include = write_tasks(root)
         with GatewayProcess("--embedding-model", "none") as gw:
-            common = f"model={MODEL},num_concurrent=4,max_retries=1,tokenizer_backend=huggingface,tokenizer={model_dir}"
-            completions = f"{common},base_url={gw.url}/v1/completions"
+            # lm-eval's defaults: it finds the server's /tokenizer_info and /tokenize (vLLM's
+            # routes) and tokenizes with them; no tokenizer files on this side.
+            completions = f"model={MODEL},num_concurrent=4,max_retries=1,base_url={gw.url}/v1/completions"
             chat = f"model={MODEL},num_concurrent=4,max_retries=1,base_url={gw.url}/v1/chat/completions"
             tasks = "ferry_choice,ferry_generate"
             t_comp = run_lm_eval(args.lm_eval, "local-completions", completions, tasks, include, root / "comp", False)

@@ -409,3 +409,32 @@ def test_reasoning_per_prompt_through_the_openai_client(real_server):
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert message["reasoning_content"] == on.model_extra["reasoning_content"]  # free text, not JSON
+
+
+def test_tokenizer_routes_are_the_models_own(real_server):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, answered by the front end's
+    tokenizer: a prompt's tokens are those the completion counts, a conversation's those
+    chat counts; ids decode back; the info names the special tokens and the template."""
+    url = real_server.url
+    text = "The ferry leaves at dawn"
+    with_special = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text}, timeout=30).json()
+    plain = httpx.post(url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30).json()
+    done = httpx.post(
+        url + "/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1}, timeout=60
+    ).json()
+    assert with_special["count"] == len(with_special["tokens"]) == done["usage"]["prompt_tokens"]
+    assert len(plain["tokens"]) < with_special["count"] and with_special["max_model_len"] > 0
+    back = httpx.post(url + "/detokenize", json={"tokens": plain["tokens"]}, timeout=30).json()
+    assert back["prompt"] == text
+    conversation = [{"role": "user", "content": "Name a boat"}]
+    chat_ids = httpx.post(url + "/tokenize", json={"messages": conversation}, timeout=30).json()
+    chat = httpx.post(
+        url + "/v1/chat/completions", json={"model": MODEL, "messages": conversation, "max_tokens": 1}, timeout=60
+    ).json()
+    assert chat_ids["count"] == chat["usage"]["prompt_tokens"]
+    info = httpx.get(url + "/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] and "<think>" in info["chat_template"] and info["model"] == MODEL
+    both = httpx.post(url + "/tokenize", json={"prompt": text, "messages": conversation}, timeout=30)
+    outside = httpx.post(url + "/detokenize", json={"tokens": [10**9]}, timeout=30)
+    assert (both.status_code, outside.status_code) == (422, 422)
+    assert outside.json()["error"]["code"] == "invalid_token_id"
