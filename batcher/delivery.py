@@ -71,19 +71,11 @@ class Delivery:
         if out.text:
             seq.pieces.append(out.text)
         seq.undelivered += produced
-        logprobs = getattr(out, "logprobs", None)  # an engine that reports them, where asked
-        if logprobs:
-            if seq.logprobs is None:
-                seq.logprobs = []
-            seq.logprobs.extend(logprobs)
-            seq.undelivered_logprobs.extend(logprobs)
-        prompt_logprobs = getattr(out, "prompt_logprobs", None)
-        if prompt_logprobs is not None:
-            seq.prompt_logprobs = list(prompt_logprobs)
+        # An engine that reports them, where asked.
+        seq.logprobs.add(getattr(out, "logprobs", None), getattr(out, "prompt_logprobs", None))
         if item.on_delta is not None and (out.text or out.finish_reason or (produced and seq.every_token)):
-            lps = seq.undelivered_logprobs or None
-            prompt = None if seq.prompt_delivered else seq.prompt_logprobs
+            lps, prompt = seq.logprobs.take()
             item.on_delta(Delta(item, out.text, seq.undelivered, out.finish_reason, out.token_ids, lps, prompt))
-            seq.undelivered, seq.undelivered_logprobs, seq.prompt_delivered = 0, [], True
+            seq.undelivered = 0
         if out.finish_reason is not None:
             self._finish(item, Outcome.RESULT, seq.result(out.finish_reason))

@@ -8,9 +8,8 @@ resolved elsewhere (batcher/delivery.py, batcher/scheduler.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from .types import GenResult, Priority, WorkItem
+from .types import GenResult, LogprobLedger, Priority, WorkItem
 
 
 @dataclass(slots=True)
@@ -24,22 +23,14 @@ class _Seq:
     # (its params say detokenize=False), the caller decodes the ids (an engine core's front end).
     every_token: bool = False
     cached_tokens: int = 0  # of its prompt, tokens the engine's prefix cache served (its prefill's)
-    logprobs: list[Any] | None = None  # each token's, where the request asked
-    undelivered_logprobs: list[Any] = field(default_factory=list)  # of the `undelivered` tokens
-    prompt_logprobs: list[Any] | None = None  # where the request asked; with its first delta
-    prompt_delivered: bool = False
+    logprobs: LogprobLedger = field(default_factory=LogprobLedger)  # where the request asked
 
     def result(self, finish_reason: str) -> GenResult:
         """What the item resolves with: the text and the token counts so far."""
         prompt = len(self.item.payload.prompt_ids)
+        lp = self.logprobs
         return GenResult(
-            "".join(self.pieces),
-            finish_reason,
-            prompt,
-            self.tokens,
-            self.cached_tokens,
-            self.logprobs,
-            self.prompt_logprobs,
+            "".join(self.pieces), finish_reason, prompt, self.tokens, self.cached_tokens, lp.tokens, lp.prompt
         )
 
 

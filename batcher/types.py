@@ -165,6 +165,35 @@ class GenResult:
 
 
 @dataclass(slots=True)
+class LogprobLedger:
+    """A sequence's log probabilities as its tokens come: all of them (for its result), those
+    not yet on a delta, and its prompt's (handed to the first delta after they arrive).
+    Shared by the in-process delivery (batcher/delivery.py) and a front end's text assembly
+    (gateway/cores/text.py)."""
+
+    tokens: list[Any] | None = None  # each generated token's, where the request asked
+    unsent: list[Any] = field(default_factory=list)
+    prompt: list[Any] | None = None  # each prompt token's, where the request asked
+    prompt_sent: bool = False
+
+    def add(self, entries: Sequence[Any] | None, prompt: Sequence[Any] | None = None) -> None:
+        if entries:
+            if self.tokens is None:
+                self.tokens = []
+            self.tokens.extend(entries)
+            self.unsent.extend(entries)
+        if prompt is not None:
+            self.prompt = list(prompt)
+
+    def take(self) -> tuple[list[Any] | None, list[Any] | None]:
+        """What the next delta carries: (the tokens' entries not yet sent, the prompt's if not yet sent)."""
+        entries, self.unsent = self.unsent or None, []
+        prompt = None if self.prompt_sent else self.prompt
+        self.prompt_sent = self.prompt_sent or prompt is not None
+        return entries, prompt
+
+
+@dataclass(slots=True)
 class Delta:
     """One streamed piece of one sequence, handed to `WorkItem.on_delta`: its new text,
     how many tokens it holds and, where the engine reports them, their ids."""

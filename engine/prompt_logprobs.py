@@ -18,7 +18,7 @@ import torch
 
 from .base import TokenLogprob
 from .forward import CausalForward
-from .sampling import LOGPROB_FLOOR
+from .sampling import logprob_entries
 
 # Positions whose log-softmax is taken at once: bounds the float32 copy (not the logits).
 SLICE = 256
@@ -29,15 +29,10 @@ def prompt_logprobs(forward: CausalForward, prompt: Sequence[int], top: int) -> 
     """[None, then for each later token (id, logprob, the `top` most likely ids with theirs)]."""
     ids = torch.tensor([list(prompt)], device=forward.device)
     logits = forward.all_logits(ids)[0]  # [len, vocab]; position i predicts token i + 1
-    targets = ids[0, 1:]
+    targets = list(prompt)[1:]
     out: list[TokenLogprob | None] = [None]
-    for lo in range(0, len(prompt) - 1, SLICE):
-        hi = min(lo + SLICE, len(prompt) - 1)
-        lp = torch.log_softmax(logits[lo:hi].float(), dim=-1).clamp_(min=LOGPROB_FLOOR)
-        chosen = lp.gather(1, targets[lo:hi, None]).squeeze(1).tolist()
-        values, alts = lp.topk(top, dim=-1) if top else (lp[:, :0], lp[:, :0].long())
-        for token, value, alt_ids, alt_values in zip(
-            targets[lo:hi].tolist(), chosen, alts.tolist(), values.tolist(), strict=True
-        ):
-            out.append((token, value, list(zip(alt_ids, alt_values, strict=True))))
+    for lo in range(0, len(targets), SLICE):
+        chunk = targets[lo : lo + SLICE]
+        lp = torch.log_softmax(logits[lo : lo + len(chunk)].float(), dim=-1)
+        out.extend(logprob_entries(lp, chunk, [top] * len(chunk)))
     return out

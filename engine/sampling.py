@@ -84,15 +84,27 @@ def token_logprobs(
     index = torch.tensor(rows, device=device)
     temps = torch.tensor([samplers[i].temperature if samplers[i].temperature > 0 else 1.0 for i in rows], device=device)
     lp = torch.log_softmax(logits.index_select(0, index).float() / temps.unsqueeze(1), dim=-1)
-    lp.clamp_(min=LOGPROB_FLOOR)  # a masked token's -inf would reach JSON as null
-    chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=device)).squeeze(1).tolist()
-    most = max(wanted[i] or 0 for i in rows)
+    entries = logprob_entries(lp, [tokens[i] for i in rows], [wanted[i] or 0 for i in rows])
+    for i, entry in zip(rows, entries, strict=True):
+        out[i] = entry
+    return out
+
+
+def logprob_entries(
+    lp: torch.Tensor, tokens: Sequence[int], top: Sequence[int]
+) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """Per row of log probabilities `lp` [rows, vocab]: (tokens[i], its log probability, the
+    top[i] most likely tokens with theirs, most likely first). Clamps `lp` in place at
+    LOGPROB_FLOOR: a masked token's -inf would reach JSON as null."""
+    lp.clamp_(min=LOGPROB_FLOOR)
+    chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    most = max(top, default=0)
     values, ids = lp.topk(most, dim=-1) if most else (lp[:, :0], lp[:, :0].long())
     values_l, ids_l = values.tolist(), ids.tolist()
-    for j, i in enumerate(rows):
-        k = wanted[i] or 0
-        out[i] = (tokens[i], chosen[j], list(zip(ids_l[j][:k], values_l[j][:k], strict=True)))
-    return out
+    return [
+        (token, chosen[j], list(zip(ids_l[j][:k], values_l[j][:k], strict=True)))
+        for j, (token, k) in enumerate(zip(tokens, top, strict=True))
+    ]
 
 
 def _sample_rows(logits: torch.Tensor, samplers: Sequence[SequenceSampler]) -> torch.Tensor:

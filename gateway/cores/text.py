@@ -15,24 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from batcher.types import Delta, GenRequest, GenResult, Outcome, WorkItem
+from batcher.types import Delta, GenRequest, GenResult, LogprobLedger, Outcome, WorkItem
 from engine.detokenize import SequenceText
 
 
 class _ItemText:
     """A generation item's text, made here from the token ids its core sends."""
 
-    __slots__ = (
-        "finish_reason",
-        "logprobs",
-        "pieces",
-        "prompt_logprobs",
-        "prompt_undelivered",
-        "sequence",
-        "tokens",
-        "undelivered",
-        "undelivered_logprobs",
-    )
+    __slots__ = ("finish_reason", "logprobs", "pieces", "sequence", "tokens", "undelivered")
 
     def __init__(self, tokenizer: Any, request: GenRequest):
         self.sequence = SequenceText(tokenizer, request.prompt_ids, request.params.stop)
@@ -40,10 +30,7 @@ class _ItemText:
         self.tokens = 0  # generated tokens that made the text (none after a stop string)
         self.undelivered = 0  # tokens whose text is held back, counted in the next delta
         self.finish_reason: str | None = None  # known here: the text is complete
-        self.logprobs: list[Any] | None = None  # each token's, where the request asked
-        self.undelivered_logprobs: list[Any] = []
-        self.prompt_logprobs: list[Any] | None = None  # each prompt token's, where the request asked
-        self.prompt_undelivered = False  # prompt_logprobs not yet on a delta
+        self.logprobs = LogprobLedger()  # where the request asked
 
 
 class TextAssembler:
@@ -96,18 +83,11 @@ class TextAssembler:
         text.pieces.append(released)
         text.tokens += used
         text.undelivered += used
-        if logprobs:
-            if text.logprobs is None:
-                text.logprobs = []
-            text.logprobs.extend(logprobs[:used])
-            text.undelivered_logprobs.extend(logprobs[:used])
-        if prompt_logprobs is not None:
-            text.prompt_logprobs, text.prompt_undelivered = prompt_logprobs, True
+        text.logprobs.add(logprobs[:used] if logprobs else None, prompt_logprobs)
         if item.on_delta is not None and (released or text.finish_reason):
-            lps = text.undelivered_logprobs or None
-            prompt = text.prompt_logprobs if text.prompt_undelivered else None
+            lps, prompt = text.logprobs.take()
             item.on_delta(Delta(item, released, text.undelivered, text.finish_reason, ids[:used], lps, prompt))
-            text.undelivered, text.undelivered_logprobs, text.prompt_undelivered = 0, [], False
+            text.undelivered = 0
         return text.finish_reason is not None and finish_reason is None
 
     def result(
@@ -122,6 +102,5 @@ class TextAssembler:
             return None
         prompt_tokens = len(item.payload.prompt_ids)
         finish = text.finish_reason or finish_reason or ""
-        return GenResult(
-            "".join(text.pieces), finish, prompt_tokens, text.tokens, cached_tokens, text.logprobs, text.prompt_logprobs
-        )
+        lp = text.logprobs
+        return GenResult("".join(text.pieces), finish, prompt_tokens, text.tokens, cached_tokens, lp.tokens, lp.prompt)

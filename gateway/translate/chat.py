@@ -180,8 +180,9 @@ def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerC
     """Tokenize the prompts and settle each one's parameters. Every refusal
     (chat_template_error, prompt_count_mismatch, context_length_exceeded) comes before
     anything is queued."""
-    prompts = encode_prompts(body, engine)
     chat = isinstance(body, ChatCompletionRequest)
+    thinking_model = chat and thinks(template_of(engine))
+    prompts = encode_prompts(body, engine, thinking_model)
     shapes = structures(body, len(prompts))
     params = sampling_params(body, prompts, engine, cfg)
     asked = lp.requested(body)
@@ -194,7 +195,7 @@ def generation_work(body: GenerationBody, engine: GenerationEngine, cfg: ServerC
     n = per_prompt("n", body.n, len(prompts), 1)
     decode = lp.token_texts(engine) if asked is not None else None
     thinking = None
-    if chat and thinks(template_of(engine)):
+    if thinking_model:
         thinking = [left_open(engine.decode(ids[-THINK_TAIL:], skip_special_tokens=False)) for ids in prompts]
         # Structured output and forced calls constrain the answer: a thinking prompt reasons first.
         shapes = [
@@ -241,10 +242,11 @@ def _arguments(call: Any) -> Any:
         return call.function.arguments
 
 
-def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[int]]:
-    """Token ids per prompt: conversations through the model's chat template, completion
-    prompts as they are. A conversation the template refuses is the client's error (422
-    naming the prompt and quoting the template)."""
+def encode_prompts(body: GenerationBody, engine: GenerationEngine, thinking_model: bool = False) -> list[list[int]]:
+    """Token ids per prompt: conversations through the model's chat template (with each
+    prompt's template arguments; `thinking_model`: the template has a thinking section),
+    completion prompts as they are. A conversation the template refuses is the client's
+    error (422 naming the prompt and quoting the template)."""
     if not isinstance(body, ChatCompletionRequest):
         given: list[Any] = list(body.prompts)  # texts, or token ids
         return [
@@ -253,15 +255,11 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine) -> list[list[
     conversations = body.conversations
     nested = conversations is body.messages  # a list of conversations, not one
     tools = offered_tools(body, len(conversations))
-    extra = template_kwargs(body, len(conversations), thinks(template_of(engine)), engine.name)
+    extra = template_kwargs(body, len(conversations), thinking_model, engine.name)
     prompts = []
     for i, conv in enumerate(conversations):
         try:
-            messages = template_messages(conv)
-            if extra[i]:
-                prompts.append(engine.encode_chat(messages, tools[i] or None, extra[i]))
-            else:
-                prompts.append(engine.encode_chat(messages, tools[i]) if tools[i] else engine.encode_chat(messages))
+            prompts.append(engine.encode_chat(template_messages(conv), tools[i] or None, extra[i] or None))
         except ChatTemplateError as exc:
             raise APIError(
                 422,

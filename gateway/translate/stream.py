@@ -51,8 +51,9 @@ class StreamChunks:
             text = self.work.echo[p] + (text or "")
             if self.work.logprobs is not None:
                 entries = self.work.prompt_entries(p, prompt_entries) + list(entries or [])
-        chunks = self._thinking(k, text, finish_reason) if self.work.thinking is not None else []
-        if self.work.thinking is None or chunks is None:
+        if self.work.thinking is not None:
+            chunks = self._thinking(k, text, finish_reason)
+        else:
             chunks = self._deltas(k, text, finish_reason)
         if self.work.logprobs is None:
             return chunks
@@ -68,16 +69,16 @@ class StreamChunks:
             self._entries[k] = []
         return chunks
 
-    def _thinking(self, k: int, text: str | None, finish_reason: str | None) -> list[dict[str, Any]] | None:
+    def _thinking(self, k: int, text: str | None, finish_reason: str | None) -> list[dict[str, Any]]:
         """On a thinking model: the delta's reasoning as its own chunk (`delta.reasoning_content`
-        and `delta.reasoning`), then its answer as `_deltas` makes it; None when the delta is
-        all answer (no reasoning held or sent)."""
+        and `delta.reasoning`), then its answer as `_deltas` makes it (the whole delta, when
+        it is all answer)."""
         thinking = self.work.thinking
         assert thinking is not None
         stream = self._thoughts.setdefault(k, ReasoningStream(thinking[self.work.prompt_index[k]]))
         reasoning, answer = stream.feed(text or "", final=finish_reason is not None)
         if not reasoning and answer == (text or ""):
-            return None
+            return self._deltas(k, text, finish_reason)
         chunks = []
         if reasoning:
             chunk = self._chunk(k, None, None)
