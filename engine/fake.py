@@ -18,11 +18,12 @@ import functools
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
 from .base import ChatTemplateError, EmbeddingResult, GenerationEngine, PrefillStep, StepOutput
+from .custom import Tensor
 from .detokenize import FINISH_LENGTH, SequenceText
 
 
@@ -399,3 +400,44 @@ class FakeChunkingEngine(FakeGenerationEngine):
         super().remove(seq_ids)
         for i in seq_ids:
             self._waiting.pop(i, None)
+
+
+class FakeCustomModel:
+    """A custom model (engine/custom.py's contract) for tests, fuzzing and benchmarks, torch-free:
+    a text and a vector in, the text's length, the vector's sum and the text upper-cased
+    out. The markers above work on the text: FAIL_ITEM fails its row alone, FAIL_BATCH raises
+    out of `predict`, OOM raises out-of-memory, HANG sleeps `hang_seconds`. `delay`: seconds
+    each batch takes; `per_row`: and each row."""
+
+    inputs: ClassVar = [Tensor("text", "BYTES"), Tensor("vector", "FP32", (-1,))]
+    outputs: ClassVar = [Tensor("length", "INT64"), Tensor("sum", "FP32"), Tensor("upper", "BYTES")]
+
+    def __init__(self, delay: float = 0.0, per_row: float = 0.0, hang_seconds: float = 0.0):
+        self.delay, self.per_row, self.hang_seconds = delay, per_row, hang_seconds
+        self.batches: list[int] = []  # the size of each batch it was given
+        self.loaded_on: tuple[str, str] | None = None
+
+    def load(self, device: str, dtype: str) -> None:
+        self.loaded_on = (device, dtype)
+
+    def predict(self, batch: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
+        texts = [row["text"] if isinstance(row["text"], str) else "" for row in batch]
+        if any("FAIL_BATCH" in t for t in texts):
+            raise RuntimeError("simulated model failure")
+        if any("OOM" in t for t in texts) and len(batch) > 1:
+            raise FakeOOM()
+        if any("HANG" in t for t in texts):
+            time.sleep(self.hang_seconds)
+        self.batches.append(len(batch))
+        if self.delay or self.per_row:
+            time.sleep(self.delay + self.per_row * len(batch))
+        out: list[dict[str, Any] | Exception] = []
+        for text, row in zip(texts, batch, strict=True):
+            if "FAIL_ITEM" in text or "OOM" in text:
+                out.append(ValueError(f"simulated failure of {text!r}"))
+                continue
+            out.append({"length": len(text), "sum": float(np.sum(row["vector"])), "upper": text.upper()})
+        return out
+
+    def cost(self, row: dict[str, Any]) -> int:
+        return 1 + len(row["text"]) // 8 if isinstance(row["text"], str) else 1

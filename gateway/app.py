@@ -23,7 +23,7 @@ from .errors import APIError
 from .jobs.service import BatchJobs
 from .metrics.registry import GatewayMetrics
 from .models.catalogue import ModelSpec, default_specs
-from .routes import admin, batches, chat, embeddings, system, tokenize
+from .routes import admin, batches, chat, embeddings, oip, system, tokenize
 from .state import GatewayState
 from .ui import route as ui
 
@@ -56,6 +56,7 @@ def routes(models: dict[str, Callable[[Request], Awaitable[Response]]]) -> list[
         Route("/detokenize", endpoint("/detokenize", tokenize.detokenize), methods=["POST"]),
         Route("/tokenizer_info", endpoint("/tokenizer_info", tokenize.tokenizer_info), methods=["GET"]),
         *batches.batch_routes(),
+        *oip.oip_routes(),
         route(
             "/admin/models/{model:path}/batching",
             get=endpoint("/admin/batching", admin.get_batching, public=True),

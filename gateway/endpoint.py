@@ -49,7 +49,11 @@ def check_key(request: Request, keys: list[str], name: str = "authorization") ->
     return ok
 
 
-def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[[Request], Awaitable[Response]]:
+def endpoint(
+    route: str, handler: Handler, *, public: bool = False, oip: bool = False
+) -> Callable[[Request], Awaitable[Response]]:
+    """`route`'s handler wrapped; `oip`: errors in the Open Inference Protocol's shape."""
+
     async def wrapped(request: Request) -> Response:
         ferry = gateway_state(request)
         rid = header(request, "x-request-id") or new_request_id()
@@ -69,12 +73,13 @@ def endpoint(route: str, handler: Handler, *, public: bool = False) -> Callable[
         except APIError as exc:
             if exc.status in INVALID_INPUT and not public:
                 m.series(m.rejections, ctx.model, "invalid").inc()  # refused before queuing
-            response = exc.response()
+            response = exc.oip_response() if oip else exc.response()
         except ClientGone:
             response = Response(status_code=499)
         except Exception:
             log.exception("unhandled error on %s", route)
-            response = APIError(500, "internal server error", code="internal_error").response()
+            error = APIError(500, "internal server error", code="internal_error")
+            response = error.oip_response() if oip else error.response()
         # Appended to the raw list: no handler sets it, so MutableHeaders' scan to replace
         # an earlier value would find none.
         response.raw_headers.append((b"x-request-id", rid.encode("latin-1")))

@@ -67,6 +67,13 @@ class APIError(Exception):
             hdrs["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return json_response(error_body(self.status, self.message, self.code, self.param), self.status, hdrs)
 
+    def oip_response(self):
+        """The Open Inference Protocol's shape, `{"error": message}`, for its routes (/v2/...)."""
+        hdrs = {}
+        if self.retry_after is not None:
+            hdrs["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        return json_response({"error": self.message}, self.status, hdrs)
+
 
 def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
     return {"error": {"message": message, "type": TYPES.get(status, "server_error"), "param": param, "code": code}}

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -15,21 +16,39 @@ from gateway.app import create_app
 from gateway.config import ServerConfig
 from gateway.metrics.registry import GatewayMetrics
 from gateway.models.catalogue import ModelSpec
-from gateway.models.kinds import CHAT, EMBEDDING
+from gateway.models.kinds import CHAT, CUSTOM, EMBEDDING
 
 from .live import live
 
 
-def fake_specs(embed: FakeEmbeddingEngine | None = None, chat: FakeGenerationEngine | None = None) -> list[ModelSpec]:
+def fake_specs(
+    embed: FakeEmbeddingEngine | None = None, chat: FakeGenerationEngine | None = None, custom: Any = None
+) -> list[ModelSpec]:
+    """The fake embeddings and chat engines, and a custom model (a class instance, served as
+    "fake-custom") when given one."""
     embed = embed or FakeEmbeddingEngine()
     chat = chat or FakeGenerationEngine()
-    return [ModelSpec(EMBEDDING, lambda: embed), ModelSpec(CHAT, lambda: chat)]
+    specs = [ModelSpec(EMBEDDING, lambda: embed), ModelSpec(CHAT, lambda: chat)]
+    if custom is not None:
+        specs.append(custom_model_spec(custom))
+    return specs
 
 
-def fake_app(embed=None, chat=None, **config):
+def custom_model_spec(model: Any, name: str = "fake-custom", **settings: Any) -> ModelSpec:
+    """A spec serving the instance `model` (engine/custom.py's contract) as `name`."""
+    from engine.custom import CustomEngine, Tensor
+
+    def load() -> CustomEngine:
+        model.load(device="cpu", dtype="auto")
+        return CustomEngine(model, name, [Tensor.of(t) for t in model.inputs], [Tensor.of(t) for t in model.outputs])
+
+    return ModelSpec(CUSTOM, load, settings, source=name, name=name)
+
+
+def fake_app(embed=None, chat=None, custom=None, **config):
     config.setdefault("warmup", False)
     cfg = ServerConfig(**config)
-    return create_app(cfg, fake_specs(embed, chat), GatewayMetrics(CollectorRegistry()))
+    return create_app(cfg, fake_specs(embed, chat, custom), GatewayMetrics(CollectorRegistry()))
 
 
 @pytest.fixture
@@ -37,8 +56,8 @@ def fake_server_factory():
     """Start a gateway over fake engines on a real socket; stopped at test end."""
     stack = []
 
-    def start(embed=None, chat=None, **config):
-        cm = live(fake_app(embed, chat, **config))
+    def start(embed=None, chat=None, custom=None, **config):
+        cm = live(fake_app(embed, chat, custom, **config))
         server = cm.__enter__()
         stack.append(cm)
         return server

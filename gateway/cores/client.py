@@ -42,6 +42,7 @@ from batcher.errors import ModelUnavailable, ShuttingDown
 from batcher.settings import BatchingSettings, SettingsError
 from batcher.types import GenRequest, Priority, WorkItem
 from engine.base import SamplingParams
+from engine.custom import Row
 from gateway.cores import wire
 
 from .inflight import RequestTable
@@ -201,10 +202,11 @@ class CoreClient:
         sampling = [sampling_of(g.params) for g in payloads] if generation else None
         prompts = [g.prompt_ids for g in payloads] if generation else payloads
         quiet = one_shot and not generation and on_delta is None
+        rows = bool(payloads) and isinstance(payloads[0], Row)  # a custom model's
         submit = wire.Submit(
             req,
             self.model,
-            [wire.ids(p) for p in prompts],
+            wire.rows(payloads) if rows else [wire.ids(p) for p in prompts],
             costs,
             deadline,
             int(priority),
@@ -214,6 +216,7 @@ class CoreClient:
             count_rejection,
             itl_target,
             quiet,
+            rows,
         )
         if quiet:
             self.table.track(req, items)

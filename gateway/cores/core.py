@@ -33,6 +33,7 @@ from batcher.queueing import QueueingBatcher
 from batcher.settings import SettingsError
 from batcher.types import Delta, GenRequest, GenResult, Outcome, Priority, WorkItem
 from engine.base import SamplingParams
+from engine.custom import CustomResult
 from gateway.cores import wire
 
 from ..metrics.merge import metric_families
@@ -55,13 +56,17 @@ class EngineCore:
         registry: CollectorRegistry | None = None,
         grammars: Any = None,
         settings_path: str | None = None,
+        cost_of: Any = None,
     ):
         """`grammars`: the chat engine's GrammarCache (engine/grammar.py), where schemas
         are compiled before their prompts reach the batcher. `settings_path`: where the
-        batching settings it acknowledges are recorded (`record_settings`), if anywhere."""
+        batching settings it acknowledges are recorded (`record_settings`), if anywhere.
+        `cost_of`: a custom model's cost hints of its rows (CustomEngine.costs), computed here
+        where the class is."""
         self.batcher = batcher
         self.settings_path = settings_path
         self.grammars = grammars
+        self.cost_of = cost_of
         # Submits whose schemas are compiling -> whether a Cancel came meanwhile.
         self.compiling: dict[tuple[bytes, int], bool] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -152,9 +157,13 @@ class EngineCore:
             return
         budget = None if m.deadline is None else m.deadline - self.batcher.clock.now()
         try:
+            work = payloads(m)
+            costs = list(m.costs)
+            if m.rows and self.cost_of is not None:
+                costs = self.cost_of(work) or costs
             items = self.batcher.submit_many(
-                payloads(m),
-                costs=list(m.costs),
+                work,
+                costs=costs,
                 budget=budget,
                 priority=Priority(m.priority),
                 request_id=m.request_id,
@@ -257,6 +266,8 @@ def payloads(m: wire.Submit) -> list[Any]:
     """What the core's batcher takes: token ids for one-shot models; for generation, the
     GenRequest the in-process route builds (gateway/translate/chat.py), except that the
     engine makes no text (`detokenize=False`): stop strings are the front end's."""
+    if m.rows:
+        return wire.rows_of(m.payloads)
     prompts = [wire.ids_of(p) for p in m.payloads]
     if m.sampling is None:
         return prompts
@@ -291,6 +302,8 @@ def result(req: int, item: WorkItem, fut: asyncio.Future) -> wire.Result:
                 completion_tokens=value.completion_tokens,
                 cached_tokens=value.cached_tokens,
             )
+        if isinstance(value, CustomResult):
+            return wire.Result(req, item.prompt_index, int(Outcome.RESULT), timing, output=wire.outputs(value))
         return wire.Result(
             req,
             item.prompt_index,

@@ -218,6 +218,8 @@ class RequestTable:
         text = self.texts.result(item, outcome, m.finish_reason, m.cached_tokens)
         if text is not None:
             item.finish(Outcome.RESULT, text)
+        elif outcome is Outcome.RESULT and m.output is not None:
+            item.finish(outcome, wire.outputs_of(m.output))
         elif outcome is Outcome.RESULT:
             item.finish(outcome, EmbeddingResult(np.frombuffer(m.vector or b"", dtype="<f4"), m.prompt_tokens))
         else:

@@ -29,7 +29,7 @@ from batcher.metrics import Metrics
 from ..config import ServerConfig
 from ..models.catalogue import ModelSpec, default_specs
 from ..models.diagnosis import failure_line
-from ..models.kinds import CHAT
+from ..models.kinds import CHAT, CUSTOM
 from ..models.start import GIL_SWITCH_INTERVAL_S, ServedModel, start_local
 from .core import EngineCore
 
@@ -74,6 +74,8 @@ def facts(served: ServedModel[Any]) -> dict[str, Any]:
     engine = served.engine
     if served.kind == CHAT:
         return {"name": engine.name, "max_context": engine.max_context}
+    if served.kind == CUSTOM:
+        return engine.facts()
     return {"name": engine.name, "dim": engine.dim, "max_length": engine.max_length}
 
 
@@ -85,7 +87,15 @@ async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, sett
             batcher.update(**settings)
         grammars = getattr(served.engine, "grammars", None)
         path = settings_file(address) if address.startswith("ipc://") else None
-        core = EngineCore(batcher, address, registry=metrics.registry, grammars=grammars, settings_path=path)
+        core = EngineCore(
+            batcher,
+            address,
+            registry=metrics.registry,
+            grammars=grammars,
+            settings_path=path,
+            # A custom model's cost hints need the class, which only the core has made.
+            cost_of=served.engine.costs if served.kind == CUSTOM else None,
+        )
         core.record_settings()  # what a restart starts from until an admin PATCH changes it
     except Exception as exc:
         log.debug("model loading failed", exc_info=True)

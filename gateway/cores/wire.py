@@ -49,6 +49,39 @@ def floats_of(raw: bytes) -> array:
     return a
 
 
+def rows(payloads: list[Any]) -> list[bytes]:
+    """A custom model's rows (engine/custom.py `Row`) as msgpack: each tensor's datatype,
+    shape and data (raw bytes for numbers, a list of byte strings for BYTES: the model
+    sees UTF-8 text as `str` either way)."""
+    return [_encoder.encode(_bytes_only(r.tensors)) for r in payloads]
+
+
+def _bytes_only(tensors: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, (dt, shape, data) in tensors.items():
+        if isinstance(data, list):
+            data = [v.encode("utf-8") if isinstance(v, str) else v for v in data]
+        out[k] = (dt, shape, data)
+    return out
+
+
+def rows_of(raw: list[bytes]) -> list[Any]:
+    from engine.custom import Row
+
+    return [Row(dict(_rows.decode(r))) for r in raw]
+
+
+def outputs(result: Any) -> bytes:
+    """A custom model's outputs for one row (engine/custom.py `CustomResult`), as msgpack."""
+    return _encoder.encode(_bytes_only(result.outputs))
+
+
+def outputs_of(raw: bytes) -> Any:
+    from engine.custom import CustomResult
+
+    return CustomResult(dict(_rows.decode(raw)))
+
+
 class Sampling(msgspec.Struct, frozen=True, array_like=True):
     """Per-prompt generation parameters (engine-neutral)."""
 
@@ -88,6 +121,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     # No Admitted answer: the front end awaits only the results (one-shot work read by
     # nobody until it is done); a refusal still comes, as Refused.
     quiet: bool = False
+    rows: bool = False  # `payloads` are a custom model's rows (`rows`), not token ids
 
 
 class Admitted(msgspec.Struct, tag="admitted", array_like=True):
@@ -148,6 +182,7 @@ class Result(msgspec.Struct, tag="result", array_like=True):
     message: str | None = None
     retry_after: float | None = None
     cached_tokens: int = 0
+    output: bytes | None = None  # a custom model's outputs (`outputs`)
 
 
 class NewTokens(msgspec.Struct, tag="delta", array_like=True):
@@ -215,6 +250,7 @@ ToFrontEnd = Admitted | Refused | Result | NewTokens | SettingsAnswer | MetricsA
 _encoder = msgspec.msgpack.Encoder()
 _to_core = msgspec.msgpack.Decoder(list[ToCore])
 _to_front_end = msgspec.msgpack.Decoder(list[ToFrontEnd])
+_rows = msgspec.msgpack.Decoder(dict[str, tuple[str, list[int], bytes | list[bytes]]])
 
 
 # -- a frame between a front end and a core is a packet: the messages of one turn, in order --

@@ -10,10 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.base import EmbeddingEngine, GenerationEngine
-
 from ..config import ServerConfig, served_name_target
-from .kinds import CHAT, EMBEDDING, KIND_OF, ModelKind
+from .kinds import CHAT, CUSTOM, EMBEDDING, KIND_OF, ModelKind
 
 log = logging.getLogger("ferry.gateway")
 
@@ -30,7 +28,7 @@ class ModelSpec:
     engine's own when None)."""
 
     kind: ModelKind
-    load: Callable[[], EmbeddingEngine | GenerationEngine]
+    load: Callable[[], Any]  # an EmbeddingEngine, a GenerationEngine or a CustomEngine
     settings: dict[str, Any] = field(default_factory=dict)  # per-model overrides
     front: Callable[[dict[str, Any]], Any] | None = None
     source: str = ""
@@ -45,8 +43,14 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
         from .config_file import load_config
 
         entries = load_config(cfg.config)
-        if fake_engines():
-            return fake_specs_from_env([(KIND_OF[e.kind], e.name, e.batching) for e in entries])
+        if fake_engines():  # a custom model is the user's own class, fake or not: served as it is
+            fakes = fake_specs_from_env([(KIND_OF[e.kind], e.name, e.batching) for e in entries])
+            return [
+                model_spec(CUSTOM, e.source, cfg, name=e.name, settings=e.batching, options=e.options)
+                if e.kind == "custom"
+                else fake
+                for e, fake in zip(entries, fakes, strict=True)
+            ]
         return [
             model_spec(
                 KIND_OF[e.kind],
@@ -58,6 +62,7 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
                 settings=e.batching,
                 prefix_caching=e.prefix_caching,
                 prefix_cache_mb=e.prefix_cache_mb,
+                options=e.options,
             )
             for e in entries
         ]
@@ -89,14 +94,18 @@ def model_spec(
     settings: dict[str, Any] | None = None,
     prefix_caching: bool | None = None,
     prefix_cache_mb: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> ModelSpec:
     """How to load one model of `kind` from `source` (`default`, a Hugging Face id or a local
     path), served as `name` (default: the engine's own: the built-in model's name, or `source`),
     on `device` / `dtype` (default: `--device` / `--dtype`); a chat model's prefix cache as
-    `prefix_caching` / `prefix_cache_mb` say (default: `--prefix-caching` / `--prefix-cache-mb`)."""
+    `prefix_caching` / `prefix_cache_mb` say (default: `--prefix-caching` / `--prefix-cache-mb`).
+    A custom model's source is its class (`package.module:ClassName`), made with `options`."""
     path = None if source == "default" else source
     device = device or cfg.device
     dtype = dtype or cfg.dtype
+    if kind == CUSTOM:
+        return custom_spec(source, name or source, device, dtype, settings, options)
     if kind == EMBEDDING:
 
         def load_embeddings():
@@ -147,6 +156,30 @@ def model_spec(
 
     described = "ferry-tiny-chat (random weights)" if path is None else path
     return ModelSpec(CHAT, load_chat, dict(settings or {}), chat_front, described, name)
+
+
+def custom_spec(
+    source: str,
+    name: str,
+    device: str,
+    dtype: str,
+    settings: dict[str, Any] | None = None,
+    options: dict[str, Any] | None = None,
+) -> ModelSpec:
+    """A user's batched model (engine/custom.py): its class imported, made and loaded in the
+    process that serves it; a front end builds its view from the tensors the core reports."""
+
+    def load_custom_model():
+        from engine.custom import custom_device, load_custom
+
+        return load_custom(source, name, device=custom_device(device), dtype=dtype, options=options)
+
+    def custom_front(facts: dict[str, Any]):
+        from engine.custom import CustomFront
+
+        return CustomFront(**facts)
+
+    return ModelSpec(CUSTOM, load_custom_model, dict(settings or {}), custom_front, source, name)
 
 
 def prefix_cache_options(cfg: ServerConfig, caching: bool | None, megabytes: int | None) -> dict[str, Any]:

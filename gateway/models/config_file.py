@@ -2,14 +2,16 @@
 
     models:
       - name: minilm              # the name clients ask for ("model" in a request)
-        kind: embeddings          # embeddings | chat
+        kind: embeddings          # embeddings | chat | custom
         source: default           # default | a Hugging Face id | a local path
+                                  # (custom: "package.module:ClassName", docs/custom-models.md)
         device: cpu               # optional: cpu, cuda, cuda:N, auto (default: --device)
         dtype: float32            # optional: float32, float16, bfloat16, auto (default: --dtype)
         batching:                 # optional: this model's batching knobs (batcher/settings.py)
           max_batch_size: 64
         prefix_caching: true      # optional, chat only (default: --prefix-caching)
         prefix_cache_mb: 256      # optional, chat only (default: --prefix-cache-mb)
+        options: {labels: [a, b]} # optional, custom only: keyword arguments of the class
 
 The schema is a pydantic model that forbids unknown fields; a bad file fails `ferry serve` at
 start with one line naming the file, the model and the field (`ConfigError`). Each model's
@@ -28,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from batcher.knobs import SettingsError
 from batcher.settings import BatchingSettings
 
-ConfigKind = Literal["embeddings", "chat"]
+ConfigKind = Literal["embeddings", "chat", "custom"]
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
 # What a model's name may be: it is a URL path segment (/v1/models/{name}) and a metric label.
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
@@ -48,7 +50,8 @@ class ModelEntry(BaseModel):
     source: str = Field(
         "default",
         min_length=1,
-        description="`default` (the built-in model of its kind), a Hugging Face id or a local path",
+        description="`default` (the built-in model of its kind), a Hugging Face id or a local path; "
+        "custom: `package.module:ClassName`",
     )
     device: str | None = Field(
         None, pattern=DEVICE.pattern, description="`cpu`, `cuda`, `cuda:N` or `auto`; null: `--device`"
@@ -60,6 +63,9 @@ class ModelEntry(BaseModel):
     prefix_caching: bool | None = Field(None, description="a chat model's prefix cache on or off; null: the flag's")
     prefix_cache_mb: int | None = Field(
         None, ge=0, description="a chat model's prefix cache memory in MiB (0: off); null: the flag's"
+    )
+    options: dict[str, Any] | None = Field(
+        None, description="a custom model's keyword arguments (its class is made with them)"
     )
 
 
@@ -98,6 +104,9 @@ def load_config(path: str) -> list[ModelEntry]:
                     raise ConfigError(
                         f"invalid {where}: model {entry.name!r}: field {field!r}: only chat models keep a prefix cache"
                     )
+        problem = _kind_problem(entry)
+        if problem is not None:
+            raise ConfigError(f"invalid {where}: model {entry.name!r}: {problem}")
         try:
             BatchingSettings(**entry.batching)
         except SettingsError as exc:
@@ -105,6 +114,18 @@ def load_config(path: str) -> list[ModelEntry]:
                 f"invalid {where}: model {entry.name!r}: field 'batching.{exc.field}': {exc.message}"
             ) from None
     return list(parsed.models)
+
+
+def _kind_problem(entry: ModelEntry) -> str | None:
+    """What a custom entry's source or a built-in entry's options get wrong, if anything."""
+    from engine.custom import SOURCE
+
+    if entry.kind == "custom":
+        if not SOURCE.match(entry.source):
+            return f"field 'source': a custom model's source is package.module:ClassName, got {entry.source!r}"
+    elif entry.options is not None:
+        return "field 'options': only custom models take options"
+    return None
 
 
 def _describe(exc: ValidationError, data: dict[str, Any]) -> str:

@@ -1,4 +1,4 @@
-"""The kinds of model a gateway serves (embeddings, chat), and what tells them apart from
+"""The kinds of model a gateway serves (embeddings, chat, a user's own batched model), and what tells them apart from
 a model's source: its Hugging Face architectures, and whether a source names a local path
 or a Hub id. No HTTP, no torch."""
 
@@ -8,13 +8,14 @@ import os
 import re
 from typing import Final, Literal
 
-ModelKind = Literal["embedding", "chat"]
+ModelKind = Literal["embedding", "chat", "custom"]
 EMBEDDING: Final = "embedding"
 CHAT: Final = "chat"
+CUSTOM: Final = "custom"  # a user's class (engine/custom.py), served over the Open Inference Protocol
 
 
 # A config file's `kind` (as the issue and docs spell it) to the kind of a served model.
-KIND_OF: dict[str, ModelKind] = {"embeddings": EMBEDDING, "chat": CHAT}
+KIND_OF: dict[str, ModelKind] = {"embeddings": EMBEDDING, "chat": CHAT, "custom": CUSTOM}
 
 
 # A Hugging Face Hub id: "name" or "owner/name" (huggingface_hub's own rule, roughly:

@@ -20,7 +20,7 @@ from engine.base import EmbeddingEngine, GenerationEngine
 
 from ..config import ServerConfig
 from .catalogue import ModelSpec
-from .kinds import EMBEDDING, ModelKind
+from .kinds import CUSTOM, EMBEDDING, ModelKind
 from .served import LocalBatcher, ServedBatcher
 
 log = logging.getLogger("ferry.gateway")
@@ -97,6 +97,8 @@ async def start_local(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> t
     # The spec's kind says which engine its `load` returns.
     if spec.kind == EMBEDDING:
         batcher = await _embedding_batcher(cast(EmbeddingEngine, engine), engine_thread, settings, cfg, metrics)
+    elif spec.kind == CUSTOM:
+        batcher = _custom_batcher(engine, engine_thread, settings, metrics)
     else:
         batcher = await _generation_batcher(cast(GenerationEngine, engine), engine_thread, settings, cfg, metrics)
     await batcher.start()
@@ -134,6 +136,23 @@ async def _embedding_batcher(
     return MicroBatcher(
         engine.name, execute, settings, cost=cost, metrics=metrics, phase="embed", execute_lane=execute_lane
     )
+
+
+def _custom_batcher(
+    engine: Any, engine_thread: EngineThread, settings: BatchingSettings, metrics: Metrics
+) -> QueueingBatcher:
+    """A user's model (engine/custom.py): batches on one engine thread, no interactive lane
+    (the contract promises the class one caller at a time); its cost model is fitted online."""
+
+    def predict(payloads: list[Any]) -> list[Any]:
+        from engine.device import is_oom  # torch only if the model uses it
+
+        return split_in_halves(engine.predict, payloads, retry_if=is_oom)
+
+    async def execute(payloads: list[Any]) -> list[Any]:
+        return await engine_thread(predict, payloads)
+
+    return MicroBatcher(engine.name, execute, settings, cost=CostModel(), metrics=metrics, phase="predict")
 
 
 async def _generation_batcher(

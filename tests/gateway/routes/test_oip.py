@@ -1,0 +1,212 @@
+"""The Open Inference Protocol routes (/v2/...) over a real uvicorn with a fake custom model
+(engine/fake.py, FakeCustomModel): metadata and health, JSON and binary tensors, Triton's
+own client, bad input refused before the model, faults confined to the rows they touched,
+and Ferry's budget and priority carried as request parameters."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections import Counter
+
+import httpx
+import numpy as np
+import orjson
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from engine.custom import load_custom
+from engine.fake import FakeCustomModel
+from gateway.translate.oip import encode_response, parse_infer
+
+MODEL = "fake-custom"
+INFER = f"/v2/models/{MODEL}/infer"
+
+
+def body(*texts: str, vectors: list[list[float]] | None = None, **extra) -> dict:
+    vectors = vectors if vectors is not None else [[1.0, 2.0]] * len(texts)
+    return {
+        "inputs": [
+            {"name": "text", "shape": [len(texts)], "datatype": "BYTES", "data": list(texts)},
+            {"name": "vector", "shape": [len(vectors), len(vectors[0])], "datatype": "FP32", "data": vectors},
+        ],
+        **extra,
+    }
+
+
+@pytest.fixture
+def served(fake_server_factory):
+    model = FakeCustomModel()
+    server = fake_server_factory(custom=model, max_inputs=8)
+    return server, model
+
+
+def test_server_and_model_metadata_and_health(served):
+    s, _ = served
+    c = httpx.Client(base_url=s.url)
+    assert c.get("/v2").json() | {"version": "x"} == {
+        "name": "ferry",
+        "version": "x",
+        "extensions": ["binary_tensor_data"],
+    }
+    assert [c.get(p).status_code for p in ("/v2/health/live", "/v2/health/ready", f"/v2/models/{MODEL}/ready")] == [
+        200,
+        200,
+        200,
+    ]
+    meta = c.get(f"/v2/models/{MODEL}").json()
+    assert meta["name"] == MODEL and meta["versions"] == ["1"]
+    assert meta["inputs"] == [
+        {"name": "text", "datatype": "BYTES", "shape": [-1]},
+        {"name": "vector", "datatype": "FP32", "shape": [-1, -1]},
+    ]
+    for path in ("/v2/models/nope", "/v2/models/fake-embed", "/v2/models/nope/ready", "/v2/models/nope/infer"):
+        r = c.post(path, json=body("a")) if path.endswith("infer") else c.get(path)
+        assert r.status_code == 404 and set(r.json()) == {"error"} and "does not exist" in r.json()["error"]
+
+
+def test_infer_answers_each_row_in_json_with_the_request_id_echoed(served):
+    s, _ = served
+    r = httpx.post(s.url + INFER, json=body("hi", "there", vectors=[[1, 2], [3, 4.5]], id="req-7"))
+    assert r.status_code == 200, r.text
+    out = {o["name"]: o for o in r.json()["outputs"]}
+    assert r.json()["id"] == "req-7" and r.json()["model_name"] == MODEL
+    assert out["length"] == {"name": "length", "datatype": "INT64", "shape": [2], "data": [2, 5]}
+    assert out["sum"]["data"] == [3.0, 7.5] and out["upper"]["data"] == ["HI", "THERE"]
+    assert r.headers["X-Ferry-Batch-Size"] == "2"  # the rows are work items, batched together
+    only = httpx.post(s.url + INFER, json=body("x", outputs=[{"name": "upper"}])).json()["outputs"]
+    assert [o["name"] for o in only] == ["upper"]
+    flat = body("ab")
+    flat["inputs"][1]["data"] = [1.0, 2.0]  # flat or nested, row-major
+    assert httpx.post(s.url + INFER, json=flat).json()["outputs"][1]["data"] == [3.0]
+
+
+def test_binary_tensors_in_and_out():
+    """The binary tensor data extension, read and written without a client's help."""
+    text = b"".join(struct.pack("<I", len(t)) + t for t in (b"ab", b"xyz"))
+    vec = np.array([[1, 2], [3, 4]], dtype="<f4").tobytes()
+    head = {
+        "inputs": [
+            {"name": "text", "shape": [2], "datatype": "BYTES", "parameters": {"binary_data_size": len(text)}},
+            {"name": "vector", "shape": [2, 2], "datatype": "FP32", "parameters": {"binary_data_size": len(vec)}},
+        ],
+        "outputs": [{"name": "sum", "parameters": {"binary_data": True}}, {"name": "upper"}],
+    }
+    raw_head = orjson.dumps(head)
+    engine = load_custom("engine.fake:FakeCustomModel", MODEL)
+    work = parse_infer(raw_head + text + vec, str(len(raw_head)), engine, 8)
+    assert [r.tensors["text"][2] for r in work.rows] == [[b"ab"], [b"xyz"]]
+    results = engine.predict(work.rows)
+    payload, headers = encode_response(MODEL, work, results)
+    cut = int(headers["Inference-Header-Content-Length"])
+    outs = orjson.loads(payload[:cut])["outputs"]
+    assert outs[0]["parameters"] == {"binary_data_size": 8} and "data" not in outs[0]
+    assert np.frombuffer(payload[cut:], dtype="<f4").tolist() == [3.0, 7.0]
+    assert outs[1]["data"] == ["AB", "XYZ"]
+
+
+def test_tritonclient_calls_it_unchanged(served):
+    s, _ = served
+    client = triton.InferenceServerClient(s.url.removeprefix("http://"))
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
+    assert [i["name"] for i in client.get_model_metadata(MODEL)["inputs"]] == ["text", "vector"]
+    texts = np.array(["one", "two", "three"], dtype=object)
+    vectors = np.arange(6, dtype=np.float32).reshape(3, 2)
+    for binary in (True, False):
+        text = triton.InferInput("text", [3], "BYTES")
+        text.set_data_from_numpy(texts, binary_data=binary)
+        vector = triton.InferInput("vector", [3, 2], "FP32")
+        vector.set_data_from_numpy(vectors, binary_data=binary)
+        outputs = [triton.InferRequestedOutput(n, binary_data=binary) for n in ("length", "sum", "upper")]
+        result = client.infer(MODEL, [text, vector], outputs=outputs, request_id="t1")
+        assert result.get_response()["id"] == "t1"
+        assert result.as_numpy("length").tolist() == [3, 3, 5]
+        assert result.as_numpy("sum").tolist() == [1.0, 5.0, 9.0]
+        assert [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("upper")] == ["ONE", "TWO", "THREE"]
+    with pytest.raises(InferenceServerException, match="unknown"):
+        bad = triton.InferInput("txt", [1], "BYTES")
+        bad.set_data_from_numpy(np.array(["x"], dtype=object))
+        client.infer(MODEL, [bad])
+    client.close()
+
+
+EXTRA = {"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}
+BAD = [
+    ({"inputs": []}, "inputs"),
+    (body("a") | {"inputs": body("a")["inputs"][:1]}, "missing ['vector']"),
+    (
+        body("a") | {"inputs": [*body("a")["inputs"], EXTRA]},
+        "unknown ['x']",
+    ),
+    ({"inputs": [{**body("a")["inputs"][0], "datatype": "FP32"}, body("a")["inputs"][1]]}, "is BYTES"),
+    ({"inputs": [body("a", "b")["inputs"][0], body("a")["inputs"][1]]}, "same number of rows"),
+    ({"inputs": [{**body("a")["inputs"][0], "data": ["a", "b"]}, body("a")["inputs"][1]]}, "holds 1 elements"),
+    ({"inputs": [{**body("a")["inputs"][0], "data": [3]}, body("a")["inputs"][1]]}, "are strings"),
+    ({"inputs": [body("a")["inputs"][0], {**body("a")["inputs"][1], "data": ["x", "y"]}]}, "are numbers"),
+    ({"inputs": [body("a")["inputs"][0], {**body("a")["inputs"][1], "data": [1e39, 1]}]}, "outside FP32"),
+    ({"inputs": [body("a")["inputs"][0], {**body("a")["inputs"][1], "shape": [1]}]}, "row shape [-1]"),
+    (body("a", outputs=[{"name": "nope"}]), "not 'nope'"),
+    (body("a", parameters={"latency_budget_ms": "soon"}), "latency_budget_ms"),
+    ({"inputs": [{**body("a")["inputs"][0], "data": None}, body("a")["inputs"][1]]}, "has no data"),
+]
+
+
+@pytest.mark.parametrize(("payload", "words"), BAD)
+def test_bad_input_is_a_400_in_the_protocols_shape_and_never_reaches_the_model(served, payload, words):
+    s, model = served
+    r = httpx.post(s.url + INFER, json=payload)
+    assert r.status_code == 400 and set(r.json()) == {"error"}, r.text
+    assert words in r.json()["error"]
+    assert model.batches == []
+
+
+def test_limits_and_unparseable_bodies(served):
+    s, model = served
+    r = httpx.post(s.url + INFER, json=body(*"abcdefghi"))  # nine rows, max_inputs 8
+    assert r.status_code == 422 and "9 rows exceed the limit of 8" in r.json()["error"]
+    r = httpx.post(s.url + INFER, content=b"{not json")
+    assert r.status_code == 400 and "invalid inference request" in r.json()["error"]
+    r = httpx.post(s.url + INFER, content=b"{}", headers={"Inference-Header-Content-Length": "99"})
+    assert r.status_code == 400 and "not a length within the body" in r.json()["error"]
+    assert model.batches == []
+
+
+async def _concurrently(url: str, payloads: list[dict]) -> list[httpx.Response]:
+    async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        return await asyncio.gather(*(c.post(INFER, json=p) for p in payloads))
+
+
+def test_a_failing_row_fails_its_request_only_never_its_batch_mates(fake_server_factory):
+    model = FakeCustomModel(delay=0.01)
+    s = fake_server_factory(custom=model, max_batch_size=8, max_wait_ms=30, policy="fixed")
+    payloads = [body(f"fine {i}") for i in range(6)] + [body("fine", "FAIL_ITEM"), body("OOM", "ok"), body("x")]
+    rs = asyncio.run(_concurrently(s.url, payloads))
+    assert [r.status_code for r in rs] == [200] * 6 + [500, 500, 200]
+    assert "simulated failure of 'FAIL_ITEM'" in rs[6].json()["error"]
+    assert max(model.batches) > 2  # they shared batches
+    outcomes = s.ferry.models[MODEL].batcher.inner.outcomes
+    assert Counter({o.name: n for o, n in outcomes.items() if n})["RESULT"] >= 7
+    boom = asyncio.run(_concurrently(s.url, [body("FAIL_BATCH")]))[0]
+    assert boom.status_code == 500 and "simulated model failure" in boom.json()["error"]
+    assert httpx.post(s.url + INFER, json=body("after")).status_code == 200
+
+
+def test_a_model_slower_than_the_budget_gets_429s_at_once(fake_server_factory):
+    model = FakeCustomModel(delay=0.05)
+    s = fake_server_factory(custom=model, max_batch_size=4, max_wait_ms=0)
+    c = httpx.Client(base_url=s.url, timeout=30)
+    for i in range(8):  # enough batches for the cost model to learn what one takes
+        assert c.post(INFER, json=body(f"learn {i}")).status_code == 200
+    served_batches = len(model.batches)
+    for r in (
+        c.post(INFER, json=body("hurry", parameters={"latency_budget_ms": 5})),
+        c.post(INFER, json=body("hurry"), headers={"X-Ferry-Latency-Budget-Ms": "5"}),
+    ):
+        assert r.status_code == 429 and set(r.json()) == {"error"}, r.text
+        assert int(r.headers["Retry-After"]) >= 1
+    assert len(model.batches) == served_batches  # refused before the queue, never computed
+    ok = c.post(INFER, json=body("relaxed", parameters={"latency_budget_ms": 5000, "priority": "batch"}))
+    assert ok.status_code == 200
+    bad = c.post(INFER, json=body("x", parameters={"priority": "urgent"}))
+    assert bad.status_code == 422 and "urgent" in bad.json()["error"]
