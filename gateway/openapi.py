@@ -16,10 +16,10 @@ from . import schemas as s
 from .config import ServerConfig
 from .jobs.validate import MAX_FILE_BYTES, BatchCreate
 from .limits import RequestModels, request_models
-from .models.kinds import CHAT, EMBEDDING
+from .models.kinds import CHAT, CUSTOM, EMBEDDING
 from .models.start import ServedModel
 from .responses import json_response
-from .routes import admin, tokenize
+from .routes import admin, oip, tokenize
 from .state import gateway_state
 
 REF = "#/components/schemas/{model}"
@@ -148,6 +148,7 @@ def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] |
         s.ErrorResponse,
         BatchCreate,
         *batch_models,
+        *oip.SCHEMAS,
     }
     ordered = sorted(wanted, key=lambda m: m.__name__)
     _, defs = models_json_schema([(m, "validation") for m in ordered], ref_template=REF)
@@ -185,6 +186,8 @@ def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] |
             op["security"] = [{"apiKey": []}, {}]
         paths.setdefault(path, {})[method] = op
     _batch_jobs(paths)
+    custom = sorted(n for n, m in (models or {}).items() if m.kind == CUSTOM)
+    paths.update(oip.oip_paths(REF, cfg.max_body_bytes, custom))
     paths["/metrics"] = {
         "get": {
             "summary": "Prometheus metrics",

@@ -397,7 +397,7 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    type: Literal["embedding", "chat"]
+    type: Literal["embedding", "chat", "custom"]
 
 
 class ModelList(BaseModel):

@@ -9,11 +9,12 @@ from typing import Any
 
 import httpx
 
-from ._json import dumps
+from ._json import dumps, loads
 from .calls import DEFAULT_URL, Call, ClientBase
 from .errors import FerryError, connect_error, from_response
 from .responses import ChatResponse, CompletionResponse
 from .streaming import AsyncChatStream
+from .tensors import infer_body, read_outputs
 
 
 class AsyncFerryClient(ClientBase):
@@ -99,6 +100,24 @@ class AsyncFerryClient(ClientBase):
     async def embed(self, model: str, texts: Any, *, numpy: bool = False, **params: Any) -> Any:
         """See FerryClient.embed."""
         return await self._run(self._embed_call(model, texts, numpy, params))
+
+    async def infer(
+        self,
+        model: str,
+        inputs: dict[str, Any],
+        *,
+        outputs: list[str] | None = None,
+        numpy: bool = False,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
+        """See FerryClient.infer."""
+        meta = self._metadata.get(model)
+        if meta is None:
+            meta = self._metadata[model] = loads((await self._send("GET", f"/v2/models/{model}")).content)
+        body, single = infer_body(model, meta, inputs, outputs, request_id, params)
+        r = await self._send("POST", f"/v2/models/{model}/infer", body)
+        return read_outputs(loads(r.content), single, numpy)
 
     async def models(self) -> list[str]:
         return [m["id"] for m in (await self._send("GET", "/v1/models")).json()["data"]]

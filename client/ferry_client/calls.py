@@ -120,6 +120,7 @@ class ClientBase:
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
         self._timeout = timeout
+        self._metadata: dict[str, dict] = {}  # a custom model's Open Inference Protocol metadata, by name
 
     # Request construction, shared by both clients.
     def _chat_call(

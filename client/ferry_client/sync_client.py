@@ -8,11 +8,12 @@ from typing import Any
 
 import httpx
 
-from ._json import dumps
+from ._json import dumps, loads
 from .calls import DEFAULT_URL, Call, ClientBase
 from .errors import FerryError, connect_error, from_response
 from .responses import ChatResponse, CompletionResponse
 from .streaming import ChatStream
+from .tensors import infer_body, read_outputs
 
 
 class FerryClient(ClientBase):
@@ -121,6 +122,31 @@ class FerryClient(ClientBase):
         params: dimensions, latency_budget_ms, priority, user.
         """
         return self._run(self._embed_call(model, texts, numpy, params))
+
+    def infer(
+        self,
+        model: str,
+        inputs: dict[str, Any],
+        *,
+        outputs: list[str] | None = None,
+        numpy: bool = False,
+        request_id: str | None = None,
+        **params: Any,
+    ) -> dict[str, Any]:
+        """A custom model's outputs over the Open Inference Protocol (docs/custom-models.md).
+
+        inputs: each declared input by name, rows first (lists or numpy arrays; one row's
+        values without the list give one row's outputs without it). Datatypes come from
+        the model's metadata, fetched once. outputs: the names to return (default: all).
+        params: latency_budget_ms, priority, and any other request parameter. Returns each
+        output by name, nested lists (numpy=True: numpy arrays).
+        """
+        meta = self._metadata.get(model)
+        if meta is None:
+            meta = self._metadata[model] = loads(self._send("GET", f"/v2/models/{model}").content)
+        body, single = infer_body(model, meta, inputs, outputs, request_id, params)
+        r = self._send("POST", f"/v2/models/{model}/infer", body)
+        return read_outputs(loads(r.content), single, numpy)
 
     def models(self) -> list[str]:
         """The served model ids."""

@@ -15,7 +15,17 @@ from ..request_body import header, read_body
 from ..responses import json_response
 from ..state import gateway_state
 from ..submission import scheduling, submit, timing_headers, wait_items
-from ..translate.oip import HEADER_LENGTH, encode_response, metadata, parse_infer
+from ..translate.oip import (
+    HEADER_LENGTH,
+    InferenceRequest,
+    InferenceResponse,
+    ModelMetadata,
+    OIPErrorBody,
+    ServerMetadata,
+    encode_response,
+    metadata,
+    parse_infer,
+)
 
 SERVER_NAME = "ferry"
 EXTENSIONS = ["binary_tensor_data"]
@@ -104,3 +114,87 @@ def oip_routes() -> list:
         op("/v2/models/{model:path}/infer", infer, "POST"),
         op("/v2/models/{model:path}", model_metadata),
     ]
+
+
+SCHEMAS = (InferenceRequest, InferenceResponse, ModelMetadata, ServerMetadata, OIPErrorBody)
+OIP_ERRORS = {
+    "400": "Bad tensors (the message says which and why)",
+    "401": "Missing or invalid API key",
+    "404": "Not a custom model served here",
+    "413": "Body too large",
+    "422": "More rows than --max-inputs, or a bad priority",
+    "429": "Queue full or budget infeasible (see Retry-After)",
+    "500": "The model failed on this request's rows",
+    "503": "Loading, draining or its engine core lost (see Retry-After)",
+    "504": "Latency budget exceeded while queued",
+}
+
+
+def oip_paths(ref: str, max_body_bytes: int, names: list[str] | None = None) -> dict[str, dict]:
+    """The /v2 routes for /openapi.json; `ref` formats a schema name into a $ref; `names`: the
+    custom models served (another name is a 404), once they are loaded."""
+
+    def json(name: str) -> dict:
+        return {"application/json": {"schema": {"$ref": ref.format(model=name)}}}
+
+    schema: dict = {"type": "string", "enum": names} if names else {"type": "string"}
+    model = [{"name": "model", "in": "path", "required": True, "schema": schema}]
+    errors = {code: {"description": text, "content": json("OIPErrorBody")} for code, text in OIP_ERRORS.items()}
+
+    def op(op_id: str, summary: str, ok: dict, failures: tuple[str, ...], **extra) -> dict:
+        responses = {"200": ok, **{c: errors[c] for c in failures}}
+        return {"summary": summary, "tags": ["v2"], "operationId": op_id, "responses": responses, **extra}
+
+    empty = {"description": "true"}
+    false = {"400": {"description": "false"}}
+    on_model = {"parameters": model, "security": [{"apiKey": []}, {}]}
+    binary = {"schema": {"type": "string", "format": "binary"}}
+    return {
+        "/v2": {"get": op("get_v2", "Server metadata", {"description": "OK", "content": json("ServerMetadata")}, ())},
+        "/v2/health/live": {"get": op("get_v2_live", "Liveness (200: live)", empty, ())},
+        "/v2/health/ready": {
+            "get": {
+                **op("get_v2_ready", "Readiness (200: every model serves)", empty, ()),
+                "responses": {"200": empty, **false},
+            }
+        },
+        "/v2/models/{model}": {
+            "get": op(
+                "get_v2_model",
+                "A custom model's metadata",
+                {"description": "OK", "content": json("ModelMetadata")},
+                ("401", "404", "503"),
+                **on_model,
+            )
+        },
+        "/v2/models/{model}/ready": {
+            "get": {
+                **op("get_v2_model_ready", "A custom model's readiness", empty, ("401", "404"), **on_model),
+                "responses": {
+                    "200": empty,
+                    "400": {"description": "false"},
+                    "401": errors["401"],
+                    "404": errors["404"],
+                },
+            }
+        },
+        "/v2/models/{model}/infer": {
+            "post": op(
+                "post_v2_model_infer",
+                "Inference over a custom model; each row is a work item",
+                {
+                    "description": "OK (binary outputs: the JSON header, Inference-Header-Content-Length bytes, "
+                    "then the tensors)",
+                    "content": {**json("InferenceResponse"), "application/octet-stream": binary},
+                },
+                tuple(OIP_ERRORS),
+                requestBody={
+                    "required": True,
+                    "description": f"At most {max_body_bytes} bytes; binary tensors after the JSON header "
+                    "(Inference-Header-Content-Length)",
+                    "content": json("InferenceRequest"),
+                },
+                **on_model,
+            )
+        },
+    }

@@ -207,3 +207,33 @@ def test_api_workers_start_and_stop_the_whole_set_of_processes(monkeypatch, tmp_
     )
     assert_port_free(port)
     assert new_threads(threads) == []
+
+
+def test_a_custom_model_from_a_config_file_is_served_and_called_by_both_clients(tmp_path):
+    from ferry_client import BadRequest, NotFound
+
+    config = tmp_path / "custom.yaml"
+    config.write_text(
+        "models:\n  - name: shout\n    kind: custom\n    source: engine.fake:FakeCustomModel\n    device: cpu\n"
+    )
+    before = child_pids()
+    with Ferry(config=str(config)) as ferry:
+        client = ferry.client()
+        assert ferry.models == ["shout"]
+        out = client.infer("shout", {"text": ["ab", "cde"], "vector": [[1, 2], [3, 4]]}, priority="batch")
+        assert out == {"length": [2, 3], "sum": [3.0, 7.0], "upper": ["AB", "CDE"]}
+        one = client.infer("shout", {"text": "hi", "vector": [0.5, 0.25]}, outputs=["sum"], numpy=True)
+        assert one["sum"].dtype == "float32" and float(one["sum"]) == 0.75
+        with pytest.raises(BadRequest, match="FP32 data are numbers"):  # the server's 400, typed
+            client.infer("shout", {"text": ["x"], "vector": [["not a number"]]})
+        with pytest.raises(ValueError, match="takes inputs"):  # caught before sending
+            client.infer("shout", {"text": ["x"]})
+        with pytest.raises(NotFound):
+            client.infer("nobody", {"text": ["x"]})
+
+        async def call() -> dict:
+            async with ferry.async_client() as a:
+                return await a.infer("shout", {"text": ["async"], "vector": [[1.0]]}, latency_budget_ms=5000)
+
+        assert asyncio.run(call())["upper"] == ["ASYNC"]
+    assert child_pids() - before == set()  # its engine core exited with it

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.fake import FakeEmbeddingEngine
+from engine.fake import FakeCustomModel, FakeEmbeddingEngine
 
 from ..conftest import fake_app
 from ..live import live
@@ -46,6 +46,7 @@ def api(tmp_path_factory):
     with live(
         fake_app(
             embed,
+            custom=FakeCustomModel(),  # the Open Inference Protocol routes (/v2)
             admin_token="admin-secret",
             max_completion_tokens=64,
             max_prompts=8,
