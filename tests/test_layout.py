@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
         "tuner/cli.py",
         "loadtests/bench_chat.py",
         "loadtests/bench_cores.py",
+        "loadtests/bench_custom.py",
         "loadtests/bench_embeddings.py",
         "loadtests/bench_gateway.py",
         "loadtests/bench_latency.py",
