@@ -56,25 +56,25 @@ print(done / (time.perf_counter() - start))
 """
 
 
-def ceiling(threads: int, batch: int, seconds: float = 8.0) -> float:
+def _ceiling(threads: int, batch: int, seconds: float = 8.0) -> float:
     """Texts per second of the class in a plain loop (a subprocess: torch stays out of this one)."""
     code = CEILING.format(root=str(ROOT), threads=threads, batch=batch, seconds=seconds)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def infer_body(i: int) -> dict:
+def _infer_body(i: int) -> dict:
     return {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [sentence(i)]}]}
 
 
-async def send(session, i):
-    return await post_json(session, f"/v2/models/{MODEL}/infer", infer_body(i))
+async def _send(session, i):
+    return await post_json(session, f"/v2/models/{MODEL}/infer", _infer_body(i))
 
 
-def run_rates(url: str, rates: list[float], duration: float, slo_ms: float) -> list[dict]:
+def _run_rates(url: str, rates: list[float], duration: float, slo_ms: float) -> list[dict]:
     rows = []
     for rate in rates:
-        samples = asyncio.run(open_loop(rate, duration, send, url, seed=int(rate)))
+        samples = asyncio.run(open_loop(rate, duration, _send, url, seed=int(rate)))
         rows.append({"rate": rate, **summarise(samples, duration, slo_ms)})
         r = rows[-1]
         print(
@@ -173,7 +173,7 @@ def main() -> None:
     a = p.parse_args()
 
     print("ceiling: the class in a plain loop, no HTTP", flush=True)
-    ceilings = {t: ceiling(t, a.batch) for t in sorted({1, len(os.sched_getaffinity(0))})}
+    ceilings = {t: _ceiling(t, a.batch) for t in sorted({1, len(os.sched_getaffinity(0))})}
     for t, rate in ceilings.items():
         print(f"    {t} torch thread(s), batches of {a.batch}: {rate:7.1f} texts/s", flush=True)
     rates = [round(float(f) * ceilings[1], 1) for f in a.rates.split(",")]
@@ -183,14 +183,14 @@ def main() -> None:
         f.write(ferry_config(a.batch, a.max_wait_ms))
     print("ferry (engine core)", flush=True)
     with GatewayProcess("--config", f.name, cwd=str(ROOT)) as gw:
-        run_rates(gw.url, rates[:1], 3.0, a.slo_ms)  # warm: the cost model's first fit
-        results["ferry"] = run_rates(gw.url, rates, a.duration, a.slo_ms)
+        _run_rates(gw.url, rates[:1], 3.0, a.slo_ms)  # warm: the cost model's first fit
+        results["ferry"] = _run_rates(gw.url, rates, a.duration, a.slo_ms)
     if a.mlserver_python:
         print(f"mlserver (adaptive batching: {a.batch} rows, {a.mlserver_batch_ms} ms)", flush=True)
         ml = MLServerProcess(a.mlserver_python, a.batch, a.mlserver_batch_ms, a.threads)
         try:
-            run_rates(ml.url, rates[:1], 3.0, a.slo_ms)
-            results["mlserver"] = run_rates(ml.url, rates, a.duration, a.slo_ms)
+            _run_rates(ml.url, rates[:1], 3.0, a.slo_ms)
+            results["mlserver"] = _run_rates(ml.url, rates, a.duration, a.slo_ms)
         finally:
             ml.stop()
 
