@@ -14,9 +14,11 @@ side in one run on this machine:
     python -m loadtests.bench_custom --mlserver-python /tmp/mlserver-venv/bin/python \\
         [--rates 0.5,0.8,1.0,1.3] [--duration 20] [--slo-ms 200]
 
-Rates are fractions of the 1-thread ceiling. Prints throughput, goodput (answers within the
-SLO, per second), p50/p99 and the ratios: Ferry / ceiling (its best throughput against the
-best ceiling) and Ferry / MLServer goodput at each rate.
+Each request carries the SLO as its latency budget (`parameters.latency_budget_ms`, which
+MLServer ignores; `--no-budget`: none). Rates are fractions of the 1-thread ceiling.
+Prints throughput, goodput (answers within the SLO, per second), p50/p99 and the ratios:
+Ferry / ceiling (its best throughput against the best ceiling) and Ferry / MLServer goodput
+at each rate.
 """
 
 from __future__ import annotations
@@ -63,8 +65,14 @@ def _ceiling(threads: int, batch: int, seconds: float = 8.0) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+BUDGET_MS: float | None = None  # sent as parameters.latency_budget_ms (`--budget-ms`)
+
+
 def _infer_body(i: int) -> dict:
-    return {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [sentence(i)]}]}
+    body: dict = {"inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": [sentence(i)]}]}
+    if BUDGET_MS is not None:  # Ferry's deadline; MLServer ignores the parameter
+        body["parameters"] = {"latency_budget_ms": BUDGET_MS}
+    return body
 
 
 async def _send(session, i):
@@ -170,7 +178,11 @@ def main() -> None:
     p.add_argument("--mlserver-python", default=None, help="the python of a venv with mlserver, torch, transformers")
     p.add_argument("--mlserver-batch-ms", type=float, default=5.0, help="MLServer's max_batch_time")
     p.add_argument("--threads", type=int, default=1, help="MLServer's torch threads (Ferry's core: 1 on 2 cores)")
+    p.add_argument("--budget-ms", type=float, default=None, help="each request's latency budget (default: the SLO)")
+    p.add_argument("--no-budget", action="store_true", help="send no latency budget")
     a = p.parse_args()
+    global BUDGET_MS
+    BUDGET_MS = None if a.no_budget else (a.budget_ms or a.slo_ms)
 
     print("ceiling: the class in a plain loop, no HTTP", flush=True)
     ceilings = {t: _ceiling(t, a.batch) for t in sorted({1, len(os.sched_getaffinity(0))})}

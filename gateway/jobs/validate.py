@@ -6,7 +6,8 @@ Every line is checked and every fault reported with its 1-based line number (`In
 a 422 naming them), so a file is accepted whole or not at all, before any of it runs:
 
 - not a JSON object, missing/invalid `custom_id`, `method` other than POST;
-- `url` not a batch route, or not the batch's `endpoint`;
+- `url` not a batch route (the OpenAI routes, or a custom model's `/v2/models/NAME/infer`),
+  or not the batch's `endpoint`;
 - a `custom_id` used twice;
 - a `body` the route's own pydantic schema rejects, `stream: true`, or one the route's
   limits reject (too many prompts or inputs, per-prompt list lengths, stop strings,
@@ -32,13 +33,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import APIError, error_body
 from ..limits import request_models
-from ..models.kinds import CHAT, EMBEDDING, ModelKind
+from ..models.kinds import CHAT, CUSTOM, EMBEDDING, ModelKind
 from ..models.start import ServedModel
 from ..request_body import validation_error
 from ..responses import json_response
 from ..schemas import ChatCompletionRequest, CompletionRequest, EmbeddingsRequest
 from ..translate.chat import GenerationBody, check_generation, generation_work
 from ..translate.embeddings import check_embeddings, embedding_work
+from ..translate.oip import INFER_ENDPOINT, INFER_URL, custom_work
 from ..translate.work import Work
 
 if TYPE_CHECKING:
@@ -70,8 +72,12 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(min_length=1, max_length=256)
-    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "*"] = Field(
-        description="The route of every line, or '*' (a Ferry extension: lines may use any of them)."
+    endpoint: Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v2/models/{model}/infer", "*"] = (
+        Field(
+            description="The route of every line, or '*' (a Ferry extension: lines may use any of them); "
+            "/v2/models/{model}/infer: a custom model's Open Inference Protocol requests, the model in each "
+            "line's url (a Ferry extension)."
+        )
     )
     completion_window: str = Field(
         "24h", pattern=WINDOW_PATTERN, description="Nh, Nm or Ns, at most 7 days; lines not run by then are not run."
@@ -196,16 +202,20 @@ def _check_line(host: JobsHost, n: int, raw: str, endpoint: str, seen: dict[str,
     if obj.get("method") != "POST":
         raise _Bad(f"method must be 'POST', got {obj.get('method')!r}", param="method")
     url = obj.get("url")
-    if url not in ROUTES:
-        raise _Bad(f"url {url!r} is not a batch route ({', '.join(ROUTES)})", param="url", code="invalid_url")
-    if endpoint != ANY_ENDPOINT and url != endpoint:
+    route = INFER_ENDPOINT if isinstance(url, str) and INFER_URL.match(url) else url
+    if not isinstance(url, str) or (route not in ROUTES and route != INFER_ENDPOINT):
+        routes = ", ".join([*ROUTES, INFER_ENDPOINT])
+        raise _Bad(f"url {url!r} is not a batch route ({routes})", param="url", code="invalid_url")
+    if endpoint != ANY_ENDPOINT and route != endpoint:
         raise _Bad(f"url {url!r} does not match the batch endpoint {endpoint!r}", param="url", code="invalid_url")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise _Bad("body must be a JSON object", param="body")
     try:
-        parsed = parse_body(host, url, body)
-        check_body(host, parsed)
+        if route == INFER_ENDPOINT:
+            _custom_line(host, url, body)
+        else:
+            check_body(host, parse_body(host, url, body))
     except APIError as exc:
         if exc.status >= 500:  # not ready / draining: the whole request fails, not this line
             raise
@@ -244,10 +254,20 @@ def check_body(host: JobsHost, body: EmbeddingsRequest | GenerationBody) -> None
         check_generation(body)
 
 
+def _custom_line(host: JobsHost, url: str, body: dict) -> tuple[ServedModel[Any], Work]:
+    """A custom model's infer line: its model (404 if not a custom model served here) and work."""
+    match = INFER_URL.match(url)
+    assert match is not None
+    served = host.model(match["model"], CUSTOM)
+    return served, custom_work(served.name, served.engine, body, host.config.max_inputs)
+
+
 def prepare(host: JobsHost, url: str, body_json: str) -> tuple[ServedModel[Any], Work]:
     """The line's served model and its work, translated as the route would translate it.
     Runs on the event loop, like the routes (tokenizers are not shared across threads).
     Raises APIError for a line that fails as a direct request would."""
+    if INFER_URL.match(url):
+        return _custom_line(host, url, orjson.loads(body_json))
     body = parse_body(host, url, orjson.loads(body_json))
     if isinstance(body, EmbeddingsRequest):
         embedder = host.model(body.model, EMBEDDING)

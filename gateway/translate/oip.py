@@ -12,6 +12,7 @@ each binary tensor's raw bytes in order (`parameters.binary_data_size`; BYTES el
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -28,6 +29,9 @@ Datatype = Literal[
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BYTES"
 ]
 HEADER_LENGTH = "inference-header-content-length"
+# A batch line's url for a custom model (gateway/jobs/validate.py), and the batch endpoint that says so.
+INFER_URL = re.compile(r"^/v2/models/(?P<model>[^/].*)/infer$")
+INFER_ENDPOINT = "/v2/models/{model}/infer"
 BINARY_SIZE = "binary_data_size"
 Parameters = Annotated[dict[str, Any], Field(description="free-form; Ferry reads the names below")]
 
@@ -113,6 +117,31 @@ class Infer:
     outputs: list[tuple[Tensor, bool]]  # (declared output, in binary?)
     latency_budget_ms: float | None  # read by submission.scheduling, as a body's field
     priority: str | None
+
+
+@dataclass
+class CustomWork:
+    """An infer request as work (translate/work.py's `Work`): its rows, their cost hints
+    (ones where the front end has no class: the engine core computes them) and the
+    response body, as a batch line's output records it."""
+
+    model: str
+    infer: Infer
+    payloads: list[Row]
+    costs: list[int]
+
+    def response(self, results: list[Any]) -> dict[str, Any]:
+        body, _ = encode_response(self.model, self.infer, results)
+        return orjson.loads(body)
+
+
+def custom_work(name: str, model: Any, body: dict[str, Any], max_rows: int) -> CustomWork:
+    """A batch line's infer body (JSON tensors only: a line has no binary part) as work."""
+    infer = parse_infer(orjson.dumps(body), None, model, max_rows)
+    if any(binary for _, binary in infer.outputs):
+        raise bad("a batch line's outputs are JSON: binary outputs are not available in batch jobs", "outputs")
+    costs = model.costs(infer.rows) or [1] * len(infer.rows)
+    return CustomWork(name, infer, infer.rows, costs)
 
 
 def metadata(name: str, inputs: list[Tensor], outputs: list[Tensor]) -> dict[str, Any]:
