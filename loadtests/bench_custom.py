@@ -109,12 +109,20 @@ def ferry_config(batch: int, wait_ms: float) -> str:
 class MLServerProcess:
     """`mlserver start` on free ports, serving loadtests/mlserver_topics.py."""
 
-    def __init__(self, python: str, batch: int, batch_ms: float, threads: int):
+    def __init__(self, python: str, batch: int, batch_ms: float, threads: int, workers: int = 1):
         self.dir = Path(tempfile.mkdtemp(prefix="ferry-mlserver-"))
         port, grpc, metrics = free_port(), free_port(), free_port()
         self.url = f"http://127.0.0.1:{port}"
         (self.dir / "settings.json").write_text(
-            json.dumps({"http_port": port, "grpc_port": grpc, "metrics_port": metrics, "debug": False})
+            json.dumps(
+                {
+                    "http_port": port,
+                    "grpc_port": grpc,
+                    "metrics_port": metrics,
+                    "debug": False,
+                    "parallel_workers": workers,
+                }
+            )
         )
         model_dir = self.dir / MODEL
         model_dir.mkdir()
@@ -175,8 +183,12 @@ def main() -> None:
     p.add_argument("--slo-ms", type=float, default=200.0)
     p.add_argument("--batch", type=int, default=32, help="largest batch (ceiling, Ferry and MLServer alike)")
     p.add_argument("--max-wait-ms", type=float, default=5.0, help="Ferry's max_wait_ms")
+    p.add_argument("--ferry-args", default="", help="extra flags of ferry serve (e.g. --torch-threads 2)")
     p.add_argument("--mlserver-python", default=None, help="the python of a venv with mlserver, torch, transformers")
     p.add_argument("--mlserver-batch-ms", type=float, default=5.0, help="MLServer's max_batch_time")
+    p.add_argument(
+        "--mlserver-workers", type=int, default=1, help="MLServer's parallel_workers (0: in its server process)"
+    )
     p.add_argument("--threads", type=int, default=1, help="MLServer's torch threads (Ferry's core: 1 on 2 cores)")
     p.add_argument("--budget-ms", type=float, default=None, help="each request's latency budget (default: the SLO)")
     p.add_argument("--no-budget", action="store_true", help="send no latency budget")
@@ -193,13 +205,17 @@ def main() -> None:
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(ferry_config(a.batch, a.max_wait_ms))
-    print("ferry (engine core)", flush=True)
-    with GatewayProcess("--config", f.name, cwd=str(ROOT)) as gw:
+    print(f"ferry (engine core) {a.ferry_args}", flush=True)
+    with GatewayProcess("--config", f.name, *a.ferry_args.split(), cwd=str(ROOT)) as gw:
         _run_rates(gw.url, rates[:1], 3.0, a.slo_ms)  # warm: the cost model's first fit
         results["ferry"] = _run_rates(gw.url, rates, a.duration, a.slo_ms)
     if a.mlserver_python:
-        print(f"mlserver (adaptive batching: {a.batch} rows, {a.mlserver_batch_ms} ms)", flush=True)
-        ml = MLServerProcess(a.mlserver_python, a.batch, a.mlserver_batch_ms, a.threads)
+        print(
+            f"mlserver (adaptive batching: {a.batch} rows, {a.mlserver_batch_ms} ms; "
+            f"{a.mlserver_workers} parallel workers)",
+            flush=True,
+        )
+        ml = MLServerProcess(a.mlserver_python, a.batch, a.mlserver_batch_ms, a.threads, a.mlserver_workers)
         try:
             _run_rates(ml.url, rates[:1], 3.0, a.slo_ms)
             results["mlserver"] = _run_rates(ml.url, rates, a.duration, a.slo_ms)
