@@ -187,7 +187,7 @@ def main() -> None:
     p.add_argument("--mlserver-python", default=None, help="the python of a venv with mlserver, torch, transformers")
     p.add_argument("--mlserver-batch-ms", type=float, default=5.0, help="MLServer's max_batch_time")
     p.add_argument(
-        "--mlserver-workers", type=int, default=1, help="MLServer's parallel_workers (0: in its server process)"
+        "--mlserver-workers", type=int, default=0, help="MLServer's parallel_workers (0, its best here: in-process)"
     )
     p.add_argument("--threads", type=int, default=1, help="MLServer's torch threads (Ferry's core: 1 on 2 cores)")
     p.add_argument("--budget-ms", type=float, default=None, help="each request's latency budget (default: the SLO)")
