@@ -13,6 +13,7 @@ The user's class declares its tensors and answers a batch, one output per input:
         def load(self, device: str, dtype: str) -> None: ...    # weights, once, in the engine process
         def predict(self, batch: list[dict]) -> list[dict | Exception]: ...
         def cost(self, row: dict) -> int: ...                   # optional: relative work of one row
+        thread_safe = True                                      # optional: predict may run on two threads
 
 A row is a dict of input name to value: a numeric tensor as a numpy array of the row's shape,
 a BYTES tensor as `str` (UTF-8; `bytes` when it is not) or, when the row's shape is not
@@ -180,6 +181,9 @@ class CustomEngine:
         self.outputs = outputs
         self._cost = getattr(model, "cost", None)
         self.has_cost = callable(self._cost)
+        # The class may be called from two threads at once: the interactive lane runs beside
+        # the batch in flight (gateway/models/start.py). Off unless the class says so.
+        self.thread_safe = getattr(model, "thread_safe", False) is True
 
     def predict(self, rows: Sequence[Row]) -> list[CustomResult | Exception]:
         batch = [{k: unpack_value(v) for k, v in row.tensors.items()} for row in rows]

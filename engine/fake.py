@@ -414,7 +414,8 @@ class FakeCustomModel:
 
     def __init__(self, delay: float = 0.0, per_row: float = 0.0, hang_seconds: float = 0.0):
         self.delay, self.per_row, self.hang_seconds = delay, per_row, hang_seconds
-        self.batches: list[int] = []  # the size of each batch it was given
+        self.batches: list[int] = []  # the size of each batch it computed
+        self.started: list[list[str]] = []  # the texts of each call, as it starts
         self.loaded_on: tuple[str, str] | None = None
 
     def load(self, device: str, dtype: str) -> None:
@@ -422,6 +423,7 @@ class FakeCustomModel:
 
     def predict(self, batch: list[dict[str, Any]]) -> list[dict[str, Any] | Exception]:
         texts = [row["text"] if isinstance(row["text"], str) else "" for row in batch]
+        self.started.append(texts)
         if any("FAIL_BATCH" in t for t in texts):
             raise RuntimeError("simulated model failure")
         if any("OOM" in t for t in texts) and len(batch) > 1:

@@ -17,6 +17,7 @@ and call it over the Open Inference Protocol (tritonclient, KServe's clients, cu
 
 from __future__ import annotations
 
+import threading
 from typing import Any, ClassVar
 
 from engine.custom import Tensor
@@ -28,6 +29,9 @@ class TopicClassifier:
     # One row's tensors: a text in; its best label and one score per label out.
     inputs: ClassVar = [Tensor("text", "BYTES")]
     outputs: ClassVar = [Tensor("label", "BYTES"), Tensor("scores", "FP32", (-1,))]
+    # predict may run on two threads at once (Ferry's interactive lane beside the batch in
+    # flight): the forward only reads the weights, and the tokenizer is used under a lock.
+    thread_safe = True
 
     def __init__(
         self,
@@ -42,6 +46,7 @@ class TopicClassifier:
         self.template = template
         self.temperature = temperature
         self.max_length = max_length
+        self._tokenizing = threading.Lock()  # a fast tokenizer refuses two threads at once ("Already borrowed")
 
     def load(self, device: str, dtype: str) -> None:
         """Weights on `device`, once, in the process that serves the model."""
@@ -60,7 +65,8 @@ class TopicClassifier:
     def _embed(self, texts: list[str]) -> Any:
         """Mean-pooled, L2-normalised sentence vectors (as sentence-transformers makes them)."""
         torch = self.torch
-        enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        with self._tokenizing:
+            enc = self.tokenizer(texts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         enc = {k: v.to(self.device) for k, v in enc.items()}
         with torch.inference_mode():
             hidden = self.model(**enc).last_hidden_state.float()

@@ -90,8 +90,9 @@ async def start_local(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> t
         timeout=cfg.engine_timeout,
         initializer=_thread_setup(cfg),
         replace_on_timeout=spec.kind == EMBEDDING,
-        # Embeddings: the thread of the batches the lane runs beside yields the cores to it.
-        nice=BATCH_THREAD_NICE if spec.kind == EMBEDDING else 0,
+        # Embeddings (and a custom model with a lane): the thread of the batches the lane runs
+        # beside yields the cores to it.
+        nice=BATCH_THREAD_NICE if spec.kind == EMBEDDING or getattr(engine, "thread_safe", False) else 0,
     )
     settings = cfg.batching_settings(**spec.settings)
     # The spec's kind says which engine its `load` returns.
@@ -141,8 +142,10 @@ async def _embedding_batcher(
 def _custom_batcher(
     engine: Any, engine_thread: EngineThread, settings: BatchingSettings, metrics: Metrics
 ) -> QueueingBatcher:
-    """A user's model (engine/custom.py): batches on one engine thread, no interactive lane
-    (the contract promises the class one caller at a time); its cost model is fitted online."""
+    """A user's model (engine/custom.py): its batches on one engine thread; the interactive
+    lane's second thread only for a class that says it may be called from two threads at
+    once (`thread_safe = True`): the contract otherwise promises one caller at a time. Its
+    cost model is fitted online."""
 
     def predict(payloads: list[Any]) -> list[Any]:
         from engine.device import is_oom  # torch only if the model uses it
@@ -152,7 +155,22 @@ def _custom_batcher(
     async def execute(payloads: list[Any]) -> list[Any]:
         return await engine_thread(predict, payloads)
 
-    return MicroBatcher(engine.name, execute, settings, cost=CostModel(), metrics=metrics, phase="predict")
+    execute_lane = None
+    if engine.thread_safe:
+        lane_thread = engine_thread.companion("lane", nice=LANE_THREAD_NICE)
+
+        async def execute_lane(payloads: list[Any]) -> list[Any]:
+            return await lane_thread(predict, payloads)
+
+    return MicroBatcher(
+        engine.name,
+        execute,
+        settings,
+        cost=CostModel(),
+        metrics=metrics,
+        phase="predict",
+        execute_lane=execute_lane,
+    )
 
 
 async def _generation_batcher(

@@ -20,6 +20,8 @@ from engine.custom import load_custom
 from engine.fake import FakeCustomModel
 from gateway.translate.oip import encode_response, parse_infer
 
+from ...waiting import async_wait_until
+
 MODEL = "fake-custom"
 INFER = f"/v2/models/{MODEL}/infer"
 
@@ -210,3 +212,31 @@ def test_a_model_slower_than_the_budget_gets_429s_at_once(fake_server_factory):
     assert ok.status_code == 200
     bad = c.post(INFER, json=body("x", parameters={"priority": "urgent"}))
     assert bad.status_code == 422 and "urgent" in bad.json()["error"]
+
+
+class ThreadSafeFake(FakeCustomModel):
+    thread_safe = True
+
+
+@pytest.mark.parametrize("model_class", [ThreadSafeFake, FakeCustomModel])
+def test_the_interactive_lane_serves_a_thread_safe_model_beside_a_long_batch(fake_server_factory, model_class):
+    """A class that says `thread_safe` gets the lane: an interactive request is answered while
+    a batch-class batch is still running. Without it, the class is called one batch at a time."""
+    from batcher.cost import CostModel, LinearCost
+
+    model = model_class(hang_seconds=1.0)
+    s = fake_server_factory(custom=model, max_wait_ms=0)
+    # The cost model knows a batch takes a second: the one in flight has time left for the lane.
+    s.ferry.models[MODEL].batcher.inner.cost = CostModel(LinearCost(1.0, 0.0, 0.0))
+
+    async def scenario() -> tuple[bool, int, int]:
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            slow = asyncio.create_task(c.post(INFER, json=body("HANG", parameters={"priority": "batch"})))
+            await async_wait_until(lambda: model.started, message="the long batch to start")
+            quick = await c.post(INFER, json=body("quick"))
+            still_running = not slow.done()
+            return still_running, quick.status_code, (await slow).status_code
+
+    still_running, quick, slow = asyncio.run(scenario())
+    assert (quick, slow) == (200, 200)
+    assert still_running is (model_class is ThreadSafeFake)
