@@ -103,7 +103,8 @@ def oip_routes() -> list:
     from starlette.routing import Route
 
     def op(path: str, handler, method: str = "GET", public: bool = False) -> Route:
-        return Route(path, endpoint(path, handler, oip=True, public=public), methods=[method])
+        label = path.replace("{model:path}", "{model}")  # the metrics' and access log's route
+        return Route(path, endpoint(label, handler, oip=True, public=public), methods=[method])
 
     # The suffixed model routes first: a model's name may hold "/" ({model:path}).
     return [

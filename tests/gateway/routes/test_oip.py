@@ -240,3 +240,16 @@ def test_the_interactive_lane_serves_a_thread_safe_model_beside_a_long_batch(fak
     still_running, quick, slow = asyncio.run(scenario())
     assert (quick, slow) == (200, 200)
     assert still_running is (model_class is ThreadSafeFake)
+
+
+def test_the_live_page_and_metrics_show_a_custom_model(served):
+    s, _ = served
+    httpx.get(s.url + "/ui/stats")  # the first snapshot
+    assert httpx.post(s.url + INFER, json=body("a", "b")).status_code == 200
+    stats = httpx.get(s.url + "/ui/stats").json()
+    custom = next(m for m in stats["models"] if m["name"] == MODEL)
+    assert custom["kind"] == "custom" and custom["latency"]["request"]["count"] == 1
+    assert "predict" in custom["cost_model"]
+    scraped = httpx.get(s.url + "/metrics").text
+    assert f'ferry_batch_size_items_sum{{model="{MODEL}",phase="predict"}} 2.0' in scraped
+    assert f'ferry_requests_total{{code="200",model="{MODEL}",route="/v2/models/{{model}}/infer"}}' in scraped
