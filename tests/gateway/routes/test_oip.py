@@ -249,7 +249,7 @@ def test_the_live_page_and_metrics_show_a_custom_model(served):
     stats = httpx.get(s.url + "/ui/stats").json()
     custom = next(m for m in stats["models"] if m["name"] == MODEL)
     assert custom["kind"] == "custom" and custom["latency"]["request"]["count"] == 1
-    assert "predict" in custom["cost_model"]
+    assert "predict" in custom["cost"] and custom["batch_sizes"]["predict"]
     scraped = httpx.get(s.url + "/metrics").text
     assert f'ferry_batch_size_items_sum{{model="{MODEL}",phase="predict"}} 2.0' in scraped
-    assert f'ferry_requests_total{{code="200",model="{MODEL}",route="/v2/models/{{model}}/infer"}}' in scraped
+    assert f'ferry_requests_total{{model="{MODEL}",route="/v2/models/{{model}}/infer",status="200"}} 1.0' in scraped
