@@ -129,7 +129,9 @@ def pack_value(datatype: str, value: Any) -> Packed:
     dtype = DATATYPES[datatype]
     if dtype is None:
         arr = np.asarray(value, dtype=object)
-        flat = [v if isinstance(v, (str, bytes)) else _not_bytes(v) for v in arr.reshape(-1).tolist()]
+        # As bytes (UTF-8 for text): a str that cannot be encoded (a lone surrogate) fails here,
+        # for its row alone, not later where it would cross a process or become JSON.
+        flat = [_bytes_of(v) for v in arr.reshape(-1).tolist()]
         return datatype, list(arr.shape), flat
     arr = np.asarray(value)
     if arr.dtype == object or (arr.dtype.kind in "US"):
@@ -137,13 +139,20 @@ def pack_value(datatype: str, value: Any) -> Packed:
     return datatype, list(arr.shape), np.ascontiguousarray(arr, dtype=dtype).tobytes()
 
 
-def _not_bytes(value: Any) -> Any:
+def _bytes_of(value: Any) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        try:
+            return value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"a BYTES text is not encodable as UTF-8: {exc.reason}") from None
     raise ValueError(f"a BYTES tensor holds str or bytes, got {type(value).__name__}")
 
 
 def unpack_value(packed: Packed) -> Any:
-    """What the model sees: a numpy array of the row's shape; BYTES: str (bytes if not UTF-8),
-    an object array of them when the row is not a scalar."""
+    """What the model sees: a numpy array of the row's shape (its own, writable); BYTES: str
+    (bytes if not UTF-8), an object array of them when the row is not a scalar."""
     datatype, shape, data = packed
     dtype = DATATYPES[datatype]
     if dtype is None:
@@ -153,7 +162,7 @@ def unpack_value(packed: Packed) -> Any:
         out = np.empty(len(items), dtype=object)
         out[:] = items
         return out.reshape(shape)
-    return np.frombuffer(data, dtype=dtype).reshape(shape)
+    return np.frombuffer(data, dtype=dtype).reshape(shape).copy()
 
 
 def _text(value: Any) -> Any:
@@ -186,16 +195,34 @@ class CustomEngine:
         self.thread_safe = getattr(model, "thread_safe", False) is True
 
     def predict(self, rows: Sequence[Row]) -> list[CustomResult | Exception]:
-        batch = [{k: unpack_value(v) for k, v in row.tensors.items()} for row in rows]
-        answers = self.model.predict(batch)
-        if not isinstance(answers, (list, tuple)) or len(answers) != len(rows):
-            got = f"{len(answers)} outputs" if isinstance(answers, (list, tuple)) else type(answers).__name__
-            raise CustomModelError(f"{self.name}: predict took {len(rows)} inputs and returned {got}")
-        return [a if isinstance(a, Exception) else self._result(a) for a in answers]
+        out: list[CustomResult | Exception | None] = [None] * len(rows)
+        batch, at = [], []
+        for i, row in enumerate(rows):
+            try:  # a row that cannot be unpacked fails alone
+                batch.append({k: unpack_value(v) for k, v in row.tensors.items()})
+                at.append(i)
+            except Exception as exc:
+                out[i] = CustomModelError(f"{self.name}: input row cannot be read: {exc}")
+        if batch:
+            answers = self.model.predict(batch)
+            if not isinstance(answers, (list, tuple)) or len(answers) != len(batch):
+                got = f"{len(answers)} outputs" if isinstance(answers, (list, tuple)) else type(answers).__name__
+                raise CustomModelError(f"{self.name}: predict took {len(batch)} inputs and returned {got}")
+            for i, answer in zip(at, answers, strict=True):
+                out[i] = answer if isinstance(answer, Exception) else self._result(answer)
+        return [o if o is not None else CustomModelError("no output") for o in out]
 
     def _result(self, answer: Any) -> CustomResult | Exception:
+        try:
+            return self._checked(answer)
+        except Exception as exc:  # whatever an output holds, a bad one fails its input alone
+            return CustomModelError(f"{self.name}: an output cannot be read: {type(exc).__name__}: {exc}")
+
+    def _checked(self, answer: Any) -> CustomResult | Exception:
         if not isinstance(answer, dict):
-            return CustomModelError(f"{self.name}: an output is a dict of output name to value, got {answer!r:.80}")
+            return CustomModelError(
+                f"{self.name}: an output is a dict of output name to value, got {type(answer).__name__}"
+            )
         missing = [t.name for t in self.outputs if t.name not in answer]
         extra = sorted(set(answer) - {t.name for t in self.outputs})
         if missing or extra:

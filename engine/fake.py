@@ -416,6 +416,7 @@ class FakeCustomModel:
         self.delay, self.per_row, self.hang_seconds = delay, per_row, hang_seconds
         self.batches: list[int] = []  # the size of each batch it computed
         self.started: list[list[str]] = []  # the texts of each call, as it starts
+        self.finished: list[list[str]] = []  # and as it ends
         self.loaded_on: tuple[str, str] | None = None
 
     def load(self, device: str, dtype: str) -> None:
@@ -439,6 +440,7 @@ class FakeCustomModel:
                 out.append(ValueError(f"simulated failure of {text!r}"))
                 continue
             out.append({"length": len(text), "sum": float(np.sum(row["vector"])), "upper": text.upper()})
+        self.finished.append(texts)
         return out
 
     def cost(self, row: dict[str, Any]) -> int:

@@ -192,7 +192,19 @@ class EngineCore:
 
     def _finished(self, key: tuple[bytes, int], item: WorkItem, fut: asyncio.Future) -> None:
         peer, req = key
-        self._send(peer, result(req, item, fut))
+        try:
+            message = result(req, item, fut)
+        except Exception as exc:  # a result that cannot cross the wire still ends its item, as an error
+            log.exception("result of item %d of a request cannot be sent", item.prompt_index)
+            message = wire.Result(
+                req,
+                item.prompt_index,
+                int(Outcome.ERROR),
+                wire.Timing(item.arrival, item.dispatched_at, item.batch_size),
+                code="engine_error",
+                message=f"the result cannot be sent: {type(exc).__name__}: {exc}",
+            )
+        self._send(peer, message)
         items = self.requests.get(key)
         if items is not None and all(i.finished for i in items):
             del self.requests[key]

@@ -74,7 +74,11 @@ class LineExecutor:
         finally:
             share.release(n)
         if not isinstance(outcome, BaseException):
-            return COMPLETED, record(job, row, rid, 200, work.response(outcome))
+            try:
+                body = work.response(outcome)
+            except APIError as exc:  # the model's outputs cannot make a response (a custom model's)
+                return failed(job, row, rid, exc)
+            return COMPLETED, record(job, row, rid, 200, body)
         if isinstance(outcome, (Cancelled, ShuttingDown, DeadlineExceeded, ModelUnavailable)):
             return None  # never ran to the end: swept as cancelled/expired, or run again after a restart
         err = (

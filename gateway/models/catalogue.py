@@ -45,27 +45,8 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
         entries = load_config(cfg.config)
         if fake_engines():  # a custom model is the user's own class, fake or not: served as it is
             fakes = fake_specs_from_env([(KIND_OF[e.kind], e.name, e.batching) for e in entries])
-            return [
-                model_spec(CUSTOM, e.source, cfg, name=e.name, settings=e.batching, options=e.options)
-                if e.kind == "custom"
-                else fake
-                for e, fake in zip(entries, fakes, strict=True)
-            ]
-        return [
-            model_spec(
-                KIND_OF[e.kind],
-                e.source,
-                cfg,
-                name=e.name,
-                device=e.device,
-                dtype=e.dtype,
-                settings=e.batching,
-                prefix_caching=e.prefix_caching,
-                prefix_cache_mb=e.prefix_cache_mb,
-                options=e.options,
-            )
-            for e in entries
-        ]
+            return [entry_spec(e, cfg) if e.kind == "custom" else fake for e, fake in zip(entries, fakes, strict=True)]
+        return [entry_spec(e, cfg) for e in entries]
     if fake_engines():
         return fake_specs_from_env()
     named = served_name_target(cfg)
@@ -77,6 +58,22 @@ def default_specs(cfg: ServerConfig) -> list[ModelSpec]:
         name = cfg.served_model_name if named == CHAT else None
         specs.append(model_spec(CHAT, cfg.chat_model, cfg, name=name))
     return specs
+
+
+def entry_spec(e: Any, cfg: ServerConfig) -> ModelSpec:
+    """The spec of one `--config` entry (gateway/models/config_file.py's ModelEntry)."""
+    return model_spec(
+        KIND_OF[e.kind],
+        e.source,
+        cfg,
+        name=e.name,
+        device=e.device,
+        dtype=e.dtype,
+        settings=e.batching,
+        prefix_caching=e.prefix_caching,
+        prefix_cache_mb=e.prefix_cache_mb,
+        options=e.options,
+    )
 
 
 def fake_engines() -> bool:

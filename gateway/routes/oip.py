@@ -119,11 +119,11 @@ def oip_routes() -> list:
 
 SCHEMAS = (InferenceRequest, InferenceResponse, ModelMetadata, ServerMetadata, OIPErrorBody)
 OIP_ERRORS = {
-    "400": "Bad tensors (the message says which and why)",
+    "400": "Bad tensors or parameters (the message says which and why)",
     "401": "Missing or invalid API key",
     "404": "Not a custom model served here",
     "413": "Body too large",
-    "422": "More rows than --max-inputs, or a bad priority",
+    "422": "More rows than --max-inputs, or a bad scheduling header",
     "429": "Queue full or budget infeasible (see Retry-After)",
     "500": "The model failed on this request's rows",
     "503": "Loading, draining or its engine core lost (see Retry-After)",

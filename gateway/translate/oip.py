@@ -33,6 +33,9 @@ HEADER_LENGTH = "inference-header-content-length"
 INFER_URL = re.compile(r"^/v2/models/(?P<model>[^/].*)/infer$")
 INFER_ENDPOINT = "/v2/models/{model}/infer"
 BINARY_SIZE = "binary_data_size"
+MAX_DIM = 2**31 - 1  # one dimension of a tensor's shape
+MAX_SHAPE = 2**40  # the product of a shape's non-zero dimensions (numpy refuses far less than its int64)
+MAX_BUDGET_MS = 3_600_000.0  # as X-Ferry-Latency-Budget-Ms and the OpenAI routes' field
 Parameters = Annotated[dict[str, Any], Field(description="free-form; Ferry reads the names below")]
 
 
@@ -40,7 +43,9 @@ class RequestInput(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="a declared input of the model")
-    shape: list[Annotated[int, Field(ge=0)]] = Field(min_length=1, description="rows first: [rows, *row shape]")
+    shape: list[Annotated[int, Field(ge=0, le=MAX_DIM)]] = Field(
+        min_length=1, max_length=32, description="rows first: [rows, *row shape]"
+    )
     datatype: Datatype
     parameters: Parameters | None = None
     data: list[Any] | None = Field(
@@ -176,6 +181,9 @@ def parse_infer(raw: bytes, header_length: str | None, model: Any, max_rows: int
     missing = sorted(set(declared) - set(given))
     if unknown or missing:
         raise bad(f"model {model.name} takes inputs {sorted(declared)}; unknown {unknown}, missing {missing}", "inputs")
+    for i in req.inputs:  # a zero dimension makes no elements, but numpy still refuses a huge shape
+        if math.prod(d for d in i.shape if d) > MAX_SHAPE:
+            raise bad(f"input {i.name!r}: shape {i.shape} is too large", i.name)
     counts = {i.shape[0] for i in req.inputs}
     if len(counts) != 1:
         raise bad("every input has the same number of rows (the first dimension of its shape)", "inputs")
@@ -210,32 +218,48 @@ def parse_infer(raw: bytes, header_length: str | None, model: Any, max_rows: int
     outputs = _outputs(req, model)
     params = req.parameters or {}
     budget, priority = params.get("latency_budget_ms"), params.get("priority")
-    if budget is not None and (isinstance(budget, bool) or not isinstance(budget, (int, float))):
-        raise bad("parameters.latency_budget_ms is a number of milliseconds", "latency_budget_ms")
-    if priority is not None and not isinstance(priority, str):
-        raise bad("parameters.priority is interactive or batch", "priority")
+    if budget is not None and (
+        isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget <= MAX_BUDGET_MS
+    ):  # NaN fails the range too
+        raise bad(
+            f"parameters.latency_budget_ms is a number of milliseconds in (0, {MAX_BUDGET_MS:.0f}], got {budget!r}",
+            "latency_budget_ms",
+        )
+    if priority is not None and priority not in ("interactive", "batch"):
+        raise bad(f"parameters.priority is 'interactive' or 'batch', got {priority!r}", "priority")
     return Infer(req.id, rows, outputs, None if budget is None else float(budget), priority)
 
 
 def _split(raw: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
         return raw, b""
-    if not header_length.isdigit() or int(header_length) > len(raw):
+    if not (header_length.isascii() and header_length.isdigit()) or int(header_length) > len(raw):
         raise bad(f"{HEADER_LENGTH} {header_length!r} is not a length within the body", HEADER_LENGTH)
     cut = int(header_length)
     return raw[:cut], raw[cut:]
 
 
+def _flag(parameters: dict[str, Any] | None, name: str, default: bool) -> bool:
+    value = (parameters or {}).get(name, default)
+    if not isinstance(value, bool):
+        raise bad(f"parameters.{name} is true or false, got {value!r}", name)
+    return value
+
+
 def _outputs(req: InferenceRequest, model: Any) -> list[tuple[Tensor, bool]]:
+    """The outputs to answer, each in binary or not: an output's own `binary_data` wins over
+    the request's `binary_data_output` (Triton's rule)."""
     declared = {t.name: t for t in model.outputs}
-    everything = bool((req.parameters or {}).get("binary_data_output", False))
+    everything = _flag(req.parameters, "binary_data_output", False)
     if req.outputs is None:
         return [(t, everything) for t in model.outputs]
     chosen = []
     for o in req.outputs:
         if o.name not in declared:
             raise bad(f"model {model.name} has outputs {sorted(declared)}, not {o.name!r}", "outputs")
-        chosen.append((declared[o.name], everything or bool((o.parameters or {}).get("binary_data", False))))
+        if "classification" in (o.parameters or {}):
+            raise bad(f"output {o.name!r}: the classification extension is not served", "outputs")
+        chosen.append((declared[o.name], _flag(o.parameters, "binary_data", everything)))
     return chosen
 
 

@@ -59,3 +59,36 @@ def test_bad_custom_lines_are_named_when_the_batch_is_created(jobs_server):
     assert "missing ['vector']" in messages[2] and "not a batch route" in messages[3]
     mismatch = api.create([infer_line("x", "x")], endpoint="/v1/embeddings", expect=422)["error"]
     assert "does not match the batch endpoint" in mismatch["errors"]["data"][0]["message"]
+
+
+class Codes:
+    """A text's character codes: an output whose length differs from row to row."""
+
+    from engine.custom import Tensor
+
+    inputs = (Tensor("text", "BYTES"),)
+    outputs = (Tensor("codes", "INT32", (-1,)),)
+    del Tensor
+
+    def load(self, device: str, dtype: str) -> None:
+        pass
+
+    def predict(self, batch):
+        return [{"codes": [ord(c) for c in row["text"]]} for row in batch]
+
+
+def test_a_line_whose_outputs_cannot_make_a_response_fails_once(jobs_server):
+    model = Codes()
+    s, api = jobs_server(custom=model)
+    line = {
+        "custom_id": "ragged",
+        "method": "POST",
+        "url": INFER,
+        "body": {"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": ["ab", "abc"]}]},
+    }
+    done = api.wait(api.create([line])["id"])
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 1, "completed": 0, "failed": 1}
+    [err] = api.content(done["error_file_id"])
+    assert err["response"]["status_code"] == 500 and "different shapes" in err["response"]["body"]["error"]["message"]
+    direct = httpx.post(s.url + INFER, json=line["body"], timeout=30)
+    assert direct.status_code == 500 and "different shapes" in direct.json()["error"]

@@ -63,14 +63,25 @@ def test_a_custom_model_in_its_core_serves_is_recovered_after_sigkill_and_stops_
         scraped = httpx.get(gw.url + "/metrics", timeout=30).text.splitlines()
         assert float(next(line for line in scraped if line.startswith(tokens)).split()[-1]) == 7.0
 
+        def scraped(prefix: str) -> float:
+            lines = httpx.get(gw.url + "/metrics", timeout=30).text.splitlines()
+            return sum(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+
+        def batches() -> float:
+            return scraped('ferry_batches_total{model="fake-custom"')
+
+        def queued() -> float:
+            return scraped('ferry_queue_depth{class="interactive",model="fake-custom"}')
+
         async def scenario() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
+                before = await asyncio.to_thread(batches)
                 hung = asyncio.create_task(c.post(INFER, json=rows("HANG")))
-                await asyncio.sleep(0.3)
-                queued = [asyncio.create_task(c.post(INFER, json=rows(f"queued {i}"))) for i in range(3)]
-                await asyncio.sleep(0.2)
+                await asyncio.to_thread(wait_until, lambda: batches() > before, message="the hung batch to leave")
+                waiting = [asyncio.create_task(c.post(INFER, json=rows(f"queued {i}"))) for i in range(3)]
+                await asyncio.to_thread(wait_until, lambda: queued() == 3, message=lambda: f"3 queued: {queued()}")
                 core.send_signal(signal.SIGKILL)
-                return list(await asyncio.gather(hung, *queued))
+                return list(await asyncio.gather(hung, *waiting))
 
         for r in asyncio.run(scenario()):
             assert r.status_code == 503 and set(r.json()) == {"error"}, r.text

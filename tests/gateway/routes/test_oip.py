@@ -150,6 +150,10 @@ BAD = [
     ({"inputs": [body("a")["inputs"][0], {**body("a")["inputs"][1], "shape": [1]}]}, "row shape [-1]"),
     (body("a", outputs=[{"name": "nope"}]), "not 'nope'"),
     (body("a", parameters={"latency_budget_ms": "soon"}), "latency_budget_ms"),
+    (body("a", parameters={"latency_budget_ms": 0}), "latency_budget_ms"),
+    (body("a", parameters={"latency_budget_ms": 1e300}), "latency_budget_ms"),
+    (body("a", parameters={"binary_data_output": "false"}), "true or false"),
+    (body("a", outputs=[{"name": "sum", "parameters": {"classification": 2}}]), "classification"),
     ({"inputs": [{**body("a")["inputs"][0], "data": None}, body("a")["inputs"][1]]}, "has no data"),
 ]
 
@@ -171,6 +175,10 @@ def test_limits_and_unparseable_bodies(served):
     assert r.status_code == 400 and "invalid inference request" in r.json()["error"]
     r = httpx.post(s.url + INFER, content=b"{}", headers={"Inference-Header-Content-Length": "99"})
     assert r.status_code == 400 and "not a length within the body" in r.json()["error"]
+    r = httpx.post(s.url + INFER, content=b"{}", headers={"Inference-Header-Content-Length": "\u00b2".encode()})
+    assert r.status_code == 400 and "not a length within the body" in r.json()["error"]
+    nan = b'{"inputs": [], "parameters": {"latency_budget_ms": NaN}}'
+    assert httpx.post(s.url + INFER, content=nan).status_code == 400
     assert model.batches == []
 
 
@@ -181,7 +189,7 @@ async def _concurrently(url: str, payloads: list[dict]) -> list[httpx.Response]:
 
 def test_a_failing_row_fails_its_request_only_never_its_batch_mates(fake_server_factory):
     model = FakeCustomModel(delay=0.01)
-    s = fake_server_factory(custom=model, max_batch_size=8, max_wait_ms=30, policy="fixed")
+    s = fake_server_factory(custom=model, max_batch_size=8, max_wait_ms=300, policy="fixed")
     payloads = [body(f"fine {i}") for i in range(6)] + [body("fine", "FAIL_ITEM"), body("OOM", "ok"), body("x")]
     rs = asyncio.run(_concurrently(s.url, payloads))
     assert [r.status_code for r in rs] == [200] * 6 + [500, 500, 200]
@@ -211,7 +219,7 @@ def test_a_model_slower_than_the_budget_gets_429s_at_once(fake_server_factory):
     ok = c.post(INFER, json=body("relaxed", parameters={"latency_budget_ms": 5000, "priority": "batch"}))
     assert ok.status_code == 200
     bad = c.post(INFER, json=body("x", parameters={"priority": "urgent"}))
-    assert bad.status_code == 422 and "urgent" in bad.json()["error"]
+    assert bad.status_code == 400 and "urgent" in bad.json()["error"]
 
 
 class ThreadSafeFake(FakeCustomModel):
@@ -224,22 +232,23 @@ def test_the_interactive_lane_serves_a_thread_safe_model_beside_a_long_batch(fak
     a batch-class batch is still running. Without it, the class is called one batch at a time."""
     from batcher.cost import CostModel, LinearCost
 
-    model = model_class(hang_seconds=1.0)
+    model = model_class(hang_seconds=2.0)
     s = fake_server_factory(custom=model, max_wait_ms=0)
-    # The cost model knows a batch takes a second: the one in flight has time left for the lane.
-    s.ferry.models[MODEL].batcher.inner.cost = CostModel(LinearCost(1.0, 0.0, 0.0))
+    # The cost model knows a batch takes seconds: the one in flight has time left for the lane.
+    s.ferry.models[MODEL].batcher.inner.cost = CostModel(LinearCost(2.0, 0.0, 0.0))
 
-    async def scenario() -> tuple[bool, int, int]:
+    async def scenario() -> list[int]:
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             slow = asyncio.create_task(c.post(INFER, json=body("HANG", parameters={"priority": "batch"})))
             await async_wait_until(lambda: model.started, message="the long batch to start")
             quick = await c.post(INFER, json=body("quick"))
-            still_running = not slow.done()
-            return still_running, quick.status_code, (await slow).status_code
+            return [quick.status_code, (await slow).status_code]
 
-    still_running, quick, slow = asyncio.run(scenario())
-    assert (quick, slow) == (200, 200)
-    assert still_running is (model_class is ThreadSafeFake)
+    assert asyncio.run(scenario()) == [200, 200]
+    # In the model's own order of events: with the lane the quick batch ran and ended inside
+    # the long one; without it, after.
+    assert model.started == [["HANG"], ["quick"]]
+    assert model.finished == ([["quick"], ["HANG"]] if model_class is ThreadSafeFake else [["HANG"], ["quick"]])
 
 
 def test_the_live_page_and_metrics_show_a_custom_model(served):
@@ -253,3 +262,48 @@ def test_the_live_page_and_metrics_show_a_custom_model(served):
     scraped = httpx.get(s.url + "/metrics").text
     assert f'ferry_batch_size_items_sum{{model="{MODEL}",phase="predict"}} 2.0' in scraped
     assert f'ferry_requests_total{{model="{MODEL}",route="/v2/models/{{model}}/infer",status="200"}} 1.0' in scraped
+
+
+class Unruly(FakeCustomModel):
+    """Outputs that cannot be read, on some rows only."""
+
+    def predict(self, batch):
+        out = super().predict(batch)
+        for i, row in enumerate(batch):
+            if row["text"] == "surrogate":
+                out[i] = {**out[i], "upper": "\udcff"}  # not encodable as UTF-8
+            elif row["text"] == "weird":
+                out[i] = {**out[i], "sum": Weird()}
+        return out
+
+
+class Weird:
+    def __array__(self, *args, **kwargs):
+        raise RuntimeError("cannot be an array")
+
+
+def test_outputs_that_cannot_be_read_fail_their_row_alone(fake_server_factory):
+    model = Unruly()
+    s = fake_server_factory(custom=model, max_batch_size=8, max_wait_ms=300, policy="fixed")
+    rs = asyncio.run(_concurrently(s.url, [body("fine"), body("surrogate"), body("weird"), body("also fine")]))
+    assert [r.status_code for r in rs] == [200, 500, 500, 200]
+    assert "not encodable as UTF-8" in rs[1].json()["error"] and "cannot be an array" in rs[2].json()["error"]
+    assert model.batches == [4]  # one batch, two rows failing in it
+
+
+def test_a_huge_shape_without_elements_is_refused_before_numpy_sees_it():
+    """[1, 2**31-1, 2**31-1, 0] holds no elements, yet numpy refuses to make it: a 400, never the batch's error."""
+    from types import SimpleNamespace
+
+    from engine.custom import Tensor
+    from gateway.errors import APIError
+
+    model = SimpleNamespace(name="m", inputs=[Tensor("m", "FP32", (-1, -1, -1))], outputs=[Tensor("y", "FP32")])
+    raw = orjson.dumps(
+        {"inputs": [{"name": "m", "shape": [1, 2**31 - 1, 2**31 - 1, 0], "datatype": "FP32", "data": []}]}
+    )
+    with pytest.raises(APIError, match="too large") as refused:
+        parse_infer(raw, None, model, 8)
+    assert refused.value.status == 400
+    fine = orjson.dumps({"inputs": [{"name": "m", "shape": [1, 3, 2**31 - 1, 0], "datatype": "FP32", "data": []}]})
+    assert parse_infer(fine, None, model, 8).rows[0].tensors["m"][1] == [3, 2**31 - 1, 0]
