@@ -55,10 +55,16 @@ async def ready(request: Request, ctx: Ctx) -> Response:
     return Response(status_code=200 if ok else 400)
 
 
+VERSION = "1"  # the one version of every custom model (a model's metadata lists it)
+
+
 def _custom(request: Request, ctx: Ctx):
     name = request.path_params["model"]
     served = gateway_state(request).model(name, CUSTOM)
     ctx.model = served.name
+    version = request.path_params.get("version")
+    if version is not None and version != VERSION:
+        raise APIError(404, f"model {name} has no version {version!r} (it serves version {VERSION})", code="not_found")
     return served
 
 
@@ -106,11 +112,17 @@ def oip_routes() -> list:
         label = path.replace("{model:path}", "{model}")  # the metrics' and access log's route
         return Route(path, endpoint(label, handler, oip=True, public=public), methods=[method])
 
-    # The suffixed model routes first: a model's name may hold "/" ({model:path}).
+    # The suffixed model routes first, versioned ones before the rest: a model's name may
+    # hold "/" ({model:path}). Clients that name a version (tritonclient's model_version="1")
+    # reach the same handlers.
+    versioned = "/v2/models/{model:path}/versions/{version}"
     return [
         op("/v2", server_metadata),
         op("/v2/health/live", live, public=True),  # probes carry no API key, as /healthz and /readyz
         op("/v2/health/ready", ready, public=True),
+        op(f"{versioned}/ready", model_ready),
+        op(f"{versioned}/infer", infer, "POST"),
+        op(versioned, model_metadata),
         op("/v2/models/{model:path}/ready", model_ready),
         op("/v2/models/{model:path}/infer", infer, "POST"),
         op("/v2/models/{model:path}", model_metadata),
@@ -150,7 +162,7 @@ def oip_paths(ref: str, max_body_bytes: int, names: list[str] | None = None) -> 
     false = {"400": {"description": "false"}}
     on_model = {"parameters": model, "security": [{"apiKey": []}, {}]}
     binary = {"schema": {"type": "string", "format": "binary"}}
-    return {
+    paths = {
         "/v2": {"get": op("get_v2", "Server metadata", {"description": "OK", "content": json("ServerMetadata")}, ())},
         "/v2/health/live": {"get": op("get_v2_live", "Liveness (200: live)", empty, ())},
         "/v2/health/ready": {
@@ -199,3 +211,11 @@ def oip_paths(ref: str, max_body_bytes: int, names: list[str] | None = None) -> 
             )
         },
     }
+    version = {"name": "version", "in": "path", "required": True, "schema": {"type": "string", "enum": [VERSION]}}
+    for path in ("/v2/models/{model}", "/v2/models/{model}/ready", "/v2/models/{model}/infer"):
+        versioned = path.replace("{model}", "{model}/versions/{version}")
+        paths[versioned] = {
+            method: {**operation, "operationId": operation["operationId"] + "_version", "parameters": [*model, version]}
+            for method, operation in paths[path].items()
+        }
+    return paths

@@ -44,7 +44,9 @@ NOT_IN_JSON_SCHEMA = frozenset(
 # An Open Inference Protocol request's tensors checked against the custom model's declared
 # ones (names, datatypes, row shapes, shapes against the data's length): the protocol's
 # error body has no code, so the exemption is the route's 400 alone.
-TENSOR_REFUSALS = frozenset({("POST", "/v2/models/{model}/infer", 400)})
+TENSOR_REFUSALS = frozenset(
+    {("POST", "/v2/models/{model}/infer", 400), ("POST", "/v2/models/{model}/versions/{version}/infer", 400)}
+)
 # Refusals that depend on a resource's state, not on the request: cancelling a batch that has
 # already finished (400 batch_not_cancellable, docs/batch-jobs.md).
 STATE_REFUSALS = frozenset({(400, "batch_not_cancellable")})

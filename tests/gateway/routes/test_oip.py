@@ -126,6 +126,13 @@ def test_tritonclient_calls_it_unchanged(served):
         assert result.as_numpy("length").tolist() == [3, 3, 5]
         assert result.as_numpy("sum").tolist() == [1.0, 5.0, 9.0]
         assert [v.decode() if isinstance(v, bytes) else v for v in result.as_numpy("upper")] == ["ONE", "TWO", "THREE"]
+    # A client that names the version reaches the same model; another version is not served.
+    assert client.get_model_metadata(MODEL, model_version="1")["versions"] == ["1"]
+    assert client.is_model_ready(MODEL, model_version="1")
+    versioned = client.infer(MODEL, [text, vector], model_version="1")
+    assert versioned.as_numpy("length").tolist() == [3, 3, 5]
+    with pytest.raises(InferenceServerException, match="no version '2'"):
+        client.infer(MODEL, [text, vector], model_version="2")
     with pytest.raises(InferenceServerException, match="unknown"):
         bad = triton.InferInput("txt", [1], "BYTES")
         bad.set_data_from_numpy(np.array(["x"], dtype=object))
