@@ -29,7 +29,6 @@ little-endian bytes for numbers, a list of `str`/`bytes` for BYTES. No HTTP, no 
 from __future__ import annotations
 
 import importlib
-import math
 import os
 import re
 import sys
@@ -174,10 +173,6 @@ def _text(value: Any) -> Any:
     return value
 
 
-def elements(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
 class CustomEngine:
     """The user's model behind the engine contract the batcher runs (engine/base.py's one-shot
     kind): `predict` over packed rows, results packed, each output checked against its
@@ -188,18 +183,18 @@ class CustomEngine:
         self.name = name
         self.inputs = inputs
         self.outputs = outputs
-        self._cost = getattr(model, "cost", None)
-        self.has_cost = callable(self._cost)
+        cost = getattr(model, "cost", None)
+        self._cost = cost if callable(cost) else None
         # The class may be called from two threads at once: the interactive lane runs beside
         # the batch in flight (gateway/models/start.py). Off unless the class says so.
         self.thread_safe = getattr(model, "thread_safe", False) is True
 
     def predict(self, rows: Sequence[Row]) -> list[CustomResult | Exception]:
-        out: list[CustomResult | Exception | None] = [None] * len(rows)
+        out: list[CustomResult | Exception] = [CustomModelError("no output")] * len(rows)  # each set below
         batch, at = [], []
         for i, row in enumerate(rows):
             try:  # a row that cannot be unpacked fails alone
-                batch.append({k: unpack_value(v) for k, v in row.tensors.items()})
+                batch.append(_values(row))
                 at.append(i)
             except Exception as exc:
                 out[i] = CustomModelError(f"{self.name}: input row cannot be read: {exc}")
@@ -210,7 +205,7 @@ class CustomEngine:
                 raise CustomModelError(f"{self.name}: predict took {len(batch)} inputs and returned {got}")
             for i, answer in zip(at, answers, strict=True):
                 out[i] = answer if isinstance(answer, Exception) else self._result(answer)
-        return [o if o is not None else CustomModelError("no output") for o in out]
+        return out
 
     def _result(self, answer: Any) -> CustomResult | Exception:
         try:
@@ -245,11 +240,10 @@ class CustomEngine:
 
     def costs(self, rows: Sequence[Row]) -> list[int] | None:
         """Each row's cost hint (the class's `cost`), at least 1; None without one."""
-        if not self.has_cost:
-            return None
         cost = self._cost
-        assert cost is not None
-        return [max(1, int(cost({k: unpack_value(v) for k, v in r.tensors.items()}))) for r in rows]
+        if cost is None:
+            return None
+        return [max(1, int(cost(_values(r)))) for r in rows]
 
     def facts(self) -> dict[str, Any]:
         """What a front end needs of it (CustomFront), reported by its engine core."""
@@ -260,11 +254,14 @@ class CustomEngine:
         }
 
 
+def _values(row: Row) -> dict[str, Any]:
+    """A row as the class sees it: input name to value."""
+    return {k: unpack_value(v) for k, v in row.tensors.items()}
+
+
 class CustomFront:
     """A custom model as a front end sees it when the model runs in an engine core: its name
     and tensors, no weights (the core computes the cost hints)."""
-
-    has_cost = False
 
     def __init__(self, name: str, inputs: list[list[Any]], outputs: list[list[Any]]):
         self.name = name

@@ -132,8 +132,11 @@ class CustomWork:
 
     model: str
     infer: Infer
-    payloads: list[Row]
     costs: list[int]
+
+    @property
+    def payloads(self) -> list[Row]:
+        return self.infer.rows
 
     def response(self, results: list[Any]) -> dict[str, Any]:
         body, _ = encode_response(self.model, self.infer, results)
@@ -146,7 +149,7 @@ def custom_work(name: str, model: Any, body: dict[str, Any], max_rows: int) -> C
     if any(binary for _, binary in infer.outputs):
         raise bad("a batch line's outputs are JSON: binary outputs are not available in batch jobs", "outputs")
     costs = model.costs(infer.rows) or [1] * len(infer.rows)
-    return CustomWork(name, infer, infer.rows, costs)
+    return CustomWork(name, infer, costs)
 
 
 def metadata(name: str, inputs: list[Tensor], outputs: list[Tensor]) -> dict[str, Any]:
