@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .cost import CostModel
 from .isolation import split_in_halves
 from .metrics import Metrics
-from .protocols import ChunkingEngine, MakeRequest, PrefillRequest, SequenceStep, SteppingEngine
+from .protocols import ChunkingEngine, MakeRequest, PackingEngine, PrefillRequest, SequenceStep, SteppingEngine
 from .settings import BatchingSettings
 from .types import TokenCount
 
@@ -46,12 +46,21 @@ class IterationResult:
     # Of each sequence whose prefill finished now: prompt tokens the prefix cache served.
     cached: dict[int, int] = field(default_factory=dict)
     prefill: PrefillWork = field(default_factory=PrefillWork)
+    # The decode step and the prefill ran as one forward (a packed step): the worker could
+    # not time them apart, and `decode_seconds` holds the shared time.
+    packed: bool = False
 
-    def apportion(self, total: float) -> None:
+    def apportion(self, total: float, costs: dict[str, CostModel] | None = None) -> None:
         """Charge the iteration's clock time (thread hop included) to its two phases, in the
-        proportion the worker thread measured; the clock is the one the tests can drive."""
+        proportion the worker thread measured, or, for a packed step, in the proportion the
+        cost models predict for its two parts; the clock is the one the tests can drive."""
         measured = self.prefill_seconds + self.decode_seconds
         share = self.decode_seconds / measured if measured > 0 else (1.0 if self.decoded_rows else 0.0)
+        if self.packed and costs is not None:
+            decode = costs["decode"].predict(self.decoded_rows)
+            prefill = costs["prefill"].predict(self.prefill.rows, self.prefill.computed.padded)
+            shared = self.decode_seconds / measured if measured > 0 else 1.0
+            share = shared * decode / (decode + prefill) if decode + prefill > 0 else shared
         if not self.decoded_rows:
             share = 0.0
         self.decode_seconds, self.prefill_seconds = total * share, total * (1.0 - share)
@@ -175,17 +184,25 @@ def _chunked_iteration(
     taken, failed = _each_alone(engine.enqueue, engine, requests)
     outputs = [result for _, result in taken if result.finish_reason is not None]  # refused outright: ends now
     t1 = time.perf_counter()
-    decoded = list(engine.step()) if decode and engine.running else []
-    t2 = time.perf_counter()
-    done = engine.prefill(chunking.budget, chunking.first)
-    t3 = time.perf_counter()
+    packed = False
+    if decode and engine.running and isinstance(engine, PackingEngine):
+        # One forward for both: its time counts as the decode step's, shared out by `apportion`.
+        stepped, done = engine.step_with_prefill(chunking.budget, chunking.first)
+        decoded = list(stepped)
+        t2 = t3 = time.perf_counter()
+        packed = done.rows > 0
+    else:
+        decoded = list(engine.step()) if decode and engine.running else []
+        t2 = time.perf_counter()
+        done = engine.prefill(chunking.budget, chunking.first)
+        t3 = time.perf_counter()
     failed.update(done.failed)
     cached = {out.seq_id: out.cached_tokens for out in done.outputs}
     tokens = TokenCount(done.computed_tokens, done.padded_tokens)
     work = PrefillWork(done.rows, tokens, tokens, done.queried_tokens, done.cached_tokens)
     prefill_seconds = (t1 - t0) + (t3 - t2) if requests or done.rows else 0.0
     return IterationResult(
-        decoded + outputs + list(done.outputs), failed, prefill_seconds, t2 - t1, len(decoded), cached, work
+        decoded + outputs + list(done.outputs), failed, prefill_seconds, t2 - t1, len(decoded), cached, work, packed
     )
 
 

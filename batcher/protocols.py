@@ -144,3 +144,14 @@ class ChunkingEngine(SteppingEngine, Protocol):
     def enqueue(self, requests: Sequence[Any]) -> Sequence[SequenceStep]: ...
 
     def prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> PrefillSteps: ...
+
+
+@runtime_checkable
+class PackingEngine(ChunkingEngine, Protocol):
+    """A `ChunkingEngine` that can run a decode step and a budgeted prefill in one forward
+    (packed steps): `step_with_prefill(budget, first)` is `step()` then `prefill(budget,
+    first)`, their outputs, with the step's work shared."""
+
+    def step_with_prefill(
+        self, budget: int | None = None, first: Sequence[int] = ()
+    ) -> tuple[Sequence[SequenceStep], PrefillSteps]: ...

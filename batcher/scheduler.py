@@ -222,7 +222,7 @@ class GenerationScheduler(QueueingBatcher):
             self._fail_running(EngineError(f"model execution failed: {type(exc).__name__}: {exc}"))
             return None
         now = self.clock.now()
-        result.apportion(now - started)
+        result.apportion(now - started, self.cost_models)
         result.record(requests, self.metrics, self.model, self.cost_models)
         finished = self._postprocess(result)
         return lambda: self._delivery.deliver_all(result.outputs, finished, now, self.settings.budget_scope == "ttft")

@@ -20,6 +20,8 @@ from typing import Generic, TypeVar
 import torch
 
 from .base import PrefillStep
+from .kv import RunningBatch
+from .packed import PackedPlan, Segment
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import chain_keys
 
@@ -142,6 +144,42 @@ class PendingPrefills(Generic[Row]):
             mid = (len(chunks) + 1) // 2
             return self.run_isolated(chunks[:mid], step) + self.run_isolated(chunks[mid:], step)
 
+    def pack(
+        self, batch: RunningBatch, last: list[tuple[int, int]], chunks: Sequence[Chunk[Row]]
+    ) -> tuple[torch.Tensor, torch.Tensor, PackedPlan, torch.Tensor]:
+        """A packed forward (engine/packed.py) of one token of each row of `batch` ((token,
+        position) each, in `last`) and then `chunks`: its input ids and position ids [1,
+        tokens], its plan, and the indices of the tokens whose logits it needs (each row's,
+        each completing chunk's last). Opens the batch's next column for the rows."""
+        mask = batch.decode_mask()  # may grow or compact the buffers: read them after
+        slots = [(layer.keys, layer.values) for layer in batch.layers]
+        segments = packed_segments(chunks, len(last), slots[0][0], len(slots))
+        ids, positions = [t for t, _ in last], [p for _, p in last]
+        for c in chunks:
+            ids += c.pending.prompt[c.start : c.end]
+            positions += range(c.start, c.end)
+        ends = [g.offset + g.tokens - 1 for g, c in zip(segments, chunks, strict=True) if c.completes]
+        plan = PackedPlan(len(last), slots, batch.start, batch.end, mask.bool()[:, None, None, :], segments)
+        return torch.tensor([ids]), torch.tensor([positions]), plan, torch.tensor(list(range(len(last))) + ends)
+
+    def packed_done(self, chunks: Sequence[Chunk[Row]], step: PrefillStep) -> None:
+        """After a packed forward over `chunks` (`packed_segments`) succeeded: every full
+        block of each prompt so far into the prefix cache, each prompt's state moved on, the
+        finished ones out of the pending set (their KV stays in their buffers)."""
+        cache = self.prefiller.prefix_cache
+        for c in chunks:
+            p = c.pending
+            assert p.buffer is not None, "packed_segments allocates every chunk's buffer"
+            if cache is not None:
+                cache.store(p.prompt[: c.end], [(layer[0, :, : c.end], layer[1, :, : c.end]) for layer in p.buffer])
+            p.kv, p.done = p.buffer[:, :, :, : c.end], c.end
+            if c.completes:
+                self._pending.pop(p.seq_id, None)
+        step.rows += len(chunks)
+        fed = sum(c.tokens for c in chunks)
+        step.padded_tokens += fed  # packed: no padding
+        step.computed_tokens += fed
+
     def run(self, chunks: Sequence[Chunk[Row]], step: PrefillStep) -> Prefilled:
         """One forward over `chunks`. Afterwards each unfinished prompt keeps its KV so far;
         a finished one leaves the pending set (its KV is in the result, right-aligned, for
@@ -163,6 +201,24 @@ class PendingPrefills(Generic[Row]):
         step.padded_tokens += len(chunks) * max(c.tokens for c in chunks)
         step.computed_tokens += sum(c.tokens for c in chunks)
         return done
+
+
+def packed_segments(chunks: Sequence[Chunk], offset: int, like: torch.Tensor, layers: int) -> list[Segment]:
+    """Each chunk as a segment of a packed forward (engine/packed.py), its tokens placed
+    from `offset` on in chunk order. The forward writes the chunk's keys and values into its
+    prompt's buffer, allocated here the first time (`like`: a [.., kv_heads, .., head_dim]
+    KV tensor of the model) with what is known (the prefix cache's part) copied in."""
+    segments = []
+    for c in chunks:
+        p = c.pending
+        if p.buffer is None:
+            p.buffer = like.new_empty((layers, 2, like.shape[1], len(p.prompt), like.shape[3]))
+            if p.kv is not None:
+                p.buffer[:, :, :, : p.done] = p.kv
+            p.kv = p.buffer[:, :, :, : p.done]
+        segments.append(Segment(offset, c.start, c.tokens, p.buffer))
+        offset += c.tokens
+    return segments
 
 
 def _kept(

@@ -396,6 +396,16 @@ class FakeChunkingEngine(FakeGenerationEngine):
         self._sleep()
         return done
 
+
+class FakePackingEngine(FakeChunkingEngine):
+    """A FakeChunkingEngine that also runs a decode step and a budgeted prefill as one call,
+    as engine/packed.py does (a `PackingEngine`): `step_with_prefill` records ("packed",
+    ids decoding) and then the step's and the prefill's own calls."""
+
+    def step_with_prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> tuple[list, PrefillStep]:
+        self.calls.append(("packed", list(self._seqs)))
+        return self.step(), self.prefill(budget, first)
+
     def remove(self, seq_ids) -> None:
         super().remove(seq_ids)
         for i in seq_ids:

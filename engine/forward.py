@@ -11,6 +11,10 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
+from .packed import PackedPlan, packed_cache
+
+_NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
+
 
 class CausalForward:
     def __init__(self, model: Any, name: str) -> None:
@@ -32,6 +36,23 @@ class CausalForward:
         )
         cache = out.cache if self._cache_kwarg == "cache" else out.past_key_values
         return out.logits[:, -1, :], cache
+
+    def packed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, plan: PackedPlan, keep: torch.Tensor
+    ) -> torch.Tensor:
+        """One packed forward (engine/packed.py) of `input_ids` [1, tokens] at `positions`;
+        the logits [len(keep), vocab] of the tokens at indices `keep`."""
+        out = self.model(
+            input_ids=input_ids,
+            # A 4D mask is passed through as it is (no mask is built); the plan says who attends where.
+            attention_mask=_NO_MASK,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=keep,
+            ferry_plan=plan,
+            **{self._cache_kwarg: packed_cache(plan, plan.layers, self.device)},
+        )
+        return out.logits[0]
 
     def all_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [rows, len, vocab] at every position of unpadded prompts, no cache (len x

@@ -14,27 +14,26 @@ engine/detokenize.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
-from .base import PrefillStep, SamplingParams, SequenceRequest, StepOutput, TokenLogprob
+from .base import PrefillStep, SequenceRequest, StepOutput, TokenLogprob
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, PendingPrefills
-from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceText
+from .detokenize import FINISH_LENGTH
 from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
-from .grammar import GrammarCache, RowMasks
+from .grammar import GrammarCache
 from .kv import RunningBatch
-from .logits import LogitRules, apply_rules
+from .packed import install
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
-from .prompt_logprobs import prompt_logprobs
-from .sampling import SequenceSampler, sample_next_tokens, token_logprobs
+from .sequence import NextTokens, RunningSequence
 
 log = logging.getLogger("ferry.engine")
 
@@ -61,13 +60,12 @@ class HFGenerationEngine:
         prefix_caching: bool = True,
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         prefix_block: int = DEFAULT_BLOCK,
+        packed_steps: bool = True,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
         `prefix_block`-token blocks of prompts is kept (up to `prefix_cache_bytes`; 0 is
         off) and reused by later prompts that start with the same tokens."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         # Before the model loads, so a bad setting fails at once, naming itself.
         prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_caching else None
         if prefix_cache_bytes == 0:
@@ -76,40 +74,37 @@ class HFGenerationEngine:
         self.name = name or model_name_or_path
         self.device = torch.device(resolve_device(device))
         self.max_running = max_running
-        self.tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, trust_remote_code=trust_remote_code)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_name_or_path,
-            dtype=resolve_dtype(dtype, self.device.type),
-            trust_remote_code=trust_remote_code,
-        )
-        # transformers wraps `to` with functools.wraps(nn.Module.to), which types it as unbound.
-        self.model.to(self.device).eval()  # type: ignore[arg-type]
+        self.tokenizer, self.model = _load(model_name_or_path, self.device, dtype, trust_remote_code)
         # Prompts are tokenized on the event loop while the worker thread detokenizes; a
         # Rust tokenizer borrowed from two threads raises "Already borrowed" as soon as one
         # side changes its settings, so the detokenizer gets its own copy.
         self._detok = copy.deepcopy(self.tokenizer)
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
-        self._eos = sorted(self.eos_token_ids)
         self._forward = CausalForward(self.model, self.name)
         vocab = int(self.model.config.vocab_size)
         # Its own tokenizer copy, for the same reason as the detokenizer's: compiled from
         # worker threads (engine/grammar.py).
         self.grammars = GrammarCache(copy.deepcopy(self.tokenizer), vocab, self.eos_token_ids)
-        self._masks: RowMasks | None = None
-        self._batch: RunningBatch[_Sequence] = RunningBatch(max_running)
-        if not self._forward.check_cache_layout(self.device) and prefix_cache is not None:
+        self._next = NextTokens(self, self._forward, self.grammars, max_running)
+        self._batch: RunningBatch[RunningSequence] = RunningBatch(max_running)
+        uniform = self._forward.check_cache_layout(self.device)
+        if not uniform and prefix_cache is not None:
             log.warning("prefix caching off for %s: its attention layers differ in KV shape", self.name)
             prefix_cache = None
+        # Packed steps keep a chunk's KV in one buffer across layers, as the prefix cache
+        # does, and need the model's attention to be SDPA (engine/packed.py).
+        self._packed = packed_steps and uniform and install(self.model)
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
-        self._pending: PendingPrefills[_Sequence] = PendingPrefills(self._prefiller)
+        self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller)
         log.info(
-            "loaded chat model %s on %s (max_context=%d, max_running=%d, prefix cache %s)",
+            "loaded chat model %s on %s (max_context=%d, max_running=%d, prefix cache %s, packed steps %s)",
             self.name,
             self.device,
             self.max_context,
             self.max_running,
             f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache else "off",
+            "on" if self._packed else "off",
         )
 
     @classmethod
@@ -140,18 +135,10 @@ class HFGenerationEngine:
         return [seq.seq_id for seq in self._batch.seqs] + self._pending.ids
 
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
-        """Prompt tokens a prefill would serve from the prefix cache now; changes nothing
-        (read from the event loop while the worker thread may store: an estimate)."""
-        cache = self._prefiller.prefix_cache
-        return 0 if cache is None else cache.cached_blocks(prompt_ids) * cache.block
+        return self._prefiller.cached_prefix(prompt_ids)
 
     def prefix_cache_stats(self) -> dict[str, int]:
-        """queries and hits (prompt tokens looked up, and served from the cache), used_bytes,
-        max_bytes, blocks; all 0 with prefix caching off."""
-        cache = self._prefiller.prefix_cache
-        if cache is None:
-            return {"queries": 0, "hits": 0, "used_bytes": 0, "max_bytes": 0, "blocks": 0}
-        return cache.stats()
+        return self._prefiller.cache_stats()
 
     def encode_chat(
         self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
@@ -203,15 +190,31 @@ class HFGenerationEngine:
         engine held has failed and has been dropped.
         """
         result = PrefillStep()
-        try:
-            chunks = self._pending.plan(budget, first, result)
-            for group, done in self._pending.run_isolated(chunks, result):
-                self._first_tokens(group, done, result)
-        except BaseException:
-            self._batch = RunningBatch(self.max_running)
-            self._pending.clear()
-            raise
+        with self._all_fail_on_error():
+            self._run_chunks(self._pending.plan(budget, first, result), result)
         return result
+
+    @torch.inference_mode()
+    def step_with_prefill(
+        self, budget: int | None = None, first: Sequence[int] = ()
+    ) -> tuple[list[StepOutput], PrefillStep]:
+        """`step()` then `prefill(budget, first)`, their outputs, in one forward where the model
+        allows (engine/packed.py); one that raises runs again as the two, isolating failures
+        as they do. If this raises, every sequence the engine held has failed and is dropped."""
+        if not self._packed or not self._batch.seqs or not len(self._pending):
+            return self.step(), self.prefill(budget, first)
+        result = PrefillStep()
+        with self._all_fail_on_error():
+            chunks = self._pending.plan(budget, first, result)
+            if not chunks:
+                return self._decode_step(), result
+            try:
+                return self._packed_step(chunks, result), result
+            except Exception:
+                log.exception("packed step of %s failed; running its decode rows and chunks apart", self.name)
+            decoded = self._decode_step()
+            self._run_chunks(chunks, result)
+            return decoded, result
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -220,12 +223,21 @@ class HFGenerationEngine:
         If this raises, every running sequence has failed and has been dropped (prefilling
         ones too): a forward that dies part-way leaves the per-layer caches at different lengths.
         """
-        try:
+        with self._all_fail_on_error():
             return self._decode_step()
+
+    @contextlib.contextmanager
+    def _all_fail_on_error(self) -> Iterator[None]:
+        try:
+            yield
         except BaseException:
             self._batch = RunningBatch(self.max_running)
             self._pending.clear()
             raise
+
+    def _run_chunks(self, chunks: list[Chunk[RunningSequence]], result: PrefillStep) -> None:
+        for group, done in self._pending.run_isolated(chunks, result):
+            self._first_tokens(group, done, result)
 
     def _decode_step(self) -> list[StepOutput]:
         batch = self._batch
@@ -236,12 +248,39 @@ class HFGenerationEngine:
         mask = batch.decode_mask()
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
-        tokens = self._sample(logits, batch.seqs)
-        outputs = [self._advance(seq, *token) for seq, token in zip(batch.seqs, tokens, strict=True)]
+        return self._decoded(self._next.sample(logits, batch.seqs))
+
+    def _decoded(self, tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
+        """The running rows' new tokens accounted; the rows that finish leave."""
+        outputs = [self._next.advance(seq, *token) for seq, token in zip(self._batch.seqs, tokens, strict=True)]
         finished = {i for i, out in enumerate(outputs) if out.finish_reason}
         if finished:
-            batch.drop(finished)
+            self._batch.drop(finished)
         return outputs
+
+    def _packed_step(self, chunks: list[Chunk[RunningSequence]], result: PrefillStep) -> list[StepOutput]:
+        """One forward over one token of every running row and every chunk (the rows'
+        column written and the batch advanced only if it succeeds); then the rows' tokens,
+        and each finished prompt's first token, those that go on joining the running rows."""
+        batch = self._batch
+        last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
+        ids, positions, plan, keep = self._pending.pack(batch, last, chunks)
+        device = self.device
+        logits = self._forward.packed(ids.to(device), positions.to(device), plan, keep.to(device))
+        batch.advance()
+        completing = [c for c in chunks if c.completes]
+        rows = batch.rows
+        tokens = self._next.sample(logits, batch.seqs + [c.pending.seq for c in completing])
+        self._pending.packed_done(chunks, result)
+        decoded = self._decoded(tokens[:rows])
+        for c, token in zip(completing, tokens[rows:], strict=True):
+            out = self._next.advance(c.pending.seq, *token)
+            out.cached_tokens = c.pending.cached
+            result.outputs.append(out)
+            if out.finish_reason is None:
+                assert c.pending.buffer is not None
+                batch.join(c.pending.buffer[:, :, :, : c.end], c.pending.seq)
+        return decoded
 
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[int]) -> None:
@@ -269,17 +308,16 @@ class HFGenerationEngine:
                 f"admitting {admitted} would exceed max_running={self.max_running} ({self.running} running)"
             )
 
-    def _first_tokens(self, chunks: list[Chunk[_Sequence]], done: Prefilled, result: PrefillStep) -> None:
+    def _first_tokens(self, chunks: list[Chunk[RunningSequence]], done: Prefilled, result: PrefillStep) -> None:
         """The prompts whose last chunk ran in `done` sample their first token and join the
         decoding rows (unless that token ends them)."""
-        finished = [row for row, c in enumerate(chunks) if c.completes]
-        if not finished:
+        if not (finished := [row for row, c in enumerate(chunks) if c.completes]):
             return
         seqs = [c.pending.seq for c in chunks]
-        tokens = self._sample(done.logits[finished], [seqs[row] for row in finished])
+        tokens = self._next.sample(done.logits[finished], [seqs[row] for row in finished])
         alive = []
         for row, token in zip(finished, tokens, strict=True):
-            out = self._advance(seqs[row], *token)
+            out = self._next.advance(seqs[row], *token)
             out.cached_tokens = chunks[row].pending.cached
             result.outputs.append(out)
             if out.finish_reason is None:
@@ -291,8 +329,8 @@ class HFGenerationEngine:
     def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
         done = self._prefiller.run([r.prompt_ids for r in requests])
         seqs = [self._new_sequence(r) for r in requests]
-        tokens = self._sample(done.logits, seqs)
-        outputs = [self._advance(seq, *token) for seq, token in zip(seqs, tokens, strict=True)]
+        tokens = self._next.sample(done.logits, seqs)
+        outputs = [self._next.advance(seq, *token) for seq, token in zip(seqs, tokens, strict=True)]
         for out, cached in zip(outputs, done.cached, strict=True):
             out.cached_tokens = cached
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
@@ -300,90 +338,21 @@ class HFGenerationEngine:
             self._batch.admit(done.layers, done.mask, seqs, alive)
         return outputs
 
-    def _new_sequence(self, request: SequenceRequest) -> _Sequence:
-        return _Sequence.of(request, self._detok, self.grammars)
-
-    def _sample(self, logits: torch.Tensor, seqs: Sequence[_Sequence]) -> list[tuple[int, TokenLogprob | None]]:
-        """Each row's next token, and its log probabilities where asked: the logit rules
-        (bias, min_tokens, penalties: engine/logits.py), constrained rows masked to what
-        their grammar allows, then each row sampled with its own sampler."""
-        apply_rules(logits, [s.rules for s in seqs], [len(s.tokens) for s in seqs], self._eos)
-        matchers = [s.matcher for s in seqs]
-        if any(m is not None for m in matchers):
-            if self._masks is None:
-                self._masks = RowMasks(max(self.max_running, len(seqs)), self.grammars.vocab_size)
-            self._masks.apply(logits, matchers)
-        samplers = [s.sampler for s in seqs]
-        tokens = sample_next_tokens(logits, samplers)
-        logprobs = token_logprobs(logits, samplers, tokens, [s.params.logprobs for s in seqs])
-        return list(zip(tokens, logprobs, strict=True))
-
-    def _advance(self, seq: _Sequence, token: int, logprob: TokenLogprob | None = None) -> StepOutput:
-        """Account one new token: release text, decide whether the sequence finishes."""
-        seq.tokens.append(token)
-        if seq.rules is not None:
-            seq.rules.observe(token)
-        end = None
-        if token in self.eos_token_ids and not seq.params.ignore_eos:
-            end = FINISH_STOP
-        else:
-            if seq.matcher is not None:
-                # A token the mask allowed is always accepted; once the grammar admits nothing
-                # more (the JSON value is closed) the row ends with this token, its text kept.
-                seq.matcher.consume_token(token)
-                if seq.matcher.is_stopped() or seq.matcher.is_error():
-                    end = FINISH_COMPLETE
-            if end is None and (len(seq.tokens) >= seq.params.max_tokens or seq.total_tokens >= self.max_context):
-                end = FINISH_LENGTH
-        logprobs = None if logprob is None else [logprob]
-        prompt = seq.score_prompt(self._forward) if len(seq.tokens) == 1 else None
-        if seq.text is None:
-            return StepOutput(seq.seq_id, [token], "", end, logprobs=logprobs, prompt_logprobs=prompt)
-        text, reason = seq.text.advance(token, end)
-        return StepOutput(seq.seq_id, [token], text, reason, logprobs=logprobs, prompt_logprobs=prompt)
+    def _new_sequence(self, request: SequenceRequest) -> RunningSequence:
+        return RunningSequence.of(request, self._detok, self.grammars)
 
 
-@dataclass(slots=True)
-class _Sequence:
-    seq_id: int
-    params: SamplingParams
-    prompt_len: int
-    sampler: SequenceSampler
-    text: SequenceText | None
-    matcher: Any = None  # llguidance matcher of a constrained row
-    rules: LogitRules | None = None  # bias, min_tokens, penalties (engine/logits.py)
-    tokens: list[int] = field(default_factory=list)
-    scored: list[int] | None = None  # its prompt, kept where its params ask for the prompt's log probabilities
+def _load(path: str, device: torch.device, dtype: str | None, trust_remote_code: bool) -> tuple[Any, Any]:
+    """(tokenizer, model) of a local path or hub id, the model on `device`, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    @classmethod
-    def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache) -> _Sequence:
-        params = request.params
-        return cls(
-            seq_id=request.seq_id,
-            params=params,
-            prompt_len=len(request.prompt_ids),
-            sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed, params.top_k, params.min_p),
-            rules=LogitRules.of(params, request.prompt_ids),
-            # None: the front end detokenizes (an engine core sends token ids only)
-            text=SequenceText(detok, request.prompt_ids, params.stop) if params.detokenize else None,
-            matcher=grammars.matcher(params.json_schema) if params.json_schema is not None else None,
-            scored=list(request.prompt_ids) if params.prompt_logprobs is not None else None,
-        )
-
-    def score_prompt(self, forward: CausalForward) -> list[TokenLogprob | None] | None:
-        """Its prompt's log probabilities where its params ask (a forward of their own)."""
-        if self.scored is None:
-            return None
-        return prompt_logprobs(forward, self.scored, self.params.prompt_logprobs or 0)
-
-    @property
-    def last_token(self) -> int:
-        return self.tokens[-1]
-
-    @property
-    def total_tokens(self) -> int:
-        """Prompt plus completion; the cache holds all but the last completion token."""
-        return self.prompt_len + len(self.tokens)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=resolve_dtype(dtype, device.type), trust_remote_code=trust_remote_code
+    )
+    # transformers wraps `to` with functools.wraps(nn.Module.to), which types it as unbound.
+    model.to(device).eval()  # type: ignore[arg-type]
+    return tokenizer, model
 
 
 def _max_context(config: Any, tokenizer: Any) -> int:

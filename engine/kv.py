@@ -129,6 +129,11 @@ class RunningBatch(Generic[Row]):
         self.start = min(self.start, lo) if self.seqs else lo
         self.seqs.extend(seqs)
 
+    def join(self, kv: torch.Tensor, seq: Row) -> None:
+        """`admit` one sequence whose KV [layers, 2, kv_heads, tokens, head_dim] has no padding."""
+        mask = torch.ones((1, kv.shape[3]), dtype=self.mask.dtype, device=kv.device)
+        self.admit([(layer[0].unsqueeze(0), layer[1].unsqueeze(0)) for layer in kv], mask, [seq], [0])
+
     def drop(self, leaving: set[int]) -> None:
         """Remove the rows at indices `leaving`; later rows fill their slots."""
         keep = self.rows - len(leaving)

@@ -47,6 +47,19 @@ class Prefiller:
         self.device = device
         self.prefix_cache = prefix_cache
 
+    def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
+        """Prompt tokens a prefill would serve from the prefix cache now; changes nothing
+        (read from the event loop while the worker thread may store: an estimate)."""
+        cache = self.prefix_cache
+        return 0 if cache is None else cache.cached_blocks(prompt_ids) * cache.block
+
+    def cache_stats(self) -> dict[str, int]:
+        """queries and hits (prompt tokens looked up, and served from the cache), used_bytes,
+        max_bytes, blocks; all 0 with prefix caching off."""
+        if self.prefix_cache is None:
+            return {"queries": 0, "hits": 0, "used_bytes": 0, "max_bytes": 0, "blocks": 0}
+        return self.prefix_cache.stats()
+
     def run(self, prompts: Sequence[list[int]]) -> Prefilled:
         if self.prefix_cache is not None:
             shared = shared_prefixes(prompts, self.prefix_cache)

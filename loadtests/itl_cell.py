@@ -60,6 +60,7 @@ STREAM_PROMPTS = (
 # (label, extra `ferry serve` flags); the whole-prompt flag makes every prefill one step.
 FERRY_CONFIGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("ferry, token-budgeted steps", ()),
+    ("ferry, steps not packed", ("--no-packed-steps",)),
     ("ferry, whole prompts per step", ("--max-batch-tokens", "1000000")),
 )
 LETTERS = "abcdefghijklmnopqrstuvwxyz"

@@ -134,6 +134,7 @@ def model_spec(
             "device": device,
             "dtype": dtype,
             "torch_threads": cfg.torch_threads or 1,
+            "packed_steps": cfg.packed_steps,
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
         }
         if name is not None:

@@ -11,22 +11,23 @@ from prometheus_client import CollectorRegistry
 from batcher.clock import FakeClock
 from batcher.cost import CostModel, LinearCost
 from batcher.errors import EngineError
-from batcher.iteration import MIN_CHUNK, chunk_budget
+from batcher.iteration import MIN_CHUNK, IterationResult, PrefillWork, chunk_budget
 from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
-from batcher.types import GenRequest, Priority
+from batcher.types import GenRequest, Priority, TokenCount
 from engine.base import SamplingParams, sequence_request
-from engine.fake import FakeChunkingEngine, SimulatedEngineThread
+from engine.fake import FakeChunkingEngine, FakePackingEngine, SimulatedEngineThread
 
 from .conftest import run
 
 
 class ChunkRig:
-    def __init__(self, fail_prompts=None, **settings):
+    def __init__(self, fail_prompts=None, packing=False, **settings):
         settings.setdefault("default_budget_ms", None)
         self.clock = FakeClock()
-        self.engine = FakeChunkingEngine(fail_prompts=fail_prompts, max_context=4096)
+        kind = FakePackingEngine if packing else FakeChunkingEngine
+        self.engine = kind(fail_prompts=fail_prompts, max_context=4096)
         self.sched = GenerationScheduler(
             "g",
             self.engine,
@@ -125,3 +126,38 @@ def test_the_budget_is_max_batch_tokens_less_the_decode_rows_or_what_fits_the_de
     # Within max_itl_ms: 25 ms leaves 5 ms beside the step, 30 tokens, raised to the floor.
     assert chunk_budget(BatchingSettings(max_itl_ms=25), 10, prefill, decode) == MIN_CHUNK
     assert chunk_budget(BatchingSettings(max_itl_ms=60), 10, prefill, decode) == 180
+
+
+def test_a_packing_engine_gets_its_decode_rows_and_chunks_in_one_call():
+    async def scenario():
+        r = ChunkRig(packing=True, max_batch_tokens=40, max_running=8, max_batch_size=8)
+        await r.sched.start()
+        streams = [r.submit(3, 30) for _ in range(3)]
+        await r.clock.advance(0.05)
+        long = r.submit(200, 2)
+        await r.clock.run_until_idle()
+        assert all(s.future.result().completion_tokens == 30 for s in streams)
+        assert long.future.result().completion_tokens == 2
+        calls = r.engine.calls
+        chunks = r.prefills_of(long)
+        assert len(chunks) >= 200 // (40 - 3)
+        # Every chunk of the long prompt that ran beside decode rows ran in a packed call.
+        beside = [i for i in chunks if calls[i - 1][0] == "step"]
+        assert beside and all(calls[i - 2][0] == "packed" for i in beside)
+        # Both phases' metrics and cost models saw the packed iterations.
+        assert r.sched.cost_models["prefill"]._obs and r.sched.cost_models["decode"]._obs
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_a_packed_iterations_time_is_shared_out_as_the_cost_models_predict():
+    costs = {"decode": fitted(0.010, 0.001, 0.0), "prefill": fitted(0.002, 0.0, 0.0001)}
+    work = PrefillWork(rows=1, tokens=TokenCount(80, 80), computed=TokenCount(80, 80))
+    # Predicted: decode 10 + 10 x 1 = 20 ms, prefill 2 + 80 x 0.1 = 10 ms; measured 45 ms in all.
+    result = IterationResult([], {}, 0.0, 0.030, 10, prefill=work, packed=True)
+    result.apportion(0.045, costs)
+    assert abs(result.decode_seconds - 0.030) < 1e-9 and abs(result.prefill_seconds - 0.015) < 1e-9
+    apart = IterationResult([], {}, 0.010, 0.030, 10, prefill=work)
+    apart.apportion(0.080, costs)  # measured apart: the worker's own proportion
+    assert abs(apart.decode_seconds - 0.060) < 1e-9 and abs(apart.prefill_seconds - 0.020) < 1e-9

@@ -21,8 +21,11 @@ class ChunkedRun:
     """One engine driven as the scheduler drives it with a budget: prompts taken by
     `enqueue`, then each iteration a decode step and a budgeted `prefill`."""
 
-    def __init__(self, engine: HFGenerationEngine, budget: int | None, first: Sequence[int] = ()) -> None:
-        self.engine, self.budget, self.first = engine, budget, list(first)
+    def __init__(
+        self, engine: HFGenerationEngine, budget: int | None, first: Sequence[int] = (), packed: bool = False
+    ) -> None:
+        """`packed`: each iteration's decode step and prefill as one call (`step_with_prefill`)."""
+        self.engine, self.budget, self.first, self.packed = engine, budget, list(first), packed
         self.tokens: dict[int, list[int]] = {}
         self.cached: dict[int, int] = {}
         self.first_token_call: dict[int, int] = {}  # seq id -> which prefill call gave its first token
@@ -35,9 +38,12 @@ class ChunkedRun:
 
     def step(self, n: int = 1) -> None:
         for _ in range(n):
-            for out in self.engine.step():
+            if self.packed:
+                decoded, done = self.engine.step_with_prefill(self.budget, self.first)
+            else:
+                decoded, done = self.engine.step(), self.engine.prefill(self.budget, self.first)
+            for out in decoded:
                 self.tokens[out.seq_id] += out.token_ids
-            done = self.engine.prefill(self.budget, self.first)
             assert not done.failed
             self.computed.append(done.computed_tokens)
             for out in done.outputs:
@@ -63,10 +69,11 @@ def prompts_of(engine: HFGenerationEngine, tag: str) -> list[list[int]]:
     ]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
 @pytest.mark.parametrize("budget", [16, 45, None])
-def test_chunked_prompts_give_the_tokens_of_whole_prompts_without_a_cache(pair, budget):
+def test_chunked_prompts_give_the_tokens_of_whole_prompts_without_a_cache(pair, budget, packed):
     on, off = pair
-    prompts = prompts_of(on, f"chunk{budget}")
+    prompts = prompts_of(on, f"chunk{budget}{packed}")
 
     def script(r: Run | ChunkedRun) -> None:
         r.add(greedy(1, prompts[0], max_tokens=20), greedy(2, prompts[1]))
@@ -74,7 +81,7 @@ def test_chunked_prompts_give_the_tokens_of_whole_prompts_without_a_cache(pair, 
         r.add(greedy(3, prompts[2]), greedy(4, prompts[3]))
         r.drain()
 
-    chunked, whole = ChunkedRun(on, budget), Run(off)
+    chunked, whole = ChunkedRun(on, budget, packed=packed), Run(off)
     script(chunked)
     script(whole)
     assert chunked.tokens == whole.tokens
@@ -84,20 +91,28 @@ def test_chunked_prompts_give_the_tokens_of_whole_prompts_without_a_cache(pair, 
     assert on.running == 0 and on.kv_tokens == 0
 
 
-def test_a_prompt_sharing_a_prefix_with_one_prefilling_waits_and_takes_it_from_the_cache(pair):
+@pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
+def test_a_prompt_sharing_a_prefix_with_one_prefilling_waits_and_takes_it_from_the_cache(pair, packed):
     on, off = pair
-    system = system_prompt(on, "wait", words=120)
+    system = system_prompt(on, f"wait{packed}", words=120)
     a, b = system + turn(on, " one"), system + turn(on, " two")
-    chunked = ChunkedRun(on, budget=48)
+    chunked = ChunkedRun(on, budget=48, packed=packed)
+    beside = turn(on, "beside") if packed else []
+    if packed:  # a row decoding, so the chunks run packed beside it
+        chunked.add(greedy(9, beside, max_tokens=40))
+        chunked.step()
     chunked.add(greedy(1, a), greedy(2, b))
     chunked.drain()
     whole = Run(off)
+    if packed:
+        whole.add(greedy(9, beside, max_tokens=40))
+        whole.step()
     whole.add(greedy(1, a), greedy(2, b))
     whole.drain()
     assert chunked.tokens == whole.tokens
     assert chunked.cached[1] == 0 and chunked.cached[2] >= len(system) // BLOCK * BLOCK
     # The shared prefix was computed once: everything fed is a and the part of b past it.
-    assert sum(chunked.computed) == len(a) + len(b) - chunked.cached[2]
+    assert sum(chunked.computed) == len(beside) + len(a) + len(b) - chunked.cached[2]
 
 
 def test_first_goes_ahead_of_prompts_that_joined_before_it(engine):
@@ -191,3 +206,90 @@ def test_a_failure_keeping_one_prompts_kv_fails_it_alone(pair, monkeypatch):
     whole.add(greedy(1, a))
     whole.drain()
     assert run.tokens[1] == whole.tokens[1] and on.running == 0
+
+
+# -- packed steps: the decode rows and the chunks in one forward ---------------------------
+
+
+def test_a_packed_step_is_one_forward_and_gives_the_tokens_of_two(pair, monkeypatch):
+    on, off = pair
+    long_prompt = system_prompt(on, "packedone", words=100)
+    calls = []
+    packed = on._forward.packed
+
+    def count_packed(*args):
+        calls.append("packed")
+        return packed(*args)
+
+    monkeypatch.setattr(on._forward, "packed", count_packed)
+    run = ChunkedRun(on, budget=40, packed=True)
+    run.add(greedy(1, turn(on, "decoding"), max_tokens=30))
+    run.step()  # nothing decodes yet: a prefill alone
+    assert calls == []
+    run.add(greedy(2, long_prompt))
+    run.step()
+    assert calls == ["packed"] and run.computed[-1] == 40  # the chunk rode in the decode step's forward
+    run.drain()
+    assert on.running == 0
+    whole = Run(off)
+    whole.add(greedy(1, turn(on, "decoding"), max_tokens=30))
+    whole.step()
+    whole.add(greedy(2, long_prompt))
+    whole.drain()
+    assert run.tokens == whole.tokens
+
+
+def test_a_packed_forward_that_fails_runs_apart_and_fails_only_the_bad_prompt(pair, monkeypatch):
+    on, off = pair
+    good, bad = system_prompt(on, "packgood", words=40), system_prompt(on, "packbad", words=40)
+    extend = on._prefiller.extend
+
+    def failing_packed(*args):
+        raise RuntimeError("out of memory")
+
+    def failing_extend(prompts, hits):
+        if any(p[:20] == bad[:20] for p in prompts):
+            raise RuntimeError("out of memory")
+        return extend(prompts, hits)
+
+    on.add([greedy(1, turn(on, "running"), max_tokens=12)])
+    on.enqueue([greedy(2, good, max_tokens=4), greedy(3, bad, max_tokens=4)])
+    monkeypatch.setattr(on._forward, "packed", failing_packed)
+    monkeypatch.setattr(on._prefiller, "extend", failing_extend)
+    decoded, done = on.step_with_prefill(None)
+    assert [out.seq_id for out in decoded] == [1] and decoded[0].token_ids
+    assert list(done.failed) == [3] and [out.seq_id for out in done.outputs] == [2]
+    assert sorted(on.running_ids) == [1, 2]
+    monkeypatch.undo()
+    run = ChunkedRun(on, budget=None, packed=True)
+    run.tokens = {1: [], 2: list(done.outputs[0].token_ids)}
+    run.drain()
+    whole = Run(off)
+    whole.add(greedy(2, good, max_tokens=4))
+    whole.drain()
+    assert run.tokens[2] == whole.tokens[2] and on.running == 0
+
+
+def test_removed_while_prefilling_in_packed_steps(engine):
+    engine.add([greedy(1, turn(engine, "staying"), max_tokens=20)])
+    engine.enqueue([greedy(2, system_prompt(engine, "packremoved", words=150))])
+    engine.step_with_prefill(32)
+    assert engine.prefilling == 1 and engine.kv_tokens > 0
+    engine.remove([2])
+    decoded, done = engine.step_with_prefill(32)
+    assert [out.seq_id for out in decoded] == [1] and not done.rows and not done.outputs
+    engine.remove([1])
+    assert engine.running == 0 and engine.kv_tokens == 0
+
+
+def test_packed_steps_off_runs_two_forwards(tiny_chat_dir, monkeypatch):
+    apart = HFGenerationEngine(str(tiny_chat_dir), max_running=4, packed_steps=False)
+
+    def never(*args):
+        raise AssertionError("packed steps are off")
+
+    monkeypatch.setattr(apart._forward, "packed", never)
+    apart.add([greedy(1, turn(apart, "one"), max_tokens=5)])
+    apart.enqueue([greedy(2, turn(apart, "two"), max_tokens=5)])
+    decoded, done = apart.step_with_prefill(None)
+    assert [out.seq_id for out in decoded] == [1] and [out.seq_id for out in done.outputs] == [2]
