@@ -21,7 +21,7 @@ import torch
 
 from .base import PrefillStep
 from .kv import RunningBatch
-from .packed import PackedPlan, Segment
+from .packed import PackedPlan, Segment, Sharing
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import chain_keys
 
@@ -145,12 +145,13 @@ class PendingPrefills(Generic[Row]):
             return self.run_isolated(chunks[:mid], step) + self.run_isolated(chunks[mid:], step)
 
     def pack(
-        self, batch: RunningBatch, last: list[tuple[int, int]], chunks: Sequence[Chunk[Row]]
+        self, batch: RunningBatch, last: list[tuple[int, int]], chunks: Sequence[Chunk[Row]], sharing: Sharing
     ) -> tuple[torch.Tensor, torch.Tensor, PackedPlan, torch.Tensor]:
         """A packed forward (engine/packed.py) of one token of each row of `batch` ((token,
         position) each, in `last`) and then `chunks`: its input ids and position ids [1,
-        tokens], its plan, and the indices of the tokens whose logits it needs (each row's,
-        each completing chunk's last). Opens the batch's next column for the rows."""
+        tokens], its plan (the rows' shared prefixes `sharing`), and the indices of the tokens
+        whose logits it needs (each row's, each completing chunk's last). Opens the batch's
+        next column for the rows."""
         mask = batch.decode_mask()  # may grow or compact the buffers: read them after
         slots = [(layer.keys, layer.values) for layer in batch.layers]
         segments = packed_segments(chunks, len(last), slots[0][0], len(slots))
@@ -159,7 +160,7 @@ class PendingPrefills(Generic[Row]):
             ids += c.pending.prompt[c.start : c.end]
             positions += range(c.start, c.end)
         ends = [g.offset + g.tokens - 1 for g, c in zip(segments, chunks, strict=True) if c.completes]
-        plan = PackedPlan(len(last), slots, batch.start, batch.end, mask.bool()[:, None, None, :], segments)
+        plan = PackedPlan(len(last), slots, batch.start, batch.end, mask.bool()[:, None, None, :], segments, *sharing)
         return torch.tensor([ids]), torch.tensor([positions]), plan, torch.tensor(list(range(len(last))) + ends)
 
     def packed_done(self, chunks: Sequence[Chunk[Row]], step: PrefillStep) -> None:

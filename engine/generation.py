@@ -30,7 +30,7 @@ from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
 from .grammar import GrammarCache
 from .kv import RunningBatch
-from .packed import install
+from .packed import PrefixSharing, Sharing, install
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .sequence import NextTokens, RunningSequence
@@ -95,6 +95,7 @@ class HFGenerationEngine:
         # Packed steps keep a chunk's KV in one buffer across layers, as the prefix cache
         # does, and need the model's attention to be SDPA (engine/packed.py).
         self._packed = packed_steps and uniform and install(self.model)
+        self._sharing = PrefixSharing()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller)
         log.info(
@@ -158,9 +159,10 @@ class HFGenerationEngine:
         A prompt that is empty or leaves no room in max_context finishes with "length" and
         no tokens: the protocol has no per-item error, and it must not fail its batch mates.
         """
-        self._check_admission(requests)
-        admitted = [r for r in requests if self._fits(r)]
-        outputs = {r.seq_id: StepOutput(r.seq_id, [], "", FINISH_LENGTH) for r in requests if not self._fits(r)}
+        fits = _admissible(requests, self.running_ids, self.max_running, self.max_context)
+        admitted = [r for r, ok in zip(requests, fits, strict=True) if ok]
+        refused = [r for r, ok in zip(requests, fits, strict=True) if not ok]
+        outputs = {r.seq_id: StepOutput(r.seq_id, [], "", FINISH_LENGTH) for r in refused}
         if admitted:
             outputs.update((o.seq_id, o) for o in self._prefill(admitted))
         return [outputs[r.seq_id] for r in requests]
@@ -169,10 +171,10 @@ class HFGenerationEngine:
         """Take `requests` for token-budgeted prefill (`prefill`), computing nothing yet:
         one output each, with no token. A prompt that `add` would finish at once finishes
         here the same way; the others are prefilling until `prefill` gives their first token."""
-        self._check_admission(requests)
+        fits = _admissible(requests, self.running_ids, self.max_running, self.max_context)
         outputs = []
-        for r in requests:
-            if self._fits(r):
+        for r, ok in zip(requests, fits, strict=True):
+            if ok:
                 self._pending.add(r.seq_id, r.prompt_ids, self._new_sequence(r))
                 outputs.append(StepOutput(r.seq_id, [], ""))
             else:
@@ -212,7 +214,7 @@ class HFGenerationEngine:
                 return self._packed_step(chunks, result), result
             except Exception:
                 log.exception("packed step of %s failed; running its decode rows and chunks apart", self.name)
-            decoded = self._decode_step()
+            decoded = self._decode_step(packed=False)
             self._run_chunks(chunks, result)
             return decoded, result
 
@@ -239,10 +241,13 @@ class HFGenerationEngine:
         for group, done in self._pending.run_isolated(chunks, result):
             self._first_tokens(group, done, result)
 
-    def _decode_step(self) -> list[StepOutput]:
+    def _decode_step(self, packed: bool = True) -> list[StepOutput]:
+        """One token of every row: packed where rows share a prefix (engine/packed.py)."""
         batch = self._batch
         if not batch.seqs:
             return []
+        if packed and self._packed and (sharing := self._sharing.plan(batch.seqs, batch.end))[0]:
+            return self._packed_step([], PrefillStep(), sharing)
         input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)
         positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
         mask = batch.decode_mask()
@@ -258,13 +263,16 @@ class HFGenerationEngine:
             self._batch.drop(finished)
         return outputs
 
-    def _packed_step(self, chunks: list[Chunk[RunningSequence]], result: PrefillStep) -> list[StepOutput]:
+    def _packed_step(
+        self, chunks: list[Chunk[RunningSequence]], result: PrefillStep, sharing: Sharing | None = None
+    ) -> list[StepOutput]:
         """One forward over one token of every running row and every chunk (the rows'
         column written and the batch advanced only if it succeeds); then the rows' tokens,
         and each finished prompt's first token, those that go on joining the running rows."""
         batch = self._batch
         last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
-        ids, positions, plan, keep = self._pending.pack(batch, last, chunks)
+        sharing = sharing or self._sharing.plan(batch.seqs, batch.end)
+        ids, positions, plan, keep = self._pending.pack(batch, last, chunks, sharing)
         device = self.device
         logits = self._forward.packed(ids.to(device), positions.to(device), plan, keep.to(device))
         batch.advance()
@@ -291,22 +299,6 @@ class HFGenerationEngine:
             self._batch.drop(leaving)
 
     # -- internals -------------------------------------------------------------------
-
-    def _fits(self, request: SequenceRequest) -> bool:
-        n = len(request.prompt_ids)
-        return 0 < n < self.max_context and request.params.max_tokens > 0
-
-    def _check_admission(self, requests: Sequence[SequenceRequest]) -> None:
-        """Caller bugs fail the whole call, before any state changes."""
-        ids = [r.seq_id for r in requests]
-        clash = set(ids) & set(self.running_ids)
-        if clash or len(set(ids)) != len(ids):
-            raise ValueError(f"duplicate seq_id(s): {sorted(clash) or ids}")
-        admitted = sum(1 for r in requests if self._fits(r))
-        if self.running + admitted > self.max_running:
-            raise ValueError(
-                f"admitting {admitted} would exceed max_running={self.max_running} ({self.running} running)"
-            )
 
     def _first_tokens(self, chunks: list[Chunk[RunningSequence]], done: Prefilled, result: PrefillStep) -> None:
         """The prompts whose last chunk ran in `done` sample their first token and join the
@@ -340,6 +332,22 @@ class HFGenerationEngine:
 
     def _new_sequence(self, request: SequenceRequest) -> RunningSequence:
         return RunningSequence.of(request, self._detok, self.grammars)
+
+
+def _admissible(
+    requests: Sequence[SequenceRequest], running: list[int], max_running: int, max_context: int
+) -> list[bool]:
+    """Whether each request can run (a prompt that is empty or leaves no room in
+    `max_context`, or asks no tokens, cannot: it finishes at once); caller bugs (a seq_id
+    running or repeated, more than `max_running`) fail the whole call, before any state changes."""
+    ids = [r.seq_id for r in requests]
+    clash = set(ids) & set(running)
+    if clash or len(set(ids)) != len(ids):
+        raise ValueError(f"duplicate seq_id(s): {sorted(clash) or ids}")
+    fits = [0 < len(r.prompt_ids) < max_context and r.params.max_tokens > 0 for r in requests]
+    if len(running) + sum(fits) > max_running:
+        raise ValueError(f"admitting {sum(fits)} would exceed max_running={max_running} ({len(running)} running)")
+    return fits
 
 
 def _load(path: str, device: torch.device, dtype: str | None, trust_remote_code: bool) -> tuple[Any, Any]:

@@ -17,13 +17,18 @@ as the forward's `ferry_plan` keyword, which transformers passes down to attenti
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, cast
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 IMPLEMENTATION = "ferry"  # the attention implementation name models are switched to
+SHARE_BLOCK = 16  # prefixes are shared in whole blocks of this many prompt tokens
+MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a product of their own
+MAX_GROUPS = 8  # more groups than this: each row attends over all of itself, as usual
 
 
 @dataclass(slots=True)
@@ -43,6 +48,17 @@ class Segment:
 
 
 @dataclass(slots=True)
+class SharedPrefix:
+    """Decode rows `rows` (indices) start with the same `tokens` tokens, whose keys and values
+    row `source` holds from column `column` of the running batch."""
+
+    rows: torch.Tensor
+    source: int
+    column: int
+    tokens: int
+
+
+@dataclass(slots=True)
 class PackedPlan:
     """Where each token of a packed forward belongs: the first `rows` tokens are one token
     of each running row (written at column `column` of the running batch's `slots`, rows
@@ -55,6 +71,10 @@ class PackedPlan:
     column: int
     decode_mask: torch.Tensor | None
     segments: list[Segment]
+    # Shared-prefix attention (`shared_prefix_attention`): the groups, and each decode row's
+    # first column of its own part (after its group's prefix, or its first token).
+    shared: list[SharedPrefix] = field(default_factory=list)
+    own_start: torch.Tensor | None = None
 
     @property
     def layers(self) -> int:
@@ -115,7 +135,10 @@ def packed_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     plan, i = ferry_plan, cast(int, module.layer_idx)
     parts = []
-    if plan.rows:
+    if plan.rows and plan.shared:
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        parts.append(shared_prefix_attention(query[0, :, : plan.rows].transpose(0, 1), plan, i, scaling)[None])
+    elif plan.rows:
         keys, values = plan.slots[i]
         cols = slice(plan.lo, plan.column + 1)
         q = query[0, :, : plan.rows].transpose(0, 1).unsqueeze(2)  # [rows, heads, 1, head_dim]
@@ -129,6 +152,110 @@ def packed_attention(
         out, _ = sdpa_attention_forward(module, q, k, v, plan.chunk_mask(s, query.device), **kwargs)
         parts.append(out)
     return torch.cat(parts, dim=1), None
+
+
+def shared_prefix_attention(query: torch.Tensor, plan: PackedPlan, layer: int, scaling: float) -> torch.Tensor:
+    """Decode attention [rows, heads, head_dim] of one query per row, where groups of rows
+    start with the same prefix (a shared system prompt): each group's queries meet the
+    prefix's keys once, as one matrix product over one copy of it, and each row's own part
+    (the rest of its tokens) is attended over a window as narrow as the rows' own parts;
+    the two softmaxes are merged by their maxima and sums. Without it every row reads its
+    own copy of the prefix at every step: at 32 rows of 700 tokens, most of a step's time."""
+    keys, values = plan.slots[layer]
+    rows, heads, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads  # query heads per KV head
+    assert plan.own_start is not None and plan.decode_mask is not None
+    lo, hi = int(plan.own_start.min()), plan.column + 1
+    q = query.reshape(rows, kv_heads, group, dim).float()
+    # Own parts: [rows, kv_heads, group, window], columns before a row's own start masked.
+    scores = torch.matmul(q, keys[:rows, :, lo:hi].transpose(-1, -2).float()) * scaling
+    cols = torch.arange(lo, hi, device=query.device)
+    allowed = (cols[None, :] >= plan.own_start[:, None]) & plan.decode_mask[:, 0, 0, lo - plan.lo :]
+    scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - top)
+    total = weights.sum(-1, keepdim=True)
+    out = torch.matmul(weights, values[:rows, :, lo:hi].float())
+    for g in plan.shared:
+        n = len(g.rows)
+        cached = slice(g.column, g.column + g.tokens)
+        # [kv_heads, n x group, dim] against [kv_heads, tokens, dim]: one product per KV head.
+        qg = q.index_select(0, g.rows).transpose(0, 1).reshape(kv_heads, n * group, dim)
+        s = torch.matmul(qg, keys[g.source, :, cached].transpose(-1, -2).float()) * scaling
+        top_g = s.amax(-1, keepdim=True)
+        w = torch.exp(s - top_g)
+        total_g, out_g = w.sum(-1, keepdim=True), torch.matmul(w, values[g.source, :, cached].float())
+
+        # [kv_heads, n x group, x] -> [n, kv_heads, group, x]
+        top_g, total_g, out_g = (t.reshape(kv_heads, n, group, -1).transpose(0, 1) for t in (top_g, total_g, out_g))
+        top_r = top.index_select(0, g.rows)
+        both = torch.maximum(top_g, top_r)
+        a, b = torch.exp(top_g - both), torch.exp(top_r - both)
+        out.index_copy_(0, g.rows, out_g * a + out.index_select(0, g.rows) * b)
+        total.index_copy_(0, g.rows, total_g * a + total.index_select(0, g.rows) * b)
+        top.index_copy_(0, g.rows, both)
+    return (out / total).reshape(rows, heads, dim).to(query.dtype)
+
+
+Sharing = tuple[list[SharedPrefix], torch.Tensor | None]  # the groups, and each row's own start
+
+
+class SharingRow(Protocol):  # engine/sequence.py's RunningSequence
+    seq_id: int
+    chain: list[bytes]  # its prompt's block keys (engine/prefix_cache.py's chain_keys)
+
+    @property
+    def total_tokens(self) -> int: ...
+
+
+class PrefixSharing:
+    """Which running rows start with the same prompt prefix (`prefix_groups`), recomputed only
+    when the rows change, as the plan of a shared-prefix attention step."""
+
+    def __init__(self) -> None:
+        self._rows: tuple[tuple[int, bytes], ...] = ()
+        self._groups: list[tuple[list[int], int]] = []
+
+    def plan(self, seqs: Sequence[SharingRow], column: int) -> Sharing:
+        """The running rows in batch order, right-aligned to end before `column`: the groups,
+        and each row's first column after its group's prefix (or its first column); ([],
+        None) if no sharing pays."""
+        # A chain's last key names its whole prefix: the groups change only with these.
+        key = tuple((s.seq_id, s.chain[-1] if s.chain else b"") for s in seqs)
+        if key != self._rows:
+            self._rows, self._groups = key, prefix_groups([s.chain for s in seqs])
+        if not self._groups:
+            return [], None
+        first = [column - (s.total_tokens - 1) for s in seqs]  # the cache holds all but the last token
+        own = list(first)
+        shared = []
+        for members, blocks in self._groups:
+            tokens = blocks * SHARE_BLOCK
+            for r in members:
+                own[r] += tokens
+            shared.append(SharedPrefix(torch.tensor(members), members[0], first[members[0]], tokens))
+        return shared, torch.tensor(own)
+
+
+def prefix_groups(chains: list[list[bytes]]) -> list[tuple[list[int], int]]:
+    """Rows grouped by the deepest prompt block each shares with another row (blocks keyed as
+    the prefix cache keys them: one key names the whole prefix up to it), as (rows, blocks);
+    [] unless at least half the rows share MIN_SHARED_BLOCKS or more, in at most MAX_GROUPS
+    groups (a row sharing less than its neighbours may form a group of its own)."""
+    counts = Counter(key for chain in chains for key in chain)
+    groups: dict[bytes, tuple[list[int], int]] = {}
+    for row, chain in enumerate(chains):
+        depth = 0
+        while depth < len(chain) and counts[chain[depth]] > 1:
+            depth += 1
+        if depth >= MIN_SHARED_BLOCKS:
+            groups.setdefault(chain[depth - 1], ([], depth))[0].append(row)
+    found = list(groups.values())
+    shared_rows = sum(len(rows) for rows, _ in found if len(rows) > 1)
+    if len(found) > MAX_GROUPS or 2 * shared_rows < len(chains):
+        return []
+    return found
 
 
 def install(model: Any) -> bool:

@@ -15,6 +15,8 @@ from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceTex
 from .forward import CausalForward
 from .grammar import GrammarCache, RowMasks
 from .logits import LogitRules, apply_rules
+from .packed import SHARE_BLOCK
+from .prefix_cache import chain_keys
 from .prompt_logprobs import prompt_logprobs
 from .sampling import SequenceSampler, sample_next_tokens, token_logprobs
 
@@ -84,6 +86,7 @@ class RunningSequence:
     rules: LogitRules | None = None  # bias, min_tokens, penalties (engine/logits.py)
     tokens: list[int] = field(default_factory=list)
     scored: list[int] | None = None  # its prompt, kept where its params ask for the prompt's log probabilities
+    chain: list[bytes] = field(default_factory=list)  # its prompt's block keys, for shared-prefix attention
 
     @classmethod
     def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache) -> RunningSequence:
@@ -98,6 +101,8 @@ class RunningSequence:
             text=SequenceText(detok, request.prompt_ids, params.stop) if params.detokenize else None,
             matcher=grammars.matcher(params.json_schema) if params.json_schema is not None else None,
             scored=list(request.prompt_ids) if params.prompt_logprobs is not None else None,
+            # Whole blocks before its last prompt token, as the prefix cache would key them.
+            chain=chain_keys(request.prompt_ids, SHARE_BLOCK, max(len(request.prompt_ids) - 1, 0) // SHARE_BLOCK),
         )
 
     def score_prompt(self, forward: CausalForward) -> list[TokenLogprob | None] | None:

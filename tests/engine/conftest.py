@@ -74,9 +74,10 @@ def model_path(request, tiny_chat_dir: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def pair(model_path: Path) -> Iterator[tuple[HFGenerationEngine, HFGenerationEngine]]:
-    """(cache on, cache off) engines of one model."""
+    """(cache on, cache off) engines of one model; the cache-off one runs its steps apart
+    (`packed_steps=False`), so it is the plain decode that packed steps are checked against."""
     on = HFGenerationEngine(str(model_path), max_running=16, prefix_block=BLOCK)
-    off = HFGenerationEngine(str(model_path), max_running=16, prefix_caching=False)
+    off = HFGenerationEngine(str(model_path), max_running=16, prefix_caching=False, packed_steps=False)
     yield on, off
     for engine in (on, off):
         engine.remove(engine.running_ids)
