@@ -1,6 +1,7 @@
 """Per-slot KV buffers for continuous batching: every running sequence owns one row.
 
-Buffers are preallocated [slots, kv_heads, capacity, head_dim] per attention layer. Rows
+Buffers are [rows, kv_heads, capacity, head_dim] per attention layer, grown (doubling) with
+the running rows and the longest row's length, up to the most rows it may hold. Rows
 are right-aligned at a shared write column and left-padded, so a decode step writes one
 column in place and attends over a view of the used columns; joining copies only the
 newcomers' prefill cache, leaving copies only the rows that move. A `RunningBatch`
@@ -65,11 +66,12 @@ class RunningBatch(Generic[Row]):
     """
 
     def __init__(self, slots: int) -> None:
-        self.slots = slots
+        self.slots = slots  # the most rows it may hold
+        self.allocated = 0  # rows its buffers have room for: grown with the running rows
         self.seqs: list[Row] = []
         self.start = self.end = 0
-        # [slots, capacity], 1 = real token; no columns until the first admission allocates.
-        self.mask = torch.zeros((slots, 0), dtype=torch.int64)
+        # [allocated, capacity], 1 = real token; nothing until the first admission allocates.
+        self.mask = torch.zeros((0, 0), dtype=torch.int64)
         self.layers: list[SlotLayer] = []
         self.cache: Cache | None = None  # transformers Cache over `layers`
 
@@ -109,14 +111,14 @@ class RunningBatch(Generic[Row]):
         seqs = [seqs[i] for i in alive]
         width = mask.shape[1]
         if self.cache is None:
-            self._allocate(layers, max(256, 2 * width), mask.dtype)
+            self._allocate(layers, max(256, 2 * width), mask.dtype, self._rows_for(len(seqs)))
         if not self.seqs:
             self.start = self.end = 0
         # Newcomers end at column `end` like everyone else: the span after joining is the
         # wider of the two, plus one column for the next decode step.
         span = max(self.width, width)
-        if span + 1 > self.capacity:
-            self._grow(span + 1)
+        if span + 1 > self.capacity or self.rows + len(seqs) > self.allocated:
+            self._grow(span + 1, self.rows + len(seqs))
         if self.end < width or self.end + 1 > self.capacity:
             self._move_columns(span - self.width)
         lo, hi, first = self.end - width, self.end, self.rows
@@ -159,13 +161,20 @@ class RunningBatch(Generic[Row]):
 
     # -- buffers ---------------------------------------------------------------------
 
-    def _allocate(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype) -> None:
+    def _rows_for(self, rows: int) -> int:
+        """Rows to allocate for `rows` running: the next power of two from 8, at most `slots`,
+        so memory follows the running rows rather than the most there may be."""
+        return min(self.slots, max(8, 1 << (rows - 1).bit_length()))
+
+    def _allocate(
+        self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], capacity: int, dtype: torch.dtype, rows: int
+    ) -> None:
         self.layers = [
-            SlotLayer(self, slot_buffer(k, self.slots, capacity), slot_buffer(v, self.slots, capacity))
-            for k, v in layers
+            SlotLayer(self, slot_buffer(k, rows, capacity), slot_buffer(v, rows, capacity)) for k, v in layers
         ]
-        self.mask = torch.zeros((self.slots, capacity), dtype=dtype, device=layers[0][0].device)
+        self.mask = torch.zeros((rows, capacity), dtype=dtype, device=layers[0][0].device)
         self.cache = Cache(layers=[*self.layers])
+        self.allocated = rows
 
     def _ensure_room(self, needed: int) -> None:
         """Make columns [start, start + needed) fit: compact to the left, else grow.
@@ -180,22 +189,25 @@ class RunningBatch(Generic[Row]):
         else:
             self._grow(needed)
 
-    def _grow(self, needed: int) -> None:
-        capacity = max(2 * self.capacity, needed + needed // 2)
-        width, cols = self.width, slice(self.start, self.end)
-        grown_mask = self.mask.new_zeros((self.slots, capacity))
-        grown_mask[:, :width] = self.mask[:, cols]
+    def _grow(self, needed: int, rows: int = 0) -> None:
+        """Room for `needed` columns (doubling) and `rows` rows (`_rows_for`), the running
+        rows' cached columns moved to the left."""
+        capacity = self.capacity if needed <= self.capacity else max(2 * self.capacity, needed + needed // 2)
+        allocated = self._rows_for(rows) if rows > self.allocated else self.allocated
+        width, cols, used = self.width, slice(self.start, self.end), self.rows
+        grown_mask = self.mask.new_zeros((allocated, capacity))
+        grown_mask[:used, :width] = self.mask[:used, cols]
 
         def regrown(old: torch.Tensor) -> torch.Tensor:
-            new = slot_buffer(old, self.slots, capacity)
-            new[:, :, :width] = old[:, :, cols]
+            new = slot_buffer(old, allocated, capacity)
+            new[:used, :, :width] = old[:used, :, cols]
             return new
 
         grown = [(regrown(layer.keys), regrown(layer.values)) for layer in self.layers]
         # Allocated and copied first: an OOM above leaves the batch as it was.
         for layer, (keys, values) in zip(self.layers, grown, strict=True):
             layer.keys, layer.values = keys, values
-        self.mask = grown_mask
+        self.mask, self.allocated = grown_mask, allocated
         self.start, self.end = 0, width
 
     def _move_columns(self, new_start: int) -> None:

@@ -28,6 +28,7 @@ ALLOWED: dict[str, set[str]] = {
         "loadtests/bench_replicas.py",
         "loadtests/gpu_check.py",
         "loadtests/lm_eval_check.py",
+        "loadtests/padding_free.py",
         "loadtests/bench_metrics_scrape.py",
         "loadtests/sim_priority.py",
         "loadtests/ui_screenshot.py",

@@ -132,3 +132,26 @@ def test_churn_through_compaction_and_growth_keeps_every_row_exact():
         starts.add(batch.start)
     assert len(capacities) > 1, "the 400-token prompt should have grown the buffers"
     assert max(starts) > 0 and min(starts) == 0, "the write column should have wrapped by compaction"
+
+
+def test_buffers_grow_with_the_running_rows_not_the_most_there_may_be():
+    batch: RunningBatch[int] = RunningBatch(slots=64)
+    lengths: dict[int, int] = {}
+    for seq in range(1, 4):
+        layers, mask = prefill({seq: 5 + seq})
+        batch.admit(layers, mask, [seq], [0])
+        lengths[seq] = 5 + seq
+    assert batch.allocated == 8 and batch.cache is not None
+    assert batch.cache.layers[0].keys.shape[0] == 8  # not 64
+    decode(batch, lengths)
+    for seq in range(4, 21):  # past 8 and 16 rows: grown twice, every row kept exact
+        layers, mask = prefill({seq: 3 + seq % 5})
+        batch.admit(layers, mask, [seq], [0])
+        lengths[seq] = 3 + seq % 5
+        decode(batch, lengths)
+        assert_rows_exact(batch, lengths)
+    assert batch.allocated == 32 and batch.mask.shape[0] == 32
+    many: RunningBatch[int] = RunningBatch(slots=12)
+    layers, mask = prefill(dict.fromkeys(range(100, 112), 4))
+    many.admit(layers, mask, list(range(100, 112)), list(range(12)))
+    assert many.allocated == 12  # never more than its slots
