@@ -105,7 +105,7 @@ def main() -> None:
         for b in (batches[0], batches[len(batches) // 2], batches[-1]):
             rows = [ids[i] for i in b]
             results = [r for r in graph.embed(rows) if isinstance(r, EmbeddingResult)]
-            want = torch.stack([torch.from_numpy(r.vector) for r in results])  # type: ignore[arg-type]
+            want = torch.stack([torch.from_numpy(r.vector) for r in results])
             assert torch.allclose(packed.embed(rows), want, atol=1e-4), "packed embeddings differ"
         runs: dict[str, list[float]] = {"padded": [], "padded eager": [], "packed": []}
         for _ in range(a.repeats):
