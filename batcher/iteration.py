@@ -185,12 +185,12 @@ def _chunked_iteration(
     outputs = [result for _, result in taken if result.finish_reason is not None]  # refused outright: ends now
     t1 = time.perf_counter()
     packed = False
-    if decode and engine.running and isinstance(engine, PackingEngine):
+    if decode and engine.running and isinstance(engine, PackingEngine) and engine.packs_steps:
         # One forward for both: its time counts as the decode step's, shared out by `apportion`.
         stepped, done = engine.step_with_prefill(chunking.budget, chunking.first)
         decoded = list(stepped)
         t2 = t3 = time.perf_counter()
-        packed = done.rows > 0
+        packed = done.rows > 0  # timed as one: shared out by the cost models
     else:
         decoded = list(engine.step()) if decode and engine.running else []
         t2 = time.perf_counter()

@@ -150,7 +150,10 @@ class ChunkingEngine(SteppingEngine, Protocol):
 class PackingEngine(ChunkingEngine, Protocol):
     """A `ChunkingEngine` that can run a decode step and a budgeted prefill in one forward
     (packed steps): `step_with_prefill(budget, first)` is `step()` then `prefill(budget,
-    first)`, their outputs, with the step's work shared."""
+    first)`, their outputs, with the step's work shared; `packs_steps` False: it would run
+    them apart (the batcher then calls them apart, to time each)."""
+
+    packs_steps: bool
 
     def step_with_prefill(
         self, budget: int | None = None, first: Sequence[int] = ()

@@ -145,13 +145,18 @@ class PendingPrefills(Generic[Row]):
             return self.run_isolated(chunks[:mid], step) + self.run_isolated(chunks[mid:], step)
 
     def pack(
-        self, batch: RunningBatch, last: list[tuple[int, int]], chunks: Sequence[Chunk[Row]], sharing: Sharing
+        self,
+        batch: RunningBatch,
+        last: list[tuple[int, int]],
+        chunks: Sequence[Chunk[Row]],
+        sharing: Sharing,
+        device: torch.device,
     ) -> tuple[torch.Tensor, torch.Tensor, PackedPlan, torch.Tensor]:
         """A packed forward (engine/packed.py) of one token of each row of `batch` ((token,
         position) each, in `last`) and then `chunks`: its input ids and position ids [1,
         tokens], its plan (the rows' shared prefixes `sharing`), and the indices of the tokens
-        whose logits it needs (each row's, each completing chunk's last). Opens the batch's
-        next column for the rows."""
+        whose logits it needs (each row's, each completing chunk's last), on `device`. Opens
+        the batch's next column for the rows."""
         mask = batch.decode_mask()  # may grow or compact the buffers: read them after
         slots = [(layer.keys, layer.values) for layer in batch.layers]
         segments = packed_segments(chunks, len(last), slots[0][0], len(slots))
@@ -161,7 +166,8 @@ class PendingPrefills(Generic[Row]):
             positions += range(c.start, c.end)
         ends = [g.offset + g.tokens - 1 for g, c in zip(segments, chunks, strict=True) if c.completes]
         plan = PackedPlan(len(last), slots, batch.start, batch.end, mask.bool()[:, None, None, :], segments, *sharing)
-        return torch.tensor([ids]), torch.tensor([positions]), plan, torch.tensor(list(range(len(last))) + ends)
+        keep = list(range(len(last))) + ends
+        return _tensor([ids], device), _tensor([positions], device), plan, _tensor(keep, device)
 
     def packed_done(self, chunks: Sequence[Chunk[Row]], step: PrefillStep) -> None:
         """After a packed forward over `chunks` (`packed_segments`) succeeded: every full
@@ -202,6 +208,10 @@ class PendingPrefills(Generic[Row]):
         step.padded_tokens += len(chunks) * max(c.tokens for c in chunks)
         step.computed_tokens += sum(c.tokens for c in chunks)
         return done
+
+
+def _tensor(data: list, device: torch.device) -> torch.Tensor:
+    return torch.tensor(data, device=device)
 
 
 def packed_segments(chunks: Sequence[Chunk], offset: int, like: torch.Tensor, layers: int) -> list[Segment]:

@@ -396,20 +396,22 @@ class FakeChunkingEngine(FakeGenerationEngine):
         self._sleep()
         return done
 
+    def remove(self, seq_ids) -> None:
+        super().remove(seq_ids)
+        for i in seq_ids:
+            self._waiting.pop(i, None)
+
 
 class FakePackingEngine(FakeChunkingEngine):
     """A FakeChunkingEngine that also runs a decode step and a budgeted prefill as one call,
     as engine/packed.py does (a `PackingEngine`): `step_with_prefill` records ("packed",
     ids decoding) and then the step's and the prefill's own calls."""
 
+    packs_steps = True
+
     def step_with_prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> tuple[list, PrefillStep]:
         self.calls.append(("packed", list(self._seqs)))
         return self.step(), self.prefill(budget, first)
-
-    def remove(self, seq_ids) -> None:
-        super().remove(seq_ids)
-        for i in seq_ids:
-            self._waiting.pop(i, None)
 
 
 class FakeCustomModel:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from .packed import PackedPlan, packed_cache
+from .packed import PackedPlan, Segment, packed_cache
 
 _NO_MASK = torch.ones((1, 1, 1, 1), dtype=torch.bool)
 
@@ -53,6 +53,22 @@ class CausalForward:
             **{self._cache_kwarg: packed_cache(plan, plan.layers, self.device)},
         )
         return out.logits[0]
+
+    def packed_works(self, device: torch.device) -> bool:
+        """Whether a packed forward gives the logits of a plain one on this model (a model
+        that does not pass the forward's keywords down to attention would silently attend
+        over nothing): a 3-token prompt both ways, at load."""
+        ids = torch.tensor([[1, 2, 3]], device=device)
+        positions = torch.arange(3, device=device).unsqueeze(0)
+        with torch.inference_mode():
+            _, cache = self(ids, positions, torch.ones_like(ids), self.new_cache())
+            like = cache.layers[0].keys  # [1, kv_heads, 3, head_dim]
+            kv = like.new_zeros((len(cache.layers), 2, like.shape[1], 3, like.shape[3]))
+            plan = PackedPlan(0, [], 0, 0, None, [Segment(0, 0, 3, kv)])
+            got = self.packed(ids, positions, plan, torch.tensor([2], device=device))[0].float()
+            want = self.all_logits(ids)[0, -1].float()
+        tolerance = 1e-4 if like.dtype == torch.float32 else 5e-2
+        return bool(torch.allclose(got, want, atol=tolerance, rtol=tolerance))
 
     def all_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [rows, len, vocab] at every position of unpadded prompts, no cache (len x

@@ -38,6 +38,7 @@ from .sequence import NextTokens, RunningSequence
 log = logging.getLogger("ferry.engine")
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
+Chunks = list[Chunk[RunningSequence]]
 
 
 class HFGenerationEngine:
@@ -94,7 +95,7 @@ class HFGenerationEngine:
             prefix_cache = None
         # Packed steps keep a chunk's KV in one buffer across layers, as the prefix cache
         # does, and need the model's attention to be SDPA (engine/packed.py).
-        self._packed = packed_steps and uniform and install(self.model)
+        self.packs_steps = packed_steps and uniform and install(self.model) and self._forward.packed_works(self.device)
         self._sharing = PrefixSharing()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller)
@@ -105,7 +106,7 @@ class HFGenerationEngine:
             self.max_context,
             self.max_running,
             f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache else "off",
-            "on" if self._packed else "off",
+            "on" if self.packs_steps else "off",
         )
 
     @classmethod
@@ -203,7 +204,7 @@ class HFGenerationEngine:
         """`step()` then `prefill(budget, first)`, their outputs, in one forward where the model
         allows (engine/packed.py); one that raises runs again as the two, isolating failures
         as they do. If this raises, every sequence the engine held has failed and is dropped."""
-        if not self._packed or not self._batch.seqs or not len(self._pending):
+        if not self.packs_steps or not self._batch.seqs or not len(self._pending):
             return self.step(), self.prefill(budget, first)
         result = PrefillStep()
         with self._all_fail_on_error():
@@ -211,12 +212,13 @@ class HFGenerationEngine:
             if not chunks:
                 return self._decode_step(), result
             try:
-                return self._packed_step(chunks, result), result
-            except Exception:
+                logits = self._packed_forward(chunks)
+            except Exception:  # nothing advanced: run the two apart
                 log.exception("packed step of %s failed; running its decode rows and chunks apart", self.name)
-            decoded = self._decode_step(packed=False)
-            self._run_chunks(chunks, result)
-            return decoded, result
+                decoded = self._decode_step(packed=False)
+                self._run_chunks(chunks, result)
+                return decoded, result
+            return self._packed_outputs(chunks, logits, result), result
 
     @torch.inference_mode()
     def step(self) -> list[StepOutput]:
@@ -246,11 +248,16 @@ class HFGenerationEngine:
         batch = self._batch
         if not batch.seqs:
             return []
-        if packed and self._packed and (sharing := self._sharing.plan(batch.seqs, batch.end))[0]:
-            return self._packed_step([], PrefillStep(), sharing)
+        mask = batch.decode_mask()  # may move the columns: all below reads them after
+        if packed and self.packs_steps and (sharing := self._sharing.plan(batch.seqs, batch.end, self.device))[0]:
+            try:
+                logits = self._packed_forward([], sharing)
+            except Exception:  # nothing advanced: run it plain
+                log.exception("packed decode step of %s failed; running it plain", self.name)
+            else:
+                return self._packed_outputs([], logits, PrefillStep())
         input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)
         positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
-        mask = batch.decode_mask()
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
         return self._decoded(self._next.sample(logits, batch.seqs))
@@ -263,19 +270,20 @@ class HFGenerationEngine:
             self._batch.drop(finished)
         return outputs
 
-    def _packed_step(
-        self, chunks: list[Chunk[RunningSequence]], result: PrefillStep, sharing: Sharing | None = None
-    ) -> list[StepOutput]:
-        """One forward over one token of every running row and every chunk (the rows'
-        column written and the batch advanced only if it succeeds); then the rows' tokens,
-        and each finished prompt's first token, those that go on joining the running rows."""
+    def _packed_forward(self, chunks: Chunks, sharing: Sharing | None = None) -> torch.Tensor:
+        """One forward over one token of every running row and every chunk: the logits of
+        the rows, then of each chunk that ends its prompt; the batch advanced if it succeeds."""
         batch = self._batch
+        batch.decode_mask()  # may move the columns: the plan reads them after
+        sharing = sharing or self._sharing.plan(batch.seqs, batch.end, self.device)
         last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
-        sharing = sharing or self._sharing.plan(batch.seqs, batch.end)
-        ids, positions, plan, keep = self._pending.pack(batch, last, chunks, sharing)
-        device = self.device
-        logits = self._forward.packed(ids.to(device), positions.to(device), plan, keep.to(device))
+        logits = self._forward.packed(*self._pending.pack(batch, last, chunks, sharing, self.device))
         batch.advance()
+        return logits
+
+    def _packed_outputs(self, chunks: Chunks, logits: torch.Tensor, result: PrefillStep) -> list[StepOutput]:
+        """The rows' tokens, then each finished prompt's first token (joining the rows)."""
+        batch = self._batch
         completing = [c for c in chunks if c.completes]
         rows = batch.rows
         tokens = self._next.sample(logits, batch.seqs + [c.pending.seq for c in completing])

@@ -217,7 +217,7 @@ class PrefixSharing:
         self._rows: tuple[tuple[int, bytes], ...] = ()
         self._groups: list[tuple[list[int], int]] = []
 
-    def plan(self, seqs: Sequence[SharingRow], column: int) -> Sharing:
+    def plan(self, seqs: Sequence[SharingRow], column: int, device: torch.device) -> Sharing:
         """The running rows in batch order, right-aligned to end before `column`: the groups,
         and each row's first column after its group's prefix (or its first column); ([],
         None) if no sharing pays."""
@@ -234,8 +234,8 @@ class PrefixSharing:
             tokens = blocks * SHARE_BLOCK
             for r in members:
                 own[r] += tokens
-            shared.append(SharedPrefix(torch.tensor(members), members[0], first[members[0]], tokens))
-        return shared, torch.tensor(own)
+            shared.append(SharedPrefix(torch.tensor(members, device=device), members[0], first[members[0]], tokens))
+        return shared, torch.tensor(own, device=device)
 
 
 def prefix_groups(chains: list[list[bytes]]) -> list[tuple[list[int], int]]:

@@ -161,3 +161,19 @@ def test_a_packed_iterations_time_is_shared_out_as_the_cost_models_predict():
     apart = IterationResult([], {}, 0.010, 0.030, 10, prefill=work)
     apart.apportion(0.080, costs)  # measured apart: the worker's own proportion
     assert abs(apart.decode_seconds - 0.060) < 1e-9 and abs(apart.prefill_seconds - 0.020) < 1e-9
+
+
+def test_a_packing_engine_with_packing_off_is_called_apart_and_timed_apart():
+    async def scenario():
+        r = ChunkRig(packing=True, max_batch_tokens=40, max_running=8, max_batch_size=8)
+        r.engine.packs_steps = False
+        await r.sched.start()
+        streams = [r.submit(3, 10) for _ in range(2)]
+        await r.clock.advance(0.05)
+        long = r.submit(100, 2)
+        await r.clock.run_until_idle()
+        assert long.future.result().completion_tokens == 2 and all(s.future.done() for s in streams)
+        assert not any(kind == "packed" for kind, _ in r.engine.calls)
+        await r.sched.stop()
+
+    run(scenario())

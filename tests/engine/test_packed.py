@@ -5,6 +5,7 @@ attention are those of plain decode steps, on the built-in model and on a GQA Ll
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.packed import (
@@ -91,8 +92,8 @@ def test_decode_with_shared_prefixes_gives_the_tokens_of_plain_decode(pair):
     groups = []
     plan = on._sharing.plan
 
-    def spy(seqs, column):
-        out = plan(seqs, column)
+    def spy(seqs, column, device):
+        out = plan(seqs, column, device)
         groups.append(len(out[0]))
         return out
 
@@ -104,3 +105,77 @@ def test_decode_with_shared_prefixes_gives_the_tokens_of_plain_decode(pair):
     script(plain)
     assert shared.tokens == plain.tokens
     assert max(groups) >= 1  # shared-prefix attention ran
+
+
+def test_shared_prefix_attention_holds_when_the_columns_move(pair, monkeypatch):
+    """The write column reaches the buffers' end with rows left behind by a finished one:
+    the step compacts or grows them, and the groups' columns are read after it."""
+    from engine.kv import RunningBatch
+
+    on, off = pair
+    moved = []
+    ensure = RunningBatch._ensure_room
+
+    def spy(self, needed):
+        before = self.start
+        ensure(self, needed)
+        if self.start != before and self is on._batch:
+            moved.append(before)
+
+    monkeypatch.setattr(RunningBatch, "_ensure_room", spy)
+    for engine in (on, off):  # fresh buffers (an earlier test's may be wider than this one needs)
+        engine._batch = RunningBatch(engine.max_running)
+    system = system_prompt(on, "movingcols", words=45)
+    long_own = system + turn(on, " a much longer question " * 12)
+
+    def script(r: Run) -> None:
+        r.add(*(greedy(i, system + turn(on, f" short {i}"), max_tokens=180) for i in (1, 2, 3)))
+        r.add(greedy(4, long_own, max_tokens=3))  # the widest row, gone after three tokens
+        r.drain()
+
+    shared, plain = Run(on), Run(off)
+    script(shared)
+    script(plain)
+    assert moved and max(moved) > 0  # columns moved while rows had been left behind
+    assert shared.tokens == plain.tokens
+
+
+def test_a_failure_after_a_packed_forward_is_not_run_again(pair, monkeypatch):
+    on, _ = pair
+    on.add([greedy(1, turn(on, "running on"), max_tokens=20)])
+    on.enqueue([greedy(2, system_prompt(on, "afterforward", words=30), max_tokens=5)])
+    forwards = []
+    packed = on._forward.packed
+
+    def counting(*args):
+        forwards.append(1)
+        return packed(*args)
+
+    def broken_sample(*args):
+        raise RuntimeError("sampling failed")
+
+    monkeypatch.setattr(on._forward, "packed", counting)
+    monkeypatch.setattr(on._next, "sample", broken_sample)
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        on.step_with_prefill(None)
+    assert forwards == [1]  # not retried apart: the rows had advanced
+    assert on.running == 0 and on.kv_tokens == 0
+
+
+def test_a_model_whose_attention_never_sees_the_plan_runs_its_steps_apart(pair):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from engine.packed import IMPLEMENTATION, packed_attention
+
+    on, _ = pair
+    assert on._forward.packed_works(on.device)
+
+    def deaf(module, query, key, value, attention_mask, ferry_plan=None, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(IMPLEMENTATION, deaf)
+    try:
+        assert not on._forward.packed_works(on.device)
+    finally:
+        AttentionInterface.register(IMPLEMENTATION, packed_attention)
