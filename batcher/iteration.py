@@ -217,7 +217,7 @@ def profile(engine: SteppingEngine, make_request: MakeRequest, prompt: list[int]
         # Every row a different rotation of the prompt: no row shares a prefix with another,
         # here or in an earlier group, so a prefix cache serves none and the seed is what
         # an uncached prompt costs.
-        reqs = [make_request(i, _rotated(prompt, -i), None) for i in ids]
+        reqs = [make_request(i, _rotated(prompt, -i), None, 0) for i in ids]
         t0 = time.perf_counter()
         engine.add(reqs)
         obs.append(("prefill", n, n * len(prompt), time.perf_counter() - t0))

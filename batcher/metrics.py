@@ -206,6 +206,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.preemptions = Counter(
+            "ferry_preemptions_total",
+            "Running sequences preempted because the KV cache was full (kv_cache_mb): recomputed, "
+            "mostly from the prefix cache, when there is room; batch-class sequences yield first.",
+            ["model"],
+            registry=r,
+        )
         self.running = Gauge(
             "ferry_running_sequences",
             "Requests being computed: a chat model's running sequences, an embeddings model's items "
@@ -302,3 +309,4 @@ class Metrics:
         prefix cache keeps its hits at 0)."""
         self.prefix_cache_queries.labels(model)
         self.prefix_cache_hits.labels(model)
+        self.preemptions.labels(model)

@@ -66,8 +66,9 @@ class SequenceStep(Protocol):
 
 
 # Builds the engine's request for one sequence from (seq_id, prompt ids, the payload's
-# params); params None (the scheduler's warm-up) means the engine's defaults.
-MakeRequest = Callable[[int, list[int], Any], PrefillRequest]
+# params, its class: 0 interactive, 1 batch, which yields KV memory first); params None
+# (the scheduler's warm-up) means the engine's defaults.
+MakeRequest = Callable[[int, list[int], Any, int], PrefillRequest]
 
 
 @runtime_checkable

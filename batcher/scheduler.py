@@ -69,6 +69,7 @@ class GenerationScheduler(QueueingBatcher):
         self._slots = Slots(engine, self._running)
         self._delivery = Delivery(model, self.metrics, self._running, self._finish, self._record_slo)
         self.iterations = 0
+        self._preempted = 0  # the engine's preemption count at the last gauge update
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
         self._keep_trace = 1024
 
@@ -231,7 +232,7 @@ class GenerationScheduler(QueueingBatcher):
         """The admitted prompts join the running set. What the engine is handed: their
         prefill requests, the ids to drop, and the ids a decode step runs (none without one)."""
         self._running.join(admitted)
-        requests = [self._make_request(i.id, i.payload.prompt_ids, i.payload.params) for i in admitted]
+        requests = [self._make_request(i.id, i.payload.prompt_ids, i.payload.params, int(i.priority)) for i in admitted]
         removals = self._running.take_removals()
         decoding = self._running.decoding({r.seq_id for r in requests}) if decode else []
         self.iterations += 1
@@ -260,7 +261,7 @@ class GenerationScheduler(QueueingBatcher):
         admission sees their slots; returned, their last outputs still to deliver."""
         for seq_id, cached in result.cached.items():
             joined = self._running.get(seq_id)
-            if joined is not None:
+            if joined is not None and not joined.tokens:  # its first prefill (not one resumed after preemption)
                 joined.cached_tokens = cached
         for seq_id, error in result.failed.items():
             seq = self._running.leave(seq_id)
@@ -322,16 +323,12 @@ class GenerationScheduler(QueueingBatcher):
         m.waiting.labels(self.model).set(len(self.queue))
         m.kv_tokens.labels(self.model).set(self.engine.kv_tokens)
         m.kv_usage.labels(self.model).set(self.kv_usage())
+        last, self._preempted = self._preempted, getattr(self.engine, "preemptions", 0)
+        m.preemptions.labels(self.model).inc(max(0, self._preempted - last))
 
     def kv_usage(self) -> float:
-        """The share of the KV cache this model may use that is in use, 0 to 1: the running
-        rows' cache tokens over the capacity, one full context (`max_context`) for each
-        sequence that may run (`max_running`, bounded by the engine's own slots). 0 for an
-        engine that does not say its context."""
-        context = getattr(self.engine, "max_context", None)
-        if not context:
-            return 0.0
-        return min(1.0, self.engine.kv_tokens / (self._slots.engine_slots(self.settings) * context))
+        """The share of the KV cache this model may use that is in use, 0 to 1 (`Slots.kv_usage`)."""
+        return self._slots.kv_usage(self.settings)
 
     async def warmup(self) -> None:
         """Profile prefill and decode on the real engine to seed both cost models."""

@@ -52,6 +52,18 @@ class Slots:
         """max_running, bounded by the engine's own slot count (it bounds a live PATCH)."""
         return min(s.max_running, getattr(self._engine, "max_running", s.max_running))
 
+    def kv_usage(self, s: BatchingSettings) -> float:
+        """The share of the KV cache the engine may use that is in use, 0 to 1: the running
+        rows' cache tokens over the capacity, the engine's own (`kv_capacity`, its KV
+        budget) where it says it, else one full context (`max_context`) for each sequence
+        that may run (`engine_slots`). 0 for an engine that says neither."""
+        if capacity := getattr(self._engine, "kv_capacity", None):
+            return min(1.0, self._engine.kv_tokens / capacity)
+        context = getattr(self._engine, "max_context", None)
+        if not context:
+            return 0.0
+        return min(1.0, self._engine.kv_tokens / (self.engine_slots(s) * context))
+
     def limit(self, s: BatchingSettings, decode: CostModel) -> int:
         """Most sequences that may run at once: the engine's slots (`engine_slots`), and what
         keeps a decode step under max_itl_ms and under the inter-token target of every

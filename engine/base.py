@@ -71,13 +71,22 @@ class SequenceRequest:
     seq_id: int
     prompt_ids: list[int]
     params: SamplingParams
+    # Lower runs first (the batcher's class: 0 interactive, 1 batch): when KV memory runs
+    # out, running sequences of the highest number yield first, never one of a lower
+    # number to make room for a higher.
+    priority: int = 0
 
 
-def sequence_request(seq_id: int, prompt_ids: list[int], params: SamplingParams | None) -> SequenceRequest:
+def sequence_request(
+    seq_id: int, prompt_ids: list[int], params: SamplingParams | None, priority: int = 0
+) -> SequenceRequest:
     """What the generation scheduler hands the engine for one sequence (its `make_request`);
     no params (the scheduler's warm-up) means 8 greedy tokens."""
     return SequenceRequest(
-        seq_id, list(prompt_ids), params if params is not None else SamplingParams(max_tokens=8, temperature=0.0)
+        seq_id,
+        list(prompt_ids),
+        params if params is not None else SamplingParams(max_tokens=8, temperature=0.0),
+        priority,
     )
 
 

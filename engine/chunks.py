@@ -13,7 +13,7 @@ interactive prompts first); the rest go in the order they joined.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -41,6 +41,15 @@ class Pending(Generic[Row]):
     buffer: torch.Tensor | None = None
     cached: int = 0  # of `done`, tokens the prefix cache served
     started: bool = False  # it has looked the prefix cache up
+    # A running sequence preempted for KV memory: `prompt` is its prompt and every token it
+    # generated; its last chunk samples its next token (not a first one).
+    resumed: bool = False
+
+    @property
+    def reported_cached(self) -> int:
+        """The prefix-cache tokens its first token reports (none for a resumed sequence,
+        whose prompt's were reported when it first ran)."""
+        return 0 if self.resumed else self.cached
 
     @property
     def left(self) -> int:
@@ -85,10 +94,15 @@ class PendingPrefills(Generic[Row]):
         # A snapshot: the event loop reads this (a gauge) while the worker thread changes the set.
         return sum(p.done for p in tuple(self._pending.values()))
 
-    def add(self, seq_id: int, prompt: list[int], seq: Row) -> None:
+    def add(self, seq_id: int, prompt: list[int], seq: Row, resumed: bool = False) -> None:
+        """Take a prompt, after those taken before; a `resumed` sequence goes ahead of them."""
         cache = self.prefiller.prefix_cache
         keys = [] if cache is None else chain_keys(prompt, cache.block, cache.usable_blocks(len(prompt)))
-        self._pending[seq_id] = Pending(seq_id, list(prompt), seq, keys)
+        pending = Pending(seq_id, list(prompt), seq, keys, resumed=resumed)
+        if resumed:
+            self._pending = {seq_id: pending, **self._pending}
+        else:
+            self._pending[seq_id] = pending
 
     def discard(self, seq_ids: Iterable[int]) -> None:
         for seq_id in seq_ids:
@@ -97,11 +111,19 @@ class PendingPrefills(Generic[Row]):
     def clear(self) -> None:
         self._pending.clear()
 
-    def plan(self, budget: int | None, first: Sequence[int], step: PrefillStep) -> list[Chunk[Row]]:
+    def plan(
+        self,
+        budget: int | None,
+        first: Sequence[int],
+        step: PrefillStep,
+        joins: Callable[[Pending[Row]], bool] = lambda _: True,
+    ) -> list[Chunk[Row]]:
         """This step's chunks: at most `budget` tokens in all (None: every pending prompt
         whole), `first` ids ahead of the rest. A prompt starts by taking what the prefix
         cache holds for it, unless a prompt prefilling ahead of it is about to compute the
-        next block it needs: then it waits for that block to be stored."""
+        next block it needs: then it waits for that block to be stored. A prompt's last
+        chunk runs only if `joins(pending)` says its sequence may join the running rows
+        now (KV memory); else it waits, its earlier chunks done."""
         cache = self.prefiller.prefix_cache
         ahead = [self._pending[i] for i in dict.fromkeys(first) if i in self._pending]
         order = ahead + [p for p in self._pending.values() if p not in ahead]
@@ -124,6 +146,10 @@ class PendingPrefills(Generic[Row]):
                     claimed.update(p.keys[p.done // cache.block :])
                 p.started = True
             n = min(p.left, left)
+            if n == p.left and not joins(p):
+                n = p.left - 1  # all but its last token: it joins when there is room
+                if n <= 0:
+                    continue
             chunks.append(Chunk(p, p.done, n))
             left -= n
         return chunks

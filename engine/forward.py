@@ -80,20 +80,23 @@ class CausalForward:
 
         return DynamicCache(config=self.model.config)
 
-    def check_cache_layout(self, device: torch.device) -> bool:
+    def check_cache_layout(self, device: torch.device) -> tuple[bool, int]:
         """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model.
-        True if every layer's keys and values have one shape, as prefix cache blocks need."""
+        True if every layer's keys and values have one shape, as prefix cache blocks need;
+        and the bytes one token's keys and values take over all layers."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         mask = torch.ones_like(ids)
         with torch.inference_mode():
             _, cache = self(ids, torch.zeros_like(ids), mask, self.new_cache())
+        token_bytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
         unsupported = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
         if unsupported:
             raise NotImplementedError(
                 f"model {self.name!r} uses cache layers {sorted(unsupported)}; only full-attention "
                 "DynamicLayer caches can be merged across sequences"
             )
-        return len({(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache.layers}) == 1
+        shapes = {(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache.layers}
+        return len(shapes) == 1, token_bytes
 
 
 def _cache_kwarg(model: Any) -> str:

@@ -31,6 +31,7 @@ from .forward import CausalForward
 from .grammar import GrammarCache
 from .kv import RunningBatch
 from .packed import PrefixSharing, Sharing, install
+from .preemption import Preemption
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .sequence import NextTokens, RunningSequence
@@ -38,10 +39,29 @@ from .sequence import NextTokens, RunningSequence
 log = logging.getLogger("ferry.engine")
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
+DEFAULT_KV_CACHE_BYTES = 4096 * 1024 * 1024  # the running rows' KV, as vLLM's CPU backend's default
 Chunks = list[Chunk[RunningSequence]]
 
 
-class HFGenerationEngine:
+class ChatTokens:
+    """Text to token ids and back, with the engine's tokenizer (`tokenizer`) and name."""
+
+    name: str
+    tokenizer: Any
+
+    def encode_chat(
+        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
+    ) -> list[int]:
+        return encode_chat(self.tokenizer, self.name, messages, tools, template_kwargs)
+
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+
+class HFGenerationEngine(ChatTokens):
     """GenerationEngine for a local path or hub id loadable by AutoModelForCausalLM.
 
     Not thread-safe: the batcher calls it from one worker thread.
@@ -62,15 +82,17 @@ class HFGenerationEngine:
         prefix_cache_bytes: int = DEFAULT_PREFIX_CACHE_BYTES,
         prefix_block: int = DEFAULT_BLOCK,
         packed_steps: bool = True,
+        kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
         `prefix_block`-token blocks of prompts is kept (up to `prefix_cache_bytes`; 0 is
-        off) and reused by later prompts that start with the same tokens."""
-        # Before the model loads, so a bad setting fails at once, naming itself.
-        prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_caching else None
-        if prefix_cache_bytes == 0:
-            prefix_cache = None  # a cache that can hold nothing would only cost look-ups
+        off) and reused by later prompts that start with the same tokens. The running
+        rows' KV buffers take at most `kv_cache_bytes` (None: no bound): past it, running
+        sequences are preempted (engine/preemption.py)."""
+        # Before the model loads, so a bad setting fails at once, naming itself; a cache
+        # that can hold nothing would only cost look-ups.
+        prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_caching and prefix_cache_bytes else None
         configure_threads(torch_threads)
         self.name = name or model_name_or_path
         self.device = torch.device(resolve_device(device))
@@ -83,13 +105,14 @@ class HFGenerationEngine:
         self.max_context = max_context or _max_context(self.model.config, self.tokenizer)
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         self._forward = CausalForward(self.model, self.name)
-        vocab = int(self.model.config.vocab_size)
         # Its own tokenizer copy, for the same reason as the detokenizer's: compiled from
         # worker threads (engine/grammar.py).
-        self.grammars = GrammarCache(copy.deepcopy(self.tokenizer), vocab, self.eos_token_ids)
+        vocab, tokenizer = int(self.model.config.vocab_size), copy.deepcopy(self.tokenizer)
+        self.grammars = GrammarCache(tokenizer, vocab, self.eos_token_ids)
         self._next = NextTokens(self, self._forward, self.grammars, max_running)
-        self._batch: RunningBatch[RunningSequence] = RunningBatch(max_running)
-        uniform = self._forward.check_cache_layout(self.device)
+        uniform, token_bytes = self._forward.check_cache_layout(self.device)
+        self.kv_budget = _kv_budget(kv_cache_bytes, token_bytes, self.max_context, self.name)  # cells: rows x columns
+        self._batch = self._new_batch()
         if not uniform and prefix_cache is not None:
             log.warning("prefix caching off for %s: its attention layers differ in KV shape", self.name)
             prefix_cache = None
@@ -99,15 +122,8 @@ class HFGenerationEngine:
         self._sharing = PrefixSharing()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller)
-        log.info(
-            "loaded chat model %s on %s (max_context=%d, max_running=%d, prefix cache %s, packed steps %s)",
-            self.name,
-            self.device,
-            self.max_context,
-            self.max_running,
-            f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache else "off",
-            "on" if self.packs_steps else "off",
-        )
+        self._preemption = Preemption(self._pending, self._prefiller.prefix_cache)
+        _log_loaded(self, prefix_cache)
 
     @classmethod
     def tiny_default(cls, cache_dir: str | None = None, **kwargs: Any) -> HFGenerationEngine:
@@ -133,6 +149,15 @@ class HFGenerationEngine:
         return self._batch.rows * self._batch.width + self._pending.kv_tokens
 
     @property
+    def kv_capacity(self) -> int:
+        """Token cells the running rows' KV may take: the budget, or a full context per slot."""
+        return self.kv_budget or self.max_running * self.max_context
+
+    @property
+    def preemptions(self) -> int:  # running sequences preempted for KV memory so far
+        return self._preemption.count
+
+    @property
     def running_ids(self) -> list[int]:
         return [seq.seq_id for seq in self._batch.seqs] + self._pending.ids
 
@@ -141,17 +166,6 @@ class HFGenerationEngine:
 
     def prefix_cache_stats(self) -> dict[str, int]:
         return self._prefiller.cache_stats()
-
-    def encode_chat(
-        self, messages: list[dict], tools: list[dict] | None = None, template_kwargs: dict[str, Any] | None = None
-    ) -> list[int]:
-        return encode_chat(self.tokenizer, self.name, messages, tools, template_kwargs)
-
-    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
     @torch.inference_mode()
     def add(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
@@ -194,7 +208,7 @@ class HFGenerationEngine:
         """
         result = PrefillStep()
         with self._all_fail_on_error():
-            self._run_chunks(self._pending.plan(budget, first, result), result)
+            self._run_chunks(self._pending.plan(budget, first, result, self._preemption.joins(self._batch)), result)
         return result
 
     @torch.inference_mode()
@@ -208,9 +222,12 @@ class HFGenerationEngine:
             return self.step(), self.prefill(budget, first)
         result = PrefillStep()
         with self._all_fail_on_error():
-            chunks = self._pending.plan(budget, first, result)
-            if not chunks:
-                return self._decode_step(), result
+            self._preemption.room_for_step(self._batch)
+            chunks = self._pending.plan(budget, first, result, self._preemption.joins(self._batch))
+            if not chunks or not self._batch.seqs:  # (every row may have yielded to the chunks)
+                decoded = self._decode_step()
+                self._run_chunks(chunks, result)
+                return decoded, result
             try:
                 logits = self._packed_forward(chunks)
             except Exception:  # nothing advanced: run the two apart
@@ -235,7 +252,7 @@ class HFGenerationEngine:
         try:
             yield
         except BaseException:
-            self._batch = RunningBatch(self.max_running)
+            self._batch = self._new_batch()
             self._pending.clear()
             raise
 
@@ -246,6 +263,7 @@ class HFGenerationEngine:
     def _decode_step(self, packed: bool = True) -> list[StepOutput]:
         """One token of every row: packed where rows share a prefix (engine/packed.py)."""
         batch = self._batch
+        self._preemption.room_for_step(batch)
         if not batch.seqs:
             return []
         mask = batch.decode_mask()  # may move the columns: all below reads them after
@@ -291,7 +309,7 @@ class HFGenerationEngine:
         decoded = self._decoded(tokens[:rows])
         for c, token in zip(completing, tokens[rows:], strict=True):
             out = self._next.advance(c.pending.seq, *token)
-            out.cached_tokens = c.pending.cached
+            out.cached_tokens = c.pending.reported_cached
             result.outputs.append(out)
             if out.finish_reason is None:
                 assert c.pending.buffer is not None
@@ -318,7 +336,7 @@ class HFGenerationEngine:
         alive = []
         for row, token in zip(finished, tokens, strict=True):
             out = self._next.advance(seqs[row], *token)
-            out.cached_tokens = chunks[row].pending.cached
+            out.cached_tokens = chunks[row].pending.reported_cached
             result.outputs.append(out)
             if out.finish_reason is None:
                 alive.append(row)
@@ -338,8 +356,36 @@ class HFGenerationEngine:
             self._batch.admit(done.layers, done.mask, seqs, alive)
         return outputs
 
+    def _new_batch(self) -> RunningBatch[RunningSequence]:
+        return RunningBatch(self.max_running, self.kv_budget)
+
     def _new_sequence(self, request: SequenceRequest) -> RunningSequence:
         return RunningSequence.of(request, self._detok, self.grammars)
+
+
+def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) -> None:
+    log.info(
+        "loaded chat model %s on %s (max_context=%d, max_running=%d, KV %s, prefix cache %s, packed steps %s)",
+        engine.name,
+        engine.device,
+        engine.max_context,
+        engine.max_running,
+        f"at most {engine.kv_budget} tokens" if engine.kv_budget else "unbounded",
+        f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache else "off",
+        "on" if engine.packs_steps else "off",
+    )
+
+
+def _kv_budget(max_bytes: int | None, token_bytes: int, max_context: int, name: str) -> int | None:
+    """Token cells `max_bytes` of KV hold (None: no bound); at least one sequence of the context."""
+    if not max_bytes:
+        return None
+    if (cells := max_bytes // token_bytes) < max_context:
+        raise ValueError(
+            f"kv_cache_mb: {max_bytes / 2**20:g} MiB holds {cells} tokens of {name} "
+            f"({token_bytes} bytes each), less than one sequence of its context ({max_context})"
+        )
+    return cells
 
 
 def _admissible(

@@ -1,7 +1,9 @@
 """Per-slot KV buffers for continuous batching: every running sequence owns one row.
 
 Buffers are [rows, kv_heads, capacity, head_dim] per attention layer, grown (doubling) with
-the running rows and the longest row's length, up to the most rows it may hold. Rows
+the running rows and the longest row's length, up to the most rows it may hold and, with a
+`budget`, never past that many cells (rows x columns): the engine keeps the running rows
+within it (`fits`) by preempting rows (engine/preemption.py). Rows
 are right-aligned at a shared write column and left-padded, so a decode step writes one
 column in place and attends over a view of the used columns; joining copies only the
 newcomers' prefill cache, leaving copies only the rows that move. A `RunningBatch`
@@ -17,6 +19,10 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 Row = TypeVar("Row")  # what the engine keeps per running sequence; opaque here
+
+
+class KVFull(RuntimeError):
+    """The running rows would need more KV cells than the budget: the caller preempts first."""
 
 
 class SlotLayer(DynamicLayer):
@@ -65,8 +71,9 @@ class RunningBatch(Generic[Row]):
     amortised, nothing is copied per step.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, budget: int | None = None) -> None:
         self.slots = slots  # the most rows it may hold
+        self.budget = budget  # the most cells (rows x columns) its buffers may take; None: no bound
         self.allocated = 0  # rows its buffers have room for: grown with the running rows
         self.seqs: list[Row] = []
         self.start = self.end = 0
@@ -86,6 +93,22 @@ class RunningBatch(Generic[Row]):
     @property
     def capacity(self) -> int:
         return self.mask.shape[1]
+
+    @property
+    def cells(self) -> int:
+        """Token cells (rows x columns) its buffers hold now."""
+        return self.allocated * self.capacity
+
+    def fits(self, rows: int, columns: int) -> bool:
+        """Whether `rows` rows of `columns` cached columns each fit the budget."""
+        return self.budget is None or rows * columns <= self.budget
+
+    def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Row `row`'s keys and values per layer, [kv_heads, its tokens, head_dim], padding left out."""
+        cols = self.mask[row, self.start : self.end].nonzero().squeeze(1) + self.start
+        return [
+            (layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols)) for layer in self.layers
+        ]
 
     def decode_mask(self) -> torch.Tensor:
         """Open the next column for every row; the 2D mask for a one-token forward."""
@@ -111,7 +134,8 @@ class RunningBatch(Generic[Row]):
         seqs = [seqs[i] for i in alive]
         width = mask.shape[1]
         if self.cache is None:
-            self._allocate(layers, max(256, 2 * width), mask.dtype, self._rows_for(len(seqs)))
+            rows, capacity = self._shape(len(seqs), width + 1, max(256, 2 * width), self._rows_for(len(seqs)))
+            self._allocate(layers, capacity, mask.dtype, rows)
         if not self.seqs:
             self.start = self.end = 0
         # Newcomers end at column `end` like everyone else: the span after joining is the
@@ -189,11 +213,27 @@ class RunningBatch(Generic[Row]):
         else:
             self._grow(needed)
 
+    def _shape(self, rows: int, needed: int, capacity: int, allocated: int) -> tuple[int, int]:
+        """(rows, columns) to allocate for `rows` rows of `needed` columns, wished as
+        `allocated` x `capacity`: within the budget, spare columns go first, then spare rows."""
+        if self.budget is None or allocated * capacity <= self.budget:
+            return allocated, capacity
+        capacity = max(needed, self.budget // allocated)
+        if allocated * capacity > self.budget:
+            allocated = max(rows, self.budget // capacity)
+        if allocated * capacity > self.budget:
+            raise KVFull(f"{rows} rows of {needed} columns exceed the KV budget of {self.budget} cells")
+        return allocated, capacity
+
     def _grow(self, needed: int, rows: int = 0) -> None:
         """Room for `needed` columns (doubling) and `rows` rows (`_rows_for`), the running
-        rows' cached columns moved to the left."""
+        rows' cached columns moved to the left; within the budget, or `KVFull`."""
         capacity = self.capacity if needed <= self.capacity else max(2 * self.capacity, needed + needed // 2)
-        allocated = self._rows_for(rows) if rows > self.allocated else self.allocated
+        wished = self._rows_for(rows) if rows > self.allocated else self.allocated
+        allocated, capacity = self._shape(max(rows, self.rows), needed, capacity, wished)
+        if (allocated, capacity) == (self.allocated, self.capacity):
+            self._move_columns(0)  # the budget allows no more: the room is in the padding
+            return
         width, cols, used = self.width, slice(self.start, self.end), self.rows
         grown_mask = self.mask.new_zeros((allocated, capacity))
         grown_mask[:used, :width] = self.mask[:used, cols]

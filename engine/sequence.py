@@ -79,7 +79,7 @@ class NextTokens:
 class RunningSequence:
     seq_id: int
     params: SamplingParams
-    prompt_len: int
+    prompt: list[int]
     sampler: SequenceSampler
     text: SequenceText | None
     matcher: Any = None  # llguidance matcher of a constrained row
@@ -87,6 +87,7 @@ class RunningSequence:
     tokens: list[int] = field(default_factory=list)
     scored: list[int] | None = None  # its prompt, kept where its params ask for the prompt's log probabilities
     chain: list[bytes] = field(default_factory=list)  # its prompt's block keys, for shared-prefix attention
+    priority: int = 0  # lower runs first: when KV memory runs out, the highest yields first
 
     @classmethod
     def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache) -> RunningSequence:
@@ -94,7 +95,7 @@ class RunningSequence:
         return cls(
             seq_id=request.seq_id,
             params=params,
-            prompt_len=len(request.prompt_ids),
+            prompt=list(request.prompt_ids),
             sampler=SequenceSampler.create(params.temperature, params.top_p, params.seed, params.top_k, params.min_p),
             rules=LogitRules.of(params, request.prompt_ids),
             # None: the front end detokenizes (an engine core sends token ids only)
@@ -103,6 +104,7 @@ class RunningSequence:
             scored=list(request.prompt_ids) if params.prompt_logprobs is not None else None,
             # Whole blocks before its last prompt token, as the prefix cache would key them.
             chain=chain_keys(request.prompt_ids, SHARE_BLOCK, max(len(request.prompt_ids) - 1, 0) // SHARE_BLOCK),
+            priority=request.priority,
         )
 
     def score_prompt(self, forward: CausalForward) -> list[TokenLogprob | None] | None:
@@ -114,6 +116,10 @@ class RunningSequence:
     @property
     def last_token(self) -> int:
         return self.tokens[-1]
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
 
     @property
     def total_tokens(self) -> int:

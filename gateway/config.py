@@ -89,6 +89,15 @@ class ServerSettings(Knobs):
         unit="MiB",
         ge=0,
     )
+    kv_cache_mb: int = knob(
+        4096,
+        "memory each chat model's running sequences' KV may take (rows x the longest row's tokens): "
+        "the number running is bounded by it, not only by max_running; when it is full, running "
+        "sequences are preempted, batch class first, and recomputed from the prefix cache when there "
+        "is room (docs/scheduling.md). 0: no bound. Set at start",
+        unit="MiB",
+        ge=0,
+    )
     admin_token: str | None = knob(
         None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)", null="admin routes off"
     )
@@ -121,8 +130,9 @@ class ServerSettings(Knobs):
         "`vllm`: /metrics also exports `vllm:num_requests_waiting`, `vllm:num_requests_running` and "
         "`vllm:kv_cache_usage_perc` (label `model_name`), the same values as `ferry_queue_depth`, "
         "`ferry_running_sequences` and `ferry_kv_cache_usage_ratio`, for an endpoint picker left at its "
-        "vLLM defaults, and the counters `vllm:prefix_cache_queries` and `vllm:prefix_cache_hits` "
-        "(`ferry_prefix_cache_queries_total`, `ferry_prefix_cache_hits_total`)",
+        "vLLM defaults, and the counters `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` and "
+        "`vllm:num_preemptions` (`ferry_prefix_cache_queries_total`, `ferry_prefix_cache_hits_total`, "
+        "`ferry_preemptions_total`)",
     )
     api_workers: int = knob(
         1,

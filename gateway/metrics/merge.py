@@ -48,6 +48,10 @@ VLLM_COUNTERS: dict[str, tuple[str, str]] = {
         "ferry_prefix_cache_hits",
         "Prompt tokens served from the prefix cache (ferry_prefix_cache_hits_total).",
     ),
+    "vllm:num_preemptions": (
+        "ferry_preemptions",
+        "Running sequences preempted for KV-cache memory (ferry_preemptions_total).",
+    ),
 }
 
 

@@ -135,6 +135,7 @@ def model_spec(
             "dtype": dtype,
             "torch_threads": cfg.torch_threads or 1,
             "packed_steps": cfg.packed_steps,
+            "kv_cache_bytes": cfg.kv_cache_mb * 1024 * 1024 or None,
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
         }
         if name is not None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from engine.kv import RunningBatch
+from engine.kv import KVFull, RunningBatch
 
 LAYERS = 2
 
@@ -155,3 +156,40 @@ def test_buffers_grow_with_the_running_rows_not_the_most_there_may_be():
     layers, mask = prefill(dict.fromkeys(range(100, 112), 4))
     many.admit(layers, mask, list(range(100, 112)), list(range(12)))
     assert many.allocated == 12  # never more than its slots
+
+
+def test_buffers_stay_within_a_budget_trading_spare_rows_and_columns():
+    """With a budget of cells, growth never allocates past it; a row that needs more columns
+    takes them from spare rows; what cannot fit at all is refused before anything changes."""
+    batch: RunningBatch[int] = RunningBatch(slots=64, budget=600)
+    lengths = dict.fromkeys(range(1, 9), 20)
+    batch.admit(*prefill(lengths), list(lengths), alive=list(range(8)))
+    assert batch.cells <= 600 and batch.allocated >= 8
+    for _ in range(40):  # 8 rows growing to 60 columns: 480 cells, within 600
+        decode(batch, lengths)
+        assert batch.cells <= 600
+    assert_rows_exact(batch, lengths)
+    assert batch.fits(8, batch.width + 1) and not batch.fits(8, 600 // 8 + 1)
+    batch.drop(set(range(1, 8)))  # one row left: it may grow to 600 columns, fewer rows
+    lengths = {batch.seqs[0]: lengths[batch.seqs[0]]}
+    for _ in range(300):
+        decode(batch, lengths)
+        assert batch.cells <= 600
+    assert_rows_exact(batch, lengths)
+    before = (batch.allocated, batch.capacity, batch.width)
+    with pytest.raises(KVFull):
+        batch.admit(*prefill({99: 400}), [99], alive=[0])  # 2 rows x 401 columns: over 600
+    assert (batch.allocated, batch.capacity, batch.width) == before and batch.seqs == list(lengths)
+    assert_rows_exact(batch, lengths)
+
+
+def test_row_kv_is_a_rows_own_tokens_without_padding():
+    batch: RunningBatch[int] = RunningBatch(slots=4)
+    lengths = {1: 7, 2: 3}
+    batch.admit(*prefill(lengths), [1, 2], alive=[0, 1])
+    decode(batch, lengths)
+    for row, seq in enumerate(batch.seqs):
+        kv = batch.row_kv(row)
+        for layer_no, (keys, _) in enumerate(kv):
+            assert keys.shape[1] == lengths[seq]
+            assert [float(k) for k in keys[0, :, 0]] == [float(key(seq, p, layer_no)) for p in range(lengths[seq])]
