@@ -53,12 +53,12 @@ class Slots:
         return min(s.max_running, getattr(self._engine, "max_running", s.max_running))
 
     def kv_usage(self, s: BatchingSettings) -> float:
-        """The share of the KV cache the engine may use that is in use, 0 to 1: the running
-        rows' cache tokens over the capacity, the engine's own (`kv_capacity`, its KV
-        budget) where it says it, else one full context (`max_context`) for each sequence
-        that may run (`engine_slots`). 0 for an engine that says neither."""
-        if capacity := getattr(self._engine, "kv_capacity", None):
-            return min(1.0, self._engine.kv_tokens / capacity)
+        """The share of the KV cache the engine may use that is in use, 0 to 1: the engine's
+        own (`kv_usage`: its running rows' share of its KV budget) where it says it, else
+        the running rows' cache tokens over one full context (`max_context`) for each
+        sequence that may run (`engine_slots`). 0 for an engine that says neither."""
+        if (usage := getattr(self._engine, "kv_usage", None)) is not None:
+            return min(1.0, usage)
         context = getattr(self._engine, "max_context", None)
         if not context:
             return 0.0

@@ -13,9 +13,9 @@ interactive prompts first); the rest go in the order they joined.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -71,6 +71,16 @@ class Chunk(Generic[Row]):
         return self.end == len(self.pending.prompt)
 
 
+class Room(Protocol[Row]):
+    """What KV memory allows a pending prompt in one step (engine/preemption.py)."""
+
+    def may_start(self, pending: Pending[Row]) -> bool:
+        """Whether a prompt not started yet may start computing: it could join now."""
+
+    def joins(self, pending: Pending[Row]) -> bool:
+        """Whether its last chunk may run now, its sequence joining the running rows."""
+
+
 class PendingPrefills(Generic[Row]):
     """The prompts an engine has taken but not yet fully prefilled, in the order they joined."""
 
@@ -87,6 +97,9 @@ class PendingPrefills(Generic[Row]):
     @property
     def ids(self) -> list[int]:
         return list(self._pending)
+
+    def waiting(self) -> list[Pending[Row]]:
+        return list(self._pending.values())
 
     @property
     def kv_tokens(self) -> int:
@@ -116,14 +129,15 @@ class PendingPrefills(Generic[Row]):
         budget: int | None,
         first: Sequence[int],
         step: PrefillStep,
-        joins: Callable[[Pending[Row]], bool] = lambda _: True,
+        room: Room[Row] | None = None,
     ) -> list[Chunk[Row]]:
         """This step's chunks: at most `budget` tokens in all (None: every pending prompt
         whole), `first` ids ahead of the rest. A prompt starts by taking what the prefix
         cache holds for it, unless a prompt prefilling ahead of it is about to compute the
-        next block it needs: then it waits for that block to be stored. A prompt's last
-        chunk runs only if `joins(pending)` says its sequence may join the running rows
-        now (KV memory); else it waits, its earlier chunks done."""
+        next block it needs: then it waits for that block to be stored. With a KV `room`,
+        a prompt starts only if it could join the running rows now, and its last chunk
+        runs only when it may join; else it waits (a resumed sequence's look-ups are not
+        counted again as prefix-cache queries)."""
         cache = self.prefiller.prefix_cache
         ahead = [self._pending[i] for i in dict.fromkeys(first) if i in self._pending]
         order = ahead + [p for p in self._pending.values() if p not in ahead]
@@ -135,18 +149,21 @@ class PendingPrefills(Generic[Row]):
             if left <= 0:
                 break
             if not p.started:
+                if room is not None and not room.may_start(p):
+                    continue
                 if cache is not None:
                     have = cache.cached_blocks(p.prompt)
                     if have < len(p.keys) and p.keys[have] in claimed:
                         continue  # another prompt computes this block first: wait, then take it
-                    p.cached, p.kv = cache.lookup(p.prompt)
+                    p.cached, p.kv = cache.lookup(p.prompt, count=not p.resumed)
                     p.done = p.cached
-                    step.queried_tokens += len(p.prompt)
-                    step.cached_tokens += p.cached
+                    if not p.resumed:
+                        step.queried_tokens += len(p.prompt)
+                        step.cached_tokens += p.cached
                     claimed.update(p.keys[p.done // cache.block :])
                 p.started = True
             n = min(p.left, left)
-            if n == p.left and not joins(p):
+            if n == p.left and room is not None and not room.joins(p):
                 n = p.left - 1  # all but its last token: it joins when there is room
                 if n <= 0:
                     continue

@@ -61,7 +61,36 @@ class ChatTokens:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
 
-class HFGenerationEngine(ChatTokens):
+class KVMemory:
+    """An engine's KV memory as the scheduler reads it: the running rows (`_batch`), the
+    prompts prefilling (`_pending`), the budget in cells and the preemptions."""
+
+    _batch: RunningBatch[RunningSequence]
+    _pending: PendingPrefills[RunningSequence]
+    _preemption: Preemption
+    kv_budget: int | None
+
+    @property
+    def kv_tokens(self) -> int:
+        """Token slots the running rows attend over (rows x length, padding included), and
+        the prompt tokens prefilling sequences hold."""
+        return self._batch.rows * self._batch.width + self._pending.kv_tokens
+
+    @property
+    def kv_usage(self) -> float | None:
+        """The running rows' share of the KV budget (None without one)."""
+        return self._batch.rows * self._batch.width / self.kv_budget if self.kv_budget else None
+
+    def reserve(self, rows: int) -> None:
+        """Buffers for `rows` running rows now (the warm-up's: traffic then never waits for them to grow)."""
+        self._batch.reserve(rows)
+
+    @property
+    def preemptions(self) -> int:  # running sequences preempted for KV memory so far
+        return self._preemption.count
+
+
+class HFGenerationEngine(ChatTokens, KVMemory):
     """GenerationEngine for a local path or hub id loadable by AutoModelForCausalLM.
 
     Not thread-safe: the batcher calls it from one worker thread.
@@ -111,7 +140,8 @@ class HFGenerationEngine(ChatTokens):
         self.grammars = GrammarCache(tokenizer, vocab, self.eos_token_ids)
         self._next = NextTokens(self, self._forward, self.grammars, max_running)
         uniform, token_bytes = self._forward.check_cache_layout(self.device)
-        self.kv_budget = _kv_budget(kv_cache_bytes, token_bytes, self.max_context, self.name)  # cells: rows x columns
+        # Cells (rows x columns) the running rows' KV may take; the context capped to fit it.
+        self.kv_budget, self.max_context = _kv_budget(kv_cache_bytes, token_bytes, self.max_context, self.name)
         self._batch = self._new_batch()
         if not uniform and prefix_cache is not None:
             log.warning("prefix caching off for %s: its attention layers differ in KV shape", self.name)
@@ -141,21 +171,6 @@ class HFGenerationEngine(ChatTokens):
     @property
     def prefilling(self) -> int:
         return len(self._pending)
-
-    @property
-    def kv_tokens(self) -> int:
-        """Token slots the running rows attend over (rows x length, padding included), and
-        the prompt tokens prefilling sequences hold."""
-        return self._batch.rows * self._batch.width + self._pending.kv_tokens
-
-    @property
-    def kv_capacity(self) -> int:
-        """Token cells the running rows' KV may take: the budget, or a full context per slot."""
-        return self.kv_budget or self.max_running * self.max_context
-
-    @property
-    def preemptions(self) -> int:  # running sequences preempted for KV memory so far
-        return self._preemption.count
 
     @property
     def running_ids(self) -> list[int]:
@@ -208,7 +223,8 @@ class HFGenerationEngine(ChatTokens):
         """
         result = PrefillStep()
         with self._all_fail_on_error():
-            self._run_chunks(self._pending.plan(budget, first, result, self._preemption.joins(self._batch)), result)
+            chunks = self._preemption.plan(self._batch, budget, first, result)
+            self._run_chunks(chunks, result)
         return result
 
     @torch.inference_mode()
@@ -223,7 +239,7 @@ class HFGenerationEngine(ChatTokens):
         result = PrefillStep()
         with self._all_fail_on_error():
             self._preemption.room_for_step(self._batch)
-            chunks = self._pending.plan(budget, first, result, self._preemption.joins(self._batch))
+            chunks = self._preemption.plan(self._batch, budget, first, result)
             if not chunks or not self._batch.seqs:  # (every row may have yielded to the chunks)
                 decoded = self._decode_step()
                 self._run_chunks(chunks, result)
@@ -376,16 +392,26 @@ def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) ->
     )
 
 
-def _kv_budget(max_bytes: int | None, token_bytes: int, max_context: int, name: str) -> int | None:
-    """Token cells `max_bytes` of KV hold (None: no bound); at least one sequence of the context."""
+def _kv_budget(max_bytes: int | None, token_bytes: int, max_context: int, name: str) -> tuple[int | None, int]:
+    """(token cells `max_bytes` of KV hold, None: no bound; the context, capped to one
+    sequence of them, as vLLM caps its `max_model_len` to its KV cache)."""
     if not max_bytes:
-        return None
-    if (cells := max_bytes // token_bytes) < max_context:
-        raise ValueError(
-            f"kv_cache_mb: {max_bytes / 2**20:g} MiB holds {cells} tokens of {name} "
-            f"({token_bytes} bytes each), less than one sequence of its context ({max_context})"
+        return None, max_context
+    cells = max_bytes // token_bytes
+    if cells < 2 * DEFAULT_BLOCK:
+        raise ValueError(f"kv_cache_mb: {max_bytes / 2**20:g} MiB holds {cells} tokens of {name}: too few to run")
+    if cells < max_context:
+        log.warning(
+            "kv_cache_mb: %g MiB holds %d tokens of %s (%d bytes each), less than its context (%d): "
+            "sequences are capped at %d tokens; raise --kv-cache-mb for longer ones",
+            max_bytes / 2**20,
+            cells,
+            name,
+            token_bytes,
+            max_context,
+            cells,
         )
-    return cells
+    return cells, min(cells, max_context)
 
 
 def _admissible(

@@ -2,8 +2,9 @@
 
 Buffers are [rows, kv_heads, capacity, head_dim] per attention layer, grown (doubling) with
 the running rows and the longest row's length, up to the most rows it may hold and, with a
-`budget`, never past that many cells (rows x columns): the engine keeps the running rows
-within it (`fits`) by preempting rows (engine/preemption.py). Rows
+`budget`, never past that many cells (rows x columns; a growth holds the old buffers and
+the new for the moment of its copy): the engine keeps the running rows within it (`fits`)
+by preempting rows (engine/preemption.py). Rows
 are right-aligned at a shared write column and left-padded, so a decode step writes one
 column in place and attends over a view of the used columns; joining copies only the
 newcomers' prefill cache, leaving copies only the rows that move. A `RunningBatch`
@@ -102,6 +103,12 @@ class RunningBatch(Generic[Row]):
     def fits(self, rows: int, columns: int) -> bool:
         """Whether `rows` rows of `columns` cached columns each fit the budget."""
         return self.budget is None or rows * columns <= self.budget
+
+    def reserve(self, rows: int) -> None:
+        """Grow the buffers to hold `rows` rows now (within the budget), so that traffic does
+        not wait for the growth; nothing before the first admission (shapes unknown)."""
+        if self.cache is not None and rows > self.allocated:
+            self._grow(self.width + 1, rows)
 
     def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row `row`'s keys and values per layer, [kv_heads, its tokens, head_dim], padding left out."""
@@ -219,8 +226,9 @@ class RunningBatch(Generic[Row]):
         if self.budget is None or allocated * capacity <= self.budget:
             return allocated, capacity
         capacity = max(needed, self.budget // allocated)
-        if allocated * capacity > self.budget:
+        if allocated * capacity > self.budget:  # fewer spare rows, and the columns they leave
             allocated = max(rows, self.budget // capacity)
+            capacity = max(needed, self.budget // allocated)
         if allocated * capacity > self.budget:
             raise KVFull(f"{rows} rows of {needed} columns exceed the KV budget of {self.budget} cells")
         return allocated, capacity

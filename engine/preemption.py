@@ -12,17 +12,20 @@ preemption; with the prefix cache the recompute is mostly a copy).
 
 Who yields: the highest `priority` number first (the batcher sends 0 for interactive, 1 for
 batch class), the newest of those first. A prompt waiting to join may preempt only
-sequences of a higher number than its own: an interactive prompt makes batch-class rows
-yield, a batch-class prompt waits for room, and no interactive row ever yields for a
-batch-class one. Only when every row is of one class and the rows themselves outgrow the
-memory does a row of that class yield to its own.
+sequences of a higher number than its own, and only when parking them all would make room:
+an interactive prompt makes batch-class rows yield, a batch-class prompt waits for room,
+and no interactive row ever yields for a batch-class one. Only when every row is of one
+class and the rows themselves outgrow the memory does a row of that class yield to its
+own. A prompt that could not join now does not start computing (its KV would sit outside
+the budget), and a preempted sequence goes ahead of new prompts of its class.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from .chunks import Pending, PendingPrefills
+from .base import PrefillStep
+from .chunks import Chunk, Pending, PendingPrefills
 from .kv import RunningBatch
 from .prefix_cache import PrefixCache
 from .sequence import RunningSequence
@@ -42,30 +45,21 @@ class Preemption:
             assert victim is not None  # rows > 1
             self.park(batch, victim)
 
-    def joins(self, batch: RunningBatch[RunningSequence]) -> Callable[[Pending[RunningSequence]], bool]:
-        """`PendingPrefills.plan`'s `joins` for one step: whether a prompt may join the rows
-        after this step's decode column, beside the prompts that join in it; rows of a
-        higher priority number than its own are parked to make room. A prompt that may not
-        join holds back every later one of its priority number or higher (first come)."""
-        joining: list[int] = []  # lengths of the prompts joining in this step
-        blocked: list[int] = []  # priority numbers of prompts that could not
+    def first(self, first: Sequence[int]) -> list[int]:
+        """The prompts to prefill first: resumed sequences of the most urgent class waiting,
+        then `first` (the caller's: new interactive prompts), so a preempted sequence is
+        never overtaken by new ones of its class."""
+        waiting = self.pending.waiting()
+        if not any(p.resumed for p in waiting):
+            return list(first)
+        urgent = min(p.seq.priority for p in waiting)
+        return [p.seq_id for p in waiting if p.resumed and p.seq.priority == urgent] + list(first)
 
-        def joins(p: Pending[RunningSequence]) -> bool:
-            if any(p.seq.priority >= b for b in blocked):
-                return False
-            while True:
-                rows = batch.rows + len(joining) + 1
-                columns = max([batch.width + 1, len(p.prompt), *joining]) + 1
-                if batch.fits(rows, columns):
-                    joining.append(len(p.prompt))
-                    return True
-                victim = _victim(batch.seqs, above=p.seq.priority)
-                if victim is None:
-                    blocked.append(p.seq.priority)
-                    return False
-                self.park(batch, victim)
-
-        return joins
+    def plan(
+        self, batch: RunningBatch[RunningSequence], budget: int | None, first: Sequence[int], step: PrefillStep
+    ) -> list[Chunk[RunningSequence]]:
+        """`PendingPrefills.plan` of one step beside `batch`, in the room its KV budget leaves."""
+        return self.pending.plan(budget, self.first(first), step, StepRoom(self, batch))
 
     def park(self, batch: RunningBatch[RunningSequence], row: int) -> None:
         """Preempt the sequence of row `row`: its full blocks to the prefix cache, its row
@@ -79,6 +73,55 @@ class Preemption:
         batch.drop({row})
         self.pending.add(seq.seq_id, seq.prompt + seq.tokens, seq, resumed=True)
         self.count += 1
+
+
+class StepRoom:
+    """Whether pending prompts may start and join in one step, after its decode column,
+    beside the prompts that join in it. A prompt may count on the room of the rows of a
+    higher priority number than its own (they would yield to it) and no other; a prompt
+    that may not start or join holds back every later one of its number or higher (first
+    come), so a long prompt is not overtaken for ever by short ones."""
+
+    def __init__(self, preemption: Preemption, batch: RunningBatch[RunningSequence]) -> None:
+        self.preemption, self.batch = preemption, batch
+        self.joining: list[int] = []  # lengths of the prompts joining in this step
+        self.blocked: list[int] = []  # priority numbers of prompts that could not
+
+    def may_start(self, p: Pending[RunningSequence]) -> bool:
+        if self._held(p) or not self._could_fit(p):
+            self.blocked.append(p.seq.priority)
+            return False
+        return True
+
+    def joins(self, p: Pending[RunningSequence]) -> bool:
+        """`may_start`'s test, then the rows that must yield parked, the newest first."""
+        if not self.may_start(p):
+            return False
+        batch = self.batch
+        while not batch.fits(batch.rows + len(self.joining) + 1, self._columns(batch.width, p)):
+            victim = _victim(batch.seqs, above=p.seq.priority)
+            if victim is None:  # (the estimate in _could_fit was short: a row had padding)
+                self.blocked.append(p.seq.priority)
+                return False
+            self.preemption.park(batch, victim)
+        self.joining.append(len(p.prompt))
+        return True
+
+    def _held(self, p: Pending[RunningSequence]) -> bool:
+        return any(p.seq.priority >= b for b in self.blocked)
+
+    def _could_fit(self, p: Pending[RunningSequence]) -> bool:
+        """Whether `p` would fit with every row of a higher number than its own parked: the
+        rows kept are as wide as the longest of them (rows are right-aligned)."""
+        batch = self.batch
+        kept = [s for s in batch.seqs if s.priority <= p.seq.priority]
+        width = batch.width if len(kept) == batch.rows else max((s.total_tokens - 1 for s in kept), default=0)
+        return batch.fits(len(kept) + len(self.joining) + 1, self._columns(width, p))
+
+    def _columns(self, width: int, p: Pending[RunningSequence]) -> int:
+        """Columns after this step's decode column, with `p` and the prompts joining, and
+        room for the next one."""
+        return max([width + 1, len(p.prompt), *self.joining]) + 1
 
 
 def _victim(seqs: Sequence[RunningSequence], above: int | None = None) -> int | None:

@@ -94,7 +94,8 @@ class ServerSettings(Knobs):
         "memory each chat model's running sequences' KV may take (rows x the longest row's tokens): "
         "the number running is bounded by it, not only by max_running; when it is full, running "
         "sequences are preempted, batch class first, and recomputed from the prefix cache when there "
-        "is room (docs/scheduling.md). 0: no bound. Set at start",
+        "is room (docs/scheduling.md). A model whose context does not fit has it capped to the budget. "
+        "0: no bound. Set at start",
         unit="MiB",
         ge=0,
     )

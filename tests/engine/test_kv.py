@@ -193,3 +193,21 @@ def test_row_kv_is_a_rows_own_tokens_without_padding():
         for layer_no, (keys, _) in enumerate(kv):
             assert keys.shape[1] == lengths[seq]
             assert [float(k) for k in keys[0, :, 0]] == [float(key(seq, p, layer_no)) for p in range(lengths[seq])]
+
+
+def test_reserve_grows_the_rows_now_and_a_shrink_for_columns_keeps_the_columns_it_frees():
+    batch: RunningBatch[int] = RunningBatch(slots=64, budget=40 * 300)
+    lengths = {1: 5, 2: 6}
+    batch.reserve(32)
+    assert batch.cache is None  # nothing to shape buffers after yet
+    batch.admit(*prefill(lengths), [1, 2], alive=[0, 1])
+    batch.reserve(32)
+    assert batch.allocated == 32 and batch.cells <= batch.budget
+    assert_rows_exact(batch, lengths)
+    batch.drop({1})
+    del lengths[2]
+    for _ in range(400):  # one row outgrows 32 rows' share of the budget: rows give way to columns
+        decode(batch, lengths)
+    assert_rows_exact(batch, lengths)
+    assert batch.cells <= batch.budget and batch.allocated < 32
+    assert batch.capacity == batch.budget // batch.allocated  # the columns the fewer rows leave

@@ -1,19 +1,24 @@
 """KV memory bounded by a budget (engine/preemption.py): running sequences preempted when it
 is full give the greedy tokens of an unbounded run, token for token, on the built-in tiny
 chat model and on a grouped-query-attention Llama; the buffers never pass the budget;
-batch-class rows yield first and no interactive row ever yields for a batch-class one; a
-preempted sequence can be cancelled; a budget below one full context fails at load."""
+batch-class rows yield first, only when that makes room, and no interactive row ever yields
+for a batch-class one; what could not join computes nothing; a preempted sequence goes
+ahead of new ones of its class and can be cancelled; a budget below the model's context
+caps it."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from engine.base import SamplingParams, SequenceRequest
+from engine.chunks import PendingPrefills
 from engine.generation import HFGenerationEngine
+from engine.preemption import Preemption
 from tests.engine.test_prefill import Run, turn
 
 TEXTS = [
@@ -147,6 +152,55 @@ def test_a_preempted_sequence_can_be_cancelled(engine: HFGenerationEngine) -> No
     assert all(len(tokens) == 24 for tokens in run.tokens.values())
 
 
-def test_a_budget_below_one_context_fails_at_load(tiny_chat_dir: Path) -> None:
+def test_a_sequence_that_could_not_join_computes_nothing(engine: HFGenerationEngine) -> None:
+    """While two rows fill the budget, neither a new prompt nor a parked sequence starts its
+    prefill: its KV would sit outside the budget."""
+    prompts = [turn(engine, text * 3)[:70] for text in TEXTS[:3]]
+    with budget(engine, 160) as bounded:  # two rows of 70 to 79 tokens
+        run = Bounded(bounded, packed=True)
+        run.add(*[request(i, p) for i, p in enumerate(prompts)])
+        computing_beside_two = 0
+        while bounded.running:
+            run.step()
+            if bounded._batch.rows == 2:
+                computing_beside_two += sum(p.started for p in bounded._pending.waiting())
+        run._restore()
+    assert run.parked and computing_beside_two == 0
+    assert all(len(tokens) == 24 for tokens in run.tokens.values())
+
+
+def test_an_interactive_prompt_that_cannot_fit_parks_nobody_for_nothing(engine: HFGenerationEngine) -> None:
+    """A batch-class row would yield to an interactive prompt only if that made room: with an
+    interactive row running that leaves too little, the prompt waits and nobody is parked."""
+    ids = turn(engine, " ".join(TEXTS) * 6)
+    assert len(ids) >= 360
+    with budget(engine, 300) as bounded:
+        run = Bounded(bounded, packed=True)
+        run.add(request(1, ids[:70], priority=0, max_tokens=40), request(2, ids[100:120], priority=1, max_tokens=60))
+        for _ in range(6):
+            run.step()
+        run.add(request(3, ids[200:360], priority=0, max_tokens=4))  # 2 x 161 > 300 beside row 1
+        while 1 in bounded.running_ids:
+            run.step()
+            assert not run.parked, "a batch-class row yielded without making room"
+        run.drain()
+    assert [len(run.tokens[i]) for i in (1, 2, 3)] == [40, 60, 4]
+
+
+def test_a_preempted_sequence_goes_ahead_of_new_prompts_of_its_class() -> None:
+    pending: PendingPrefills = PendingPrefills(SimpleNamespace(prefix_cache=None))  # type: ignore[arg-type]
+    preemption = Preemption(pending, None)
+    pending.add(1, [5, 6], SimpleNamespace(priority=0))  # a new interactive prompt
+    pending.add(2, [5, 6], SimpleNamespace(priority=1), resumed=True)
+    assert preemption.first([1]) == [1]  # a batch-class one resumed: after new interactive ones
+    pending.add(3, [5, 6], SimpleNamespace(priority=0), resumed=True)
+    assert preemption.first([1]) == [3, 1]
+
+
+def test_a_budget_below_the_context_caps_it_and_one_too_small_fails_at_load(tiny_chat_dir: Path) -> None:
+    capped = HFGenerationEngine(str(tiny_chat_dir), kv_cache_bytes=1024 * 8192)  # 1,024 tokens of 8 KiB
+    assert capped.kv_budget == capped.max_context == 1024
+    [out] = capped.add([request(1, [7] * 1100)])
+    assert out.finish_reason == "length" and not out.token_ids  # longer than the context: refused
     with pytest.raises(ValueError, match="kv_cache_mb"):
-        HFGenerationEngine(str(tiny_chat_dir), kv_cache_bytes=64 * 1024)
+        HFGenerationEngine(str(tiny_chat_dir), kv_cache_bytes=8 * 8192)
