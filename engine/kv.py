@@ -172,16 +172,17 @@ class RunningBatch(Generic[Row]):
         keep = self.rows - len(leaving)
         holes = [i for i in sorted(leaving) if i < keep]
         movers = [i for i in range(keep, self.rows) if i not in leaving]
-        if holes:
-            dst = torch.tensor(holes, device=self.mask.device)
-            src = torch.tensor(movers, device=self.mask.device)
-            cols = slice(self.start, self.end)
+        for hole, mover in zip(holes, movers, strict=True):
+            # The mover's columns from its first real one (rows are right-aligned), view to
+            # view: no gathered temporary, and none of the padding before it.
+            first = self.start + int(self.mask[mover, self.start : self.end].argmax())
+            cols = slice(first, self.end)
             for layer in self.layers:
-                layer.keys[dst, :, cols] = layer.keys[src, :, cols]
-                layer.values[dst, :, cols] = layer.values[src, :, cols]
-            self.mask[dst, cols] = self.mask[src, cols]
-            for hole, mover in zip(holes, movers, strict=True):
-                self.seqs[hole] = self.seqs[mover]
+                layer.keys[hole, :, cols].copy_(layer.keys[mover, :, cols])
+                layer.values[hole, :, cols].copy_(layer.values[mover, :, cols])
+            self.mask[hole, self.start : self.end] = 0
+            self.mask[hole, cols] = self.mask[mover, cols]
+            self.seqs[hole] = self.seqs[mover]
         del self.seqs[keep:]
         if not self.seqs:
             self.start = self.end = 0
