@@ -334,6 +334,7 @@ class GenerationScheduler(QueueingBatcher):
         """Profile prefill and decode on the real engine to seed both cost models."""
         prompt = self.engine.encode_prompt(WARMUP_PROMPT)
         obs = await self.engine_thread(profile, self.engine, self._make_request, prompt)
+        self._preempted = getattr(self.engine, "preemptions", 0)  # the warm-up's are not traffic's
         if (reserve := getattr(self.engine, "reserve", None)) is not None:  # KV rows for every slot, now
             await self.engine_thread(reserve, self._slots.engine_slots(self.settings))
         self.prefill_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "prefill"])

@@ -40,6 +40,7 @@ log = logging.getLogger("ferry.engine")
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_KV_CACHE_BYTES = 4096 * 1024 * 1024  # the running rows' KV, as vLLM's CPU backend's default
+MIN_KV_TOKENS = 1024  # fewer cannot hold the warm-up's rows (batcher/iteration.py) beside anything else
 Chunks = list[Chunk[RunningSequence]]
 
 
@@ -398,7 +399,7 @@ def _kv_budget(max_bytes: int | None, token_bytes: int, max_context: int, name: 
     if not max_bytes:
         return None, max_context
     cells = max_bytes // token_bytes
-    if cells < 2 * DEFAULT_BLOCK:
+    if cells < MIN_KV_TOKENS:
         raise ValueError(f"kv_cache_mb: {max_bytes / 2**20:g} MiB holds {cells} tokens of {name}: too few to run")
     if cells < max_context:
         log.warning(

@@ -105,10 +105,13 @@ class RunningBatch(Generic[Row]):
         return self.budget is None or rows * columns <= self.budget
 
     def reserve(self, rows: int) -> None:
-        """Grow the buffers to hold `rows` rows now (within the budget), so that traffic does
-        not wait for the growth; nothing before the first admission (shapes unknown)."""
+        """Grow the buffers to hold `rows` rows now, as many as the budget allows at their
+        present length, so that traffic does not wait for the growth; nothing before the
+        first admission (shapes unknown)."""
+        if self.budget is not None and self.capacity:
+            rows = min(rows, self.budget // self.capacity)
         if self.cache is not None and rows > self.allocated:
-            self._grow(self.width + 1, rows)
+            self._grow(max(self.width + 1, self.capacity), rows)
 
     def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row `row`'s keys and values per layer, [kv_heads, its tokens, head_dim], padding left out."""
@@ -176,10 +179,14 @@ class RunningBatch(Generic[Row]):
             # The mover's columns from its first real one (rows are right-aligned), view to
             # view: no gathered temporary, and none of the padding before it.
             first = self.start + int(self.mask[mover, self.start : self.end].argmax())
-            cols = slice(first, self.end)
+            cols, before = slice(first, self.end), slice(self.start, first)
             for layer in self.layers:
                 layer.keys[hole, :, cols].copy_(layer.keys[mover, :, cols])
                 layer.values[hole, :, cols].copy_(layer.values[mover, :, cols])
+                # Masked, but a weight of 0 times a non-finite value left by the row that
+                # left would still be NaN: the columns before the mover's are zeroed.
+                layer.keys[hole, :, before].zero_()
+                layer.values[hole, :, before].zero_()
             self.mask[hole, self.start : self.end] = 0
             self.mask[hole, cols] = self.mask[mover, cols]
             self.seqs[hole] = self.seqs[mover]

@@ -211,3 +211,7 @@ def test_reserve_grows_the_rows_now_and_a_shrink_for_columns_keeps_the_columns_i
     assert_rows_exact(batch, lengths)
     assert batch.cells <= batch.budget and batch.allocated < 32
     assert batch.capacity == batch.budget // batch.allocated  # the columns the fewer rows leave
+    small: RunningBatch[int] = RunningBatch(slots=64, budget=600)
+    small.admit(*prefill({1: 5, 2: 6}), [1, 2], alive=[0, 1])
+    small.reserve(64)  # as many rows as 600 cells hold at its length, and no KVFull
+    assert small.cells <= 600 and small.allocated >= 2
