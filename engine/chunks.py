@@ -44,6 +44,10 @@ class Pending(Generic[Row]):
     # A running sequence preempted for KV memory: `prompt` is its prompt and every token it
     # generated; its last chunk samples its next token (not a first one).
     resumed: bool = False
+    # It started, then found no room to join at its last chunk: its KV was let go (its
+    # blocks are in the prefix cache, where there is one) and it starts again when there
+    # is room; `cached` stays what its first look-up found.
+    held_back: bool = False
 
     @property
     def reported_cached(self) -> int:
@@ -136,8 +140,9 @@ class PendingPrefills(Generic[Row]):
         cache holds for it, unless a prompt prefilling ahead of it is about to compute the
         next block it needs: then it waits for that block to be stored. With a KV `room`,
         a prompt starts only if it could join the running rows now, and its last chunk
-        runs only when it may join; else it waits (a resumed sequence's look-ups are not
-        counted again as prefix-cache queries)."""
+        runs only when it may join; else it lets go of its KV (its blocks are in the prefix
+        cache) and starts again when there is room. Look-ups after a sequence's first are
+        not counted again as prefix-cache queries."""
         cache = self.prefiller.prefix_cache
         ahead = [self._pending[i] for i in dict.fromkeys(first) if i in self._pending]
         order = ahead + [p for p in self._pending.values() if p not in ahead]
@@ -155,18 +160,19 @@ class PendingPrefills(Generic[Row]):
                     have = cache.cached_blocks(p.prompt)
                     if have < len(p.keys) and p.keys[have] in claimed:
                         continue  # another prompt computes this block first: wait, then take it
-                    p.cached, p.kv = cache.lookup(p.prompt, count=not p.resumed)
-                    p.done = p.cached
-                    if not p.resumed:
+                    first_look = not (p.resumed or p.held_back)
+                    hit, p.kv = cache.lookup(p.prompt, count=first_look)
+                    p.done = hit
+                    if first_look:
+                        p.cached = hit
                         step.queried_tokens += len(p.prompt)
-                        step.cached_tokens += p.cached
+                        step.cached_tokens += hit
                     claimed.update(p.keys[p.done // cache.block :])
                 p.started = True
             n = min(p.left, left)
             if n == p.left and room is not None and not room.joins(p):
-                n = p.left - 1  # all but its last token: it joins when there is room
-                if n <= 0:
-                    continue
+                _hold_back(p)  # no room to join: it holds no KV while it waits
+                continue
             chunks.append(Chunk(p, p.done, n))
             left -= n
         return chunks
@@ -251,6 +257,12 @@ class PendingPrefills(Generic[Row]):
         step.padded_tokens += len(chunks) * max(c.tokens for c in chunks)
         step.computed_tokens += sum(c.tokens for c in chunks)
         return done
+
+
+def _hold_back(p: Pending) -> None:
+    """Let go of a started prompt's KV: it starts again, from the prefix cache, when there is room."""
+    p.buffer = p.kv = None
+    p.done, p.started, p.held_back = 0, False, True
 
 
 def _tensor(data: list, device: torch.device) -> torch.Tensor:

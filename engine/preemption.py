@@ -17,7 +17,8 @@ an interactive prompt makes batch-class rows yield, a batch-class prompt waits f
 and no interactive row ever yields for a batch-class one. Only when every row is of one
 class and the rows themselves outgrow the memory does a row of that class yield to its
 own. A prompt that could not join now does not start computing (its KV would sit outside
-the budget), and a preempted sequence goes ahead of new prompts of its class.
+the budget), one that started and finds no room at its last chunk lets go of its KV
+(engine/chunks.py), and a preempted sequence goes ahead of new prompts of its class.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ class Bounded:
 
     def __init__(self, engine: HFGenerationEngine, packed: bool, chunk: int | None = 64) -> None:
         self.engine, self.packed, self.chunk = engine, packed, chunk
+        self.first: list[int] = []  # the ids the scheduler would put first (interactive prompts)
         self.tokens: dict[int, list[int]] = {}
         self.cached: dict[int, int] = {}
         self.parked: list[tuple[int, list[int]]] = []  # (victim's priority, priorities of the rows then)
@@ -76,9 +77,9 @@ class Bounded:
     def step(self) -> None:
         e = self.engine
         if self.packed:
-            decoded, done = e.step_with_prefill(self.chunk)
+            decoded, done = e.step_with_prefill(self.chunk, self.first)
         else:
-            decoded, done = e.step(), e.prefill(self.chunk)
+            decoded, done = e.step(), e.prefill(self.chunk, self.first)
         assert not done.failed
         for out in [*decoded, *done.outputs]:
             if not self.tokens[out.seq_id]:
@@ -185,6 +186,34 @@ def test_an_interactive_prompt_that_cannot_fit_parks_nobody_for_nothing(engine: 
             assert not run.parked, "a batch-class row yielded without making room"
         run.drain()
     assert [len(run.tokens[i]) for i in (1, 2, 3)] == [40, 60, 4]
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
+def test_a_started_prompt_that_finds_no_room_lets_go_of_its_kv(pair, packed: bool) -> None:
+    """A batch-class prompt half prefilled when an interactive one takes the room: at its
+    last chunk it cannot join, lets go of its KV (its blocks are in the prefix cache) and
+    starts again once there is room, giving the tokens it gives alone, its first look-up's
+    cached count kept."""
+    on, off = pair
+    ids = turn(on, " ".join(reversed(TEXTS)) * 6 + (" packed" if packed else " apart"))[::-1]  # cached nowhere
+    alone = unbounded(off, [ids[:200]])[0]
+    with budget(on, 300) as bounded:
+        run = Bounded(bounded, packed=packed)
+        run.add(request(1, ids[:200], priority=1, max_tokens=12))
+        run.step()  # 64 of its 200 tokens
+        run.add(request(2, ids[300:450], priority=0, max_tokens=4))
+        run.first = [2]
+        held = False
+        while bounded.running:
+            run.step()
+            pending = {p.seq_id: p for p in bounded._pending.waiting()}
+            if 1 in pending and pending[1].held_back and not pending[1].started:
+                held = True
+                assert pending[1].buffer is None and pending[1].kv is None
+        run._restore()
+    assert held, "the batch-class prompt should have been held back"
+    assert run.tokens[1] == alone[:12] and len(run.tokens[2]) == 4
+    assert run.cached[1] == 0  # what its first look-up found, not its own blocks
 
 
 def test_a_preempted_sequence_goes_ahead_of_new_prompts_of_its_class() -> None:
