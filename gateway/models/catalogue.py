@@ -72,6 +72,7 @@ def entry_spec(e: Any, cfg: ServerConfig) -> ModelSpec:
         settings=e.batching,
         prefix_caching=e.prefix_caching,
         prefix_cache_mb=e.prefix_cache_mb,
+        kv_cache_mb=e.kv_cache_mb,
         options=e.options,
     )
 
@@ -91,12 +92,14 @@ def model_spec(
     settings: dict[str, Any] | None = None,
     prefix_caching: bool | None = None,
     prefix_cache_mb: int | None = None,
+    kv_cache_mb: int | None = None,
     options: dict[str, Any] | None = None,
 ) -> ModelSpec:
     """How to load one model of `kind` from `source` (`default`, a Hugging Face id or a local
     path), served as `name` (default: the engine's own: the built-in model's name, or `source`),
     on `device` / `dtype` (default: `--device` / `--dtype`); a chat model's prefix cache as
-    `prefix_caching` / `prefix_cache_mb` say (default: `--prefix-caching` / `--prefix-cache-mb`).
+    `prefix_caching` / `prefix_cache_mb` say (default: `--prefix-caching` / `--prefix-cache-mb`),
+    its running sequences' KV within `kv_cache_mb` (default: `--kv-cache-mb`).
     A custom model's source is its class (`package.module:ClassName`), made with `options`."""
     path = None if source == "default" else source
     device = device or cfg.device
@@ -135,7 +138,7 @@ def model_spec(
             "dtype": dtype,
             "torch_threads": cfg.torch_threads or 1,
             "packed_steps": cfg.packed_steps,
-            "kv_cache_bytes": cfg.kv_cache_mb * 1024 * 1024 or None,
+            "kv_cache_bytes": (cfg.kv_cache_mb if kv_cache_mb is None else kv_cache_mb) * 1024 * 1024 or None,
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
         }
         if name is not None:

@@ -11,6 +11,7 @@
           max_batch_size: 64
         prefix_caching: true      # optional, chat only (default: --prefix-caching)
         prefix_cache_mb: 256      # optional, chat only (default: --prefix-cache-mb)
+        kv_cache_mb: 4096         # optional, chat only (default: --kv-cache-mb)
         options: {labels: [a, b]} # optional, custom only: keyword arguments of the class
 
 The schema is a pydantic model that forbids unknown fields; a bad file fails `ferry serve` at
@@ -64,6 +65,9 @@ class ModelEntry(BaseModel):
     prefix_cache_mb: int | None = Field(
         None, ge=0, description="a chat model's prefix cache memory in MiB (0: off); null: the flag's"
     )
+    kv_cache_mb: int | None = Field(
+        None, ge=0, description="a chat model's running sequences' KV memory in MiB (0: no bound); null: the flag's"
+    )
     options: dict[str, Any] | None = Field(
         None, description="a custom model's keyword arguments (its class is made with them)"
     )
@@ -99,10 +103,10 @@ def load_config(path: str) -> list[ModelEntry]:
             raise ConfigError(f"invalid {where}: model {entry.name!r}: field 'name': another model has this name")
         seen.add(entry.name)
         if entry.kind != "chat":
-            for field in ("prefix_caching", "prefix_cache_mb"):
+            for field in ("prefix_caching", "prefix_cache_mb", "kv_cache_mb"):
                 if getattr(entry, field) is not None:
                     raise ConfigError(
-                        f"invalid {where}: model {entry.name!r}: field {field!r}: only chat models keep a prefix cache"
+                        f"invalid {where}: model {entry.name!r}: field {field!r}: only chat models keep a KV cache"
                     )
         problem = _kind_problem(entry)
         if problem is not None:

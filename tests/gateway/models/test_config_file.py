@@ -94,9 +94,10 @@ def test_the_shipped_example_is_valid():
         (
             "models:\n  - {name: a, kind: embeddings, prefix_cache_mb: 64}\n",
             "model 'a'",
-            "field 'prefix_cache_mb': only chat models keep a prefix cache",
+            "field 'prefix_cache_mb': only chat models keep a KV cache",
         ),
         ("models:\n  - {name: a, kind: chat, prefix_cache_mb: -1}\n", "model 'a'", "field 'prefix_cache_mb'"),
+        ("models:\n  - {name: a, kind: chat, kv_cache_mb: -1}\n", "model 'a'", "field 'kv_cache_mb'"),
         ("models:\n  - {name: a, kind: chat, prefix_caching: 'no'}\n", "model 'a'", "field 'prefix_caching'"),
         ("models: []\n", "", "field 'models'"),
         ("model:\n  - {name: a, kind: chat}\n", "", "field 'model': unknown field"),
@@ -175,7 +176,8 @@ def test_the_name_reaches_the_engine(tmp_path):
 
 
 def test_a_chat_model_s_prefix_cache_is_its_entry_s_or_the_flags(tmp_path, monkeypatch):
-    """--prefix-caching and --prefix-cache-mb, over which a chat model's own entry wins."""
+    """--prefix-caching, --prefix-cache-mb and --kv-cache-mb, over which a chat model's own
+    entry wins."""
     import engine.generation
 
     monkeypatch.delenv("FERRY_FAKE_ENGINES", raising=False)
@@ -188,16 +190,21 @@ def test_a_chat_model_s_prefix_cache_is_its_entry_s_or_the_flags(tmp_path, monke
     monkeypatch.setattr(engine.generation, "HFGenerationEngine", Recorder)
     text = """
 models:
-  - {name: own, kind: chat, source: /m/own, prefix_caching: true, prefix_cache_mb: 32}
-  - {name: zero, kind: chat, source: /m/zero, prefix_cache_mb: 0}
+  - {name: own, kind: chat, source: /m/own, prefix_caching: true, prefix_cache_mb: 32, kv_cache_mb: 64}
+  - {name: zero, kind: chat, source: /m/zero, prefix_cache_mb: 0, kv_cache_mb: 0}
   - {name: flags, kind: chat, source: /m/flags}
 """
-    _, cfg = from_args(["serve", "--config", write(tmp_path, text), "--no-prefix-caching", "--prefix-cache-mb", "512"])
+    args = ["--no-prefix-caching", "--prefix-cache-mb", "512", "--kv-cache-mb", "2048"]
+    _, cfg = from_args(["serve", "--config", write(tmp_path, text), *args])
     for spec in default_specs(cfg):
         spec.load()
     mib = 1024 * 1024
-    got = {path: (o["prefix_caching"], o["prefix_cache_bytes"]) for path, o in made.items()}
-    assert got == {"/m/own": (True, 32 * mib), "/m/zero": (False, 0), "/m/flags": (False, 512 * mib)}
+    got = {path: (o["prefix_caching"], o["prefix_cache_bytes"], o["kv_cache_bytes"]) for path, o in made.items()}
+    assert got == {
+        "/m/own": (True, 32 * mib, 64 * mib),
+        "/m/zero": (False, 0, None),
+        "/m/flags": (False, 512 * mib, 2048 * mib),
+    }
 
 
 CONFIG = """
