@@ -215,6 +215,11 @@ def model_stats(view: _View, last: _View, info: ModelInfo, seconds: float | None
     }
     if info.kind == "chat":
         out["prefix_cache"] = _prefix_cache(view)
+        # The running sequences' KV against its budget now, and the preemptions in the window.
+        out["kv"] = {
+            "usage": view.current("ferry_kv_cache_usage_ratio"),
+            "preemptions": view.delta("ferry_preemptions_total"),
+        }
     return out
 
 

@@ -135,6 +135,8 @@ def _check_page(d, server) -> None:
 
     wait_until(lambda: prefix_cache(chat) and prefix_cache(chat)[0].endswith("%"), message="the hit rate shown")
     assert prefix_cache(embed) == []
+    kv_panel = [p for p in chat.find_elements(By.CSS_SELECTOR, ".panel") if "KV in use" in p.text]
+    assert kv_panel and "preemptions" in kv_panel[0].text  # the KV budget's use and the window's preemptions
 
     # No token: the knobs are read-only.
     size = chat.find_element(By.CSS_SELECTOR, "input[name=max_batch_size]")

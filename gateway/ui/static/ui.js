@@ -281,7 +281,7 @@
     view.refusals = panel("Rejections and expiries (last 10 s)");
     view.slo = panel("SLO attainment (last 10 s)");
     view.tokens = panel("Batch tokens and padding (last 10 s)");
-    if (model.kind === "chat") view.prefix = panel("Prefix cache (last 10 s)");
+    if (model.kind === "chat") view.prefix = panel("Prefix cache and KV (last 10 s)");
     knobForm(view, panels);
     const marksPanel = panel("Knob changes (dashed lines on the charts)");
     view.marksList = el("ol", { class: "marks" });
@@ -328,7 +328,10 @@
         ["hit rate", pc.hit_rate === null ? "–" : fmt(100 * pc.hit_rate, 1) + " %"],
         ["prompt tokens", fmt(pc.queries, 0)],
         ["from the cache", fmt(pc.hits, 0)],
-      ]);
+      ].concat(model.kv ? [
+        ["KV in use", fmt(100 * model.kv.usage, 1) + " %"],
+        ["preemptions", fmt(model.kv.preemptions, 0)],
+      ] : []));
     }
     // A change (from this page or anyone else's PATCH) shows as a mark on every time chart.
     if (view.lastChanges !== null && model.config_changes > view.lastChanges) {

@@ -219,7 +219,7 @@ def test_stats_over_an_engine_core_match_those_of_the_core_itself():
     assert merged["latency"]["request"]["count"] == 3  # the server's own histogram, beside the core's
 
 
-def test_the_prefix_cache_hit_rate_is_over_the_window_for_chat_models_only():
+def test_the_prefix_cache_hit_rate_and_preemptions_are_over_the_window_for_chat_models_only():
     metrics = Metrics(CollectorRegistry())
     metrics.init_prefix_cache("c")
     chat = ModelInfo("c", "chat", BatchingSettings().to_dict(), None)
@@ -231,9 +231,12 @@ def test_the_prefix_cache_hit_rate_is_over_the_window_for_chat_models_only():
     asyncio.run(clock.advance(1.0))
     metrics.prefix_cache_queries.labels("c").inc(200)
     metrics.prefix_cache_hits.labels("c").inc(150)
+    metrics.preemptions.labels("c").inc(3)
+    metrics.kv_usage.labels("c").set(0.5)
     c, e = ring.stats(metrics.registry.collect(), [chat, embed])["models"]
     assert c["prefix_cache"] == {"queries": 200, "hits": 150, "hit_rate": 0.75}
-    assert "prefix_cache" not in e
+    assert c["kv"] == {"usage": 0.5, "preemptions": 3}  # the KV budget's use now, preemptions in the window
+    assert "prefix_cache" not in e and "kv" not in e
 
 
 def test_batch_tokens_and_padding_are_over_the_window_per_phase():
