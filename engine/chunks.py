@@ -140,9 +140,9 @@ class PendingPrefills(Generic[Row]):
         cache holds for it, unless a prompt prefilling ahead of it is about to compute the
         next block it needs: then it waits for that block to be stored. With a KV `room`,
         a prompt starts only if it could join the running rows now, and its last chunk
-        runs only when it may join; else it lets go of its KV (its blocks are in the prefix
-        cache) and starts again when there is room. Look-ups after a sequence's first are
-        not counted again as prefix-cache queries."""
+        runs only when it may join; else it lets go of its KV where the prefix cache holds
+        its blocks, and starts again when there is room (without that, it keeps its KV and
+        waits). Look-ups after a sequence's first are not counted again as queries."""
         cache = self.prefiller.prefix_cache
         ahead = [self._pending[i] for i in dict.fromkeys(first) if i in self._pending]
         order = ahead + [p for p in self._pending.values() if p not in ahead]
@@ -171,8 +171,12 @@ class PendingPrefills(Generic[Row]):
                 p.started = True
             n = min(p.left, left)
             if n == p.left and room is not None and not room.joins(p):
-                _hold_back(p)  # no room to join: it holds no KV while it waits
-                continue
+                if cache is not None and cache.cached_blocks(p.prompt) * cache.block >= p.done - p.done % cache.block:
+                    _hold_back(p)  # no room to join: its work is in the prefix cache, it holds no KV while it waits
+                    continue
+                n = p.left - 1  # no cache holds its work: it keeps its KV and joins when there is room
+                if n <= 0:
+                    continue
             chunks.append(Chunk(p, p.done, n))
             left -= n
         return chunks

@@ -188,30 +188,38 @@ def test_an_interactive_prompt_that_cannot_fit_parks_nobody_for_nothing(engine: 
     assert [len(run.tokens[i]) for i in (1, 2, 3)] == [40, 60, 4]
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
-def test_a_started_prompt_that_finds_no_room_lets_go_of_its_kv(pair, packed: bool) -> None:
+@pytest.mark.parametrize(
+    ("packed", "cache"), [(False, True), (True, True), (False, False)], ids=["apart", "packed", "no-prefix-cache"]
+)
+def test_a_started_prompt_that_finds_no_room_lets_go_of_its_kv(pair, packed: bool, cache: bool) -> None:
     """A batch-class prompt half prefilled when an interactive one takes the room: at its
     last chunk it cannot join, lets go of its KV (its blocks are in the prefix cache) and
     starts again once there is room, giving the tokens it gives alone, its first look-up's
-    cached count kept."""
+    cached count kept. Without a prefix cache it keeps its KV and waits instead."""
     on, off = pair
-    ids = turn(on, " ".join(reversed(TEXTS)) * 6 + (" packed" if packed else " apart"))[::-1]  # cached nowhere
+    tag = " packed" if packed else (" apart" if cache else " plain")
+    ids = turn(on, " ".join(reversed(TEXTS)) * 6 + tag)[::-1]  # cached nowhere
     alone = unbounded(off, [ids[:200]])[0]
-    with budget(on, 300) as bounded:
+    with budget(on if cache else off, 300) as bounded:
         run = Bounded(bounded, packed=packed)
         run.add(request(1, ids[:200], priority=1, max_tokens=12))
         run.step()  # 64 of its 200 tokens
         run.add(request(2, ids[300:450], priority=0, max_tokens=4))
         run.first = [2]
-        held = False
-        while bounded.running:
+        held = waited = False
+        for _ in range(2000):
+            if not bounded.running:
+                break
             run.step()
             pending = {p.seq_id: p for p in bounded._pending.waiting()}
             if 1 in pending and pending[1].held_back and not pending[1].started:
                 held = True
                 assert pending[1].buffer is None and pending[1].kv is None
+            waited |= 1 in pending and pending[1].left == 1 and 2 in bounded.running_ids
         run._restore()
-    assert held, "the batch-class prompt should have been held back"
+    assert not bounded.running, "sequences did not finish"
+    assert held == cache, "held back where (and only where) the prefix cache holds its work"
+    assert waited or cache, "without a cache it should have waited with its KV, one token short"
     assert run.tokens[1] == alone[:12] and len(run.tokens[2]) == 4
     assert run.cached[1] == 0  # what its first look-up found, not its own blocks
 

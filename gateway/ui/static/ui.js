@@ -329,7 +329,7 @@
         ["prompt tokens", fmt(pc.queries, 0)],
         ["from the cache", fmt(pc.hits, 0)],
       ].concat(model.kv ? [
-        ["KV in use", fmt(100 * model.kv.usage, 1) + " %"],
+        ["KV in use", model.kv.usage === null || model.kv.usage === undefined ? "–" : fmt(100 * model.kv.usage, 1) + " %"],
         ["preemptions", fmt(model.kv.preemptions, 0)],
       ] : []));
     }
