@@ -39,7 +39,7 @@ class Pending(Generic[Row]):
     # Once a chunk has run: [layers, 2, kv_heads, prompt length, head_dim], `kv` its first
     # `done` columns, so each chunk copies in only its own columns.
     buffer: torch.Tensor | None = None
-    cached: int = 0  # of `done`, tokens the prefix cache served
+    cached: int = 0  # tokens its first look-up found in the prefix cache (0 for a resumed sequence)
     started: bool = False  # it has looked the prefix cache up
     # A running sequence preempted for KV memory: `prompt` is its prompt and every token it
     # generated; its last chunk samples its next token (not a first one).
@@ -48,12 +48,6 @@ class Pending(Generic[Row]):
     # blocks are in the prefix cache, where there is one) and it starts again when there
     # is room; `cached` stays what its first look-up found.
     held_back: bool = False
-
-    @property
-    def reported_cached(self) -> int:
-        """The prefix-cache tokens its first token reports (none for a resumed sequence,
-        whose prompt's were reported when it first ran)."""
-        return 0 if self.resumed else self.cached
 
     @property
     def left(self) -> int:

@@ -326,7 +326,7 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         decoded = self._decoded(tokens[:rows])
         for c, token in zip(completing, tokens[rows:], strict=True):
             out = self._next.advance(c.pending.seq, *token)
-            out.cached_tokens = c.pending.reported_cached
+            out.cached_tokens = c.pending.cached
             result.outputs.append(out)
             if out.finish_reason is None:
                 assert c.pending.buffer is not None
@@ -353,7 +353,7 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         alive = []
         for row, token in zip(finished, tokens, strict=True):
             out = self._next.advance(seqs[row], *token)
-            out.cached_tokens = chunks[row].pending.reported_cached
+            out.cached_tokens = chunks[row].pending.cached
             result.outputs.append(out)
             if out.finish_reason is None:
                 alive.append(row)
