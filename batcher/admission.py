@@ -14,7 +14,7 @@ import heapq
 import math
 from collections.abc import Callable
 
-from .cost import CostModel
+from .cost import Calibration, CostModel
 from .errors import DeadlineInfeasible, QueueFull
 from .load import Load
 from .queue import INF, RequestQueue
@@ -122,6 +122,23 @@ def predicted_first_token(
         further = math.ceil(group * tokens / load.prefill_chunk) - 1
         prefill += further * (load.chunk_step + cost.predict(1, 0))
     return max(slots[0], now) + prefill
+
+
+def calibrated(predict: Predictor, calibration: Calibration) -> Predictor:
+    """`predict`, its wait stretched by `calibration.factor`; the item keeps the raw wait
+    (`predicted_wait`), which its observed wait is compared with (never the stretched one:
+    that would feed the factor on itself)."""
+
+    def stretched(
+        q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load, siblings: int = 0
+    ) -> float:
+        done = predict(q, item, now, s, cost, load, siblings)
+        if done == INF:
+            return done
+        item.predicted_wait = max(done - now, 0.0)
+        return now + item.predicted_wait * calibration.factor
+
+    return stretched
 
 
 def check(

@@ -128,6 +128,37 @@ class CostModel:
         self._fit = LinearCost(fixed, 0.0, slope) if by_tokens else LinearCost(fixed, slope, 0.0)
 
 
+class Calibration:
+    """How much later than predicted something comes lately: the SLOWDOWN_QUANTILE of
+    observed / predicted over a sliding window, within [1, MAX_SLOWDOWN]; promises multiply
+    their predictions by `factor`, so one is what nine in ten deliver.
+
+    The generation scheduler calibrates its time-to-first-token prediction with it: that
+    prediction is a sum of queueing (slots freeing, prompts ahead) and cost-model terms, and
+    at overload, where admission fills the queue up to the budget, a prediction right on
+    average leaves half the admitted requests late at the edge (measured: observed /
+    predicted p50 1.03, p90 1.27, and one admitted request in ten late at 1.5x capacity).
+    Predictions under `floor` seconds are not observed: their ratio is noise (fixed costs the
+    deadline margin covers), and at light load they would inflate the promises of heavy load.
+    Requests that expire before their first token are never observed (censored): the factor
+    errs, if anything, on the kind side."""
+
+    def __init__(self, window: int = 256, refresh_every: int = 8, floor: float = 0.02) -> None:
+        self._ratios: deque[float] = deque(maxlen=window)
+        self._every, self._since, self._floor = refresh_every, 0, floor
+        self.factor = 1.0
+
+    def observe(self, predicted: float, observed: float) -> None:
+        if predicted < self._floor:
+            return
+        self._ratios.append(observed / predicted)
+        self._since += 1
+        if self._since >= self._every:
+            self._since = 0
+            q = float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE))
+            self.factor = min(max(q, 1.0), MAX_SLOWDOWN)
+
+
 def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     """Least-squares line with both coefficients kept non-negative."""
     slope, fixed = np.polyfit(x, t, 1)

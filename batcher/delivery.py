@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from .cost import Calibration
 from .errors import EngineError
 from .metrics import Metrics
 from .protocols import SequenceStep
@@ -27,8 +28,10 @@ class Delivery:
         running: RunningSet,
         finish: Finish,
         record_slo: Callable[[WorkItem, bool], None],
+        first_tokens: Calibration | None = None,
     ) -> None:
         self.model = model
+        self._first_tokens = first_tokens  # admission's first-token promises, calibrated here
         self._running = running
         self._finish, self._record_slo = finish, record_slo
         # Children looked up once: these are touched for every generated token.
@@ -61,6 +64,8 @@ class Delivery:
         if produced:
             if seq.tokens == 0:
                 self._ttft.observe(now - item.arrival)
+                if self._first_tokens is not None and item.predicted_wait is not None:
+                    self._first_tokens.observe(item.predicted_wait, now - item.arrival)
                 if ttft_budget:
                     self._record_slo(item, True)  # the budget covered the first token
             elif seq.last_token_at is not None:

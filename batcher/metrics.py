@@ -172,6 +172,14 @@ class Metrics:
             registry=r,
             multiprocess_mode=MAX,
         )
+        self.first_token_slowdown = Gauge(
+            "ferry_first_token_slowdown",
+            "Generation: 90th percentile of observed / predicted time to first token lately, within "
+            "1-1.5: what admission's first-token promises allow for.",
+            ["model"],
+            registry=r,
+            multiprocess_mode=MAX,
+        )
         self.engine_errors = Counter(
             "ferry_engine_errors_total", "Engine calls or items that failed.", ["model", "phase"], registry=r
         )

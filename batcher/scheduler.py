@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from . import admission
-from .cost import CostModel, LinearCost
+from .cost import Calibration, CostModel, LinearCost
 from .delivery import Delivery
 from .errors import DeadlineExceeded, DeadlineInfeasible, EngineError, ShuttingDown
 from .iteration import WARMUP_PROMPT, Chunking, IterationResult, chunk_budget, profile, run_iteration
@@ -67,7 +67,9 @@ class GenerationScheduler(QueueingBatcher):
         self._chunked = isinstance(engine, ChunkingEngine)
         self._running = RunningSet()
         self._slots = Slots(engine, self._running)
-        self._delivery = Delivery(model, self.metrics, self._running, self._finish, self._record_slo)
+        self.first_tokens = Calibration()  # admission's first-token promises, as nine in ten came
+        self.predict = admission.calibrated(admission.predicted_first_token, self.first_tokens)
+        self._delivery = Delivery(model, self.metrics, self._running, self._finish, self._record_slo, self.first_tokens)
         self.iterations = 0
         self._preempted = 0  # the engine's preemption count at the last gauge update
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
@@ -87,8 +89,6 @@ class GenerationScheduler(QueueingBatcher):
         return len(self.queue) > 0 or bool(self._running)
 
     # -- load and admission ----------------------------------------------------------
-    predict = staticmethod(admission.predicted_first_token)
-
     def busy_until(self, now: float) -> float:
         """The next iteration boundary: when a free slot can take a newcomer."""
         return now + self.decode_cost.predict(len(self._running)) if self._running else now
@@ -323,6 +323,7 @@ class GenerationScheduler(QueueingBatcher):
         m.waiting.labels(self.model).set(len(self.queue))
         m.kv_tokens.labels(self.model).set(self.engine.kv_tokens)
         m.kv_usage.labels(self.model).set(self.kv_usage())
+        m.first_token_slowdown.labels(self.model).set(self.first_tokens.factor)
         last, self._preempted = self._preempted, getattr(self.engine, "preemptions", 0)
         m.preemptions.labels(self.model).inc(max(0, self._preempted - last))
 

@@ -84,6 +84,9 @@ class WorkItem:
     reason: DispatchReason | None = None
     # Best-effort service of an item admission judged infeasible (on_infeasible=serve).
     best_effort: bool = False
+    # Generation: admission's uncalibrated prediction of seconds from arrival to the first
+    # token (on the item it checked); its first token calibrates later ones (cost.Calibration).
+    predicted_wait: float | None = None
     slo_recorded: bool = False
 
     @property

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher import admission
+from batcher.cost import Calibration
 from batcher.errors import BatchingError, DeadlineInfeasible, QueueFull
 from batcher.load import IDLE, Load
 from batcher.queue import RequestQueue
@@ -215,6 +216,19 @@ def test_batch_class_prompts_leave_the_interactive_slots_free():
 
 
 # -- check ------------------------------------------------------------------------------------
+def test_a_calibrated_prediction_stretches_the_wait_and_keeps_the_raw_one_on_the_item():
+    calibration = Calibration()
+    calibration.factor = 1.5
+    predict = admission.calibrated(admission.predicted_first_token, calibration)
+    s, prompt = batching(), item(NOW + 1.0, tokens=2)
+    raw = admission.predicted_first_token(queue(), prompt, NOW, s, COST, Load(free_slots=1))
+    assert predict(queue(), prompt, NOW, s, COST, Load(free_slots=1)) == pytest.approx(NOW + 1.5 * (raw - NOW))
+    assert prompt.predicted_wait == pytest.approx(raw - NOW)  # what its first token is compared with
+    never = item(NOW + 1.0)
+    assert predict(queue(), never, NOW, s, COST, Load(free_slots=0)) == math.inf
+    assert never.predicted_wait is None
+
+
 def test_a_full_queue_is_refused_with_the_time_to_drain_one_batch_as_retry_after():
     s = batching(max_queue=3, max_batch_size=4)
     q = queue(item(), item(), item())

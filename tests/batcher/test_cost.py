@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batcher.cost import MAX_SLOWDOWN, MAX_TAIL, CostModel, LinearCost
+from batcher.cost import MAX_SLOWDOWN, MAX_TAIL, Calibration, CostModel, LinearCost
 
 
 def test_fits_fixed_plus_per_token_from_observed_batches():
@@ -89,3 +89,21 @@ def test_a_warm_up_seed_fits_without_judging_the_prior():
     m.seed([(1, 10, 0.012), (4, 40, 0.018), (16, 160, 0.042)])
     assert m.predict(4, 40) == pytest.approx(0.018, rel=0.01)
     assert m.slowdown == 1.0
+
+
+def test_a_calibration_is_the_90th_percentile_of_observed_over_predicted_bounded_and_deaf_to_tiny_predictions():
+    c = Calibration(refresh_every=1)
+    assert c.factor == 1.0
+    for i in range(100):  # 80 on time, 20 coming 1.2x as late as predicted
+        c.observe(0.100, 0.120 if i % 5 == 0 else 0.100)
+    assert c.factor == pytest.approx(1.2)
+    for _ in range(256):  # a window later: early ones promise nothing sooner
+        c.observe(0.100, 0.050)
+    assert c.factor == 1.0
+    for _ in range(256):
+        c.observe(0.100, 1.0)
+    assert c.factor == MAX_SLOWDOWN  # bounded, though these came 10x late
+    deaf = Calibration(refresh_every=1)
+    for _ in range(50):  # a 5 ms prediction that took 15: fixed costs the deadline margin covers
+        deaf.observe(0.005, 0.015)
+    assert deaf.factor == 1.0

@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
-from batcher.cost import CostModel, LinearCost
+from batcher.cost import MAX_SLOWDOWN, CostModel, LinearCost
 from batcher.errors import DeadlineInfeasible, EngineError
 from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler
@@ -208,6 +208,29 @@ def test_admission_refuses_at_once_when_no_slot_can_free_in_time():
             r.sched.cancel(item.item)
         await r.clock.run_until_idle()
         assert late_ok.future.result().completion_tokens == 3
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_first_tokens_later_than_promised_make_admission_promise_later():
+    async def scenario():
+        r = GenRig(per_row=0.030, max_wait_ms=0)  # a lone prefill takes 40 ms
+        # ...where the prefill's cost model, kept as it is, says 25.
+        r.sched.prefill_cost = r.sched.cost = CostModel(LinearCost(0.025, 0.0, 0.0), refit_every=10**9)
+        await r.sched.start()
+        budget = 0.045  # the 25 ms prediction and the 10 ms margin fit; 1.5x of it does not
+        for _ in range(8):  # one at a time, each admitted and on time, each first token 15 ms later than promised
+            item = r.submit(1, budget=budget)
+            assert item.predicted_wait == pytest.approx(0.025)
+            await r.clock.run_until_idle()
+            assert item.future.result().completion_tokens == 1
+        assert r.sched.first_tokens.factor == MAX_SLOWDOWN
+        with pytest.raises(DeadlineInfeasible):
+            r.submit(1, budget=budget)
+        assert r.submit(1, budget=0.05).future is not None  # 37.5 + 10 ms fits in 50
+        await r.clock.run_until_idle()
+        assert r.registry.get_sample_value("ferry_first_token_slowdown", {"model": "g"}) == MAX_SLOWDOWN
         await r.sched.stop()
 
     run(scenario())
