@@ -121,6 +121,20 @@ def test_goodput_cap_does_not_shrink_a_batch_for_one_late_batch_item():
     assert d.size == 8  # 7 on time in cost(8) = 26 ms beats 3 on time in cost(3) = 16 ms
 
 
+def test_goodput_counts_an_items_tokens_so_a_longer_input_joins_when_its_tokens_pay_for_the_padding():
+    s = BatchingSettings(policy="deadline", max_batch_size=8, max_wait_ms=0, deadline_margin_ms=0)
+    per_token = CostModel(LinearCost(0.010, 0.0, 0.001))
+    q = RequestQueue(aging=10)
+    for tokens in (10, 20):  # the leader, then a longer input
+        q.push(WorkItem(payload=None, arrival=0.0, deadline=1.0, priority=Priority.BATCH, cost=tokens))
+    # Alone: 10 tokens in 20 ms; together: 30 tokens in 10 + 2 x 20 = 50 ms, 600 tokens/s against
+    # 500 (counted in items, 40 a second against 50, and the longer one would wait for a batch of its own).
+    assert deadline(q, 0.0, s, per_token).size == 2
+    q.push(WorkItem(payload=None, arrival=0.0, deadline=1.0, priority=Priority.BATCH, cost=200))
+    # A third of 200 tokens would pad both to 200: 230 tokens in 610 ms, 377 a second.
+    assert deadline(q, 0.0, s, per_token).size == 2
+
+
 def test_reserve_caps_batch_time_for_interactive_arrivals_but_never_splits_interactive_work():
     """The reserve keeps batch-class batches short for the interactive requests still to
     come; the interactive requests already queued go together (cut to one item each,
