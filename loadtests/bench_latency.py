@@ -19,8 +19,11 @@
   the first content delta; capacity is chat requests per second at saturation. The lane
   there: interactive prompts prefilled alone, ahead of the batch-class decode step.
 
+`--lengths longtail|bimodal`: the embeddings cells send loadtests/length_mix.py's seeded
+pools of mixed lengths instead of short sentences of nearly one length.
+
     python -m loadtests.bench_latency [--cells latency,burst,priority,chat-priority] [--duration 6] [--out f.json]
-        [--priority-modes lane,reserve,throughput]
+        [--priority-modes lane,reserve,throughput] [--lengths longtail]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -49,6 +53,19 @@ FIXED_GRID = [(8, 0.0), (8, 10.0), (32, 0.0), (32, 10.0)]
 DEFAULTS: dict[str, Any] = {"max_batch_size": 32, "max_wait_ms": 5.0}
 
 
+# The embeddings cells' inputs: short sentences of nearly one length, or with `--lengths` a
+# seeded long-tailed or bimodal pool (loadtests/length_mix.py), input i the pool's i-th.
+_text: Callable[[int], str] = sentence
+
+
+def use_lengths(dist: str) -> None:
+    from .length_mix import make_texts
+
+    pool = make_texts(dist, 4096, seed=0)
+    global _text
+    _text = lambda i: pool[i % len(pool)]  # noqa: E731
+
+
 def make_embed_send(seed: int, interactive_share: float = 0.3):
     rng = random.Random(seed)
     classes = ["interactive" if rng.random() < interactive_share else "batch" for _ in range(200_000)]
@@ -56,7 +73,7 @@ def make_embed_send(seed: int, interactive_share: float = 0.3):
     async def send(session, i: int) -> Sample:
         cls = classes[i]
         budget = INTERACTIVE_MS if cls == "interactive" else BATCH_MS
-        body = {"model": MODEL, "input": sentence(i), "latency_budget_ms": budget, "priority": cls}
+        body = {"model": MODEL, "input": _text(i), "latency_budget_ms": budget, "priority": cls}
         import orjson
 
         async with session.post(
@@ -159,7 +176,7 @@ def capacity(url: str, duration: float) -> float:
 async def _saturating_send(session, i):
     import orjson
 
-    body = {"model": MODEL, "input": sentence(i), "latency_budget_ms": 60_000, "priority": "batch"}
+    body = {"model": MODEL, "input": _text(i), "latency_budget_ms": 60_000, "priority": "batch"}
     async with session.post(
         "/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
     ) as r:
@@ -288,7 +305,12 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--ferry-args", default="", help="extra `ferry serve` flags, e.g. --no-engine-cores")
     p.add_argument("--priority-modes", default="lane,reserve", help="of " + ",".join(PRIORITY_MODES))
+    p.add_argument(
+        "--lengths", choices=("longtail", "bimodal"), help="embeddings cells: inputs of mixed lengths, not sentences"
+    )
     a = p.parse_args()
+    if a.lengths:
+        use_lengths(a.lengths)
     cells = set(a.cells.split(","))
     out: dict = {}
     if "burst" in cells:
