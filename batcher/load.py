@@ -101,6 +101,7 @@ class LoadTracker:
         # first, kept in O(1) per arrival (a scan of the window cost O(arrivals/s) per request).
         self._tightest: deque[tuple[float, float]] = deque()
         self._typical_cost = 1.0
+        self.last_interactive = -math.inf  # when interactive work was last offered, with a budget or not
         self._drained: deque[tuple[float, int, float]] = deque()  # (finished, items, seconds)
         # Running totals of the window: a sum over it per admission cost O(batches per second).
         self._drained_items, self._drained_seconds = 0, 0.0
@@ -108,6 +109,8 @@ class LoadTracker:
     # -- recording ----------------------------------------------------------------
     def offered(self, now: float, n: int, budget: float | None, priority: Priority) -> None:
         """`n` items of one request were offered (admitted, or refused for good)."""
+        if priority is Priority.INTERACTIVE:
+            self.last_interactive = now
         if budget is None:
             return
         if budget <= URGENT_BUDGET:
