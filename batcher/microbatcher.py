@@ -124,22 +124,22 @@ class MicroBatcher(QueueingBatcher):
             now = self.clock.now()
             self._expire(now)
             wake_at = self.queue.min_deadline
+            # The engine's thread if free, else the lane's: for interactive work, or any
+            # while the lane is spare (`_lane_spare`).
+            dispatch = None
             if self._inflight is None:
-                decision = self._decide(now)
-                if isinstance(decision, Dispatch):
-                    self._dispatch(decision, now)
-                    continue
-                if decision.t is not None:
-                    wake_at = min(wake_at, decision.t)
+                dispatch = self._dispatch
             elif self._lane is None and self.lane_open and self.queue.count(Priority.INTERACTIVE):
                 lane_items = self._lane_items(now)
                 if lane_items:
                     self._dispatch_lane(lane_items, now)
                     continue
             elif self._lane is None and self.lane_open and len(self.queue) and self._lane_spare(now):
+                dispatch = self._dispatch_beside
+            if dispatch is not None:
                 decision = self._decide(now)
                 if isinstance(decision, Dispatch):
-                    self._dispatch_beside(decision, now)
+                    dispatch(decision, now)
                     continue
                 if decision.t is not None:
                     wake_at = min(wake_at, decision.t)

@@ -57,16 +57,22 @@ def test_interactive_work_waits_when_the_batch_in_flight_ends_before_a_lane_batc
     run(scenario())
 
 
+async def bulk_then_more(r, bulk: list[int], more: list[int]):
+    """Batch-class `bulk` (a full batch) dispatched, then `more` 1 ms into it; 1 ms later."""
+    first = r.batcher.submit_many(bulk, priority=BATCH)
+    await r.clock.advance(0.001)
+    then = r.batcher.submit_many(more, priority=BATCH)
+    await r.clock.advance(0.001)
+    return first, then
+
+
 def test_batch_class_work_does_not_take_the_lane_kept_for_interactive_work():
     async def scenario():
         r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0)
         await r.batcher.start()
         r.batcher.submit("u", priority=INTERACTIVE)  # interactive work seen: the lane is kept for it
         await r.clock.run_until_idle()
-        r.batcher.submit_many([1, 2, 3, 4], priority=BATCH)
-        await r.clock.advance(0.001)
-        r.batcher.submit_many([5, 6], priority=BATCH)
-        await r.clock.advance(0.001)
+        await bulk_then_more(r, [1, 2, 3, 4], [5, 6])
         assert r.lane_batches == []  # they wait for the engine
         await r.clock.run_until_idle()
         assert r.batches == [["u"], [1, 2, 3, 4], [5, 6]]
@@ -79,12 +85,9 @@ def test_without_interactive_work_lately_batches_of_any_class_run_on_both_thread
     async def scenario():
         r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0)
         await r.batcher.start()
-        first = r.batcher.submit_many([1, 2, 3, 4], priority=BATCH)
-        await r.clock.advance(0.001)
-        beside = r.batcher.submit_many([5, 6], priority=BATCH)
-        await r.clock.advance(0)
+        first, beside = await bulk_then_more(r, [1, 2, 3, 4], [5, 6])
         assert r.lane_batches == [[5, 6]]  # at once, beside the batch in flight
-        assert r.lane.runs[0][0] == r.clock.now()
+        assert r.lane.runs[0][0] == r.clock.now() - 0.001
         assert DispatchReason.LANE not in {i.reason for i in beside}  # the policy's batch, not a lane batch
         assert r.value("ferry_batches_total", model="m", reason="lane") == 0
         await r.clock.run_until_idle()
@@ -92,17 +95,11 @@ def test_without_interactive_work_lately_batches_of_any_class_run_on_both_thread
         # Interactive work offered: for LANE_QUIET seconds the lane is kept for it again.
         r.batcher.submit("u", priority=INTERACTIVE)
         await r.clock.run_until_idle()
-        r.batcher.submit_many([7, 8, 9, 10], priority=BATCH)
-        await r.clock.advance(0.001)
-        r.batcher.submit_many([11], priority=BATCH)
-        await r.clock.advance(0.001)
+        await bulk_then_more(r, [7, 8, 9, 10], [11])
         assert r.lane_batches == [[5, 6]]
         await r.clock.run_until_idle()
         await r.clock.advance(LANE_QUIET)
-        r.batcher.submit_many([12, 13, 14, 15], priority=BATCH)
-        await r.clock.advance(0.001)
-        r.batcher.submit_many([16], priority=BATCH)
-        await r.clock.advance(0)
+        await bulk_then_more(r, [12, 13, 14, 15], [16])
         assert r.lane_batches == [[5, 6], [16]]
         await r.clock.run_until_idle()
         await r.batcher.stop()
