@@ -165,7 +165,10 @@ def configure(url: str, model: str = MODEL, /, **settings: Any) -> None:
 
 
 def capacity(url: str, duration: float) -> float:
-    """Saturate with batch-class work (generous budgets) and count what completes."""
+    """Saturate with batch-class work (generous budgets) and count what completes. One
+    request in 400 (one a second) is interactive: as in the cells, the lane stays kept for
+    interactive work, and batch-class work runs on one engine thread (with none, after 10 s
+    the lane's thread runs batch-class work too, batcher/microbatcher.py's LANE_QUIET)."""
     configure(url, policy="adaptive", **DEFAULTS)
     samples = asyncio.run(open_loop(400, duration, _saturating_send, url, seed=7))
     ok = [s for s in samples if s.status == 200]
@@ -176,7 +179,8 @@ def capacity(url: str, duration: float) -> float:
 async def _saturating_send(session, i):
     import orjson
 
-    body = {"model": MODEL, "input": _text(i), "latency_budget_ms": 60_000, "priority": "batch"}
+    cls = "interactive" if i % 400 == 0 else "batch"
+    body = {"model": MODEL, "input": _text(i), "latency_budget_ms": 60_000, "priority": cls}
     async with session.post(
         "/v1/embeddings", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
     ) as r:
