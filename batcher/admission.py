@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .cost import Calibration, CostModel
 from .errors import DeadlineInfeasible, QueueFull
@@ -124,10 +124,11 @@ def predicted_first_token(
     return max(slots[0], now) + prefill
 
 
-def calibrated(predict: Predictor, calibration: Calibration) -> Predictor:
-    """`predict`, its wait stretched by `calibration.factor`; the item keeps the raw wait
-    (`predicted_wait`), which its observed wait is compared with (never the stretched one:
-    that would feed the factor on itself)."""
+def calibrated(predict: Predictor, calibrations: Mapping[Priority, Calibration]) -> Predictor:
+    """`predict`, its wait stretched by the `factor` of the item's class; the item keeps the
+    raw wait (`predicted_wait`), which its observed wait is compared with (never the
+    stretched one: that would feed the factor on itself). By class: interactive prompts go
+    first, batch-class predictions add the slots kept for them, and their errors differ."""
 
     def stretched(
         q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load, siblings: int = 0
@@ -136,7 +137,7 @@ def calibrated(predict: Predictor, calibration: Calibration) -> Predictor:
         if done == INF:
             return done
         item.predicted_wait = max(done - now, 0.0)
-        return now + item.predicted_wait * calibration.factor
+        return now + item.predicted_wait * calibrations[item.priority].factor
 
     return stretched
 

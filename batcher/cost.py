@@ -140,8 +140,8 @@ class Calibration:
     predicted p50 1.03, p90 1.27, and one admitted request in ten late at 1.5x capacity).
     Predictions under `floor` seconds are not observed: their ratio is noise (fixed costs the
     deadline margin covers), and at light load they would inflate the promises of heavy load.
-    Requests that expire before their first token are never observed (censored): the factor
-    errs, if anything, on the kind side."""
+    A request that expires before its first token is observed at its expiry (its wait so far,
+    a lower bound); one cancelled first says nothing."""
 
     def __init__(self, window: int = 256, refresh_every: int = 8, floor: float = 0.02) -> None:
         self._ratios: deque[float] = deque(maxlen=window)

@@ -5,7 +5,7 @@ token; time to first token and inter-token latency are observed here, once a tok
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .cost import Calibration
@@ -13,7 +13,7 @@ from .errors import EngineError
 from .metrics import Metrics
 from .protocols import SequenceStep
 from .running import RunningSet, _Seq
-from .types import Delta, Outcome, WorkItem
+from .types import Delta, Outcome, Priority, WorkItem
 
 log = logging.getLogger("ferry.batcher")
 
@@ -28,7 +28,7 @@ class Delivery:
         running: RunningSet,
         finish: Finish,
         record_slo: Callable[[WorkItem, bool], None],
-        first_tokens: Calibration | None = None,
+        first_tokens: Mapping[Priority, Calibration] | None = None,
     ) -> None:
         self.model = model
         self._first_tokens = first_tokens  # admission's first-token promises, calibrated here
@@ -64,8 +64,9 @@ class Delivery:
         if produced:
             if seq.tokens == 0:
                 self._ttft.observe(now - item.arrival)
-                if self._first_tokens is not None and item.predicted_wait is not None:
-                    self._first_tokens.observe(item.predicted_wait, now - item.arrival)
+                if self._first_tokens and item.predicted_wait is not None:
+                    self._first_tokens[item.priority].observe(item.predicted_wait, now - item.arrival)
+                    item.predicted_wait = None  # judged once (an expiry later is no first token's)
                 if ttft_budget:
                     self._record_slo(item, True)  # the budget covered the first token
             elif seq.last_token_at is not None:

@@ -174,9 +174,9 @@ class Metrics:
         )
         self.first_token_slowdown = Gauge(
             "ferry_first_token_slowdown",
-            "Generation: 90th percentile of observed / predicted time to first token lately, within "
-            "1-1.5: what admission's first-token promises allow for.",
-            ["model"],
+            "Generation: 90th percentile of observed / predicted time to first token lately, per class, "
+            "within 1-1.5: what admission's first-token promises allow for.",
+            ["model", "class"],
             registry=r,
             multiprocess_mode=MAX,
         )
@@ -306,6 +306,10 @@ class Metrics:
             self.queue_depth.labels(model, p.label)
             for status in ("met", "missed"):
                 self.slo.labels(model, p.label, status)
+
+    def set_first_token_slowdown(self, model: str, factors: dict[Priority, float]) -> None:
+        for p, factor in factors.items():
+            self.first_token_slowdown.labels(model, p.label).set(factor)
 
     def init_phases(self, model: str, *phases: str) -> None:
         """Create the engine-error counters of the phases a batcher runs, at zero."""

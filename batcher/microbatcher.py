@@ -45,7 +45,9 @@ LANE_QUIET = 10.0
 
 class MicroBatcher(QueueingBatcher):
     """Runs each dispatched batch through `execute` (see batcher.protocols.Execute), and
-    interactive batches beside it through `execute_lane` (None: no lane)."""
+    interactive batches beside it through `execute_lane` (None: no lane); while the lane is
+    spare (`_lane_spare`), the policy's batches beside it through `execute_beside` (a thread
+    as nice as the main one, so they do not run ahead of the event loops; None: the lane's)."""
 
     def __init__(
         self,
@@ -55,11 +57,13 @@ class MicroBatcher(QueueingBatcher):
         *,
         phase: str = "embed",
         execute_lane: Execute | None = None,
+        execute_beside: Execute | None = None,
         **kw: Any,
     ) -> None:
         super().__init__(model, settings, **kw)
         self.execute = execute
         self.execute_lane = execute_lane
+        self.execute_beside = execute_beside or execute_lane
         self.phase = phase
         self.metrics.init_phases(model, phase)
         self._inflight: asyncio.Task | None = None
@@ -134,8 +138,11 @@ class MicroBatcher(QueueingBatcher):
                 if lane_items:
                     self._dispatch_lane(lane_items, now)
                     continue
-            elif self._lane is None and self.lane_open and len(self.queue) and self._lane_spare(now):
-                dispatch = self._dispatch_beside
+            elif self._lane is None and self.lane_open and len(self.queue):
+                if self._lane_spare(now):
+                    dispatch = self._dispatch_beside
+                else:  # when the lane becomes spare, the work queued behind the batch in flight may take it
+                    wake_at = min(wake_at, self.tracker.last_interactive + LANE_QUIET)
             if dispatch is not None:
                 decision = self._decide(now)
                 if isinstance(decision, Dispatch):
@@ -223,10 +230,19 @@ class MicroBatcher(QueueingBatcher):
 
     def _start_lane(self, items: list[WorkItem], now: float, reason: DispatchReason) -> None:
         batch = self._batch(items, now, reason)
-        self._lane_busy_until = now + batch_cost(self.lane_cost, batch.items)
+        self._lane_busy_until = now + batch_cost(self._second_thread(batch)[1], batch.items)
         self._lane_batch = batch
         self._lane = asyncio.create_task(self._run_batch(batch, lane=True))
         self._lane.add_done_callback(lambda task: self._batch_done(task, batch, lane=True))
+
+    def _second_thread(self, batch: Batch) -> tuple[Execute | None, CostModel]:
+        """Where a batch beside the one in flight runs and which fit times it: an interactive
+        lane batch on the lane's thread, by the lane's fit; a batch the policy formed while
+        the lane is spare on `execute_beside`, by the main fit (it is a main batch that
+        happens to run beside another, as main batches do then)."""
+        if batch.reason is DispatchReason.LANE:
+            return self.execute_lane, self.lane_cost
+        return self.execute_beside, self.cost
 
     def _batch(self, items: list[WorkItem], now: float, reason: DispatchReason) -> Batch:
         batch = Batch(items, now, reason)
@@ -262,7 +278,7 @@ class MicroBatcher(QueueingBatcher):
         if not items:
             return
         m, model, phase = self.metrics, self.model, self.phase
-        execute, cost = (self.execute_lane, self.lane_cost) if lane else (self.execute, self.cost)
+        execute, cost = self._second_thread(batch) if lane else (self.execute, self.cost)
         assert execute is not None, "a lane batch needs execute_lane"
         tokens = TokenCount.of([i.cost for i in items])
         m.batch_size.labels(model, phase).observe(len(items))

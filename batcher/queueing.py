@@ -17,7 +17,7 @@ from typing import Any
 from . import admission
 from .admission import Predictor
 from .clock import Clock, MonotonicClock
-from .cost import CostModel
+from .cost import Calibration, CostModel
 from .errors import Cancelled, DeadlineExceeded, EngineError, RequestTooLarge, ShuttingDown
 from .load import Load, LoadTracker
 from .metrics import Metrics
@@ -56,6 +56,8 @@ class QueueingBatcher:
         self._idle.set()
         self.metrics.publish_settings(model, settings)
         self.outcomes: dict[Outcome, int] = {o: 0 for o in Outcome if o is not Outcome.PENDING}
+        # Generation: first-token promises by class, calibrated (cost.Calibration); none here.
+        self.first_tokens: dict[Priority, Calibration] = {}
 
     # -- settings -----------------------------------------------------------------
     @property
@@ -187,6 +189,10 @@ class QueueingBatcher:
         self.metrics.items.labels(self.model, outcome.name.lower()).inc()
         if outcome in (Outcome.RESULT, Outcome.EXPIRED):
             self._record_slo(item, outcome is Outcome.RESULT)
+        if outcome is Outcome.EXPIRED and item.predicted_wait is not None and item.priority in self.first_tokens:
+            # Expired before its first token: the wait so far is a lower bound of the one its
+            # promise is judged by; left out, the latest promises at overload would not count.
+            self.first_tokens[item.priority].observe(item.predicted_wait, self.clock.now() - item.arrival)
         return True
 
     def _record_slo(self, item: WorkItem, served: bool) -> None:

@@ -67,7 +67,7 @@ class GenerationScheduler(QueueingBatcher):
         self._chunked = isinstance(engine, ChunkingEngine)
         self._running = RunningSet()
         self._slots = Slots(engine, self._running)
-        self.first_tokens = Calibration()  # admission's first-token promises, as nine in ten came
+        self.first_tokens = {p: Calibration() for p in Priority}  # promised as nine in ten came, by class
         self.predict = admission.calibrated(admission.predicted_first_token, self.first_tokens)
         self._delivery = Delivery(model, self.metrics, self._running, self._finish, self._record_slo, self.first_tokens)
         self.iterations = 0
@@ -323,7 +323,7 @@ class GenerationScheduler(QueueingBatcher):
         m.waiting.labels(self.model).set(len(self.queue))
         m.kv_tokens.labels(self.model).set(self.engine.kv_tokens)
         m.kv_usage.labels(self.model).set(self.kv_usage())
-        m.first_token_slowdown.labels(self.model).set(self.first_tokens.factor)
+        m.set_first_token_slowdown(self.model, {p: c.factor for p, c in self.first_tokens.items()})
         last, self._preempted = self._preempted, getattr(self.engine, "preemptions", 0)
         m.preemptions.labels(self.model).inc(max(0, self._preempted - last))
 

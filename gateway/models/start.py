@@ -130,12 +130,25 @@ async def _embedding_batcher(
     # The interactive lane: a second worker thread on the same engine (a forward only reads
     # the weights), for interactive batches beside the batch in flight.
     lane_thread = engine_thread.companion("lane", nice=LANE_THREAD_NICE)
+    # ...and, while no interactive work comes, for the policy's batches beside it, as nice as
+    # the main thread's (batcher/microbatcher.py, LANE_QUIET).
+    beside_thread = engine_thread.companion("beside", nice=BATCH_THREAD_NICE)
 
     async def execute_lane(payloads: list[Any]) -> list[Any]:
         return await lane_thread(embed, payloads)
 
+    async def execute_beside(payloads: list[Any]) -> list[Any]:
+        return await beside_thread(embed, payloads)
+
     return MicroBatcher(
-        engine.name, execute, settings, cost=cost, metrics=metrics, phase="embed", execute_lane=execute_lane
+        engine.name,
+        execute,
+        settings,
+        cost=cost,
+        metrics=metrics,
+        phase="embed",
+        execute_lane=execute_lane,
+        execute_beside=execute_beside,
     )
 
 
@@ -155,12 +168,16 @@ def _custom_batcher(
     async def execute(payloads: list[Any]) -> list[Any]:
         return await engine_thread(predict, payloads)
 
-    execute_lane = None
+    execute_lane = execute_beside = None
     if engine.thread_safe:
         lane_thread = engine_thread.companion("lane", nice=LANE_THREAD_NICE)
+        beside_thread = engine_thread.companion("beside", nice=BATCH_THREAD_NICE)
 
         async def execute_lane(payloads: list[Any]) -> list[Any]:
             return await lane_thread(predict, payloads)
+
+        async def execute_beside(payloads: list[Any]) -> list[Any]:
+            return await beside_thread(predict, payloads)
 
     return MicroBatcher(
         engine.name,
@@ -170,6 +187,7 @@ def _custom_batcher(
         metrics=metrics,
         phase="predict",
         execute_lane=execute_lane,
+        execute_beside=execute_beside,
     )
 
 

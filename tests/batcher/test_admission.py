@@ -217,13 +217,16 @@ def test_batch_class_prompts_leave_the_interactive_slots_free():
 
 # -- check ------------------------------------------------------------------------------------
 def test_a_calibrated_prediction_stretches_the_wait_and_keeps_the_raw_one_on_the_item():
-    calibration = Calibration()
-    calibration.factor = 1.5
-    predict = admission.calibrated(admission.predicted_first_token, calibration)
+    calibrations = {p: Calibration() for p in Priority}
+    calibrations[INTERACTIVE].factor = 1.5
+    predict = admission.calibrated(admission.predicted_first_token, calibrations)
     s, prompt = batching(), item(NOW + 1.0, tokens=2)
     raw = admission.predicted_first_token(queue(), prompt, NOW, s, COST, Load(free_slots=1))
     assert predict(queue(), prompt, NOW, s, COST, Load(free_slots=1)) == pytest.approx(NOW + 1.5 * (raw - NOW))
     assert prompt.predicted_wait == pytest.approx(raw - NOW)  # what its first token is compared with
+    bulk = item(NOW + 1.0, BATCH, tokens=2)  # another class, its own factor
+    raw = admission.predicted_first_token(queue(), bulk, NOW, s, COST, Load(free_slots=1))
+    assert predict(queue(), bulk, NOW, s, COST, Load(free_slots=1)) == pytest.approx(raw)
     never = item(NOW + 1.0)
     assert predict(queue(), never, NOW, s, COST, Load(free_slots=0)) == math.inf
     assert never.predicted_wait is None

@@ -221,3 +221,37 @@ def test_stop_ends_both_batches_in_flight():
         assert r.value("ferry_running_sequences", model="m") == 0
 
     run(scenario())
+
+
+def test_an_interactive_request_after_a_quiet_spell_is_promised_the_wait_for_the_batch_beside():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0, deadline_margin_ms=0)
+        await r.batcher.start()
+        t0 = r.clock.now()
+        # The engine's thread busy until cost(4), the lane's until 1 ms + cost(2).
+        bulk, beside = await bulk_then_more(r, [1, 2, 3, 4], [5, 6])
+        lane_free = t0 + 0.001 + cost(2)
+        # Alone on a free lane it would be done in cost(1) = 12 ms; the lane is free only at 15 ms.
+        with pytest.raises(DeadlineInfeasible):
+            r.batcher.submit("late", priority=INTERACTIVE, budget=lane_free - r.clock.now() + cost(1) - 0.001)
+        urgent = r.batcher.submit("u", priority=INTERACTIVE, budget=lane_free - r.clock.now() + cost(1) + 0.001)
+        await r.clock.run_until_idle()
+        assert all(i.outcome is Outcome.RESULT for i in bulk + beside + [urgent])
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_an_engine_failure_beside_the_batch_in_flight_fails_only_that_batch():
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0)
+        r.lane.fail_batches = {0}
+        await r.batcher.start()
+        bulk, beside = await bulk_then_more(r, [1, 2, 3, 4], [5, 6])
+        await r.clock.run_until_idle()
+        assert r.lane_batches == [[5, 6]]
+        assert all(i.outcome is Outcome.RESULT for i in bulk)
+        assert all(i.outcome is Outcome.ERROR and isinstance(i.future.exception(), EngineError) for i in beside)
+        await r.batcher.stop()
+
+    run(scenario())

@@ -13,7 +13,7 @@ from batcher.errors import DeadlineInfeasible, EngineError
 from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
-from batcher.types import GenRequest, Outcome
+from batcher.types import GenRequest, Outcome, Priority
 from engine.base import SamplingParams, sequence_request
 from engine.fake import FakeGenerationEngine, SimulatedEngineThread
 
@@ -225,12 +225,33 @@ def test_first_tokens_later_than_promised_make_admission_promise_later():
             assert item.predicted_wait == pytest.approx(0.025)
             await r.clock.run_until_idle()
             assert item.future.result().completion_tokens == 1
-        assert r.sched.first_tokens.factor == MAX_SLOWDOWN
+        assert r.sched.first_tokens[Priority.INTERACTIVE].factor == MAX_SLOWDOWN
+        assert r.sched.first_tokens[Priority.BATCH].factor == 1.0  # by class: batch-class promises are their own
         with pytest.raises(DeadlineInfeasible):
             r.submit(1, budget=budget)
         assert r.submit(1, budget=0.05).future is not None  # 37.5 + 10 ms fits in 50
         await r.clock.run_until_idle()
-        assert r.registry.get_sample_value("ferry_first_token_slowdown", {"model": "g"}) == MAX_SLOWDOWN
+        gauge = {"model": "g", "class": "interactive"}
+        assert r.registry.get_sample_value("ferry_first_token_slowdown", gauge) == MAX_SLOWDOWN
+        await r.sched.stop()
+
+    run(scenario())
+
+
+def test_a_request_that_expires_before_its_first_token_calibrates_the_promise_too():
+    async def scenario():
+        # The same 40 ms prefill promised in 25; budgets of 36 ms, and a budget that covers the
+        # whole sequence: each expires before its first token, and its wait so far still counts.
+        r = GenRig(per_row=0.030, max_wait_ms=0, budget_scope="total")
+        r.sched.prefill_cost = r.sched.cost = CostModel(LinearCost(0.025, 0.0, 0.0), refit_every=10**9)
+        await r.sched.start()
+        for _ in range(8):
+            item = r.submit(2, budget=0.036)
+            await r.clock.run_until_idle()
+            assert item.outcome is Outcome.EXPIRED
+        assert r.sched.first_tokens[Priority.INTERACTIVE].factor == MAX_SLOWDOWN
+        with pytest.raises(DeadlineInfeasible):
+            r.submit(1, budget=0.036)
         await r.sched.stop()
 
     run(scenario())
