@@ -157,10 +157,12 @@ def test_cancel_mid_job_computes_nothing_more(jobs_server):
     done = api.wait(batch["id"])
     time.sleep(0.3)  # not a wait for something: a chance for work that must not run to show up
     assert done["status"] == "cancelled" and done["cancelled_at"] and done["cancelling_at"]
-    # At most the batch already dispatched when the cancel arrived ran afterwards; nothing else.
-    assert len(embed.calls) <= calls_at_cancel + 1
+    # At most the batches already dispatched when the cancel arrived ran afterwards: the
+    # engine thread's and, with no interactive work lately, the one beside it (two lines
+    # each); nothing else.
+    assert len(embed.calls) <= calls_at_cancel + 2
     counts = done["request_counts"]
-    assert counts["completed"] - completed_at_cancel <= 2 and counts["completed"] < 40
+    assert counts["completed"] - completed_at_cancel <= 2 * 2 and counts["completed"] < 40
     # Every computed input belongs to a line whose result was kept: no computed line was dropped.
     assert sum(embed.calls) == counts["completed"]
     out, err = api.content(done["output_file_id"]), api.content(done["error_file_id"])
