@@ -64,6 +64,9 @@ def predicted_completion(
         rest = max(rest, min(load.floor, size, len(q) + siblings + 1 - full * size))
     per_batch = cost.predict(size, size * tokens)
     wait = full * per_batch + (cost.predict(rest, rest * tokens) if rest else 0.0)
+    if load.workers > 1:  # the batches ahead of its own drain on that many threads; its own runs on one
+        own = cost.predict(rest, rest * tokens) if rest else per_batch
+        wait = (wait - own) / load.workers + own
     interactive = item.priority is Priority.INTERACTIVE
     if not interactive and load.interactive_rate > 0:
         # Interactive arrivals keep going ahead of batch-class work: it only gets the
@@ -76,7 +79,7 @@ def predicted_completion(
         # rate, less what interactive arrivals take ahead, bounds how fast this item's turn
         # comes. Never more optimistic than the cost model. Not for interactive work under a
         # deadline-aware policy: its own batch is cut for it, whatever the average drain.
-        share = load.drain_rate - (0.0 if interactive else load.interactive_rate)
+        share = load.drain_rate * load.workers - (0.0 if interactive else load.interactive_rate)
         wait = max(wait, (ahead + 1) / share if share > 0 else INF)
     return now + (max(load.busy_until - now, 0.0) + wait) * slow
 

@@ -60,6 +60,9 @@ class Load:
     # Items per second of engine time, measured on recent batches that left work queued
     # behind them; None: no such batches lately (then the cost model alone predicts).
     drain_rate: float | None = None
+    # Engine threads draining the queue at once: 2 while the lane's thread runs work of any
+    # class beside the batch in flight (MicroBatcher, LANE_QUIET), else 1.
+    workers: int = 1
     # Generation: slots free now, slots batch-class prompts must leave free for interactive
     # ones, when each running sequence's slot is predicted to free (sorted), and how long a
     # typical sequence holds a slot. `prefill_first`: interactive prompts at the head of the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 from typing import Any
 
 from . import admission
@@ -100,10 +101,12 @@ class MicroBatcher(QueueingBatcher):
 
     def load(self, now: float) -> Load:
         """With the lane open, no reserve: interactive work does not wait for the batch in
-        flight, so batch-class batches are not cut for its budgets."""
-        return self.tracker.snapshot(
+        flight, so batch-class batches are not cut for its budgets; while the lane is spare,
+        two threads drain the queue."""
+        load = self.tracker.snapshot(
             now, self.queue, self.settings, self.cost, self.busy_until(now), reserve=not self.lane_open
         )
+        return replace(load, workers=2) if self.lane_open and self._lane_spare(now) else load
 
     def predict(
         self,
@@ -221,18 +224,18 @@ class MicroBatcher(QueueingBatcher):
         """A batch the policy chose, on the lane's thread, beside the batch in flight (`_lane_spare`)."""
         items = self._take(decision.size, now)
         self.queue.grouping = None
-        self._start_lane(items, now, decision.reason)
+        self._start_lane(items, now, decision.reason, backlogged=len(self.queue) > 0)
 
     def _dispatch_lane(self, items: list[WorkItem], now: float) -> None:
         for item in items:
             self.queue.remove(item)
         self._start_lane(self._taken(items, now), now, DispatchReason.LANE)
 
-    def _start_lane(self, items: list[WorkItem], now: float, reason: DispatchReason) -> None:
+    def _start_lane(self, items: list[WorkItem], now: float, reason: DispatchReason, backlogged: bool = False) -> None:
         batch = self._batch(items, now, reason)
         self._lane_busy_until = now + batch_cost(self._second_thread(batch)[1], batch.items)
         self._lane_batch = batch
-        self._lane = asyncio.create_task(self._run_batch(batch, lane=True))
+        self._lane = asyncio.create_task(self._run_batch(batch, backlogged, lane=True))
         self._lane.add_done_callback(lambda task: self._batch_done(task, batch, lane=True))
 
     def _second_thread(self, batch: Batch) -> tuple[Execute | None, CostModel]:
@@ -313,7 +316,7 @@ class MicroBatcher(QueueingBatcher):
             else:
                 self._finish(item, Outcome.RESULT, result)
         m.cost_error.labels(model, phase).observe(cost.observe(len(items), tokens.padded, elapsed))
-        if not lane:
+        if cost is self.cost:  # the main fit's batches (a batch beside too): the drain per thread
             self.tracker.served(self.clock.now(), len(items), elapsed, backlogged)
             m.slowdown.labels(model, phase).set(self.cost.slowdown)
 

@@ -95,6 +95,25 @@ def test_an_item_waits_for_the_running_batch_then_full_batches_of_the_items_ahea
     )
 
 
+def test_with_two_threads_draining_the_queue_the_batches_ahead_take_half_as_long():
+    s = batching(max_batch_size=4)
+    q = queue(*[item(NOW + 5.0, BATCH) for _ in range(9)])
+    running = 0.030
+    one, two = Load(busy_until=NOW + running), Load(busy_until=NOW + running, workers=2)
+    bulk = item(NOW + 10.0, BATCH)
+    # Two batches of 4 ahead, on two threads at once; then its own batch of 2, on one.
+    assert admission.predicted_completion(q, bulk, NOW, s, COST, one) == pytest.approx(
+        NOW + running + 2 * cost(4) + cost(2)
+    )
+    assert admission.predicted_completion(q, bulk, NOW, s, COST, two) == pytest.approx(
+        NOW + running + cost(4) + cost(2)
+    )
+    # A measured drain rate (items per second of one thread) bounds it at twice that rate.
+    slow = 1.0  # items a second per thread: 10 items take 5 s on two threads
+    drained = Load(busy_until=NOW + running, workers=2, drain_rate=slow)
+    assert admission.predicted_completion(q, bulk, NOW, s, COST, drained) == pytest.approx(NOW + running + 10 / 2)
+
+
 def test_admission_predicts_an_interactive_batch_filled_to_the_floor():
     """Behind an interactive request wait 9 batch-class items. Alone it would finish in
     cost(1) = 12 ms; in the 6-item batch the load needs, in cost(6) = 22 ms: a 20 ms budget

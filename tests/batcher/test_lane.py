@@ -85,6 +85,7 @@ def test_without_interactive_work_lately_batches_of_any_class_run_on_both_thread
     async def scenario():
         r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0)
         await r.batcher.start()
+        assert r.batcher.load(r.clock.now()).workers == 2  # admission counts both threads
         first, beside = await bulk_then_more(r, [1, 2, 3, 4], [5, 6])
         assert r.lane_batches == [[5, 6]]  # at once, beside the batch in flight
         assert r.lane.runs[0][0] == r.clock.now() - 0.001
@@ -95,6 +96,7 @@ def test_without_interactive_work_lately_batches_of_any_class_run_on_both_thread
         # Interactive work offered: for LANE_QUIET seconds the lane is kept for it again.
         r.batcher.submit("u", priority=INTERACTIVE)
         await r.clock.run_until_idle()
+        assert r.batcher.load(r.clock.now()).workers == 1
         await bulk_then_more(r, [7, 8, 9, 10], [11])
         assert r.lane_batches == [[5, 6]]
         await r.clock.run_until_idle()
