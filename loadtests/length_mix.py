@@ -296,10 +296,13 @@ def print_table(dist: str, stats: dict, ceil: dict, servers: dict[str, dict], sl
         print(f"  ferry / fifo: {f['throughput'] / max(o['throughput'], 1e-9):.2f}x req/s")
     if "ferry" in servers and "vllm" in servers:
         f, v = servers["ferry"], servers["vllm"]
-        print(
-            f"  ferry / vllm: {f['throughput'] / max(v['throughput'], 1e-9):.2f}x req/s,"
-            f" {f['goodput'] / max(v['goodput'], 1e-9):.2f}x goodput"
+        # A server with (almost) nothing on time has no meaningful goodput ratio: say so.
+        good = (
+            f"{f['goodput'] / v['goodput']:.2f}x goodput"
+            if v["goodput"] >= 0.5
+            else f"goodput {f['goodput']:.1f}/s against vLLM's {v['goodput']:.1f}/s"
         )
+        print(f"  ferry / vllm: {f['throughput'] / max(v['throughput'], 1e-9):.2f}x req/s, {good}")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
