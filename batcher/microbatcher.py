@@ -12,7 +12,8 @@ operating system shares the cores between the two threads, so an interactive req
 longer waits for a long batch-class batch; and batch-class batches need not be cut short
 for interactive budgets (the reserve, batcher/load.py), which is what cost interactive
 first most of its batch-class throughput on a CPU. When no interactive work has been
-offered for LANE_QUIET seconds, that thread runs batches of any class: bulk work uses both.
+offered for LANE_QUIET seconds, the policy's batches of any class run beside the batch in
+flight, one at a time, on a third thread (`execute_beside`): bulk work uses both cores.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from .types import Batch, DispatchReason, Outcome, Priority, TokenCount, WorkIte
 log = logging.getLogger("ferry.batcher")
 
 # Seconds after the last interactive offer that the lane stops being kept for interactive
-# work: its thread then runs batches of any class beside the batch in flight, where work of
-# the batch class alone kept one of two engine threads idle (bench: 0.6x the requests/s of
+# work: batches of any class then run beside the batch in flight (on `execute_beside`), where
+# work of the batch class alone kept one of two engine threads idle (bench: 0.6x the requests/s of
 # the same inputs sent as interactive). Long enough that interactive traffic a few requests
 # a minute still finds the lane free; an interactive request arriving after a quiet spell may
 # find both threads busy, and admission predicts its wait with the lane's batch in it.
@@ -106,7 +107,11 @@ class MicroBatcher(QueueingBatcher):
         load = self.tracker.snapshot(
             now, self.queue, self.settings, self.cost, self.busy_until(now), reserve=not self.lane_open
         )
-        return replace(load, workers=2) if self.lane_open and self._lane_spare(now) else load
+        if not (self.lane_open and self._lane_spare(now)):
+            return load
+        # Two threads drain the queue from when the later of them is free (conservative).
+        second = self._lane_busy_until if self._lane is not None else now
+        return replace(load, workers=2, busy_until=max(load.busy_until, second))
 
     def predict(
         self,
@@ -218,10 +223,11 @@ class MicroBatcher(QueueingBatcher):
     def _lane_spare(self, now: float) -> bool:
         """The lane's thread may run work of any class: no interactive work has been offered
         for LANE_QUIET seconds (none waits, so none is kept waiting by it)."""
-        return now - self.tracker.last_interactive >= LANE_QUIET and not self.queue.count(Priority.INTERACTIVE)
+        # The same sum as the loop's wake-up time, so that waking then finds the lane spare.
+        return now >= self.tracker.last_interactive + LANE_QUIET and not self.queue.count(Priority.INTERACTIVE)
 
     def _dispatch_beside(self, decision: Dispatch, now: float) -> None:
-        """A batch the policy chose, on the lane's thread, beside the batch in flight (`_lane_spare`)."""
+        """A batch the policy chose, beside the batch in flight while the lane is spare (`_lane_spare`)."""
         items = self._take(decision.size, now)
         self.queue.grouping = None
         self._start_lane(items, now, decision.reason, backlogged=len(self.queue) > 0)

@@ -192,7 +192,11 @@ class QueueingBatcher:
         if outcome is Outcome.EXPIRED and item.predicted_wait is not None and item.priority in self.first_tokens:
             # Expired before its first token: the wait so far is a lower bound of the one its
             # promise is judged by; left out, the latest promises at overload would not count.
-            self.first_tokens[item.priority].observe(item.predicted_wait, self.clock.now() - item.arrival)
+            # News only where it already exceeds the prediction (a best-effort item, predicted
+            # past its budget, expires sooner than predicted, which says nothing of either).
+            waited = self.clock.now() - item.arrival
+            if waited >= item.predicted_wait:
+                self.first_tokens[item.priority].observe(item.predicted_wait, waited)
         return True
 
     def _record_slo(self, item: WorkItem, served: bool) -> None:

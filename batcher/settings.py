@@ -77,8 +77,8 @@ class BatchingSettings(Knobs):
         "embeddings: a batch of interactive requests runs at once beside the batch in flight, on a second "
         "engine thread, instead of waiting for it; batch-class batches are then not cut for interactive "
         "budgets. Chat: interactive prompts are prefilled alone, ahead of the decode step, while batch-class "
-        "work runs. With no interactive request for 10 s, the second thread runs batches of any class, so "
-        "bulk work uses both cores. Off (`--no-interactive-lane`): one batch at a time",
+        "work runs. With no interactive request for 10 s, batches of any class run two at a time, so bulk "
+        "work uses both cores. Off (`--no-interactive-lane`): one batch at a time",
         live=True,
     )
     max_batch_tokens: int | None = knob(

@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
 from batcher.cost import MAX_SLOWDOWN, CostModel, LinearCost
-from batcher.errors import DeadlineInfeasible, EngineError
+from batcher.errors import DeadlineExceeded, DeadlineInfeasible, EngineError
 from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
@@ -653,3 +653,23 @@ def test_the_warm_up_profile_measures_prefills_the_prefix_cache_cannot_serve():
     obs = profile(engine, sequence_request, prompt)
     assert len(served) == sum(WARMUP_SIZES) and served == [0] * len(served)
     assert [o[2] for o in obs if o[0] == "prefill"] == [n * len(prompt) for n in WARMUP_SIZES]
+
+
+def test_an_expiry_sooner_than_its_prediction_says_nothing_of_the_promises():
+    async def scenario():
+        r = GenRig()
+        await r.sched.start()
+        calibration = r.sched.first_tokens[Priority.INTERACTIVE]
+        for _ in range(8):  # first tokens 1.6x as late as promised
+            calibration.observe(0.100, 0.160)
+        assert calibration.factor == MAX_SLOWDOWN
+        now = r.clock.now()
+        for _ in range(100):  # best effort, promised 100 ms past a 50 ms budget: expired at 50 ms
+            item = r.submit(3, budget=5.0)
+            r.sched.queue.remove(item)
+            item.arrival, item.predicted_wait = now - 0.050, 0.150
+            r.sched._finish(item, Outcome.EXPIRED, DeadlineExceeded("expired"))
+        assert calibration.factor == MAX_SLOWDOWN  # not dragged down by 100 readings of 1/3
+        await r.sched.stop()
+
+    run(scenario())
