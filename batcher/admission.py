@@ -63,9 +63,9 @@ def predicted_completion(
         # deadlines do not cut batches below what keeps up with the load.
         rest = max(rest, min(load.floor, size, len(q) + siblings + 1 - full * size))
     per_batch = cost.predict(size, size * tokens)
-    wait = full * per_batch + (cost.predict(rest, rest * tokens) if rest else 0.0)
+    own = cost.predict(rest, rest * tokens) if rest else per_batch  # its own batch
+    wait = full * per_batch + (own if rest else 0.0)
     if load.workers > 1:  # the batches ahead of its own drain on that many threads; its own runs on one
-        own = cost.predict(rest, rest * tokens) if rest else per_batch
         wait = (wait - own) / load.workers + own
     interactive = item.priority is Priority.INTERACTIVE
     if not interactive and load.interactive_rate > 0:

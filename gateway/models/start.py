@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
@@ -14,6 +15,7 @@ from batcher.engine_thread import EngineThread
 from batcher.isolation import split_in_halves
 from batcher.metrics import Metrics
 from batcher.microbatcher import MicroBatcher
+from batcher.protocols import Execute
 from batcher.queueing import QueueingBatcher
 from batcher.settings import BatchingSettings
 from engine.base import EmbeddingEngine, GenerationEngine
@@ -127,19 +129,7 @@ async def _embedding_batcher(
     async def execute(payloads: list[Any]) -> list[Any]:
         return await engine_thread(embed, payloads)
 
-    # The interactive lane: a second worker thread on the same engine (a forward only reads
-    # the weights), for interactive batches beside the batch in flight.
-    lane_thread = engine_thread.companion("lane", nice=LANE_THREAD_NICE)
-    # ...and, while no interactive work comes, for the policy's batches beside it, as nice as
-    # the main thread's (batcher/microbatcher.py, LANE_QUIET).
-    beside_thread = engine_thread.companion("beside", nice=BATCH_THREAD_NICE)
-
-    async def execute_lane(payloads: list[Any]) -> list[Any]:
-        return await lane_thread(embed, payloads)
-
-    async def execute_beside(payloads: list[Any]) -> list[Any]:
-        return await beside_thread(embed, payloads)
-
+    execute_lane, execute_beside = _threads_beside(engine_thread, embed)
     return MicroBatcher(
         engine.name,
         execute,
@@ -150,6 +140,23 @@ async def _embedding_batcher(
         execute_lane=execute_lane,
         execute_beside=execute_beside,
     )
+
+
+def _threads_beside(engine_thread: EngineThread, fn: Callable[[list[Any]], list[Any]]) -> tuple[Execute, Execute]:
+    """Two more worker threads on the same engine (a forward only reads the weights), each
+    running `fn`: the interactive lane's, for interactive batches beside the batch in
+    flight, and, while no interactive work comes, one for the policy's batches beside it,
+    as nice as the main thread (batcher/microbatcher.py, LANE_QUIET)."""
+    lane_thread = engine_thread.companion("lane", nice=LANE_THREAD_NICE)
+    beside_thread = engine_thread.companion("beside", nice=BATCH_THREAD_NICE)
+
+    async def execute_lane(payloads: list[Any]) -> list[Any]:
+        return await lane_thread(fn, payloads)
+
+    async def execute_beside(payloads: list[Any]) -> list[Any]:
+        return await beside_thread(fn, payloads)
+
+    return execute_lane, execute_beside
 
 
 def _custom_batcher(
@@ -168,17 +175,7 @@ def _custom_batcher(
     async def execute(payloads: list[Any]) -> list[Any]:
         return await engine_thread(predict, payloads)
 
-    execute_lane = execute_beside = None
-    if engine.thread_safe:
-        lane_thread = engine_thread.companion("lane", nice=LANE_THREAD_NICE)
-        beside_thread = engine_thread.companion("beside", nice=BATCH_THREAD_NICE)
-
-        async def execute_lane(payloads: list[Any]) -> list[Any]:
-            return await lane_thread(predict, payloads)
-
-        async def execute_beside(payloads: list[Any]) -> list[Any]:
-            return await beside_thread(predict, payloads)
-
+    execute_lane, execute_beside = _threads_beside(engine_thread, predict) if engine.thread_safe else (None, None)
     return MicroBatcher(
         engine.name,
         execute,
