@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from engine import kv as kv_module
 from engine.kv import KVFull, RunningBatch
 
 LAYERS = 2
@@ -109,7 +110,28 @@ def test_a_leaving_row_is_filled_by_the_last_and_unneeded_padding_stops_being_at
     assert_rows_exact(batch, lengths)
 
 
-def test_churn_through_compaction_and_growth_keeps_every_row_exact():
+def assert_read_cells_finite(batch: RunningBatch[int]) -> None:
+    """Every cell attention reads (each running row over [start, end)) holds a number: a
+    masked weight of 0 times NaN is still NaN."""
+    if batch.cache is None or not batch.rows:
+        return
+    for layer in batch.cache.layers:
+        for buffer in (layer.keys, layer.values):
+            assert torch.isfinite(buffer[: batch.rows, :, batch.start : batch.end]).all()
+
+
+@pytest.fixture
+def nan_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """New slot buffers full of NaN: what `slot_buffer` hands out is never zeroed, so no
+    cell of it may be read before it is written."""
+
+    def nan_buffer(like: torch.Tensor, slots: int, capacity: int) -> torch.Tensor:
+        return like.new_full((slots, like.shape[1], capacity, like.shape[3]), float("nan"))
+
+    monkeypatch.setattr(kv_module, "slot_buffer", nan_buffer)
+
+
+def test_churn_through_compaction_and_growth_keeps_every_row_exact(nan_buffers: None) -> None:
     rng = random.Random(5)
     batch: RunningBatch[int] = RunningBatch(slots=8)
     lengths: dict[int, int] = {}
@@ -126,9 +148,11 @@ def test_churn_through_compaction_and_growth_keeps_every_row_exact():
             for i in leaving:
                 del lengths[batch.seqs[i]]
             batch.drop(leaving)
+        assert_read_cells_finite(batch)
         if batch.rows:
             decode(batch, lengths)
         assert_rows_exact(batch, lengths)
+        assert_read_cells_finite(batch)
         capacities.add(batch.capacity)
         starts.add(batch.start)
     assert len(capacities) > 1, "the 400-token prompt should have grown the buffers"
@@ -215,3 +239,34 @@ def test_reserve_grows_the_rows_now_and_a_shrink_for_columns_keeps_the_columns_i
     small.admit(*prefill({1: 5, 2: 6}), [1, 2], alive=[0, 1])
     small.reserve(64)  # as many rows as 600 cells hold at its length, and no KVFull
     assert small.cells <= 600 and small.allocated >= 2
+
+
+@pytest.mark.parametrize("seed", [7, 13, 15])
+def test_every_cell_attention_reads_is_written_first_whatever_the_churn(nan_buffers: None, seed: int) -> None:
+    """Short and long prompts joining rows that decode and leave: newcomers' padding and the
+    columns a wider newcomer opens for the rows already running are zeroed, never left as
+    whatever the unzeroed buffers held (NaN here)."""
+    rng = random.Random(seed)
+    batch: RunningBatch[int] = RunningBatch(slots=8)
+    lengths: dict[int, int] = {}
+    next_seq = 1
+    for _ in range(300):
+        free = batch.slots - batch.rows
+        if free and rng.random() < 0.3:
+            group = {
+                next_seq + i: rng.choice([rng.randint(1, 30), rng.randint(30, 120)])
+                for i in range(rng.randint(1, free))
+            }
+            next_seq += len(group)
+            batch.admit(*prefill(group), list(group), alive=list(range(len(group))))
+            lengths.update(group)
+        if batch.rows and rng.random() < 0.15:
+            leaving = {i for i in range(batch.rows) if rng.random() < 0.4}
+            for i in leaving:
+                del lengths[batch.seqs[i]]
+            batch.drop(leaving)
+        assert_read_cells_finite(batch)
+        if batch.rows:
+            decode(batch, lengths)
+        assert_rows_exact(batch, lengths)
+        assert_read_cells_finite(batch)
