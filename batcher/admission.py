@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from .cost import Calibration, CostModel
 from .errors import DeadlineInfeasible, QueueFull
@@ -28,6 +28,27 @@ def items_ahead(q: RequestQueue, item: WorkItem) -> int:
     """Queued items that EDF-within-class ordering would serve before `item`."""
     ahead = sum(q.count(p) for p in Priority if p < item.priority)
     return ahead + q.count_before(item)
+
+
+def uncached(costs: list[int], cached: list[int]) -> list[int]:
+    """A prompt is priced by the tokens its prefill will compute: admission and the
+    time-to-first-token prediction then see a cached prefix as the cheap prompt it is."""
+    if len(costs) != len(cached):
+        return costs
+    return [max(1, c - k) for c, k in zip(costs, cached, strict=True)]
+
+
+def reprice(items: Iterable[WorkItem], cached_prefix: Callable[[Sequence[int]], int]) -> None:
+    """Queued prompts priced again by what the engine's prefix cache holds now: a prompt
+    priced when its prefix was not cached yet (32 conversations arriving together with one
+    system prompt: the first computes it, the others queue priced in full) joins as the
+    cheap prompt it has become, in groups of the cheap, instead of a few at a time at its
+    first price. `cached_prefix` is the engine's, read on the event loop (an estimate)."""
+    for item in items:
+        now_cached = cached_prefix(item.payload.prompt_ids)
+        if now_cached != item.cached:
+            item.cost = max(1, item.cost + item.cached - now_cached)
+            item.cached = now_cached
 
 
 def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel, tokens: int) -> int:

@@ -94,13 +94,11 @@ class GenerationScheduler(QueueingBatcher):
         return now + self.decode_cost.predict(len(self._running)) if self._running else now
 
     def submit_many(self, payloads: list[Any], **kw: Any) -> list[WorkItem]:
-        costs = kw.get("costs") or [kw.pop("cost", 1)] * len(payloads)
-        if len(costs) == len(payloads):
-            # A prompt is priced by the tokens its prefill will compute: admission and the
-            # time-to-first-token prediction then see a cached prefix as the cheap prompt it is.
-            cached = [self.engine.cached_prefix(p.prompt_ids) for p in payloads]
-            kw["costs"] = [max(1, c - k) for c, k in zip(costs, cached, strict=True)]
+        cached = [self.engine.cached_prefix(p.prompt_ids) for p in payloads]
+        kw["costs"] = admission.uncached(kw.get("costs") or [kw.pop("cost", 1)] * len(payloads), cached)
         items = super().submit_many(payloads, **kw)
+        for item, k in zip(items, cached, strict=True):
+            item.cached = k
         self._slots.submitted(items)
         return items
 
@@ -154,6 +152,7 @@ class GenerationScheduler(QueueingBatcher):
         s = self.settings
         if not len(self.queue) or self._slots.free(s, self.decode_cost) == 0:
             return [], None
+        admission.reprice(self.queue.peek(s.max_batch_size, now), self.engine.cached_prefix)
         load = self.load(now)
         if self._closing:
             group = prompt_group(self.queue, now, s, self.prefill_cost, load)

@@ -88,6 +88,9 @@ class WorkItem:
     # token (on the item it checked); its first token calibrates later ones (cost.Calibration).
     predicted_wait: float | None = None
     slo_recorded: bool = False
+    # Generation: prompt tokens the engine's prefix cache held when the item was last priced
+    # (its `cost` is the rest); queued prompts are priced again as the cache fills.
+    cached: int = 0
 
     @property
     def finished(self) -> bool:

@@ -151,7 +151,7 @@ class PendingPrefills(Generic[Row]):
                 if room is not None and not room.may_start(p):
                     continue
                 if cache is not None:
-                    have = cache.cached_blocks(p.prompt)
+                    have = cache.cached_blocks(p.prompt, p.keys)
                     if have < len(p.keys) and p.keys[have] in claimed:
                         continue  # another prompt computes this block first: wait, then take it
                     first_look = not (p.resumed or p.held_back)
@@ -165,7 +165,10 @@ class PendingPrefills(Generic[Row]):
                 p.started = True
             n = min(p.left, left)
             if n == p.left and room is not None and not room.joins(p):
-                if cache is not None and cache.cached_blocks(p.prompt) * cache.block >= p.done - p.done % cache.block:
+                if (
+                    cache is not None
+                    and cache.cached_blocks(p.prompt, p.keys) * cache.block >= p.done - p.done % cache.block
+                ):
                     _hold_back(p)  # no room to join: its work is in the prefix cache, it holds no KV while it waits
                     continue
                 n = p.left - 1  # no cache holds its work: it keeps its KV and joins when there is room
@@ -225,7 +228,9 @@ class PendingPrefills(Generic[Row]):
             p = c.pending
             assert p.buffer is not None, "packed_segments allocates every chunk's buffer"
             if cache is not None:
-                cache.store(p.prompt[: c.end], [(layer[0, :, : c.end], layer[1, :, : c.end]) for layer in p.buffer])
+                cache.store(
+                    p.prompt[: c.end], [(layer[0, :, : c.end], layer[1, :, : c.end]) for layer in p.buffer], p.keys
+                )
             p.kv, p.done = p.buffer[:, :, :, : c.end], c.end
             if c.completes:
                 self._pending.pop(p.seq_id, None)

@@ -15,6 +15,8 @@ prompt compute it once, not 32 times).
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from .prefix_cache import PrefixCache, chain_keys
 # (input_ids, position_ids, 2D attention mask, cache) -> (last-position logits, cache)
 Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 KVLayers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer [rows, kv_heads, seq, head_dim]
+CHAINS_KEPT = 1024  # prompts whose block keys `cached_prefix` remembers (the queued ones, in practice)
 
 
 @dataclass(slots=True)
@@ -46,12 +49,24 @@ class Prefiller:
         self.config = config
         self.device = device
         self.prefix_cache = prefix_cache
+        self._chains: dict[bytes, list[bytes]] = {}  # a prompt's digest -> its usable block keys
 
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a prefill would serve from the prefix cache now; changes nothing
-        (read from the event loop while the worker thread may store: an estimate)."""
+        (read from the event loop while the worker thread may store: an estimate). Asked
+        again for queued prompts as the cache fills, so each prompt's chain of block keys is
+        hashed once (`_chains`, the event loop's own)."""
         cache = self.prefix_cache
-        return 0 if cache is None else cache.cached_blocks(prompt_ids) * cache.block
+        if cache is None:
+            return 0
+        digest = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=16).digest()
+        keys = self._chains.pop(digest, None)
+        if keys is None:
+            keys = chain_keys(prompt_ids, cache.block, cache.usable_blocks(len(prompt_ids)))
+        self._chains[digest] = keys  # most recent last
+        if len(self._chains) > CHAINS_KEPT:
+            del self._chains[next(iter(self._chains))]
+        return cache.cached_blocks(prompt_ids, keys) * cache.block
 
     def cache_stats(self) -> dict[str, int]:
         """queries and hits (prompt tokens looked up, and served from the cache), used_bytes,

@@ -47,12 +47,15 @@ class _Block:
 _ROOT = b""  # the parent key of a prompt's first block
 
 
-def chain_keys(prompt_ids: Sequence[int], block: int, blocks: int | None = None) -> list[bytes]:
+def chain_keys(
+    prompt_ids: Sequence[int], block: int, blocks: int | None = None, known: Sequence[bytes] = ()
+) -> list[bytes]:
     """Keys of the first `blocks` full blocks of `prompt_ids` (all full blocks by default):
-    key i = hash(key i-1, tokens of block i)."""
+    key i = hash(key i-1, tokens of block i). `known`: its first keys, already hashed."""
     n = len(prompt_ids) // block if blocks is None else min(blocks, len(prompt_ids) // block)
-    keys, parent = [], _ROOT
-    for i in range(n):
+    keys = list(known[:n])
+    parent = keys[-1] if keys else _ROOT
+    for i in range(len(keys), n):
         tokens = array("q", prompt_ids[i * block : (i + 1) * block]).tobytes()
         parent = hashlib.blake2b(parent + tokens, digest_size=16).digest()
         keys.append(parent)
@@ -86,9 +89,10 @@ class PrefixCache:
         """Blocks a prompt of this length may take from the cache (never its last token)."""
         return max(prompt_len - 1, 0) // self.block
 
-    def cached_blocks(self, prompt_ids: Sequence[int]) -> int:
-        """How many of the prompt's usable blocks a lookup would serve; changes nothing."""
-        return self._match(prompt_ids, self._usable_keys(prompt_ids))
+    def cached_blocks(self, prompt_ids: Sequence[int], keys: list[bytes] | None = None) -> int:
+        """How many of the prompt's usable blocks a lookup would serve; changes nothing.
+        `keys`: the prompt's usable chain, where the caller has it."""
+        return self._match(prompt_ids, self._usable_keys(prompt_ids) if keys is None else keys)
 
     def lookup(self, prompt_ids: Sequence[int], *, count: bool = True) -> tuple[int, torch.Tensor | None]:
         """(tokens served, their KV [layers, 2 (keys, values), kv_heads, tokens, head_dim] or
@@ -118,15 +122,16 @@ class PrefixCache:
             results.append((n, joined[keys[-1]]))
         return results
 
-    def store(self, prompt_ids: Sequence[int], kv: LayerKV) -> int:
+    def store(self, prompt_ids: Sequence[int], kv: LayerKV, known: Sequence[bytes] = ()) -> int:
         """Keep every full block of the prompt not already cached; returns blocks added.
 
         `kv[layer]` holds that layer's keys and values of the prompt's tokens from its first,
         [kv_heads, >= tokens in full blocks, head_dim]. Blocks are copied out first and
         inserted after, so a failure part-way stores nothing of this prompt; a chain longer
-        than the budget keeps only the blocks that fit from its start.
+        than the budget keeps only the blocks that fit from its start. `known`: the first
+        keys of the prompt's chain, where the caller has them (not hashed again).
         """
-        keys = chain_keys(prompt_ids, self.block)
+        keys = chain_keys(prompt_ids, self.block, known=known)
         if any(t.shape[1] < len(keys) * self.block for pair in kv for t in pair):
             raise ValueError("store needs the KV of every token in the prompt's full blocks")
         have = self._match(prompt_ids, keys)

@@ -634,6 +634,32 @@ def test_a_prompt_is_priced_by_the_tokens_its_prefill_computes():
     run(scenario())
 
 
+def test_queued_prompts_are_priced_again_as_the_prefix_cache_fills():
+    """Five conversations with one uncached system prompt arrive together: each is priced in
+    full, so one fits the prefill token budget and joins alone; once its blocks are
+    stored, the four queued behind it are priced by their own turn and join as one group."""
+
+    async def scenario():
+        r = GenRig(max_batch_size=8, max_wait_ms=0, prefill_token_budget=500)
+        r.seed_decode_cost()
+        await r.sched.start()
+        params = SamplingParams(max_tokens=2, temperature=0.0)
+        system = [7 + i % 50 for i in range(384)]  # 24 blocks of 16 tokens
+        items = [
+            r.sched.submit(GenRequest([*system, *range(100 * k, 100 * k + 16)], params), cost=400) for k in range(1, 6)
+        ]
+        assert [i.cost for i in items] == [400] * 5  # nothing cached yet
+        await r.clock.run_until_idle()
+        assert all(i.future.result().completion_tokens == 2 for i in items)
+        assert items[0].batch_size == 1
+        assert [i.batch_size for i in items[1:]] == [4] * 4
+        assert {r.admitted_at(i) for i in items[1:]} == {r.admitted_at(items[1])}
+        assert [i.cost for i in items[1:]] == [16] * 4  # 400 less the 384 cached
+        await r.sched.stop()
+
+    run(scenario())
+
+
 def test_the_warm_up_profile_measures_prefills_the_prefix_cache_cannot_serve():
     """The seed of the prefill cost model is what an uncached prompt costs: no row of the
     profile shares a prefix with another, in its group or an earlier one."""

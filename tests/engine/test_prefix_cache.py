@@ -143,7 +143,7 @@ def test_clear_empties_the_cache_and_keeps_the_counters():
 
 def test_a_hash_collision_never_serves_another_prefix(monkeypatch):
     # Keys that depend on the block index only: every prompt collides with every other.
-    def colliding(prompt_ids, block, blocks=None):
+    def colliding(prompt_ids, block, blocks=None, known=()):
         n = len(prompt_ids) // block if blocks is None else min(blocks, len(prompt_ids) // block)
         return [bytes([i]) for i in range(n)]
 
