@@ -36,8 +36,8 @@ class Pending(Generic[Row]):
     keys: list[bytes]  # the prompt's usable prefix-cache chain (empty without a cache)
     done: int = 0  # prompt tokens whose KV is in `kv`
     kv: torch.Tensor | None = None  # [layers, 2, kv_heads, done, head_dim]
-    # Once a chunk has run: [layers, 2, kv_heads, prompt length, head_dim], `kv` its first
-    # `done` columns, so each chunk copies in only its own columns.
+    # Once its look-up served a prefix or a chunk has run: [layers, 2, kv_heads, prompt
+    # length, head_dim], `kv` its first `done` columns, so each chunk copies in only its own.
     buffer: torch.Tensor | None = None
     cached: int = 0  # tokens its first look-up found in the prefix cache (0 for a resumed sequence)
     started: bool = False  # it has looked the prefix cache up
@@ -155,8 +155,9 @@ class PendingPrefills(Generic[Row]):
                     if have < len(p.keys) and p.keys[have] in claimed:
                         continue  # another prompt computes this block first: wait, then take it
                     first_look = not (p.resumed or p.held_back)
-                    hit, p.kv = cache.lookup(p.prompt, count=first_look)
+                    hit, p.buffer = cache.lookup_into(p.prompt, len(p.prompt), p.keys, count=first_look)
                     p.done = hit
+                    p.kv = None if p.buffer is None else p.buffer[:, :, :, :hit]
                     if first_look:
                         p.cached = hit
                         step.queried_tokens += len(p.prompt)

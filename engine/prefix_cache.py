@@ -99,6 +99,23 @@ class PrefixCache:
         None). `count=False` leaves the counters alone (the engine's look-ups while it plans)."""
         return self.lookup_many([prompt_ids], count=count)[0]
 
+    def lookup_into(
+        self, prompt_ids: Sequence[int], columns: int, keys: list[bytes], *, count: bool = True
+    ) -> tuple[int, torch.Tensor | None]:
+        """`lookup` into a new buffer [layers, 2, kv_heads, columns, head_dim] (the prompt's
+        own, which its chunks fill on): (tokens served, the buffer) or (0, None). Each block
+        is copied once, straight into place, where a lookup's joined tensor and then a copy
+        of it into the prompt's buffer copied the prefix twice. `keys`: the prompt's usable chain."""
+        keys = self._served(prompt_ids, keys, count)
+        n = len(keys) * self.block
+        if not keys:
+            return 0, None
+        first = self._blocks[keys[0]].kv
+        buffer = first.new_empty((*first.shape[:3], max(columns, n), first.shape[4]))
+        for i, key in enumerate(keys):
+            buffer[:, :, :, i * self.block : (i + 1) * self.block] = self._blocks[key].kv
+        return n, buffer
+
     def lookup_many(
         self, prompts: Sequence[Sequence[int]], *, count: bool = True
     ) -> list[tuple[int, torch.Tensor | None]]:
@@ -107,13 +124,8 @@ class PrefixCache:
         joined: dict[bytes, torch.Tensor] = {}
         results: list[tuple[int, torch.Tensor | None]] = []
         for prompt in prompts:
-            keys = self._usable_keys(prompt)
-            keys = keys[: self._match(prompt, keys)]
-            self._touch(keys)
+            keys = self._served(prompt, self._usable_keys(prompt), count)
             n = len(keys) * self.block
-            if count:
-                self.queries += len(prompt)
-                self.hits += n
             if not keys:
                 results.append((0, None))
                 continue
@@ -191,6 +203,15 @@ class PrefixCache:
                 return i
             parent = key
         return len(keys)
+
+    def _served(self, prompt_ids: Sequence[int], keys: list[bytes], count: bool) -> list[bytes]:
+        """The prompt's chain as far as a lookup serves it, marked used and, with `count`, counted."""
+        keys = keys[: self._match(prompt_ids, keys)]
+        self._touch(keys)
+        if count:
+            self.queries += len(prompt_ids)
+            self.hits += len(keys) * self.block
+        return keys
 
     def _touch(self, keys: list[bytes]) -> None:
         """Mark a chain used, its first block most recently: evictions take leaves first."""

@@ -160,3 +160,18 @@ def test_a_hash_collision_never_serves_another_prefix(monkeypatch):
 def test_bad_settings_fail_at_construction_naming_the_setting(max_bytes, block, setting):
     with pytest.raises(ValueError, match=setting):
         PrefixCache(max_bytes, block)
+
+
+def test_lookup_into_copies_the_served_prefix_into_a_buffer_with_room_for_the_prompt():
+    cache = PrefixCache(max_bytes=1 << 20, block=BLOCK)
+    stored(cache, list(range(10)))  # two full blocks
+    prompt = [*range(8), 50, 51, 52]
+    keys = chain_keys(prompt, BLOCK, cache.usable_blocks(len(prompt)))
+    n, buffer = cache.lookup_into(prompt, len(prompt), keys)
+    assert n == 8 and buffer is not None
+    assert buffer.shape == (LAYERS, 2, HEADS, len(prompt), DIM)  # the rest is the prompt's to fill
+    for layer, (k, v) in enumerate(kv_of(prompt[:8])):
+        assert torch.equal(buffer[layer, 0, :, :8], k) and torch.equal(buffer[layer, 1, :, :8], v)
+    assert (cache.queries, cache.hits) == (len(prompt), 8)
+    other = [9, *range(1, 11)]
+    assert cache.lookup_into(other, len(other), chain_keys(other, BLOCK, 2)) == (0, None)
