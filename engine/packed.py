@@ -41,6 +41,7 @@ class Segment:
     start: int
     tokens: int
     kv: torch.Tensor
+    mask: torch.Tensor | None = None  # its attention mask, built by the first layer for all
 
     @property
     def end(self) -> int:
@@ -81,9 +82,12 @@ class PackedPlan:
         return len(self.slots) if self.slots else int(self.segments[0].kv.shape[0])
 
     def chunk_mask(self, s: Segment, device: torch.device) -> torch.Tensor:
-        """[1, 1, tokens, end] True where a chunk's token may attend: its prompt up to itself."""
-        query = torch.arange(s.start, s.end, device=device).unsqueeze(1)
-        return (torch.arange(s.end, device=device).unsqueeze(0) <= query)[None, None]
+        """[1, 1, tokens, end] True where a chunk's token may attend: its prompt up to itself
+        (built once per forward, not once per layer)."""
+        if s.mask is None:
+            query = torch.arange(s.start, s.end, device=device).unsqueeze(1)
+            s.mask = (torch.arange(s.end, device=device).unsqueeze(0) <= query)[None, None]
+        return s.mask
 
 
 class PackedLayer(DynamicLayer):
