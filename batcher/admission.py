@@ -30,12 +30,15 @@ def items_ahead(q: RequestQueue, item: WorkItem) -> int:
     return ahead + q.count_before(item)
 
 
-def uncached(costs: list[int], cached: list[int]) -> list[int]:
+def uncached(costs: list[int], cached: list[int]) -> tuple[list[int], list[int]]:
     """A prompt is priced by the tokens its prefill will compute: admission and the
-    time-to-first-token prediction then see a cached prefix as the cheap prompt it is."""
+    time-to-first-token prediction then see a cached prefix as the cheap prompt it is.
+    The prices, and what each subtracted (at most its cost less one: a price is never
+    under 1), for `reprice` to start from."""
     if len(costs) != len(cached):
-        return costs
-    return [max(1, c - k) for c, k in zip(costs, cached, strict=True)]
+        return costs, [0] * len(costs)
+    taken = [min(k, c - 1) if c > 1 else 0 for c, k in zip(costs, cached, strict=True)]
+    return [c - t for c, t in zip(costs, taken, strict=True)], taken
 
 
 def reprice(items: Iterable[WorkItem], cached_prefix: Callable[[Sequence[int]], int]) -> None:
@@ -43,12 +46,13 @@ def reprice(items: Iterable[WorkItem], cached_prefix: Callable[[Sequence[int]], 
     priced when its prefix was not cached yet (32 conversations arriving together with one
     system prompt: the first computes it, the others queue priced in full) joins as the
     cheap prompt it has become, in groups of the cheap, instead of a few at a time at its
-    first price. `cached_prefix` is the engine's, read on the event loop (an estimate)."""
+    first price. Each starts from its price before the cache (`cost + cached`), so prices
+    never drift however the cache fills and empties. `cached_prefix` is the engine's, read
+    on the event loop (an estimate)."""
     for item in items:
-        now_cached = cached_prefix(item.payload.prompt_ids)
-        if now_cached != item.cached:
-            item.cost = max(1, item.cost + item.cached - now_cached)
-            item.cached = now_cached
+        full = item.cost + item.cached
+        taken = min(cached_prefix(item.payload.prompt_ids), full - 1) if full > 1 else 0
+        item.cost, item.cached = full - taken, taken
 
 
 def batch_size_under(reserve: float | None, s: BatchingSettings, cost: CostModel, tokens: int) -> int:

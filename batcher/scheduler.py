@@ -95,9 +95,10 @@ class GenerationScheduler(QueueingBatcher):
 
     def submit_many(self, payloads: list[Any], **kw: Any) -> list[WorkItem]:
         cached = [self.engine.cached_prefix(p.prompt_ids) for p in payloads]
-        kw["costs"] = admission.uncached(kw.get("costs") or [kw.pop("cost", 1)] * len(payloads), cached)
+        costs = kw.get("costs") or [kw.pop("cost", 1)] * len(payloads)
+        kw["costs"], taken = admission.uncached(costs, cached)
         items = super().submit_many(payloads, **kw)
-        for item, k in zip(items, cached, strict=True):
+        for item, k in zip(items, taken, strict=True):
             item.cached = k
         self._slots.submitted(items)
         return items

@@ -88,8 +88,9 @@ class WorkItem:
     # token (on the item it checked); its first token calibrates later ones (cost.Calibration).
     predicted_wait: float | None = None
     slo_recorded: bool = False
-    # Generation: prompt tokens the engine's prefix cache held when the item was last priced
-    # (its `cost` is the rest); queued prompts are priced again as the cache fills.
+    # Generation: tokens its price leaves out for the engine's prefix cache when it was last
+    # priced (`cost + cached` is its price before the cache); queued prompts are priced
+    # again as the cache fills.
     cached: int = 0
 
     @property

@@ -15,8 +15,6 @@ prompt compute it once, not 32 times).
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,24 +47,25 @@ class Prefiller:
         self.config = config
         self.device = device
         self.prefix_cache = prefix_cache
-        self._chains: dict[bytes, list[bytes]] = {}  # a prompt's digest -> its usable block keys
+        self._chains: dict[int, tuple[Sequence[int], list[bytes]]] = {}  # id -> (prompt, its usable keys)
 
     def cached_prefix(self, prompt_ids: Sequence[int]) -> int:
         """Prompt tokens a prefill would serve from the prefix cache now; changes nothing
         (read from the event loop while the worker thread may store: an estimate). Asked
-        again for queued prompts as the cache fills, so each prompt's chain of block keys is
-        hashed once (`_chains`, the event loop's own)."""
+        again for queued prompts as the cache fills, so each prompt's chain of block keys
+        is hashed once and kept with the prompt (`_chains`, the event loop's own, by the
+        prompt object: a queued prompt is one list until it runs), and asking again walks
+        the keys (`PrefixCache.cached_keys`): no hashing, no token comparison."""
         cache = self.prefix_cache
         if cache is None:
             return 0
-        digest = hashlib.blake2b(array("q", prompt_ids).tobytes(), digest_size=16).digest()
-        keys = self._chains.pop(digest, None)
-        if keys is None:
-            keys = chain_keys(prompt_ids, cache.block, cache.usable_blocks(len(prompt_ids)))
-        self._chains[digest] = keys  # most recent last
+        kept = self._chains.pop(id(prompt_ids), None)
+        if kept is None or kept[0] is not prompt_ids:
+            kept = (prompt_ids, chain_keys(prompt_ids, cache.block, cache.usable_blocks(len(prompt_ids))))
+        self._chains[id(prompt_ids)] = kept  # most recent last; holding the prompt keeps its id unique
         if len(self._chains) > CHAINS_KEPT:
             del self._chains[next(iter(self._chains))]
-        return cache.cached_blocks(prompt_ids, keys) * cache.block
+        return cache.cached_keys(kept[1]) * cache.block
 
     def cache_stats(self) -> dict[str, int]:
         """queries and hits (prompt tokens looked up, and served from the cache), used_bytes,

@@ -99,6 +99,17 @@ class PrefixCache:
         None). `count=False` leaves the counters alone (the engine's look-ups while it plans)."""
         return self.lookup_many([prompt_ids], count=count)[0]
 
+    def cached_keys(self, keys: list[bytes]) -> int:
+        """How many of a prompt's chain `keys` are cached, from the first to the first miss,
+        by key and parent alone (the scheduler's estimate; `lookup` checks tokens too)."""
+        parent = _ROOT
+        for i, key in enumerate(keys):
+            entry = self._blocks.get(key)
+            if entry is None or entry.parent != parent:
+                return i
+            parent = key
+        return len(keys)
+
     def lookup_into(
         self, prompt_ids: Sequence[int], columns: int, keys: list[bytes], *, count: bool = True
     ) -> tuple[int, torch.Tensor | None]:

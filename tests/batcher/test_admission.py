@@ -20,7 +20,7 @@ from batcher.errors import BatchingError, DeadlineInfeasible, QueueFull
 from batcher.load import IDLE, Load
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
-from batcher.types import Priority, WorkItem
+from batcher.types import GenRequest, Priority, WorkItem
 
 from .conftest import COST, Rig, arrivals, cost, drive, exact_rig, run
 
@@ -377,3 +377,18 @@ def test_a_drain_slower_than_the_cost_model_refuses_what_it_cannot_carry():
             b.cancel(item)
 
     run(go())
+
+
+def test_a_queued_prompt_is_priced_again_from_its_price_before_the_cache():
+    """However the prefix cache fills and empties, a price is its price before the cache
+    less what the cache holds now, never under 1, never above what the caller gave."""
+    prompt = GenRequest(list(range(400)), None)
+    cached = {"now": 0}
+    costs, taken = admission.uncached([400, 1], [384, 384])
+    assert (costs, taken) == ([16, 1], [384, 0])
+    full, cheap = WorkItem(prompt, 0.0, cost=costs[0]), WorkItem(prompt, 0.0, cost=costs[1])
+    full.cached, cheap.cached = taken
+    for now, expected in ((0, 400), (384, 16), (399, 1), (0, 400)):
+        cached["now"] = now
+        admission.reprice([full, cheap], lambda ids: cached["now"])
+        assert full.cost == expected and cheap.cost == 1

@@ -81,3 +81,17 @@ def pair(model_path: Path) -> Iterator[tuple[HFGenerationEngine, HFGenerationEng
     yield on, off
     for engine in (on, off):
         engine.remove(engine.running_ids)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every `new_empty` buffer (KV slots, a pending prompt's buffer, a prefix served into
+    it) full of NaN: the engine allocates them unzeroed, so a cell read before it is
+    written would turn the logits into NaN and the outputs into nonsense. (Fresh memory
+    from the operating system reads as zeros, which would hide such a read.)"""
+    new_empty = torch.Tensor.new_empty
+
+    def nan_filled(self: torch.Tensor, *size, **kwargs) -> torch.Tensor:
+        return new_empty(self, *size, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", nan_filled)

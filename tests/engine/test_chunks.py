@@ -16,6 +16,9 @@ from engine.generation import HFGenerationEngine
 from tests.engine.conftest import BLOCK
 from tests.engine.test_prefill import Run, greedy, system_prompt, turn
 
+# The engine's buffers are allocated unzeroed: these tests run with them full of NaN.
+pytestmark = pytest.mark.usefixtures("nan_empty")
+
 
 class ChunkedRun:
     """One engine driven as the scheduler drives it with a budget: prompts taken by

@@ -20,6 +20,9 @@ from engine.prefix_cache import chain_keys
 from tests.engine.test_chunks import ChunkedRun
 from tests.engine.test_prefill import Run, greedy, system_prompt, turn
 
+# The engine's buffers are allocated unzeroed: these tests run with them full of NaN.
+pytestmark = pytest.mark.usefixtures("nan_empty")
+
 
 def test_shared_prefix_attention_equals_sdpa_over_each_rows_own_copy():
     torch.manual_seed(0)

@@ -21,6 +21,9 @@ from engine.generation import HFGenerationEngine
 from engine.preemption import Preemption
 from tests.engine.test_prefill import Run, turn
 
+# The engine's buffers are allocated unzeroed: these tests run with them full of NaN.
+pytestmark = pytest.mark.usefixtures("nan_empty")
+
 TEXTS = [
     "Ferry boats cross the river at dawn",
     "a long barge of coal and timber sails north past the mill",
