@@ -37,21 +37,46 @@ def test_interactive_work_runs_at_once_beside_a_batch_in_flight():
     run(scenario())
 
 
+async def almost_done(r, n: int) -> float:
+    """A batch-class batch of `n` items dispatched and run until 5 ms before its end; its start."""
+    await r.batcher.start()
+    t0 = r.clock.now()
+    r.batcher.submit_many(list(range(n)), priority=BATCH)
+    await r.clock.advance(cost(n) - 0.005)
+    return t0
+
+
 def test_interactive_work_waits_when_the_batch_in_flight_ends_before_a_lane_batch_would():
     """A lane batch of one takes cost(1) = 12 ms; 5 ms before the bulk batch ends, waiting
     for the engine costs nothing: the item joins the next batch, not a batch of its own."""
 
     async def scenario():
         r = exact_rig(lane=True, max_batch_size=32, max_wait_ms=0)
-        await r.batcher.start()
-        t0 = r.clock.now()
-        r.batcher.submit_many(list(range(32)), priority=BATCH)
-        await r.clock.advance(cost(32) - 0.005)
+        t0 = await almost_done(r, 32)
         r.batcher.submit("u", priority=INTERACTIVE)
         await r.clock.run_until_idle()
         assert r.lane_batches == []
         assert r.batches == [list(range(32)), ["u"]]
         assert r.engine.runs[1][0] == pytest.approx(t0 + cost(32))
+        await r.batcher.stop()
+
+    run(scenario())
+
+
+def test_interactive_work_more_than_a_batch_runs_in_the_lane_however_little_is_left_in_flight():
+    """5 ms before the bulk batch ends, more interactive work waits than one batch takes
+    (max_batch_size 4): the next batch would not take it all, so the lane takes a batch at
+    once instead of leaving the second thread idle, and the rest follows on the engine."""
+
+    async def scenario():
+        r = exact_rig(lane=True, max_batch_size=4, max_wait_ms=0)
+        t0 = await almost_done(r, 4)
+        urgent = r.batcher.submit_many([f"u{i}" for i in range(6)], priority=INTERACTIVE, budget=1.0)
+        await r.clock.run_until_idle()
+        assert r.lane_batches == [["u0", "u1", "u2", "u3"]]
+        assert r.lane.runs[0][0] == pytest.approx(t0 + cost(4) - 0.005)  # no wait for the batch in flight
+        assert r.batches == [list(range(4)), ["u4", "u5"]]
+        assert all(i.outcome is Outcome.RESULT for i in urgent)
         await r.batcher.stop()
 
     run(scenario())

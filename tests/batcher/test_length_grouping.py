@@ -111,8 +111,9 @@ def test_a_lane_batch_is_of_like_lengths_and_within_the_token_budget_too():
         return r.batches, r.lane_batches
 
     main, lane = run(scenario())
-    # Too little of the bulk batch is left for a lane batch; the next batch takes the
-    # leader (10 tokens) and its like (11, 12, 9), and the lane beside it the two
+    # Little of the bulk batch is left, but more interactive work waits than one batch
+    # takes (the next main batch would not take it all either), so the lane takes a batch
+    # at once: the leader (10 tokens) and its like (12, 11, 9); the next main batch the two
     # 100-token inputs (200 padded tokens, within 250).
-    assert sorted(main[1]) == [100, 102, 104, 105]
-    assert [sorted(b) for b in lane] == [[101, 103]]
+    assert [sorted(b) for b in lane] == [[100, 102, 104, 105]]
+    assert sorted(main[1]) == [101, 103]
