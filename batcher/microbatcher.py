@@ -201,9 +201,10 @@ class MicroBatcher(QueueingBatcher):
         join the next batch instead of paying a batch of their own (with a near-free engine
         every batch ends before a second could start, and a lane batch only added a
         hand-off: 0.71x the requests per second of no lane under `bench_gateway`). Unless
-        more interactive work waits than this batch takes: then the next batch will not take
-        it all either, and the lane runs a full batch at once, however little is left in
-        flight (all-interactive saturation: 1.13x requests/s, docs/benchmarks.md)."""
+        more interactive work waits than this batch may take: then the next batch will not
+        take it all either, and the lane runs its batch at once, however little is left in
+        flight (all-interactive saturation: 1.13x requests/s, docs/benchmarks.md), without
+        any item only the engine's next batch would end on time (`engine_not_lane`)."""
         s = self.settings
         left = self._may_run_until - now
         if s.group_by_length:  # like the main batches: of like lengths, within max_batch_tokens
@@ -213,14 +214,19 @@ class MicroBatcher(QueueingBatcher):
             waiting = self.queue.peek_class(Priority.INTERACTIVE, s.max_batch_size)
         waiting = waiting[: s.max_batch_size]
         waiting = waiting[: token_cap(waiting, s)]
-        # More interactive work waits than this batch takes: the next main batch will not
-        # take it all either, so the lane's batch need not end before the one in flight.
+        lane = self.lane_cost
+        # More interactive work waits than this batch takes (by count or by tokens): the next
+        # main batch will not take it all either, so the lane's batch need not end before
+        # the one in flight; but an item the engine's next batch would serve on time and the
+        # lane (slower: it shares the cores) would not, even alone, stays for the engine.
         backlog = self.queue.count(Priority.INTERACTIVE) > len(waiting)
-        if not backlog and (left <= s.margin or self.lane_cost.predict(1, waiting[0].cost) >= left):
+        if backlog:
+            main = (self.cost, max(self._busy_until, now))
+            waiting = [i for i in waiting if not engine_not_lane(i, now, s, lane, *main)]
+        if not waiting or (not backlog and (left <= s.margin or lane.predict(1, waiting[0].cost) >= left)):
             return []  # not even one item would end in time
         # No floor and no reserve (nothing waits for a lane batch); the lane's own fit times
         # it, the engine's (the main fit) says its efficient batch.
-        lane = self.lane_cost
         efficient = efficient_batch(s, self.cost, self.tracker.typical_tokens)[0]
         lane_load = Load(slowdown=lane.slowdown, tail=lane.tail, efficient=efficient)
         items = waiting[: deadline_cap(waiting, now, s, lane, lane_load)]
@@ -339,3 +345,15 @@ class MicroBatcher(QueueingBatcher):
                 running += sum(1 for i in batch.items if not i.finished) if batch is not None else 0
                 task.cancel()  # its done-callback fails the batch's items
         return running
+
+
+def engine_not_lane(
+    item: WorkItem, now: float, s: BatchingSettings, lane: CostModel, main: CostModel, free: float
+) -> bool:
+    """Whether the engine's next batch (from `free`) would end `item` on time alone, where
+    the lane would not (as `deadline_cap` judges on time: at the fit's slowdown, within the margin)."""
+    if item.deadline is None:
+        return False
+    in_lane = now + lane.predict(1, item.cost) * lane.slowdown + s.margin
+    on_main = free + main.predict(1, item.cost) * main.slowdown + s.margin
+    return in_lane > item.deadline >= on_main
