@@ -5,6 +5,7 @@ misaligned copy shows up as a wrong number."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -131,15 +132,17 @@ def nan_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kv_module, "slot_buffer", nan_buffer)
 
 
-def test_churn_through_compaction_and_growth_keeps_every_row_exact(nan_buffers: None) -> None:
-    rng = random.Random(5)
+def churn(rng: random.Random, steps: int, length: Callable[[int], int]) -> Iterator[RunningBatch[int]]:
+    """Groups joining (each prompt `length(step)` tokens long), rows leaving, every row
+    decoding, for `steps` steps: each row exact and every cell attention reads a number
+    after each step; yields the batch after each."""
     batch: RunningBatch[int] = RunningBatch(slots=8)
     lengths: dict[int, int] = {}
-    capacities, starts, next_seq = set(), set(), 1
-    for step in range(600):
+    next_seq = 1
+    for step in range(steps):
         free = batch.slots - batch.rows
         if free and rng.random() < 0.3:
-            group = {next_seq + i: (400 if step == 450 else rng.randint(1, 30)) for i in range(rng.randint(1, free))}
+            group = {next_seq + i: length(step) for i in range(rng.randint(1, free))}
             next_seq += len(group)
             batch.admit(*prefill(group), list(group), alive=list(range(len(group))))
             lengths.update(group)
@@ -153,6 +156,13 @@ def test_churn_through_compaction_and_growth_keeps_every_row_exact(nan_buffers: 
             decode(batch, lengths)
         assert_rows_exact(batch, lengths)
         assert_read_cells_finite(batch)
+        yield batch
+
+
+def test_churn_through_compaction_and_growth_keeps_every_row_exact(nan_buffers: None) -> None:
+    rng = random.Random(5)
+    capacities, starts = set(), set()
+    for batch in churn(rng, 600, lambda step: 400 if step == 450 else rng.randint(1, 30)):
         capacities.add(batch.capacity)
         starts.add(batch.start)
     assert len(capacities) > 1, "the 400-token prompt should have grown the buffers"
@@ -247,26 +257,5 @@ def test_every_cell_attention_reads_is_written_first_whatever_the_churn(nan_buff
     columns a wider newcomer opens for the rows already running are zeroed, never left as
     whatever the unzeroed buffers held (NaN here)."""
     rng = random.Random(seed)
-    batch: RunningBatch[int] = RunningBatch(slots=8)
-    lengths: dict[int, int] = {}
-    next_seq = 1
-    for _ in range(300):
-        free = batch.slots - batch.rows
-        if free and rng.random() < 0.3:
-            group = {
-                next_seq + i: rng.choice([rng.randint(1, 30), rng.randint(30, 120)])
-                for i in range(rng.randint(1, free))
-            }
-            next_seq += len(group)
-            batch.admit(*prefill(group), list(group), alive=list(range(len(group))))
-            lengths.update(group)
-        if batch.rows and rng.random() < 0.15:
-            leaving = {i for i in range(batch.rows) if rng.random() < 0.4}
-            for i in leaving:
-                del lengths[batch.seqs[i]]
-            batch.drop(leaving)
-        assert_read_cells_finite(batch)
-        if batch.rows:
-            decode(batch, lengths)
-        assert_rows_exact(batch, lengths)
-        assert_read_cells_finite(batch)
+    for _ in churn(rng, 300, lambda _: rng.choice([rng.randint(1, 30), rng.randint(30, 120)])):
+        pass
