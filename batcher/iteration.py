@@ -101,12 +101,19 @@ class Chunking:
     first: list[int] = field(default_factory=list)
 
 
-def chunk_budget(s: BatchingSettings, decoding: int, prefill: CostModel, decode: CostModel) -> int | None:
+def chunk_budget(
+    s: BatchingSettings, decoding: int, prefill: CostModel, decode: CostModel, packed: bool = False
+) -> int | None:
     """Prompt tokens an iteration's prefill may compute beside `decoding` decode rows:
     `max_batch_tokens` less the decode rows, or (unset) what the prefill cost model says
     fits in the time of the decode step (and in what `max_itl_ms` leaves of it), so a
     running stream's token interval at most doubles while prompts arrive; None (every
-    waiting prompt whole) when nothing decodes. Never under MIN_CHUNK, so prompts progress."""
+    waiting prompt whole) when nothing decodes. Never under MIN_CHUNK, so prompts progress.
+
+    `packed`: the chunks ride in the decode step's own forward (engine/packed.py), so they
+    cost their tokens only, not the fixed cost of a forward of their own (the prefill
+    model's `fixed`, a read of every weight: ~14 ms of the built-in model's ~15 ms decode
+    step, which left a chunk the floor alone and let one short prompt join per step)."""
     if s.max_batch_tokens is not None:
         return max(MIN_CHUNK, s.max_batch_tokens - decoding)
     if not decoding:
@@ -116,7 +123,8 @@ def chunk_budget(s: BatchingSettings, decoding: int, prefill: CostModel, decode:
     per_token = prefill.params.per_token
     if per_token <= 0:
         return None
-    return max(MIN_CHUNK, int((allowance - prefill.predict(1, 0)) / per_token))
+    overhead = 0.0 if packed else prefill.predict(1, 0)
+    return max(MIN_CHUNK, int((allowance - overhead) / per_token))
 
 
 def run_iteration(

@@ -57,6 +57,7 @@ class GenerationScheduler(QueueingBatcher):
         self.metrics.init_phases(model, "prefill", "decode")
         self.metrics.init_prefix_cache(model)
         self.engine = engine
+        self._packs = bool(getattr(engine, "packs_steps", False))  # decode rows and chunks in one forward
         self.engine_thread = engine_thread
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
         self.decode_cost = CostModel(LinearCost(0.010, 0.0005, 0.0))
@@ -117,7 +118,7 @@ class GenerationScheduler(QueueingBatcher):
         running = len(self._running)
         if not running and s.max_batch_tokens is None:
             return load
-        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost)
+        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, self._packs)
         return replace(load, prefill_chunk=chunk, chunk_step=self.decode_cost.predict(running) if running else 0.0)
 
     def check_itl(self, item: WorkItem, siblings: int) -> bool:
@@ -208,7 +209,7 @@ class GenerationScheduler(QueueingBatcher):
         requests, removals, decoding = self._schedule(admitted, decode)
         started = self.clock.now()
         try:
-            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding), self._chunking())
+            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding), self._chunking(decode))
         finally:
             if pending is not None:  # the last step's finished items live only in it
                 pending()
@@ -244,16 +245,15 @@ class GenerationScheduler(QueueingBatcher):
         self._publish_gen()
         return requests, removals, decoding
 
-    def _chunking(self) -> Chunking | None:
-        """This iteration's prefill budget, interactive prompts' chunks first (None: the
-        engine prefills whole prompts as they join)."""
+    def _chunking(self, decode: bool) -> Chunking | None:
+        """This iteration's prefill budget, interactive chunks first (None: whole prompts as they join)."""
         if not self._chunked:
             return None
         # The worker is idle here (the last iteration was awaited): the engine's own counts hold.
         decoding = self.engine.running - getattr(self.engine, "prefilling", 0)
-        seqs = self._running.values()
-        first = [seq.item.id for seq in seqs if not seq.tokens and seq.item.priority is Priority.INTERACTIVE]
-        return Chunking(chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost), first)
+        first = [s.item.id for s in self._running.values() if not s.tokens and s.item.priority is Priority.INTERACTIVE]
+        budget = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, decode and self._packs)
+        return Chunking(budget, first)
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt

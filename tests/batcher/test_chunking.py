@@ -126,6 +126,31 @@ def test_the_budget_is_max_batch_tokens_less_the_decode_rows_or_what_fits_the_de
     # Within max_itl_ms: 25 ms leaves 5 ms beside the step, 30 tokens, raised to the floor.
     assert chunk_budget(BatchingSettings(max_itl_ms=25), 10, prefill, decode) == MIN_CHUNK
     assert chunk_budget(BatchingSettings(max_itl_ms=60), 10, prefill, decode) == 180
+    # Packed into the decode step's forward, a chunk costs its tokens only: 20 ms, 200 tokens.
+    assert chunk_budget(auto, 10, prefill, decode, packed=True) == 200
+    assert chunk_budget(fixed, 10, prefill, decode, packed=True) == 90  # a set budget is the budget
+
+
+def test_a_packing_engine_gets_chunks_as_large_as_its_decode_step_without_a_forward_of_their_own():
+    """The prefill model's fixed cost (a forward of its own) is as large as the decode step:
+    counted against a packed chunk, it left the floor alone (one short prompt per step)."""
+
+    async def scenario():
+        r = ChunkRig(packing=True, max_running=8, max_batch_size=8)
+        await r.sched.start()
+        streams = [r.submit(3, 400) for _ in range(3)]
+        await r.clock.advance(0.05)
+        assert r.engine.running == 3
+        r.sched.prefill_cost._fit = LinearCost(0.020, 0.0, 0.0001)
+        r.sched.decode_cost._fit = LinearCost(0.020, 0.0, 0.0)
+        assert r.sched._chunking(decode=True).budget == 200  # 20 ms of tokens at 0.1 ms
+        assert r.sched._chunking(decode=False).budget == MIN_CHUNK  # a forward of its own: 20 - 20 ms
+        assert r.sched.load(r.clock.now()).prefill_chunk == 200  # admission predicts the same chunks
+        for s in streams:
+            r.sched.cancel(s)
+        await r.sched.stop()
+
+    run(scenario())
 
 
 def test_a_packing_engine_gets_its_decode_rows_and_chunks_in_one_call():
