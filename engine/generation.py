@@ -30,6 +30,7 @@ from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
 from .grammar import GrammarCache
 from .kv import RunningBatch
+from .onednn import prepack_output_head
 from .packed import PrefixSharing, Sharing, install
 from .preemption import Preemption
 from .prefill import Prefilled, Prefiller
@@ -128,6 +129,7 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         self.device = torch.device(resolve_device(device))
         self.max_running = max_running
         self.tokenizer, self.model = _load(model_name_or_path, self.device, dtype, trust_remote_code)
+        self.head_prepacked = prepack_output_head(self.model)  # engine/onednn.py: fp32 on the CPU
         # Prompts are tokenized on the event loop while the worker thread detokenizes; a
         # Rust tokenizer borrowed from two threads raises "Already borrowed" as soon as one
         # side changes its settings, so the detokenizer gets its own copy.
@@ -382,7 +384,8 @@ class HFGenerationEngine(ChatTokens, KVMemory):
 
 def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) -> None:
     log.info(
-        "loaded chat model %s on %s (max_context=%d, max_running=%d, KV %s, prefix cache %s, packed steps %s)",
+        "loaded chat model %s on %s (max_context=%d, max_running=%d, KV %s, prefix cache %s, packed steps %s, "
+        "output head %s)",
         engine.name,
         engine.device,
         engine.max_context,
@@ -390,6 +393,7 @@ def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) ->
         f"at most {engine.kv_budget} tokens" if engine.kv_budget else "unbounded",
         f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache else "off",
         "on" if engine.packs_steps else "off",
+        "prepacked for oneDNN" if engine.head_prepacked else "as loaded",
     )
 
 

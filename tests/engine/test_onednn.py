@@ -1,0 +1,81 @@
+"""The chat model's output head prepacked for oneDNN: the same products as torch's linear,
+and the same greedy tokens as the model's own head."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine.onednn import PrepackedLinear, available, prepack_linears, prepack_output_head, prepacked
+
+pytestmark = pytest.mark.skipif(not available(torch.zeros(1)), reason="torch without oneDNN on this CPU")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_prepacked_linear_computes_torchs_product_for_any_rows(bias):
+    linear = nn.Linear(64, 300, bias=bias)
+    swapped = prepacked(linear)
+    assert isinstance(swapped, PrepackedLinear)
+    assert swapped.weight is linear.weight  # shared, not copied: a tied embedding keeps working
+    with torch.inference_mode():
+        for shape in ((1, 64), (7, 64), (129, 64), (2, 5, 64), (0, 64)):
+            x = torch.randn(shape)
+            got, want = swapped(x), linear(x)
+            assert got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_layers_it_cannot_run_are_kept_as_they_are():
+    half = nn.Linear(8, 8).to(torch.bfloat16)
+    assert prepacked(half) is half
+    conv = nn.Conv1d(2, 2, 1)
+    assert prepacked(conv) is conv
+
+    class Sub(nn.Linear):  # a subclass may compute something else: left alone
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) * 2
+
+    sub = Sub(8, 8)
+    assert prepacked(sub) is sub
+
+
+def test_a_layer_whose_prepacked_product_differs_is_kept(monkeypatch):
+    import engine.onednn as onednn
+
+    monkeypatch.setattr(onednn.PrepackedLinear, "forward", lambda self, x: torch.zeros(*x.shape[:-1], 16))
+    linear = nn.Linear(8, 16)
+    assert prepacked(linear) is linear
+
+
+def test_every_linear_of_a_module_is_swapped_in_place():
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Sequential(nn.Linear(32, 4)))
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        want = model(x)
+        assert prepack_linears(model) == 2
+        torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
+    assert isinstance(model[0], PrepackedLinear) and isinstance(model[2][0], PrepackedLinear)
+
+
+def test_the_chat_engines_head_is_prepacked_and_greedy_tokens_are_the_models_own(_shared_engine, tiny_chat_dir):
+    """The engine's head runs prepacked; a plain greedy loop through the model with its own
+    head and with the prepacked one picks the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    assert _shared_engine.head_prepacked
+    assert isinstance(_shared_engine.model.get_output_embeddings(), PrepackedLinear)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_chat_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([_shared_engine.encode_chat([{"role": "user", "content": "When does the ferry leave?"}])])
+
+    def greedy(steps: int = 24) -> list[int]:
+        seq = ids
+        with torch.inference_mode():
+            for _ in range(steps):
+                nxt = model(input_ids=seq).logits[0, -1].argmax()
+                seq = torch.cat([seq, nxt.view(1, 1)], dim=1)
+        return seq[0, ids.shape[1] :].tolist()
+
+    own = greedy()
+    assert prepack_output_head(model)
+    assert greedy() == own
