@@ -148,7 +148,7 @@ def predicted_first_token(
     prefill = cost.predict(group, group * tokens)
     if load.prefill_chunk is not None and group * tokens > load.prefill_chunk:
         further = math.ceil(group * tokens / load.prefill_chunk) - 1
-        prefill += further * (load.chunk_step + cost.predict(1, 0))
+        prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))
     return max(slots[0], now) + prefill
 
 

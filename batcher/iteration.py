@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 from .cost import CostModel
 from .isolation import split_in_halves
@@ -99,6 +100,11 @@ class Chunking:
 
     budget: int | None
     first: list[int] = field(default_factory=list)
+
+
+def packs(engine: object) -> TypeGuard[PackingEngine]:
+    """Whether `engine` runs a decode step and the prompt chunks as one forward."""
+    return isinstance(engine, PackingEngine) and engine.packs_steps
 
 
 def chunk_budget(
@@ -193,7 +199,7 @@ def _chunked_iteration(
     outputs = [result for _, result in taken if result.finish_reason is not None]  # refused outright: ends now
     t1 = time.perf_counter()
     packed = False
-    if decode and engine.running and isinstance(engine, PackingEngine) and engine.packs_steps:
+    if decode and engine.running and packs(engine):
         # One forward for both: its time counts as the decode step's, shared out by `apportion`.
         stepped, done = engine.step_with_prefill(chunking.budget, chunking.first)
         decoded = list(stepped)

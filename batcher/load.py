@@ -77,6 +77,7 @@ class Load:
     # prompt waits for.
     prefill_chunk: int | None = None
     chunk_step: float = 0.0
+    chunks_packed: bool = False  # further chunks ride in the decode step's forward: no forward of their own
 
 
 IDLE = Load()

@@ -27,7 +27,7 @@ from . import admission
 from .cost import Calibration, CostModel, LinearCost
 from .delivery import Delivery
 from .errors import DeadlineExceeded, DeadlineInfeasible, EngineError, ShuttingDown
-from .iteration import WARMUP_PROMPT, Chunking, IterationResult, chunk_budget, profile, run_iteration
+from .iteration import WARMUP_PROMPT, Chunking, IterationResult, chunk_budget, packs, profile, run_iteration
 from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
 from .protocols import ChunkingEngine, EngineCaller, MakeRequest, PrefillRequest, SteppingEngine
@@ -57,7 +57,6 @@ class GenerationScheduler(QueueingBatcher):
         self.metrics.init_phases(model, "prefill", "decode")
         self.metrics.init_prefix_cache(model)
         self.engine = engine
-        self._packs = bool(getattr(engine, "packs_steps", False))  # decode rows and chunks in one forward
         self.engine_thread = engine_thread
         self.prefill_cost = CostModel(LinearCost(0.010, 0.002, 0.0002))
         self.decode_cost = CostModel(LinearCost(0.010, 0.0005, 0.0))
@@ -118,8 +117,9 @@ class GenerationScheduler(QueueingBatcher):
         running = len(self._running)
         if not running and s.max_batch_tokens is None:
             return load
-        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, self._packs)
-        return replace(load, prefill_chunk=chunk, chunk_step=self.decode_cost.predict(running) if running else 0.0)
+        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine))
+        step = self.decode_cost.predict(running) if running else 0.0
+        return replace(load, prefill_chunk=chunk, chunk_step=step, chunks_packed=packed)
 
     def check_itl(self, item: WorkItem, siblings: int) -> bool:
         """A request's inter-token target against the predicted decode step at the
@@ -252,8 +252,8 @@ class GenerationScheduler(QueueingBatcher):
         # The worker is idle here (the last iteration was awaited): the engine's own counts hold.
         decoding = self.engine.running - getattr(self.engine, "prefilling", 0)
         first = [s.item.id for s in self._running.values() if not s.tokens and s.item.priority is Priority.INTERACTIVE]
-        budget = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, decode and self._packs)
-        return Chunking(budget, first)
+        packed = decode and packs(self.engine)
+        return Chunking(chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packed), first)
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt

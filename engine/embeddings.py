@@ -52,6 +52,11 @@ class HFEmbeddingEngine:
         self.device = resolve_device(device)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModel.from_pretrained(path, dtype=resolve_dtype(dtype, self.device)).to(self.device).eval()
+        # Its linear layers through oneDNN, weights prepacked once (engine/onednn.py; fp32 on
+        # the CPU): 1.1-1.3x the encoder's forward here, traced as before.
+        from .onednn import prepack_linears
+
+        self.prepacked = prepack_linears(self.model)
         limit = getattr(self.model.config, "max_position_embeddings", 512)
         tok_limit = self.tokenizer.model_max_length if self.tokenizer.model_max_length < 1e6 else limit
         # sentence-transformers caps all-MiniLM-L6-v2 at 256 word pieces; honour a
@@ -68,12 +73,13 @@ class HFEmbeddingEngine:
             if traced is not None:
                 self._forward, self.graph = traced, "torchscript"
         log.info(
-            "loaded embeddings model %s on %s (max_length=%d, dim=%d, %s)",
+            "loaded embeddings model %s on %s (max_length=%d, dim=%d, %s, %d linear layers prepacked for oneDNN)",
             self.name,
             self.device,
             self.max_length,
             self.dim,
             self.graph,
+            self.prepacked,
         )
 
     def _trace(self) -> Any | None:

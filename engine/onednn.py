@@ -4,19 +4,29 @@ On the CPU torch runs an fp32 `nn.Linear` through MKL's sgemm, which repacks the
 every call and, on this project's AMD EPYC hosts, runs far from the core's peak. oneDNN's
 linear with a weight reordered once into its blocked layout (the path torch.compile's CPU
 backend and vLLM's CPU build take) does the same product faster, most of all where the
-weight is large and the rows few: a chat model's output head (vocabulary x hidden) at a
-decode step's 16-64 rows took 4.3 ms with MKL and 1.7 ms prepacked on the built-in model
-(one thread); an encoder's layers at a batch's 256-1,024 tokens 1.1-1.4x, 1.3-1.8x with two
-threads (docs/benchmarks.md).
+weight is large and the rows few: a chat model's output head (vocabulary x hidden, the
+built-in model's 8,192 x 256) at a decode step's 32 rows took 2.0-4.3 ms with MKL and
+1.2-1.7 ms prepacked (one thread); the embeddings encoder's forward 1.1-1.3x
+(docs/benchmarks.md, "Chunks priced by their tokens, and a prepacked output head").
 
-Only on the CPU, in float32, where torch has oneDNN; each layer swapped in is checked at
-load against `F.linear` on sample rows (a mismatch keeps the layer as it was). The result
-differs from MKL's in the last bits (another summation order), as two BLAS builds do.
+Only on the CPU, in float32, where torch has the two oneDNN ops; each layer swapped in is
+checked at load against `F.linear` on sample rows (a mismatch, or an op this torch lacks,
+keeps the layer as it was). The products differ from MKL's in the last bits (another
+summation order), as two BLAS builds do.
+
+What the packed copy does not follow: the weight changed in place after the swap (a
+LoRA merge, `load_state_dict`), a later `.to()` of another dtype or device, `deepcopy`
+(an opaque oneDNN tensor has no storage to copy). The engines swap layers once a model
+is loaded and its weights are final, and never move or copy it afterwards. The packed
+copy takes the weight's memory again (an embedding tied to the head stays as it is).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import warnings
+from typing import Any, List, Optional, Union  # noqa: UP035 (TorchScript reads these annotations)
 
 import torch
 from torch import nn
@@ -24,6 +34,22 @@ from torch import nn
 log = logging.getLogger("ferry.engine")
 
 ROWS_HINT = 32  # rows the packing is tuned for; any row count runs
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045
+    # Scripted (`_scripted`) so that a traced model (engine/embeddings.py) records the call:
+    # tracing alone cannot type the op's empty `Scalar?[]` argument (a TorchScript `number`).
+    scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", scalars, "")
+
+
+@functools.cache
+def _scripted() -> Any:
+    """`_linear` compiled, once, when a layer is first swapped (a torch without the op
+    fails here, inside `prepacked`'s check, not at import)."""
+    with warnings.catch_warnings():  # TorchScript is deprecated (so is the trace it serves)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(_linear)
 
 
 class PrepackedLinear(nn.Module):
@@ -35,10 +61,14 @@ class PrepackedLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT)
+        # A buffer, not a plain attribute: a traced graph reads it as the module's own (a plain
+        # tensor attribute would be baked in as a constant, which an opaque tensor cannot be).
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT)
+        self.register_buffer("packed", packed, persistent=False)
+        self.product = _scripted()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return self.product(x, self.packed, self.bias)
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -48,6 +78,7 @@ def available(weight: torch.Tensor) -> bool:
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
 
 
@@ -65,7 +96,7 @@ def prepacked(linear: nn.Module) -> nn.Module:
         if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
             return swapped
         log.warning("a prepacked linear layer differs from torch's; keeping torch's")
-    except RuntimeError as exc:  # an op this torch build lacks, or refuses for this shape
+    except Exception as exc:  # an op this torch build lacks or calls otherwise, or refuses for this shape
         log.warning("linear layers not prepacked: %s", exc)
     return linear
 

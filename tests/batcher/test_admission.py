@@ -201,6 +201,11 @@ def test_with_token_budgeted_steps_a_long_prompt_waits_a_decode_step_per_further
     )
     short = item(NOW + 1.0, tokens=80)
     assert admission.predicted_first_token(queue(), short, NOW, s, COST, chunked) == pytest.approx(NOW + cost(1))
+    # Packed into the decode steps' forwards, the further chunks pay no forward of their own.
+    packed = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, chunks_packed=True)
+    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, packed) == pytest.approx(
+        NOW + cost(1) + 2 * 0.02
+    )
 
 
 def test_a_prompt_without_a_free_slot_waits_for_the_first_slot_to_free():

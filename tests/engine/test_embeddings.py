@@ -118,3 +118,28 @@ def test_out_of_memory_in_the_graph_is_left_to_the_batcher_to_split():
     with pytest.raises(torch.OutOfMemoryError):
         engine.embed(engine.tokenize(TEXTS))
     assert engine.graph == "torchscript"
+
+
+def test_the_prepacked_graph_gives_the_vectors_of_the_model_as_loaded(traced):
+    """Its linear layers run through oneDNN, prepacked (engine/onednn.py), inside the traced
+    graph; each text's vector is that of the model as transformers loads it."""
+    import torch
+    from transformers import AutoModel
+
+    from engine.embeddings import default_model_path
+    from engine.onednn import PrepackedLinear, available
+
+    if not available(torch.zeros(1)):
+        pytest.skip("torch without oneDNN on this CPU")
+    assert traced.graph == "torchscript" and traced.prepacked > 0
+    assert sum(isinstance(m, PrepackedLinear) for m in traced.model.modules()) == traced.prepacked
+    assert not any(type(m) is torch.nn.Linear for m in traced.model.modules())
+    plain = AutoModel.from_pretrained(default_model_path()).eval()
+    assert not any(isinstance(m, PrepackedLinear) for m in plain.modules())
+    got = np.stack([r.vector for r in traced.embed(traced.tokenize(TEXTS))])
+    want = []
+    for ids in traced.tokenize(TEXTS):
+        with torch.inference_mode():
+            hidden = plain(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        want.append(torch.nn.functional.normalize(hidden.last_hidden_state.mean(1), dim=1)[0].numpy())
+    np.testing.assert_allclose(got, np.stack(want), atol=1e-5)
