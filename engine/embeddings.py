@@ -42,6 +42,7 @@ class HFEmbeddingEngine:
         torch_threads: int | None = None,
         max_length: int | None = None,
         torchscript: bool = True,
+        prepacked_linears: bool = True,
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -56,7 +57,7 @@ class HFEmbeddingEngine:
         # the CPU): 1.1-1.3x the encoder's forward here, traced as before.
         from .onednn import prepack_linears
 
-        self.prepacked = prepack_linears(self.model)
+        self.prepacked = prepack_linears(self.model) if prepacked_linears else 0
         limit = getattr(self.model.config, "max_position_embeddings", 512)
         tok_limit = self.tokenizer.model_max_length if self.tokenizer.model_max_length < 1e6 else limit
         # sentence-transformers caps all-MiniLM-L6-v2 at 256 word pieces; honour a

@@ -114,6 +114,7 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         prefix_block: int = DEFAULT_BLOCK,
         packed_steps: bool = True,
         kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
+        prepacked_linears: bool = True,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
@@ -129,7 +130,7 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         self.device = torch.device(resolve_device(device))
         self.max_running = max_running
         self.tokenizer, self.model = _load(model_name_or_path, self.device, dtype, trust_remote_code)
-        self.head_prepacked = prepack_output_head(self.model)  # engine/onednn.py: fp32 on the CPU
+        self.head_prepacked = prepacked_linears and prepack_output_head(self.model)  # engine/onednn.py
         # Prompts are tokenized on the event loop while the worker thread detokenizes; a
         # Rust tokenizer borrowed from two threads raises "Already borrowed" as soon as one
         # side changes its settings, so the detokenizer gets its own copy.

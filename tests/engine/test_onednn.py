@@ -79,3 +79,15 @@ def test_the_chat_engines_head_is_prepacked_and_greedy_tokens_are_the_models_own
     own = greedy()
     assert prepack_output_head(model)
     assert greedy() == own
+
+
+def test_no_prepacked_linears_keeps_torchs_own_layers(tiny_chat_dir):
+    """`--no-prepacked-linears`: neither engine swaps a layer."""
+    from engine.embeddings import HFEmbeddingEngine
+    from engine.generation import HFGenerationEngine
+
+    chat = HFGenerationEngine(str(tiny_chat_dir), max_running=2, prepacked_linears=False)
+    assert not chat.head_prepacked and type(chat.model.get_output_embeddings()) is nn.Linear
+    encoder = HFEmbeddingEngine(torch_threads=1, prepacked_linears=False)
+    assert encoder.prepacked == 0 and not any(isinstance(m, PrepackedLinear) for m in encoder.model.modules())
+    assert encoder.graph == "torchscript"

@@ -31,6 +31,7 @@ EXISTING_FLAGS = {
     "--dtype",
     "--torch-threads",
     "--torchscript",
+    "--prepacked-linears",
     "--max-batch-size",
     "--max-wait-ms",
     "--max-queue",
