@@ -21,16 +21,15 @@ def traced():
     return HFEmbeddingEngine(torch_threads=1)
 
 
-def eager_vectors(engine, texts: list[str]) -> np.ndarray:
-    """Each text alone through the eager model: no padding, no graph."""
+def eager_vectors(engine, texts: list[str], model=None) -> np.ndarray:
+    """Each text alone through the eager model (the engine's, or `model`): no padding, no graph."""
     import torch
 
+    model = engine.model if model is None else model
     out = []
     for ids in engine.tokenize(texts):
         with torch.inference_mode():
-            hidden = engine.model(
-                input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long)
-            )
+            hidden = model(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
         v = torch.nn.functional.normalize(hidden.last_hidden_state.mean(1), dim=1)
         out.append(v[0].numpy())
     return np.stack(out)
@@ -137,9 +136,4 @@ def test_the_prepacked_graph_gives_the_vectors_of_the_model_as_loaded(traced):
     plain = AutoModel.from_pretrained(default_model_path()).eval()
     assert not any(isinstance(m, PrepackedLinear) for m in plain.modules())
     got = np.stack([r.vector for r in traced.embed(traced.tokenize(TEXTS))])
-    want = []
-    for ids in traced.tokenize(TEXTS):
-        with torch.inference_mode():
-            hidden = plain(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        want.append(torch.nn.functional.normalize(hidden.last_hidden_state.mean(1), dim=1)[0].numpy())
-    np.testing.assert_allclose(got, np.stack(want), atol=1e-5)
+    np.testing.assert_allclose(got, eager_vectors(traced, TEXTS, plain), atol=1e-5)
