@@ -20,6 +20,12 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \
     PATH=/opt/ferry/bin:$PATH
 
+# g++ builds the chat engine's decode attention kernel (engine/decode_attention.cpp) on the
+# first start, cached under the user's ~/.cache/torch_extensions; without it, SDPA runs instead.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /src
 COPY . /src
 RUN TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh deploy/install.sh /opt/ferry \

@@ -25,6 +25,7 @@ import torch
 from .base import PrefillStep, SequenceRequest, StepOutput, TokenLogprob
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, PendingPrefills
+from .decode_attention import kernel_for
 from .detokenize import FINISH_LENGTH
 from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
@@ -115,6 +116,7 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         packed_steps: bool = True,
         kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
         prepacked_linears: bool = True,
+        native_attention: bool = True,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
@@ -154,6 +156,9 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         # does, and need the model's attention to be SDPA (engine/packed.py).
         self.packs_steps = packed_steps and uniform and install(self.model) and self._forward.packed_works(self.device)
         self._sharing = PrefixSharing()
+        # Decode steps' attention through engine/decode_attention.py's kernel (packed steps
+        # only); None keeps SDPA.
+        self._decode_kernel = kernel_for(self.model, native_attention and self.packs_steps)
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller)
         self._preemption = Preemption(self._pending, self._prefiller.prefix_cache)
@@ -287,7 +292,10 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         if not batch.seqs:
             return []
         mask = batch.decode_mask()  # may move the columns: all below reads them after
-        if packed and self.packs_steps and (sharing := self._sharing.plan(batch.seqs, batch.end, self.device))[0]:
+        # Packed where rows share a prefix, or where the decode attention kernel runs (only
+        # a packed forward's attention knows the rows apart); else one plain forward.
+        sharing = self._sharing.plan(batch.seqs, batch.end, self.device) if packed and self.packs_steps else ([], None)
+        if sharing[0] or (packed and self.packs_steps and self._decode_kernel is not None):
             try:
                 logits = self._packed_forward([], sharing)
             except Exception:  # nothing advanced: run it plain
@@ -315,7 +323,9 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         batch.decode_mask()  # may move the columns: the plan reads them after
         sharing = sharing or self._sharing.plan(batch.seqs, batch.end, self.device)
         last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
-        logits = self._forward.packed(*self._pending.pack(batch, last, chunks, sharing, self.device))
+        input_ids, positions, plan, keep = self._pending.pack(batch, last, chunks, sharing, self.device)
+        plan.kernel = self._decode_kernel
+        logits = self._forward.packed(input_ids, positions, plan, keep)
         batch.advance()
         return logits
 

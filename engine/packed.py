@@ -25,6 +25,8 @@ from typing import Any, Protocol, cast
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .decode_attention import DecodeAttention
+
 IMPLEMENTATION = "ferry"  # the attention implementation name models are switched to
 SHARE_BLOCK = 16  # prefixes are shared in whole blocks of this many prompt tokens
 MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a product of their own
@@ -76,6 +78,10 @@ class PackedPlan:
     # first column of its own part (after its group's prefix, or its first token).
     shared: list[SharedPrefix] = field(default_factory=list)
     own_start: torch.Tensor | None = None
+    # The decode rows through engine/decode_attention.py's kernel where the engine has it:
+    # it reads `row_mask` [rows, width] (the running batch's int64 mask over [lo, column]).
+    kernel: DecodeAttention | None = None
+    row_mask: torch.Tensor | None = None
 
     @property
     def layers(self) -> int:
@@ -142,6 +148,13 @@ def packed_attention(
     if plan.rows and plan.shared:
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         parts.append(shared_prefix_attention(query[0, :, : plan.rows].transpose(0, 1), plan, i, scaling)[None])
+    elif plan.rows and plan.kernel is not None and plan.row_mask is not None and query.dtype == torch.float32:
+        keys, values = plan.slots[i]
+        cols = slice(plan.lo, plan.column + 1)
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        q = query[0, :, : plan.rows].transpose(0, 1)  # [rows, heads, head_dim]
+        out = plan.kernel(q, keys[: plan.rows, :, cols], values[: plan.rows, :, cols], plan.row_mask, scaling)
+        parts.append(out.unsqueeze(0))  # [1, rows, heads, head_dim]
     elif plan.rows:
         keys, values = plan.slots[i]
         cols = slice(plan.lo, plan.column + 1)

@@ -32,6 +32,7 @@ EXISTING_FLAGS = {
     "--torch-threads",
     "--torchscript",
     "--prepacked-linears",
+    "--native-attention",
     "--max-batch-size",
     "--max-wait-ms",
     "--max-queue",

@@ -1,0 +1,115 @@
+"""Decode attention through a small C++ kernel (engine/decode_attention.cpp), built for this
+machine on first use.
+
+At a decode step every running row has one query and attends over its own cached tokens.
+Through SDPA the rows are one padded rectangle (the running batch's columns, engine/kv.py)
+and torch's CPU kernel runs one tiny product per row and head: at 64 rows of up to 124
+columns on the built-in model it took 5-6 ms of a 24 ms step over its 4 layers, far below
+the host's memory bandwidth. The kernel reads each row's own columns only (the ones its
+mask keeps, so padding costs nothing and a column that was never written is never read),
+one (row, KV head) per task over torch's intra-op threads, the keys once for every query
+head they serve (grouped-query attention): 2.3 ms there (docs/benchmarks.md).
+
+Built with torch's JIT extension builder (a C++ compiler and ninja), once per machine and
+source: the library is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions),
+so later loads take a fraction of a second. Each build is checked against SDPA before it is
+used. Where it cannot be built or the check fails, the engine logs why and keeps SDPA: the
+kernel is a speed-up, never a requirement. Float32 on the CPU only; softmax in float32 with
+another summation order than SDPA's, so outputs differ from it in the last bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("ferry.engine")
+
+SOURCE = Path(__file__).with_name("decode_attention.cpp")
+
+# query [rows, heads, dim], keys and values [rows, kv_heads, width, dim] (the last dim
+# contiguous), mask [rows, width] int64 (nonzero = attend), scale -> [rows, heads, dim]
+DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def _build_flags() -> tuple[str, list[str]]:
+    """The library's name and compiler flags for this CPU: vector instructions only where
+    torch's own dispatch found them, so a cached build never meets a CPU without them."""
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
+    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's intra-op threads
+    if capability in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return f"ferry_decode_attention_{capability.lower()}", flags
+
+
+def _ninja_on_path() -> None:
+    """torch's builder runs `ninja` from PATH; the ninja package (a dependency) puts it beside
+    the interpreter, in the venv's bin, which a server started as .venv/bin/ferry does not
+    have on its PATH."""
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+
+
+@functools.cache
+def decode_attention_kernel() -> DecodeAttention | None:
+    """The kernel, built or loaded on first call and checked against SDPA; None (logged
+    once) where it cannot be."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        _ninja_on_path()
+        name, flags = _build_flags()
+        load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+        kernel: DecodeAttention = torch.ops.ferry.decode_attention
+        if not matches_sdpa(kernel):
+            log.warning("decode attention kernel disagrees with SDPA on this host; using SDPA")
+            return None
+    except Exception as exc:  # no compiler, no ninja, no headers, a cache it cannot write
+        log.warning("decode attention kernel unavailable (%s: %s); using SDPA", type(exc).__name__, exc)
+        return None
+    log.info("decode attention kernel %s loaded", name)
+    return kernel
+
+
+def kernel_for(model: torch.nn.Module, wanted: bool) -> DecodeAttention | None:
+    """The kernel for `model`'s decode steps where it is wanted and applies (float32 on the
+    CPU), built on first use; None keeps SDPA."""
+    weight = next(model.parameters(), None)
+    if not wanted or weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    return decode_attention_kernel()
+
+
+def reference(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """What the kernel computes, through SDPA: [rows, heads, dim]."""
+    rows, heads, _ = query.shape
+    group = heads // keys.shape[1]
+    k, v = keys[:rows].repeat_interleave(group, 1), values[:rows].repeat_interleave(group, 1)
+    allowed = (mask[:rows] != 0)[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(query.unsqueeze(2), k, v, attn_mask=allowed, scale=scale)
+    return out.squeeze(2)
+
+
+def matches_sdpa(kernel: DecodeAttention) -> bool:
+    """The kernel against SDPA on rows of different lengths with holes in their masks, in
+    strided views of wider buffers, with grouped-query heads."""
+    gen = torch.Generator().manual_seed(0)
+    rows, heads, kv_heads, width, dim = 5, 4, 2, 19, 16
+    keys = torch.randn(rows + 2, kv_heads, width + 7, dim, generator=gen)[:, :, 3 : 3 + width]
+    values = torch.randn(rows + 2, kv_heads, width + 7, dim, generator=gen)[:, :, 3 : 3 + width]
+    query = torch.randn(rows, heads, dim, generator=gen)
+    mask = (torch.rand(rows + 2, width, generator=gen) > 0.3).long()
+    mask[:, -1] = 1  # every row attends at least to its newest token, as in a decode step
+    scale = dim**-0.5
+    with torch.inference_mode():
+        got, want = kernel(query, keys, values, mask, scale), reference(query, keys, values, mask, scale)
+    return bool(torch.allclose(got, want, atol=1e-5, rtol=1e-4))

@@ -1,0 +1,132 @@
+"""The decode attention kernel (engine/decode_attention.py): SDPA's output over each row's
+own columns, never reading a masked cell, with grouped-query heads and strided views; the
+engine's greedy tokens through it are those of plain SDPA decode steps (the built-in model
+and a GQA Llama); where it cannot be built, SDPA stays."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import engine.decode_attention as decode_attention
+from engine.decode_attention import DecodeAttention, decode_attention_kernel, kernel_for, matches_sdpa, reference
+from tests.engine.test_prefill import Run, greedy, system_prompt
+
+
+@pytest.fixture(scope="module")
+def kernel() -> DecodeAttention:
+    built = decode_attention_kernel()
+    assert built is not None, "the kernel builds on the test machine (a C++ compiler and ninja are there)"
+    return built
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (8, 2), (6, 1)])
+def test_kernel_equals_sdpa_over_the_columns_each_row_keeps(kernel, heads, kv_heads):
+    gen = torch.Generator().manual_seed(heads + kv_heads)
+    rows, width, dim = 9, 37, 32
+    # Views into wider buffers, as the running batch's slots are: more rows, more columns.
+    keys = torch.randn(rows + 3, kv_heads, width + 11, dim, generator=gen)[:, :, 5 : 5 + width]
+    values = torch.randn(rows + 3, kv_heads, width + 11, dim, generator=gen)[:, :, 5 : 5 + width]
+    query = torch.randn(rows, heads, dim, generator=gen)
+    lengths = torch.randint(1, width + 1, (rows + 3,), generator=gen)
+    mask = (torch.arange(width)[None, :] >= width - lengths[:, None]).long()  # right-aligned rows
+    mask[0, width // 2] = 0  # and holes inside a row
+    mask[1, ::3] = 0
+    mask[:, -1] = 1
+    scale = 0.3
+    want = reference(query, keys, values, mask, scale)
+    # A masked cell may hold anything (a row that left, memory never written): never read.
+    masked = (mask == 0)[:, None, :, None].expand_as(keys)
+    keys, values = keys.masked_fill(masked, float("nan")), values.masked_fill(masked, float("inf"))
+    got = kernel(query, keys, values, mask, scale)
+    assert got.shape == (rows, heads, dim)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_row_with_no_column_to_attend_gets_zeros(kernel):
+    keys = values = torch.ones(2, 1, 4, 8)
+    mask = torch.tensor([[0, 0, 0, 0], [1, 1, 0, 1]])
+    out = kernel(torch.ones(2, 1, 8), keys, values, mask, 1.0)
+    assert out[0].abs().sum() == 0 and torch.allclose(out[1], torch.ones(1, 8))
+
+
+def test_kernel_refuses_what_it_cannot_read(kernel):
+    keys = torch.zeros(1, 1, 4, 8)
+    mask = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(torch.zeros(1, 1, 8, dtype=torch.float64), keys.double(), keys.double(), mask, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel(torch.zeros(1, 1, 8), keys.transpose(2, 3).contiguous().transpose(2, 3), keys, mask, 1.0)
+    with pytest.raises(RuntimeError, match="multiple"):
+        kernel(torch.zeros(1, 3, 8), torch.zeros(1, 2, 4, 8), torch.zeros(1, 2, 4, 8), mask, 1.0)
+
+
+def test_a_kernel_that_disagrees_with_sdpa_is_refused():
+    def off_by_a_little(query, keys, values, mask, scale):
+        return reference(query, keys, values, mask, scale) + 1e-3
+
+    assert matches_sdpa(reference)
+    assert not matches_sdpa(off_by_a_little)
+
+
+def test_decode_through_the_kernel_gives_the_tokens_of_sdpa_decode(pair, kernel):
+    on, off = pair  # `off` runs plain SDPA decode steps
+    assert on._decode_kernel is kernel and off._decode_kernel is None
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0].shape[0])
+        return kernel(*args)
+
+    # Prompts of different lengths that share no prefix (shared ones take engine/packed.py's
+    # shared-prefix attention instead).
+    prompts = [system_prompt(on, f"kernelrows{i}", words=12 * i + 3) for i in range(3)] + [on.encode_prompt("short")]
+
+    def script(r: Run) -> None:
+        r.add(*(greedy(i + 1, p, max_tokens=9 + 3 * i) for i, p in enumerate(prompts[:2])))
+        r.step(3)
+        r.add(*(greedy(i + 1, p, max_tokens=8) for i, p in enumerate(prompts[2:], start=2)))
+        r.drain()
+
+    on._decode_kernel = counting
+    try:
+        through_kernel = Run(on)
+        script(through_kernel)
+    finally:
+        on._decode_kernel = kernel
+    plain = Run(off)
+    script(plain)
+    assert through_kernel.tokens == plain.tokens
+    assert calls and max(calls) == 4  # rows of different lengths decoded together through it
+
+
+def test_where_it_cannot_be_built_the_engine_keeps_sdpa(monkeypatch, caplog):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    decode_attention_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="ferry.engine"):
+            assert decode_attention.decode_attention_kernel() is None
+        assert "no C++ compiler" in caplog.text and "using SDPA" in caplog.text
+    finally:
+        decode_attention_kernel.cache_clear()  # the next caller loads the built library again
+
+
+def test_native_attention_off_keeps_sdpa(tiny_chat_dir):
+    from engine.generation import HFGenerationEngine
+
+    engine = HFGenerationEngine(str(tiny_chat_dir), max_running=4, native_attention=False)
+    assert engine._decode_kernel is None
+
+
+def test_the_kernel_runs_only_where_wanted_and_it_applies(kernel):
+    layer = torch.nn.Linear(2, 2)
+    assert kernel_for(layer, True) is kernel
+    assert kernel_for(layer, False) is None
+    assert kernel_for(layer.double(), True) is None  # float32 only
