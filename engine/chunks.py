@@ -217,7 +217,7 @@ class PendingPrefills(Generic[Row]):
             positions += range(c.start, c.end)
         ends = [g.offset + g.tokens - 1 for g, c in zip(segments, chunks, strict=True) if c.completes]
         plan = PackedPlan(len(last), slots, batch.start, batch.end, mask.bool()[:, None, None, :], segments, *sharing)
-        plan.row_mask = mask
+        plan.row_mask = mask.long()  # the kernel reads int64 (no copy when it is already)
         keep = list(range(len(last))) + ends
         return _tensor([ids], device), _tensor([positions], device), plan, _tensor(keep, device)
 

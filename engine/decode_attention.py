@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,10 +58,18 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
+_BUILDING = threading.Lock()  # engines loading side by side build it once
+
+
 @functools.cache
 def decode_attention_kernel() -> DecodeAttention | None:
     """The kernel, built or loaded on first call and checked against SDPA; None (logged
     once) where it cannot be."""
+    with _BUILDING:
+        return _build()
+
+
+def _build() -> DecodeAttention | None:
     try:
         from torch.utils.cpp_extension import load
 
