@@ -23,9 +23,11 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -43,11 +45,31 @@ DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tens
 def _build_flags() -> tuple[str, list[str]]:
     """The library's name and compiler flags for this CPU: vector instructions only where
     torch's own dispatch found them, so a cached build never meets a CPU without them."""
-    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", ...
+    capability = torch.backends.cpu.get_cpu_capability()  # "AVX2", "AVX512", "DEFAULT", "NO AVX", ...
     flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for runs on torch's intra-op threads
     if capability in ("AVX2", "AVX512"):
         flags += ["-mavx2", "-mfma"]
-    return f"ferry_decode_attention_{capability.lower()}", flags
+    return "ferry_decode_attention_" + re.sub(r"\W+", "_", capability.lower()), flags
+
+
+STALE_LOCK_S = 600.0  # a build takes ~15 s: a lock this old outlived the process that took it
+
+
+def _clear_stale_lock(name: str) -> None:
+    """torch's builder takes a lock file in the build folder and waits for it with no
+    timeout, even to load a library built before; a process killed mid-build (a server
+    stopped during its first start) leaves it behind, and every later start would wait
+    forever. One older than any build is removed."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        log.warning("removing a stale build lock %s (%.0f s old)", lock, age)
+        lock.unlink(missing_ok=True)
 
 
 def _ninja_on_path() -> None:
@@ -75,6 +97,7 @@ def _build() -> DecodeAttention | None:
 
         _ninja_on_path()
         name, flags = _build_flags()
+        _clear_stale_lock(name)
         load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
         kernel: DecodeAttention = torch.ops.ferry.decode_attention
         if not matches_sdpa(kernel):

@@ -6,6 +6,9 @@ and a GQA Llama); where it cannot be built, SDPA stays."""
 from __future__ import annotations
 
 import logging
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -130,3 +133,33 @@ def test_the_kernel_runs_only_where_wanted_and_it_applies(kernel):
     assert kernel_for(layer, True) is kernel
     assert kernel_for(layer, False) is None
     assert kernel_for(layer.double(), True) is None  # float32 only
+
+
+def test_a_build_lock_left_by_a_killed_build_is_cleared(monkeypatch, tmp_path, caplog):
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from engine.decode_attention import STALE_LOCK_S, _clear_stale_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = Path(_get_build_directory("ferry_probe", verbose=False)) / "lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    lock.touch()
+    _clear_stale_lock("ferry_probe")
+    assert lock.exists()  # a build may be running: its lock is kept
+    old = time.time() - STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="ferry.engine"):
+        _clear_stale_lock("ferry_probe")
+    assert not lock.exists() and "stale build lock" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("capability", "name", "vectors"),
+    [("AVX2", "ferry_decode_attention_avx2", True), ("NO AVX", "ferry_decode_attention_no_avx", False)],
+)
+def test_one_library_per_cpu_capability(monkeypatch, capability, name, vectors):
+    from engine.decode_attention import _build_flags
+
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    built, flags = _build_flags()
+    assert built == name and ("-mavx2" in flags) is vectors
