@@ -110,6 +110,20 @@ def _build() -> DecodeAttention | None:
     return kernel
 
 
+class KernelError(RuntimeError):
+    """The kernel raised inside a forward (engine/packed.py)."""
+
+
+def kernel_after(exc: BaseException, kernel: DecodeAttention | None, model: str) -> DecodeAttention | None:
+    """The kernel an engine keeps after a failed forward: none once the kernel itself
+    raised (SDPA from then on, said once), rather than a failed packed step and a plain one
+    at every step after."""
+    if kernel is not None and isinstance(exc, KernelError):
+        log.error("decode attention kernel failed for %s; SDPA from now on", model)
+        return None
+    return kernel
+
+
 def kernel_for(model: torch.nn.Module, wanted: bool) -> DecodeAttention | None:
     """The kernel for `model`'s decode steps where it is wanted and applies (float32 on the
     CPU), built on first use; None keeps SDPA."""

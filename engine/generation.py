@@ -25,7 +25,7 @@ import torch
 from .base import PrefillStep, SequenceRequest, StepOutput, TokenLogprob
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, PendingPrefills
-from .decode_attention import kernel_for
+from .decode_attention import kernel_after, kernel_for
 from .detokenize import FINISH_LENGTH
 from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
@@ -255,8 +255,9 @@ class HFGenerationEngine(ChatTokens, KVMemory):
                 return decoded, result
             try:
                 logits = self._packed_forward(chunks)
-            except Exception:  # nothing advanced: run the two apart
+            except Exception as exc:  # nothing advanced: run the two apart
                 log.exception("packed step of %s failed; running its decode rows and chunks apart", self.name)
+                self._decode_kernel = kernel_after(exc, self._decode_kernel, self.name)
                 decoded = self._decode_step(packed=False)
                 self._run_chunks(chunks, result)
                 return decoded, result
@@ -298,8 +299,9 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         if sharing[0] or (packed and self.packs_steps and self._decode_kernel is not None):
             try:
                 logits = self._packed_forward([], sharing)
-            except Exception:  # nothing advanced: run it plain
+            except Exception as exc:  # nothing advanced: run it plain
                 log.exception("packed decode step of %s failed; running it plain", self.name)
+                self._decode_kernel = kernel_after(exc, self._decode_kernel, self.name)
             else:
                 return self._packed_outputs([], logits, PrefillStep())
         input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, cast
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .decode_attention import DecodeAttention
+from .decode_attention import DecodeAttention, KernelError
 
 IMPLEMENTATION = "ferry"  # the attention implementation name models are switched to
 SHARE_BLOCK = 16  # prefixes are shared in whole blocks of this many prompt tokens
@@ -153,7 +153,10 @@ def packed_attention(
         cols = slice(plan.lo, plan.column + 1)
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         q = query[0, :, : plan.rows].transpose(0, 1)  # [rows, heads, head_dim]
-        out = plan.kernel(q, keys[: plan.rows, :, cols], values[: plan.rows, :, cols], plan.row_mask, scaling)
+        try:
+            out = plan.kernel(q, keys[: plan.rows, :, cols], values[: plan.rows, :, cols], plan.row_mask, scaling)
+        except RuntimeError as exc:
+            raise KernelError(str(exc)) from exc
         parts.append(out.unsqueeze(0))  # [1, rows, heads, head_dim]
     elif plan.rows:
         keys, values = plan.slots[i]

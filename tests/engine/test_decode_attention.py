@@ -163,3 +163,26 @@ def test_one_library_per_cpu_capability(monkeypatch, capability, name, vectors):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     built, flags = _build_flags()
     assert built == name and ("-mavx2" in flags) is vectors
+
+
+def test_a_kernel_that_raises_mid_traffic_is_dropped_for_sdpa(pair, kernel, caplog):
+    on, off = pair
+
+    def broken(*args):
+        raise RuntimeError("decode_attention: shapes disagree")
+
+    prompts = [system_prompt(on, f"kernelfails{i}", words=9 * i + 3) for i in range(3)]
+    on._decode_kernel = broken
+    try:
+        with caplog.at_level(logging.ERROR, logger="ferry.engine"):
+            failing = Run(on)
+            failing.add(*(greedy(i + 1, p, max_tokens=6) for i, p in enumerate(prompts)))
+            failing.drain()
+        assert on._decode_kernel is None  # dropped after the first failure, not retried every step
+        assert caplog.text.count("SDPA from now on") == 1
+    finally:
+        on._decode_kernel = kernel
+    plain = Run(off)
+    plain.add(*(greedy(i + 1, p, max_tokens=6) for i, p in enumerate(prompts)))
+    plain.drain()
+    assert failing.tokens == plain.tokens  # every sequence finished, the failed step run again plainly
