@@ -27,6 +27,7 @@ from ..waiting import wait_until
 
 try:
     from selenium import webdriver
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -129,9 +130,14 @@ def _check_page(d, server) -> None:
 
     # The chat model's prefix cache hit rate (the load repeats one prompt); none for embeddings.
     def prefix_cache(section) -> list[str]:
-        panels = section.find_elements(By.CSS_SELECTOR, ".panel")
-        found = [p for p in panels if p.find_element(By.TAG_NAME, "h3").text.startswith("Prefix cache")]
-        return [td.text for p in found for td in p.find_elements(By.CSS_SELECTOR, "td.num")][:1]
+        # The page redraws its panels every second: one redrawn between finding a cell and
+        # reading it is read again on the next try.
+        try:
+            panels = section.find_elements(By.CSS_SELECTOR, ".panel")
+            found = [p for p in panels if p.find_element(By.TAG_NAME, "h3").text.startswith("Prefix cache")]
+            return [td.text for p in found for td in p.find_elements(By.CSS_SELECTOR, "td.num")][:1]
+        except StaleElementReferenceException:
+            return []
 
     wait_until(lambda: prefix_cache(chat) and prefix_cache(chat)[0].endswith("%"), message="the hit rate shown")
     assert prefix_cache(embed) == []
