@@ -60,9 +60,11 @@ class MicroBatcher(QueueingBatcher):
         phase: str = "embed",
         execute_lane: Execute | None = None,
         execute_beside: Execute | None = None,
+        pads: bool = True,
         **kw: Any,
     ) -> None:
         super().__init__(model, settings, **kw)
+        self.pads = pads  # False: the engine packs a batch's rows, computing no padding
         self.execute = execute
         self.execute_lane = execute_lane
         self.execute_beside = execute_beside or execute_lane
@@ -95,10 +97,8 @@ class MicroBatcher(QueueingBatcher):
 
     @property
     def cost_models(self) -> dict[str, CostModel]:
-        models = {self.phase: self.cost}
-        if self.execute_lane is not None:
-            models["lane"] = self.lane_cost
-        return models
+        lane = {"lane": self.lane_cost} if self.execute_lane is not None else {}
+        return {self.phase: self.cost, **lane}
 
     def load(self, now: float) -> Load:
         """With the lane open, no reserve: interactive work does not wait for the batch in
@@ -304,7 +304,7 @@ class MicroBatcher(QueueingBatcher):
         tokens = TokenCount.of([i.cost for i in items])
         m.batch_size.labels(model, phase).observe(len(items))
         m.batch_tokens.labels(model, phase).observe(tokens.real)
-        m.padding.labels(model, phase).observe(tokens.padding_ratio)
+        m.padding.labels(model, phase).observe(tokens.padding_ratio if self.pads else 0.0)
         start = self.clock.now()
         running = m.running.labels(model)
         running.inc(len(items))

@@ -8,6 +8,11 @@ the eager model on several shapes, with and without padding; otherwise it stays 
 Eager PyTorch takes the GIL back for every operator, and the gateway's event loop holds
 it while it parses and answers HTTP: with a busy loop a batch of one took ~75 ms instead
 of ~15 ms here. A traced forward runs in C++ and holds the GIL once.
+
+Where the model allows it (checked at load), a batch runs packed instead: its rows token
+after token in one row with no padding and attention per row (engine/packed_encoder.py),
+traced too; 1.14x the padded graph on a long-tailed mix of lengths already batched by
+length, the same on inputs of one length (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ class HFEmbeddingEngine:
         max_length: int | None = None,
         torchscript: bool = True,
         prepacked_linears: bool = True,
+        packed: bool = True,
     ):
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -73,13 +79,22 @@ class HFEmbeddingEngine:
             traced = self._trace()
             if traced is not None:
                 self._forward, self.graph = traced, "torchscript"
+        self._packed: Any | None = None
+        if packed:
+            from .packed_encoder import build
+
+            self._packed = build(
+                self.model, self._eager, name=self.name, pad_id=self.pad_id, device=self.device, trace=torchscript
+            )
+        self.packed = self._packed is not None
         log.info(
-            "loaded embeddings model %s on %s (max_length=%d, dim=%d, %s, %d linear layers prepacked for oneDNN)",
+            "loaded embeddings model %s on %s (max_length=%d, dim=%d, %s, %s, %d linear layers prepacked for oneDNN)",
             self.name,
             self.device,
             self.max_length,
             self.dim,
             self.graph,
+            "packed rows" if self.packed else "padded rows",
             self.prepacked,
         )
 
@@ -129,6 +144,26 @@ class HFEmbeddingEngine:
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingResult | Exception]:
         torch = self._torch
+        if self._packed is not None:
+            from .packed_encoder import mean_pool, pack
+
+            with torch.inference_mode():
+                ids, positions, bounds, lengths = pack(batch, self.device)
+                try:
+                    pooled = mean_pool(self._packed(ids, positions, bounds).float(), lengths)
+                except Exception as exc:
+                    if is_oom(exc):
+                        raise  # split and retried by the batcher
+                    log.error(
+                        "embeddings model %s: packed forward failed (%s: %s); padding batches from now on",
+                        self.name,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    self._packed, self.packed = None, False
+                    return self.embed(batch)
+                vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
+            return [EmbeddingResult(vectors[i], len(ids)) for i, ids in enumerate(batch)]
         longest = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)

@@ -118,6 +118,7 @@ def model_spec(
                 torch_threads=cfg.torch_threads or 1,
                 torchscript=cfg.torchscript,
                 prepacked_linears=cfg.prepacked_linears,
+                packed=cfg.packed_embeddings,
                 name=name,
             )
 

@@ -1,5 +1,6 @@
 """The embeddings engine: the traced graph must be the model, and anything that does not
-trace faithfully must run eager."""
+trace faithfully must run eager. These run batches padded (`packed=False`); packed rows are
+tests/engine/test_packed_encoder.py's."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ TEXTS = [
 def traced():
     from engine.embeddings import HFEmbeddingEngine
 
-    return HFEmbeddingEngine(torch_threads=1)
+    return HFEmbeddingEngine(torch_threads=1, packed=False)
 
 
 def eager_vectors(engine, texts: list[str], model=None) -> np.ndarray:
@@ -51,7 +52,7 @@ def test_a_model_that_refuses_tracing_runs_eager(monkeypatch):
         raise RuntimeError("this model cannot be traced")
 
     monkeypatch.setattr(torch.jit, "trace", refuse)
-    engine = HFEmbeddingEngine(torch_threads=1)
+    engine = HFEmbeddingEngine(torch_threads=1, packed=False)
     assert engine.graph == "eager"
     got = np.stack([r.vector for r in engine.embed(engine.tokenize(TEXTS))])
     np.testing.assert_allclose(got, eager_vectors(engine, TEXTS), atol=1e-5)
@@ -78,20 +79,20 @@ def test_a_graph_that_differs_from_the_model_is_not_used(monkeypatch):
             return hidden * 2.0
 
     monkeypatch.setattr(emb, "_last_hidden", DataDependent)
-    engine = emb.HFEmbeddingEngine(torch_threads=1)
+    engine = emb.HFEmbeddingEngine(torch_threads=1, packed=False)
     assert engine.graph == "eager"
 
 
 def test_torchscript_can_be_turned_off():
     from engine.embeddings import HFEmbeddingEngine
 
-    assert HFEmbeddingEngine(torch_threads=1, torchscript=False).graph == "eager"
+    assert HFEmbeddingEngine(torch_threads=1, torchscript=False, packed=False).graph == "eager"
 
 
 def test_a_graph_that_fails_at_run_time_falls_back_to_eager_for_good():
     from engine.embeddings import HFEmbeddingEngine
 
-    engine = HFEmbeddingEngine(torch_threads=1)
+    engine = HFEmbeddingEngine(torch_threads=1, packed=False)
     assert engine.graph == "torchscript"
 
     def broken(ids, mask):
@@ -108,7 +109,7 @@ def test_out_of_memory_in_the_graph_is_left_to_the_batcher_to_split():
 
     from engine.embeddings import HFEmbeddingEngine
 
-    engine = HFEmbeddingEngine(torch_threads=1)
+    engine = HFEmbeddingEngine(torch_threads=1, packed=False)
 
     def oom(ids, mask):
         raise torch.OutOfMemoryError("CUDA out of memory")

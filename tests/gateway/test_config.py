@@ -31,6 +31,7 @@ EXISTING_FLAGS = {
     "--dtype",
     "--torch-threads",
     "--torchscript",
+    "--packed-embeddings",
     "--prepacked-linears",
     "--native-attention",
     "--max-batch-size",

@@ -43,6 +43,31 @@ FIXED, PER_ITEM = 0.010, 0.002  # the simulated engine: a batch of n items takes
 STEP = 0.010  # the simulated generation engine: every iteration (prefill or decode step)
 
 
+@pytest.mark.parametrize(("pads", "want"), [(True, 1 - 12 / 24), (False, 0.0)])
+def test_the_padding_metric_counts_what_the_engine_computes(pads, want):
+    """Rows of 2, 8 and 2 tokens padded to 8: half of 24 real. An engine that packs its rows
+    (`pads=False`, engine/packed_encoder.py) computes no padding, and the metric says so;
+    the tokens per batch are the real ones either way."""
+    settings = BatchingSettings(max_batch_size=3, max_wait_ms=10, policy="fixed", default_budget_ms=None)
+
+    async def scenario():
+        clock = FakeClock()
+        registry = CollectorRegistry()
+        engine = SimulatedExecutor(clock, fixed=FIXED, per_item=PER_ITEM)
+        b = MicroBatcher("m", engine, settings, clock=clock, metrics=Metrics(registry), pads=pads)
+        await b.start()
+        items = b.submit_many(["a", "b", "c"], costs=[2, 8, 2])
+        await clock.run_until_idle()
+        await b.stop()
+        assert all(i.finished for i in items)
+        return registry
+
+    v = Reader(asyncio.run(scenario()))
+    assert v.hist("ferry_batch_size_tokens", model="m", phase="embed") == (1, 12)
+    count, total = v.hist("ferry_batch_padding_ratio", model="m", phase="embed")
+    assert count == 1 and total == pytest.approx(want if pads else 0.0)
+
+
 def test_micro_batcher_metrics_after_a_known_sequence():
     settings = BatchingSettings(
         max_batch_size=4, max_wait_ms=10, max_queue=6, policy="fixed", default_budget_ms=None, on_infeasible="serve"

@@ -1,0 +1,198 @@
+"""An encoder forward with no padding: a batch's rows packed token after token into one row.
+
+Batches of like lengths leave some padding (12% of the tokens of a long-tailed mix at the
+default 2,048-token budget, docs/benchmarks.md); a padded batch computes every layer's
+products on it. Here a batch of rows of 7, 30 and 12 tokens is one row of 49 tokens, each
+token with its own row's position id, and attention runs per row (block-diagonal) through
+PyTorch's SDPA on that row's slice. The products see real tokens only; each row's attention
+is exactly its padded one without the masked columns.
+
+Any Hugging Face encoder whose attention goes through transformers' attention interface
+(SDPA), and whose forward takes `position_ids`, can run this way; whether it does is
+checked at load against the padded forward on several shapes (models whose position ids
+are not 0..n-1 for each row, e.g. RoBERTa's offset positions, fail the check and keep
+padding). The row loop is a TorchScript function, so a traced packed forward keeps it (one
+trace serves any number of rows) and runs in C++ like the padded graph
+(engine/embeddings.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger("ferry.engine")
+
+IMPLEMENTATION = "ferry_packed"
+_registered = False
+
+
+def _rows_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bounds: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """query/key/value [1, heads, tokens, dim] of packed rows; bounds [rows + 1] their token
+    offsets. Each row attends to itself only. Returns [1, tokens, heads, dim] (the layout
+    transformers' attention functions return)."""
+    cuts: list[int] = bounds.tolist()
+    parts: list[torch.Tensor] = []
+    for i in range(len(cuts) - 1):
+        lo = cuts[i]
+        hi = cuts[i + 1]
+        parts.append(
+            torch.nn.functional.scaled_dot_product_attention(
+                query[:, :, lo:hi], key[:, :, lo:hi], value[:, :, lo:hi], scale=scale
+            )
+        )
+    return torch.cat(parts, dim=2).transpose(1, 2).contiguous()
+
+
+with warnings.catch_warnings():  # TorchScript is deprecated (so is the trace it serves)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    # Scripted so that a traced forward records the call with its loop, not one unrolled pass.
+    rows_attention = torch.jit.script(_rows_attention)
+
+
+def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, **kwargs: Any):
+    """transformers' attention interface: packed rows when the forward passes their bounds,
+    else plain SDPA (the padded forward of the same model)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    bounds = kwargs.pop("ferry_bounds", None)
+    if bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if key.shape[1] != query.shape[1]:
+        raise ValueError("packed rows need as many key heads as query heads")
+    scale = kwargs.get("scaling")
+    scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    return rows_attention(query, key, value, bounds, scale), None
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionInterface.register(IMPLEMENTATION, _attention)
+        # Padded batches (no bounds) must get SDPA's mask, not none: transformers builds the
+        # mask by the implementation's name.
+        AttentionMaskInterface.register(IMPLEMENTATION, sdpa_mask)
+        _registered = True
+
+
+class PackedEncoder(torch.nn.Module):
+    """(input_ids [1, tokens], position_ids [1, tokens], bounds [rows + 1]) -> the last
+    hidden state of every token [tokens, hidden]."""
+
+    def __init__(self, model: Any, token_types: bool) -> None:
+        super().__init__()
+        self.inner = model
+        self.token_types = token_types
+        # A 4D mask passes through transformers' mask building untouched; attention ignores it.
+        self.register_buffer("mask", torch.ones((1, 1, 1, 1), dtype=torch.bool), persistent=False)
+
+    def forward(self, input_ids: Any, position_ids: Any, bounds: Any) -> Any:
+        extra = {"token_type_ids": torch.zeros_like(input_ids)} if self.token_types else {}
+        out = self.inner(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=self.mask, ferry_bounds=bounds, **extra
+        )
+        return out.last_hidden_state[0]
+
+
+def pack(batch: Sequence[Sequence[int]], device: Any) -> tuple[Any, Any, Any, Any]:
+    """A batch of token id rows as the packed forward's inputs, and each row's length."""
+    lengths = torch.tensor([len(ids) for ids in batch], dtype=torch.long)
+    ids = torch.tensor([list(itertools.chain.from_iterable(batch))], dtype=torch.long)
+    positions = torch.cat([torch.arange(len(row), dtype=torch.long) for row in batch]).unsqueeze(0)
+    bounds = torch.zeros(len(batch) + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=bounds[1:])
+    return ids.to(device), positions.to(device), bounds, lengths.to(device)
+
+
+def mean_pool(hidden: Any, lengths: Any) -> Any:
+    """Each row's mean over its own tokens: [tokens, hidden] -> [rows, hidden]."""
+    rows = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device), lengths)
+    sums = torch.zeros((len(lengths), hidden.shape[-1]), dtype=hidden.dtype, device=hidden.device)
+    return sums.index_add_(0, rows, hidden) / lengths.unsqueeze(1).to(hidden.dtype)
+
+
+def build(
+    model: Any,
+    padded: Callable[[Any, Any], Any],
+    *,
+    name: str,
+    pad_id: int,
+    device: Any,
+    trace: bool,
+) -> Any | None:
+    """The model's packed forward (traced when `trace`), or None where the model cannot run
+    packed or its packed forward does not give the padded forward's hidden states."""
+    params = inspect.signature(model.forward).parameters
+    impl = getattr(model.config, "_attn_implementation", None)
+    if "position_ids" not in params or impl != "sdpa":
+        log.info(
+            "embeddings model %s keeps padded batches (attention %s, takes position ids: %s)",
+            name,
+            impl,
+            "position_ids" in params,
+        )
+        return None
+    _register()
+    vocab = int(getattr(model.config, "vocab_size", 1000))
+    gen = torch.Generator().manual_seed(1)
+
+    def rows(lengths: Sequence[int]) -> list[list[int]]:
+        return [torch.randint(min(1000, vocab - 1), vocab, (n,), generator=gen).tolist() for n in lengths]
+
+    def padded_batch(batch: list[list[int]]) -> tuple[Any, Any]:
+        ids = torch.full((len(batch), max(map(len, batch))), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, row in enumerate(batch):
+            ids[r, : len(row)] = torch.tensor(row)
+            mask[r, : len(row)] = 1
+        return ids.to(device), mask.to(device)
+
+    tol = 1e-4 if model.dtype == torch.float32 else 2e-2
+    try:
+        with torch.inference_mode(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            # The padded forward's answers, taken before the implementation changes: both the
+            # packed forward and the padded one after the change must give them.
+            cases = []
+            for lengths in ((7,), (3, 12, 30), (40, 2, 17, 9, 1), (12, 12)):
+                batch = rows(lengths)
+                ids, mask = padded_batch(batch)
+                cases.append((lengths, batch, ids, mask, padded(ids, mask).float()))
+            model.set_attn_implementation(IMPLEMENTATION)
+            forward: Any = PackedEncoder(model, "token_type_ids" in params).eval()
+            if trace:
+                forward = torch.jit.trace(forward, pack(rows((5, 9)), device)[:3], check_trace=False, strict=False)
+            for lengths, batch, ids, mask, want in cases:
+                got = forward(*pack(batch, device)[:3]).float()
+                keep = mask.bool()
+                same_padded = torch.allclose(padded(ids, mask).float()[keep], want[keep], rtol=tol, atol=tol)
+                if (
+                    got.shape != want[keep].shape
+                    or not same_padded
+                    or not torch.allclose(got, want[keep], rtol=tol, atol=tol)
+                ):
+                    log.warning(
+                        "embeddings model %s: packed rows differ from padded ones at lengths %s; keeping padding",
+                        name,
+                        lengths,
+                    )
+                    model.set_attn_implementation(impl)
+                    return None
+        # The model keeps the packed implementation: without bounds it is plain SDPA, so the
+        # padded forward (the fallback) is unchanged.
+        return forward
+    except Exception as exc:  # any model may refuse: padding is always correct
+        log.warning("embeddings model %s cannot run packed (%s: %s); keeping padding", name, type(exc).__name__, exc)
+        model.set_attn_implementation(impl)
+        return None

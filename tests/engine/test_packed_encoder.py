@@ -1,0 +1,166 @@
+"""Embeddings batches with their rows packed into one (engine/packed_encoder.py): the vectors
+must be the model's, whatever the rows' lengths, and a model that cannot run packed keeps
+padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .test_embeddings import TEXTS, eager_vectors
+
+MIXED = [
+    "ferry",
+    "a much longer sentence about ferries crossing a wide grey river at dawn, with gulls " * 3,
+    "queues",
+    "latency budgets decide when a batch must go",
+    "word " * 400,  # truncated at the model's limit
+    "one more",
+    "and a sentence of middling length about batching by length",
+    "x",
+]
+
+
+@pytest.fixture(scope="module")
+def packed():
+    from engine.embeddings import HFEmbeddingEngine
+
+    return HFEmbeddingEngine(torch_threads=1)
+
+
+def vectors(engine, texts):
+    return np.stack([r.vector for r in engine.embed(engine.tokenize(texts))])
+
+
+def test_the_default_model_runs_packed_rows_as_a_traced_graph(packed):
+    import torch
+
+    assert packed.packed and packed.graph == "torchscript"
+    assert isinstance(packed._packed, torch.jit.ScriptModule)
+
+
+@pytest.mark.parametrize("texts", [MIXED, MIXED[:1], MIXED * 5, TEXTS[::-1]])
+def test_packed_rows_give_each_text_its_own_vector(packed, texts):
+    """One trace serves any number of rows of any lengths (the row loop is scripted, not
+    unrolled): each vector equals the text embedded alone, with no padding."""
+    np.testing.assert_allclose(vectors(packed, texts), eager_vectors(packed, texts), atol=1e-5)
+
+
+def test_usage_counts_the_tokens_embedded(packed):
+    ids = packed.tokenize(MIXED)
+    assert [r.tokens for r in packed.embed(ids)] == [len(x) for x in ids]
+    assert max(len(x) for x in ids) == packed.max_length
+
+
+def test_packed_eager_when_torchscript_is_off():
+    import torch
+
+    from engine.embeddings import HFEmbeddingEngine
+
+    engine = HFEmbeddingEngine(torch_threads=1, torchscript=False)
+    assert engine.packed and not isinstance(engine._packed, torch.jit.ScriptModule)
+    np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
+
+
+def test_packing_can_be_turned_off():
+    from engine.embeddings import HFEmbeddingEngine
+
+    engine = HFEmbeddingEngine(torch_threads=1, packed=False)
+    assert not engine.packed and engine.model.config._attn_implementation == "sdpa"
+    np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
+
+
+def test_a_packed_forward_that_differs_from_padding_is_not_used(monkeypatch):
+    import engine.packed_encoder as pe
+    from engine.embeddings import HFEmbeddingEngine
+
+    real = pe.rows_attention
+
+    def off_by_a_little(q, k, v, bounds, scale):
+        return real(q, k, v, bounds, scale) * 1.01
+
+    monkeypatch.setattr(pe, "rows_attention", off_by_a_little)
+    engine = HFEmbeddingEngine(torch_threads=1)
+    assert not engine.packed and engine.model.config._attn_implementation == "sdpa"
+    np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
+
+
+def _tiny(kind: str, attention: str):
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        kind,
+        vocab_size=1100,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        attn_implementation=attention,
+        **({"dim": 32, "n_layers": 2, "n_heads": 2, "hidden_dim": 64} if kind == "distilbert" else {}),
+    )
+    return AutoModel.from_config(config).eval()
+
+
+@pytest.mark.parametrize(
+    ("kind", "attention", "packs"),
+    [
+        ("bert", "sdpa", True),
+        ("distilbert", "sdpa", True),
+        ("roberta", "sdpa", False),  # positions start after the padding id: packed ones differ, caught
+        ("bert", "eager", False),  # packing goes through SDPA's attention interface only
+    ],
+)
+def test_which_models_run_packed_is_decided_by_the_check(kind, attention, packs):
+    import torch
+
+    from engine.embeddings import _last_hidden
+    from engine.packed_encoder import build, pack
+
+    model = _tiny(kind, attention)
+    impl = model.config._attn_implementation
+    padded = _last_hidden(model)
+    forward = build(model, padded, name=kind, pad_id=1, device=torch.device("cpu"), trace=True)
+    assert (forward is not None) == packs
+    if not packs:
+        assert model.config._attn_implementation == impl  # the padded forward as loaded
+        return
+    ids = [[1000 + i for i in range(n)] for n in (3, 20, 7)]
+    with torch.inference_mode():
+        got = forward(*pack(ids, "cpu")[:3])
+        for row, lo in zip(ids, (0, 3, 23), strict=True):
+            alone = padded(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))[0]
+            torch.testing.assert_close(got[lo : lo + len(row)], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_graph_that_fails_at_run_time_pads_from_then_on():
+    from engine.embeddings import HFEmbeddingEngine
+
+    engine = HFEmbeddingEngine(torch_threads=1)
+
+    def broken(ids, positions, bounds):
+        raise RuntimeError("a shape the check did not try")
+
+    engine._packed = broken
+    np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
+    assert not engine.packed and engine.graph == "torchscript"
+
+
+def test_out_of_memory_in_the_packed_graph_is_left_to_the_batcher_to_split():
+    import torch
+
+    from engine.embeddings import HFEmbeddingEngine
+
+    engine = HFEmbeddingEngine(torch_threads=1)
+    real = engine._packed
+
+    def oom(ids, positions, bounds):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    engine._packed = oom
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.embed(engine.tokenize(TEXTS))
+    engine._packed = real
+    assert engine.packed
