@@ -11,8 +11,8 @@ of ~15 ms here. A traced forward runs in C++ and holds the GIL once.
 
 Where the model allows it (checked at load), a batch runs packed instead: its rows token
 after token in one row with no padding and attention per row (engine/packed_encoder.py),
-traced too; 1.14x the padded graph on a long-tailed mix of lengths already batched by
-length, the same on inputs of one length (docs/benchmarks.md).
+traced too: 1.18x the padded graph on a long-tailed mix of lengths already batched by
+length, 1.04x where batches hold one length (docs/benchmarks.md).
 """
 
 from __future__ import annotations
