@@ -81,9 +81,9 @@ class HFEmbeddingEngine:
                 self._forward, self.graph = traced, "torchscript"
         self._packed: Any | None = None
         if packed:
-            from .packed_encoder import build
+            from .packed_encoder import build_packed
 
-            self._packed = build(
+            self._packed = build_packed(
                 self.model, self._eager, name=self.name, pad_id=self.pad_id, device=self.device, trace=torchscript
             )
         self.packed = self._packed is not None
@@ -145,10 +145,10 @@ class HFEmbeddingEngine:
     def embed(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingResult | Exception]:
         torch = self._torch
         if self._packed is not None:
-            from .packed_encoder import mean_pool, pack
+            from .packed_encoder import mean_pool, pack_rows
 
             with torch.inference_mode():
-                ids, positions, bounds, lengths = pack(batch, self.device)
+                ids, positions, bounds, lengths = pack_rows(batch, self.device)
                 try:
                     pooled = mean_pool(self._packed(ids, positions, bounds).float(), lengths)
                 except Exception as exc:

@@ -105,7 +105,7 @@ class PackedEncoder(torch.nn.Module):
         return out.last_hidden_state[0]
 
 
-def pack(batch: Sequence[Sequence[int]], device: Any) -> tuple[Any, Any, Any, Any]:
+def pack_rows(batch: Sequence[Sequence[int]], device: Any) -> tuple[Any, Any, Any, Any]:
     """A batch of token id rows as the packed forward's inputs, and each row's length."""
     lengths = torch.tensor([len(ids) for ids in batch], dtype=torch.long)
     ids = torch.tensor([list(itertools.chain.from_iterable(batch))], dtype=torch.long)
@@ -122,7 +122,7 @@ def mean_pool(hidden: Any, lengths: Any) -> Any:
     return sums.index_add_(0, rows, hidden) / lengths.unsqueeze(1).to(hidden.dtype)
 
 
-def build(
+def build_packed(
     model: Any,
     padded: Callable[[Any, Any], Any],
     *,
@@ -172,9 +172,9 @@ def build(
             model.set_attn_implementation(IMPLEMENTATION)
             forward: Any = PackedEncoder(model, "token_type_ids" in params).eval()
             if trace:
-                forward = torch.jit.trace(forward, pack(rows((5, 9)), device)[:3], check_trace=False, strict=False)
+                forward = torch.jit.trace(forward, pack_rows(rows((5, 9)), device)[:3], check_trace=False, strict=False)
             for lengths, batch, ids, mask, want in cases:
-                got = forward(*pack(batch, device)[:3]).float()
+                got = forward(*pack_rows(batch, device)[:3]).float()
                 keep = mask.bool()
                 same_padded = torch.allclose(padded(ids, mask).float()[keep], want[keep], rtol=tol, atol=tol)
                 if (

@@ -34,7 +34,7 @@ from engine.embeddings import HFEmbeddingEngine
 from .length_mix import make_texts, padded_tokens, padding_share, plan_batches, tokenize_all
 
 
-def vectors(engine: HFEmbeddingEngine, rows: list[list[int]]) -> Any:
+def _vectors(engine: HFEmbeddingEngine, rows: list[list[int]]) -> Any:
     return np.stack([np.asarray(r.vector) for r in engine.embed(rows) if isinstance(r, EmbeddingResult)])
 
 
@@ -65,9 +65,9 @@ def main() -> None:
         # Same vectors either way (the first batches of each length class).
         for b in (batches[0], batches[len(batches) // 2], batches[-1]):
             rows = [ids[i] for i in b]
-            want = vectors(graph, rows)
+            want = _vectors(graph, rows)
             for engine in (packed, eager):
-                got = vectors(engine, rows)
+                got = _vectors(engine, rows)
                 assert np.allclose(got, want, atol=1e-4), "packed embeddings differ"
         runs: dict[str, list[float]] = {"padded": [], "packed": [], "packed eager": []}
         for _ in range(a.repeats):

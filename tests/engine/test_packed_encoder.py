@@ -117,19 +117,19 @@ def test_which_models_run_packed_is_decided_by_the_check(kind, attention, packs)
     import torch
 
     from engine.embeddings import _last_hidden
-    from engine.packed_encoder import build, pack
+    from engine.packed_encoder import build_packed, pack_rows
 
     model = _tiny(kind, attention)
     impl = model.config._attn_implementation
     padded = _last_hidden(model)
-    forward = build(model, padded, name=kind, pad_id=1, device=torch.device("cpu"), trace=True)
+    forward = build_packed(model, padded, name=kind, pad_id=1, device=torch.device("cpu"), trace=True)
     assert (forward is not None) == packs
     if not packs:
         assert model.config._attn_implementation == impl  # the padded forward as loaded
         return
     ids = [[1000 + i for i in range(n)] for n in (3, 20, 7)]
     with torch.inference_mode():
-        got = forward(*pack(ids, "cpu")[:3])
+        got = forward(*pack_rows(ids, "cpu")[:3])
         for row, lo in zip(ids, (0, 3, 23), strict=True):
             alone = padded(torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long))[0]
             torch.testing.assert_close(got[lo : lo + len(row)], alone, atol=1e-5, rtol=1e-5)
