@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -60,11 +61,11 @@ class MicroBatcher(QueueingBatcher):
         phase: str = "embed",
         execute_lane: Execute | None = None,
         execute_beside: Execute | None = None,
-        pads: bool = True,
+        pads: Callable[[], bool] = lambda: True,
         **kw: Any,
     ) -> None:
         super().__init__(model, settings, **kw)
-        self.pads = pads  # False: the engine packs a batch's rows, computing no padding
+        self.pads = pads  # False now: the engine packs a batch's rows, computing no padding
         self.execute = execute
         self.execute_lane = execute_lane
         self.execute_beside = execute_beside or execute_lane
@@ -304,7 +305,7 @@ class MicroBatcher(QueueingBatcher):
         tokens = TokenCount.of([i.cost for i in items])
         m.batch_size.labels(model, phase).observe(len(items))
         m.batch_tokens.labels(model, phase).observe(tokens.real)
-        m.padding.labels(model, phase).observe(tokens.padding_ratio if self.pads else 0.0)
+        m.padding.labels(model, phase).observe(tokens.padding_ratio if self.pads() else 0.0)
         start = self.clock.now()
         running = m.running.labels(model)
         running.inc(len(items))

@@ -84,7 +84,13 @@ class HFEmbeddingEngine:
             from .packed_encoder import build_packed
 
             self._packed = build_packed(
-                self.model, self._eager, name=self.name, pad_id=self.pad_id, device=self.device, trace=torchscript
+                self.model,
+                self._eager,
+                name=self.name,
+                pad_id=self.pad_id,
+                device=self.device,
+                trace=torchscript,
+                max_length=self.max_length,
             )
         self.packed = self._packed is not None
         log.info(
@@ -144,13 +150,14 @@ class HFEmbeddingEngine:
 
     def embed(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingResult | Exception]:
         torch = self._torch
-        if self._packed is not None:
+        packed = self._packed  # once: another engine thread may drop it meanwhile
+        if packed is not None:
             from .packed_encoder import mean_pool, pack_rows
 
             with torch.inference_mode():
                 ids, positions, bounds, lengths = pack_rows(batch, self.device)
                 try:
-                    pooled = mean_pool(self._packed(ids, positions, bounds).float(), lengths)
+                    pooled = mean_pool(packed(ids, positions, bounds).float(), lengths)
                 except Exception as exc:
                     if is_oom(exc):
                         raise  # split and retried by the batcher

@@ -9,11 +9,12 @@ is exactly its padded one without the masked columns.
 
 Any Hugging Face encoder whose attention goes through transformers' attention interface
 (SDPA), and whose forward takes `position_ids`, can run this way; whether it does is
-checked at load against the padded forward on several shapes (models whose position ids
-are not 0..n-1 for each row, e.g. RoBERTa's offset positions, fail the check and keep
-padding). The row loop is a TorchScript function, so a traced packed forward keeps it (one
-trace serves any number of rows) and runs in C++ like the padded graph
-(engine/embeddings.py).
+checked at load against the padded forward on several shapes, one at the model's limit
+(models whose position ids are not 0..n-1 for each row, e.g. RoBERTa's offset positions,
+fail the check and keep padding; attention with a sliding window, soft-capping or a causal
+mask is refused by `_attention`, so those keep padding too). The row loop is a
+TorchScript function, so a traced packed forward keeps it (one trace serves any number of
+rows) and runs in C++ like the padded graph (engine/embeddings.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 log = logging.getLogger("ferry.engine")
 
 IMPLEMENTATION = "ferry_packed"
+_UNSUPPORTED = ("sliding_window", "softcap", "position_bias", "s_aux", "head_mask", "is_causal", "dropout")
 _registered = False
 
 
@@ -68,6 +70,12 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if key.shape[1] != query.shape[1]:
         raise ValueError("packed rows need as many key heads as query heads")
+    # Attention that is more than each row over all of its own tokens (a sliding window,
+    # ModernBERT's local layers; soft-capping; a bias; sinks; causal) is not what rows_attention
+    # computes: refused, so the check at load keeps the model padded.
+    extra = [k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False, 0, 0.0)]
+    if extra:
+        raise ValueError(f"packed rows do not support {', '.join(extra)}")
     scale = kwargs.get("scaling")
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
     return rows_attention(query, key, value, bounds, scale), None
@@ -130,6 +138,7 @@ def build_packed(
     pad_id: int,
     device: Any,
     trace: bool,
+    max_length: int = 0,
 ) -> Any | None:
     """The model's packed forward (traced when `trace`), or None where the model cannot run
     packed or its packed forward does not give the padded forward's hidden states."""
@@ -143,7 +152,6 @@ def build_packed(
             "position_ids" in params,
         )
         return None
-    _register()
     vocab = int(getattr(model.config, "vocab_size", 1000))
     gen = torch.Generator().manual_seed(1)
 
@@ -160,12 +168,16 @@ def build_packed(
 
     tol = 1e-4 if model.dtype == torch.float32 else 2e-2
     try:
+        _register()
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # The padded forward's answers, taken before the implementation changes: both the
             # packed forward and the padded one after the change must give them.
             cases = []
-            for lengths in ((7,), (3, 12, 30), (40, 2, 17, 9, 1), (12, 12)):
+            shapes: list[tuple[int, ...]] = [(7,), (3, 12, 30), (40, 2, 17, 9, 1), (12, 12)]
+            if max_length > 40:  # a row at the model's limit (positions, windows) beside a short one
+                shapes.append((max_length, 3))
+            for lengths in shapes:
                 batch = rows(lengths)
                 ids, mask = padded_batch(batch)
                 cases.append((lengths, batch, ids, mask, padded(ids, mask).float()))
@@ -187,12 +199,21 @@ def build_packed(
                         name,
                         lengths,
                     )
-                    model.set_attn_implementation(impl)
+                    _restore(model, impl, name)
                     return None
         # The model keeps the packed implementation: without bounds it is plain SDPA, so the
         # padded forward (the fallback) is unchanged.
         return forward
     except Exception as exc:  # any model may refuse: padding is always correct
         log.warning("embeddings model %s cannot run packed (%s: %s); keeping padding", name, type(exc).__name__, exc)
-        model.set_attn_implementation(impl)
+        _restore(model, impl, name)
         return None
+
+
+def _restore(model: Any, impl: str, name: str) -> None:
+    if getattr(model.config, "_attn_implementation", None) == impl:
+        return
+    try:
+        model.set_attn_implementation(impl)
+    except Exception as exc:  # the packed implementation without bounds is SDPA: still right
+        log.warning("embeddings model %s: attention left as %s (%s)", name, IMPLEMENTATION, exc)

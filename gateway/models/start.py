@@ -139,7 +139,7 @@ async def _embedding_batcher(
         phase="embed",
         execute_lane=execute_lane,
         execute_beside=execute_beside,
-        pads=not getattr(engine, "packed", False),
+        pads=lambda: not getattr(engine, "packed", False),  # packing may stop at run time
     )
 
 

@@ -135,6 +135,47 @@ def test_which_models_run_packed_is_decided_by_the_check(kind, attention, packs)
             torch.testing.assert_close(got[lo : lo + len(row)], alone, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("extra", [{"sliding_window": 64}, {"softcap": 30.0}, {"is_causal": True}, {"dropout": 0.1}])
+def test_attention_that_is_more_than_each_row_over_its_tokens_is_refused(extra):
+    """A sliding window (ModernBERT's local layers), soft-capping, causal or dropout is not
+    what packed rows compute: the packed attention raises, so the check at load (which keeps
+    a model that raises padded, as test_which_models_run_packed_is_decided_by_the_check
+    shows) never adopts it. Without bounds (a padded batch) it is plain SDPA."""
+    import torch
+
+    from engine.packed_encoder import _attention
+
+    q = k = v = torch.randn(1, 2, 10, 8)
+    bounds = torch.tensor([0, 4, 10])
+    module = torch.nn.Module()
+    out, _ = _attention(module, q, k, v, None, ferry_bounds=bounds, scaling=0.35)
+    assert out.shape == (1, 10, 2, 8)
+    with pytest.raises(ValueError, match="do not support"):
+        _attention(module, q, k, v, None, ferry_bounds=bounds, scaling=0.35, **extra)
+
+
+def test_the_check_at_load_tries_a_row_at_the_model_limit(monkeypatch):
+    """A model right on short rows but not on long ones (positions, windows) is caught."""
+    import torch
+
+    import engine.packed_encoder as pe
+    from engine.embeddings import _last_hidden
+
+    real = pe.rows_attention
+
+    def wrong_past_64(q, k, v, bounds, scale):
+        out = real(q, k, v, bounds, scale)
+        return out * 1.01 if q.shape[2] > 100 else out
+
+    monkeypatch.setattr(pe, "rows_attention", wrong_past_64)
+    for limit, packs in ((0, True), (120, False)):
+        model = _tiny("bert", "sdpa")
+        forward = pe.build_packed(
+            model, _last_hidden(model), name="l", pad_id=0, device=torch.device("cpu"), trace=False, max_length=limit
+        )
+        assert (forward is not None) == packs
+
+
 def test_a_packed_graph_that_fails_at_run_time_pads_from_then_on():
     from engine.embeddings import HFEmbeddingEngine
 

@@ -54,7 +54,7 @@ def test_the_padding_metric_counts_what_the_engine_computes(pads, want):
         clock = FakeClock()
         registry = CollectorRegistry()
         engine = SimulatedExecutor(clock, fixed=FIXED, per_item=PER_ITEM)
-        b = MicroBatcher("m", engine, settings, clock=clock, metrics=Metrics(registry), pads=pads)
+        b = MicroBatcher("m", engine, settings, clock=clock, metrics=Metrics(registry), pads=lambda: pads)
         await b.start()
         items = b.submit_many(["a", "b", "c"], costs=[2, 8, 2])
         await clock.run_until_idle()
@@ -65,7 +65,32 @@ def test_the_padding_metric_counts_what_the_engine_computes(pads, want):
     v = Reader(asyncio.run(scenario()))
     assert v.hist("ferry_batch_size_tokens", model="m", phase="embed") == (1, 12)
     count, total = v.hist("ferry_batch_padding_ratio", model="m", phase="embed")
-    assert count == 1 and total == pytest.approx(want if pads else 0.0)
+    assert count == 1 and total == pytest.approx(want)
+
+
+def test_the_padding_metric_follows_an_engine_that_stops_packing():
+    """An engine whose packed forward fails at run time pads from then on
+    (engine/embeddings.py): the batcher asks before every batch."""
+    settings = BatchingSettings(max_batch_size=2, max_wait_ms=10, policy="fixed", default_budget_ms=None)
+    packing = [True]
+
+    async def scenario():
+        clock = FakeClock()
+        registry = CollectorRegistry()
+        engine = SimulatedExecutor(clock, fixed=FIXED, per_item=PER_ITEM)
+        b = MicroBatcher("m", engine, settings, clock=clock, metrics=Metrics(registry), pads=lambda: not packing[0])
+        await b.start()
+        b.submit_many(["a", "b"], costs=[2, 6])
+        await clock.run_until_idle()
+        packing[0] = False
+        b.submit_many(["c", "d"], costs=[2, 6])
+        await clock.run_until_idle()
+        await b.stop()
+        return registry
+
+    v = Reader(asyncio.run(scenario()))
+    count, total = v.hist("ferry_batch_padding_ratio", model="m", phase="embed")
+    assert count == 2 and total == pytest.approx(0.0 + (1 - 8 / 12))
 
 
 def test_micro_batcher_metrics_after_a_known_sequence():
