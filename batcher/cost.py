@@ -1,8 +1,14 @@
 """Cost model: predicted execution time of a batch from its size and tokens.
 
-time = a + b * items + c * tokens, fitted by least squares over a sliding window of
-observed batches, one fit per phase (embed, prefill, decode). Seeded by a warm-up profile
-at startup so the first admission decisions are already informed.
+time = a + b * items + c * tokens (+ d * tokens^2 / items where a phase's fit is
+`quadratic`), fitted by least squares over a sliding window of observed batches, one fit
+per phase (embed, prefill, decode). Seeded by a warm-up profile at startup so the first
+admission decisions are already informed.
+
+`tokens` are padded tokens, rows x longest row, so tokens^2 / items = rows x longest^2:
+the term for attention, whose work per row grows with its length squared. An encoder's
+batches of like lengths (embeddings) fit it; without it, a line through short and long
+batches under-predicts long ones and over-predicts short ones.
 
 The fit is a mean; `slowdown` says how much slower than predicted batches run on a bad
 stretch (a busy neighbour on a shared CPU): interactive deadlines are checked against it.
@@ -28,18 +34,23 @@ class LinearCost:
     fixed: float  # seconds per batch
     per_item: float  # seconds per item
     per_token: float  # seconds per (padded) token
+    per_token_row: float = 0.0  # seconds per token x longest row (tokens^2 / items): attention
 
     def predict(self, items: int, tokens: int = 0) -> float:
         if items <= 0:
             return 0.0
-        return max(0.0, self.fixed + self.per_item * items + self.per_token * tokens)
+        square = self.per_token_row * tokens * tokens / items if self.per_token_row else 0.0
+        return max(0.0, self.fixed + self.per_item * items + self.per_token * tokens + square)
 
 
 class CostModel:
     """Online-fitted per-phase linear cost. Thread-compatible: used from the event loop only."""
 
-    def __init__(self, prior: LinearCost | None = None, window: int = 256, refit_every: int = 8):
+    def __init__(
+        self, prior: LinearCost | None = None, window: int = 256, refit_every: int = 8, quadratic: bool = False
+    ):
         self._prior = prior or LinearCost(0.010, 0.002, 0.0)
+        self.quadratic = quadratic  # also fit the tokens^2 / items term (attention), when it pays
         self._fit = self._prior
         self._obs: deque[tuple[int, int, float]] = deque(maxlen=window)
         self._ratios: deque[float] = deque(maxlen=window)  # observed / predicted
@@ -117,7 +128,7 @@ class CostModel:
             # One size only: keep the prior's shape, rescale it to the observations.
             scale = float(np.median(t)) / max(self._fit.predict(int(n[0]), int(tok[0])), 1e-9)
             p = self._fit
-            self._fit = LinearCost(p.fixed * scale, p.per_item * scale, p.per_token * scale)
+            self._fit = LinearCost(p.fixed * scale, p.per_item * scale, p.per_token * scale, p.per_token_row * scale)
             return
         fixed, slope = _line(x, t)
         resid = t - (fixed + slope * x)
@@ -126,6 +137,8 @@ class CostModel:
         if keep.sum() >= 3 and np.ptp(x[keep]) > 0:
             fixed, slope = _line(x[keep], t[keep])
         self._fit = LinearCost(fixed, 0.0, slope) if by_tokens else LinearCost(fixed, slope, 0.0)
+        if self.quadratic and by_tokens:
+            self._fit = _with_square(self._fit, n[keep], x[keep], t[keep])
 
 
 class Calibration:
@@ -169,6 +182,27 @@ def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     return float(fixed), float(slope)
 
 
+def _with_square(line: LinearCost, n: np.ndarray, x: np.ndarray, t: np.ndarray) -> LinearCost:
+    """time = fixed + c * tokens + d * tokens^2 / items over the (outlier-free) observations,
+    adopted over the line only when its coefficients are all non-negative and it leaves at
+    least 10% less squared error, and only over rows of lengths that differ (for batches of
+    one length the two columns are collinear: the line stays)."""
+    longest = x / n
+    if len(t) < 6 or np.ptp(longest) < 0.25 * float(longest.max()):
+        return line  # rows of about one length: the square is the line again
+    design = np.stack([np.ones_like(x), x, x * x / n], axis=1)
+    scale = np.abs(design).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = np.linalg.lstsq(design / scale, t, rcond=None)[0] / scale
+    if np.any(coef < 0):
+        return line
+    square_error = float(((design @ coef - t) ** 2).sum())
+    line_error = float(((line.fixed + line.per_token * x - t) ** 2).sum())
+    if not square_error < 0.9 * line_error:
+        return line
+    return LinearCost(float(coef[0]), 0.0, float(coef[1]), float(coef[2]))
+
+
 def cost_report(models: dict[str, CostModel]) -> dict[str, dict[str, float]]:
     """Each phase's fitted cost, in milliseconds, as the admin API shows it, with the
     slowdown promises allow for and the tail the batches around interactive work are sized on."""
@@ -179,6 +213,7 @@ def cost_report(models: dict[str, CostModel]) -> dict[str, dict[str, float]]:
             "fixed_ms": p.fixed * 1e3,
             "per_item_ms": p.per_item * 1e3,
             "per_token_ms": p.per_token * 1e3,
+            "per_token_row_ms": p.per_token_row * 1e3,
             "observations": model.observations,
             "slowdown": model.slowdown,
             "tail": model.tail,

@@ -80,7 +80,7 @@ class MicroBatcher(QueueingBatcher):
         self._lane_busy_until = 0.0
         # Lane batches share the cores with the batch beside them: their own fit, from the
         # main one's to start with.
-        self.lane_cost = CostModel(self.cost.params)
+        self.lane_cost = CostModel(self.cost.params, quadratic=self.cost.quadratic)
         self.batches: list[Batch] = []  # recent batches, for tests and introspection
         self._keep_batches = 256
 

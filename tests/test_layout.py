@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
         "loadtests/gpu_check.py",
         "loadtests/lm_eval_check.py",
         "loadtests/padding_free.py",
+        "loadtests/cost_fit.py",
         "loadtests/bench_metrics_scrape.py",
         "loadtests/sim_priority.py",
         "loadtests/ui_screenshot.py",

@@ -116,7 +116,7 @@ async def _embedding_batcher(
     cfg: ServerConfig,
     metrics: Metrics,
 ) -> QueueingBatcher:
-    cost = CostModel()
+    cost = CostModel(quadratic=True)  # attention grows with length squared: long inputs are costed so
     if cfg.warmup and hasattr(engine, "warmup"):
         cost.seed(await engine_thread(engine.warmup))
     from engine.device import is_oom

@@ -148,7 +148,13 @@ def _cost(view: _View, last: _View, info: ModelInfo) -> dict[str, Any]:
         top = max(2 * cap, 8)
         step = max(1, math.ceil(top / CURVE_POINTS))
         curve = [
-            [n, fit["fixed_ms"] + fit["per_item_ms"] * n + fit["per_token_ms"] * n * per_item_tokens]
+            [
+                n,
+                fit["fixed_ms"]
+                + fit["per_item_ms"] * n
+                + fit["per_token_ms"] * n * per_item_tokens
+                + fit.get("per_token_row_ms", 0.0) * n * per_item_tokens**2,  # tokens^2 / items
+            ]
             for n in range(1, top + 1, step)
         ]
         batches = last.delta("ferry_batch_size_items_count", phase=phase)

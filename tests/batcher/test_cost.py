@@ -21,6 +21,53 @@ def test_fits_fixed_plus_per_token_from_observed_batches():
     assert m.predict(16, 16 * 15) == pytest.approx(fixed + per_token * 16 * 15)
 
 
+def _like_lengths(rng: np.random.Generator, k: int) -> list[tuple[int, int, int]]:
+    """(rows, longest row, padded tokens) of batches of like lengths within 2,048 tokens."""
+    out = []
+    for _ in range(k):
+        longest = int(rng.integers(8, 257))
+        n = int(rng.integers(1, max(1, 2048 // longest) + 1))
+        out.append((n, longest, n * longest))
+    return out
+
+
+def test_a_quadratic_fit_learns_that_attention_grows_with_length_squared():
+    """Batches whose rows cost more per token the longer they are (attention): the
+    quadratic fit finds the term and predicts long and short batches alike; a line through
+    them misses both."""
+    fixed, per_token, per_token_row = 0.004, 0.0002, 2e-7
+    rng = np.random.default_rng(2)
+    quad, line = CostModel(quadratic=True), CostModel()
+    for n, longest, tokens in _like_lengths(rng, 128):
+        seconds = fixed + per_token * tokens + per_token_row * n * longest * longest
+        quad.observe(n, tokens, seconds)
+        line.observe(n, tokens, seconds)
+    assert quad.params.per_token_row == pytest.approx(per_token_row, rel=1e-3)
+    assert quad.params.fixed == pytest.approx(fixed, rel=1e-3)
+    for n, longest in ((8, 250), (64, 16), (1, 12)):
+        want = fixed + per_token * n * longest + per_token_row * n * longest * longest
+        assert quad.predict(n, n * longest) == pytest.approx(want, rel=1e-3)
+    errors = [
+        abs(line.predict(n, n * L) / (fixed + per_token * n * L + per_token_row * n * L * L) - 1)
+        for n, L in ((8, 250), (64, 16), (1, 12))
+    ]
+    assert max(errors) > 0.1
+
+
+def test_a_quadratic_fit_keeps_the_line_where_the_square_does_not_pay():
+    """Costs linear in tokens, or batches of one length (the square then collinear with
+    tokens): the fit stays the line, per_token_row 0."""
+    rng = np.random.default_rng(3)
+    linear, one_length = CostModel(quadratic=True), CostModel(quadratic=True)
+    for n, _longest, tokens in _like_lengths(rng, 64):
+        linear.observe(n, tokens, 0.005 + 0.0003 * tokens * (1 + 0.01 * rng.standard_normal()))
+        one_length.observe(n, n * 20, 0.005 + 0.0003 * n * 20 + 2e-7 * n * 400)
+    assert linear.params.per_token_row == 0.0
+    assert linear.params.per_token == pytest.approx(0.0003, rel=0.05)
+    assert one_length.params.per_token_row == 0.0
+    assert one_length.predict(10, 200) == pytest.approx(0.005 + 0.0003 * 200 + 2e-7 * 4000, rel=1e-6)
+
+
 def test_outliers_from_contention_do_not_distort_the_fit():
     fixed, per_item = 0.010, 0.002  # what the observed batches cost when undisturbed
     m = CostModel()

@@ -31,7 +31,7 @@ from gateway.submission import timing_headers
 from tests.waiting import async_wait_until
 
 # What the admin GET reports of each phase's cost model.
-COST_REPORT_FIELDS = {"fixed_ms", "per_item_ms", "per_token_ms", "observations", "slowdown", "tail"}
+COST_REPORT_FIELDS = {"fixed_ms", "per_item_ms", "per_token_ms", "per_token_row_ms", "observations", "slowdown", "tail"}
 
 
 @contextlib.asynccontextmanager

@@ -34,7 +34,7 @@ ADMIN = "/admin/models/fake-embed/batching"
 TOKEN = {"Authorization": "Bearer t"}
 
 # What the admin GET reports of each phase's cost model.
-COST_REPORT_FIELDS = {"fixed_ms", "per_item_ms", "per_token_ms", "observations", "slowdown", "tail"}
+COST_REPORT_FIELDS = {"fixed_ms", "per_item_ms", "per_token_ms", "per_token_row_ms", "observations", "slowdown", "tail"}
 
 
 @contextlib.contextmanager
