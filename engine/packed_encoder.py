@@ -73,12 +73,17 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
     # Attention that is more than each row over all of its own tokens (a sliding window,
     # ModernBERT's local layers; soft-capping; a bias; sinks; causal) is not what rows_attention
     # computes: refused, so the check at load keeps the model padded.
-    extra = [k for k in _UNSUPPORTED if kwargs.get(k) not in (None, False, 0, 0.0)]
+    extra = [k for k in _UNSUPPORTED if _set(kwargs.get(k))]
     if extra:
         raise ValueError(f"packed rows do not support {', '.join(extra)}")
     scale = kwargs.get("scaling")
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
     return rows_attention(query, key, value, bounds, scale), None
+
+
+def _set(value: Any) -> bool:
+    """A keyword that asks for something: not None, False or zero (a tensor always does)."""
+    return value is not None and (not isinstance(value, (bool, int, float)) or bool(value))
 
 
 def _register() -> None:
@@ -103,7 +108,8 @@ class PackedEncoder(torch.nn.Module):
         self.inner = model
         self.token_types = token_types
         # A 4D mask passes through transformers' mask building untouched; attention ignores it.
-        self.register_buffer("mask", torch.ones((1, 1, 1, 1), dtype=torch.bool), persistent=False)
+        device = next(model.parameters()).device
+        self.register_buffer("mask", torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device), persistent=False)
 
     def forward(self, input_ids: Any, position_ids: Any, bounds: Any) -> Any:
         extra = {"token_type_ids": torch.zeros_like(input_ids)} if self.token_types else {}

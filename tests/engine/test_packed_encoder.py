@@ -135,7 +135,10 @@ def test_which_models_run_packed_is_decided_by_the_check(kind, attention, packs)
             torch.testing.assert_close(got[lo : lo + len(row)], alone, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("extra", [{"sliding_window": 64}, {"softcap": 30.0}, {"is_causal": True}, {"dropout": 0.1}])
+@pytest.mark.parametrize(
+    "extra",
+    [{"sliding_window": 64}, {"softcap": 30.0}, {"is_causal": True}, {"dropout": 0.1}, {"s_aux": "tensor"}],
+)
 def test_attention_that_is_more_than_each_row_over_its_tokens_is_refused(extra):
     """A sliding window (ModernBERT's local layers), soft-capping, causal or dropout is not
     what packed rows compute: the packed attention raises, so the check at load (which keeps
@@ -150,8 +153,13 @@ def test_attention_that_is_more_than_each_row_over_its_tokens_is_refused(extra):
     module = torch.nn.Module()
     out, _ = _attention(module, q, k, v, None, ferry_bounds=bounds, scaling=0.35)
     assert out.shape == (1, 10, 2, 8)
+    if extra.get("s_aux") == "tensor":
+        extra = {"s_aux": torch.zeros(2)}  # attention sinks, a tensor per head
     with pytest.raises(ValueError, match="do not support"):
         _attention(module, q, k, v, None, ferry_bounds=bounds, scaling=0.35, **extra)
+    # What a padded model's forward passes by default asks for nothing.
+    out, _ = _attention(module, q, k, v, None, ferry_bounds=bounds, scaling=0.35, dropout=0.0, is_causal=False)
+    assert out.shape == (1, 10, 2, 8)
 
 
 def test_the_check_at_load_tries_a_row_at_the_model_limit(monkeypatch):
