@@ -92,7 +92,6 @@ class HFEmbeddingEngine:
                 trace=torchscript,
                 max_length=self.max_length,
             )
-        self.packed = self._packed is not None
         log.info(
             "loaded embeddings model %s on %s (max_length=%d, dim=%d, %s, %s, %d linear layers prepacked for oneDNN)",
             self.name,
@@ -148,55 +147,68 @@ class HFEmbeddingEngine:
         enc = self.tokenizer(list(texts), truncation=True, max_length=self.max_length, add_special_tokens=True)
         return enc["input_ids"]
 
+    @property
+    def packed(self) -> bool:
+        """Batches run packed (engine/packed_encoder.py); False from load, or once it failed."""
+        return self._packed is not None
+
     def embed(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingResult | Exception]:
         torch = self._torch
-        packed = self._packed  # once: another engine thread may drop it meanwhile
-        if packed is not None:
-            from .packed_encoder import mean_pool, pack_rows
+        with torch.inference_mode():
+            pooled = self._pooled_packed(batch)
+            if pooled is None:
+                pooled = self._pooled_padded(batch)
+            vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
+        return [EmbeddingResult(vectors[i], len(ids)) for i, ids in enumerate(batch)]
 
-            with torch.inference_mode():
-                ids, positions, bounds, lengths = pack_rows(batch, self.device)
-                try:
-                    pooled = mean_pool(packed(ids, positions, bounds).float(), lengths)
-                except Exception as exc:
-                    if is_oom(exc):
-                        raise  # split and retried by the batcher
-                    log.error(
-                        "embeddings model %s: packed forward failed (%s: %s); padding batches from now on",
-                        self.name,
-                        type(exc).__name__,
-                        exc,
-                    )
-                    self._packed, self.packed = None, False
-                    return self.embed(batch)
-                vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
-            return [EmbeddingResult(vectors[i], len(ids)) for i, ids in enumerate(batch)]
+    def _pooled_packed(self, batch: Sequence[Sequence[int]]) -> Any | None:
+        """Each row's mean-pooled hidden state from the packed forward; None when the engine
+        does not pack (any more)."""
+        packed = self._packed  # once: another engine thread may drop it meanwhile
+        if packed is None:
+            return None
+        from .packed_encoder import mean_pool, pack_rows
+
+        ids, positions, bounds, lengths = pack_rows(batch, self.device)
+        try:
+            return mean_pool(packed(ids, positions, bounds).float(), lengths)
+        except Exception as exc:
+            if is_oom(exc):
+                raise  # split and retried by the batcher
+            log.error(
+                "embeddings model %s: packed forward failed (%s: %s); padding batches from now on",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
+            self._packed = None
+            return None
+
+    def _pooled_padded(self, batch: Sequence[Sequence[int]]) -> Any:
+        torch = self._torch
         longest = max(len(ids) for ids in batch)
         input_ids = torch.full((len(batch), longest), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(batch), longest), dtype=torch.long)
         for row, ids in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             mask[row, : len(ids)] = 1
-        with torch.inference_mode():
-            input_ids, mask = input_ids.to(self.device), mask.to(self.device)
-            try:
-                hidden = self._forward(input_ids, mask).float()
-            except Exception as exc:
-                if self._forward is self._eager or is_oom(exc):
-                    raise  # out-of-memory is split and retried by the batcher
-                # A shape the load-time check did not try broke the graph: eager is always right.
-                log.error(
-                    "embeddings model %s: TorchScript graph failed (%s: %s); running eager from now on",
-                    self.name,
-                    type(exc).__name__,
-                    exc,
-                )
-                self._forward, self.graph = self._eager, "eager"
-                hidden = self._eager(input_ids, mask).float()
-            m = mask.unsqueeze(-1).to(hidden.dtype)
-            pooled = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
-        return [EmbeddingResult(vectors[i], len(ids)) for i, ids in enumerate(batch)]
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        try:
+            hidden = self._forward(input_ids, mask).float()
+        except Exception as exc:
+            if self._forward is self._eager or is_oom(exc):
+                raise  # out-of-memory is split and retried by the batcher
+            # A shape the load-time check did not try broke the graph: eager is always right.
+            log.error(
+                "embeddings model %s: TorchScript graph failed (%s: %s); running eager from now on",
+                self.name,
+                type(exc).__name__,
+                exc,
+            )
+            self._forward, self.graph = self._eager, "eager"
+            hidden = self._eager(input_ids, mask).float()
+        m = mask.unsqueeze(-1).to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
 
     def warmup(self, sizes: Sequence[int] = (1, 4, 16)) -> list[tuple[int, int, float]]:
         """Run a few batches; returns (items, padded tokens, seconds) for the cost model."""
