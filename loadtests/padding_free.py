@@ -15,7 +15,11 @@ embeddings engine three ways:
 Prints items/s, the padding share of each plan, and checks that the packed embeddings
 equal the padded ones. In-process, one torch thread (as the engine core runs).
 
-    python -m loadtests.padding_free [--dist longtail,bimodal] [--texts 1024] [--repeats 3]
+`--dtype bfloat16` (or float16) runs the three in that precision and adds `float32 packed`
+(the default engine) to the same loop, so the half-precision gain is a ratio of one run;
+half-precision vectors are checked by cosine (0.999) against the float32 engine's.
+
+    python -m loadtests.padding_free [--dist longtail,bimodal] [--texts 1024] [--repeats 3] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -50,13 +54,15 @@ def main() -> None:
     p.add_argument("--dist", default="longtail,bimodal")
     p.add_argument("--texts", type=int, default=1024)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     a = p.parse_args()
     torch.set_num_threads(1)
-    graph = HFEmbeddingEngine(torch_threads=1, packed=False)
-    packed = HFEmbeddingEngine(torch_threads=1)
-    eager = HFEmbeddingEngine(torch_threads=1, torchscript=False)
+    graph = HFEmbeddingEngine(torch_threads=1, packed=False, dtype=a.dtype)
+    packed = HFEmbeddingEngine(torch_threads=1, dtype=a.dtype)
+    eager = HFEmbeddingEngine(torch_threads=1, torchscript=False, dtype=a.dtype)
+    full = HFEmbeddingEngine(torch_threads=1) if a.dtype != "float32" else None
     assert packed.packed and eager.packed, "the default model runs packed"
-    print(f"embeddings engine: padded {graph.graph}, packed {packed.graph}; one torch thread")
+    print(f"embeddings engine ({a.dtype}): padded {graph.graph}, packed {packed.graph}; one torch thread")
     for dist in a.dist.split(","):
         ids = tokenize_all(graph, make_texts(dist, a.texts))
         lengths = [len(x) for x in ids]
@@ -65,15 +71,25 @@ def main() -> None:
         # Same vectors either way (the first batches of each length class).
         for b in (batches[0], batches[len(batches) // 2], batches[-1]):
             rows = [ids[i] for i in b]
-            want = _vectors(graph, rows)
-            for engine in (packed, eager):
-                got = _vectors(engine, rows)
-                assert np.allclose(got, want, atol=1e-4), "packed embeddings differ"
-        runs: dict[str, list[float]] = {"padded": [], "packed": [], "packed eager": []}
+            if full is None:
+                want = _vectors(graph, rows)
+                for engine in (packed, eager):
+                    assert np.allclose(_vectors(engine, rows), want, atol=1e-4), "packed embeddings differ"
+            else:
+                want = _vectors(full, rows)
+                for engine in (graph, packed, eager):
+                    got = _vectors(engine, rows)
+                    cosine = (
+                        (got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+                    ).min()
+                    assert cosine > 0.999, f"{a.dtype} embeddings differ from float32 ones (cosine {cosine:.5f})"
+        engines = {"padded": graph, "packed": packed, "packed eager": eager}
+        if full is not None:
+            engines["float32 packed"] = full
+        runs: dict[str, list[float]] = {k: [] for k in engines}
         for _ in range(a.repeats):
-            runs["padded"].append(items_per_second(graph.embed, ids, batches))
-            runs["packed"].append(items_per_second(packed.embed, ids, batches))
-            runs["packed eager"].append(items_per_second(eager.embed, ids, batches))
+            for k, engine in engines.items():
+                runs[k].append(items_per_second(engine.embed, ids, batches))
         med = {k: statistics.median(v) for k, v in runs.items()}
         print(
             f"{dist}: {len(ids)} texts in {len(batches)} batches, padding {padding_share(real, padded):.0%} "
@@ -83,7 +99,8 @@ def main() -> None:
             print(f"  {k:13s} {med[k]:7.1f} items/s (runs {', '.join(f'{x:.1f}' for x in v)})")
         print(
             f"  packed / padded: {med['packed'] / med['padded']:.2f}x; packed eager / padded: "
-            f"{med['packed eager'] / med['padded']:.2f}x",
+            f"{med['packed eager'] / med['padded']:.2f}x"
+            + (f"; {a.dtype} packed / float32 packed: {med['packed'] / med['float32 packed']:.2f}x" if full else ""),
             flush=True,
         )
 
