@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batcher.cost import MAX_SLOWDOWN, MAX_TAIL, Calibration, CostModel, LinearCost
+from batcher.cost import MAX_PROMISE_SLOWDOWN, MAX_SLOWDOWN, MAX_TAIL, Calibration, CostModel, LinearCost
 
 
 def test_fits_fixed_plus_per_token_from_observed_batches():
@@ -147,9 +147,12 @@ def test_a_calibration_is_the_90th_percentile_of_observed_over_predicted_bounded
     for _ in range(256):  # a window later: early ones promise nothing sooner
         c.observe(0.100, 0.050)
     assert c.factor == 1.0
+    for _ in range(256):  # twice as late (chat at twice its capacity): past the cost models' cap
+        c.observe(0.100, 0.200)
+    assert c.factor == pytest.approx(2.0) and c.factor > MAX_SLOWDOWN
     for _ in range(256):
         c.observe(0.100, 1.0)
-    assert c.factor == MAX_SLOWDOWN  # bounded, though these came 10x late
+    assert c.factor == MAX_PROMISE_SLOWDOWN  # bounded (4), though these came 10x late
     deaf = Calibration(refresh_every=1)
     for _ in range(50):  # a 5 ms prediction that took 15: fixed costs the deadline margin covers
         deaf.observe(0.005, 0.015)
