@@ -11,7 +11,7 @@ from transformers.generation.logits_process import RepetitionPenaltyLogitsProces
 from engine.base import SamplingParams, SequenceRequest
 from engine.detokenize import FINISH_LENGTH, FINISH_STOP
 from engine.logits import LogitRules, apply_rules
-from engine.sampling import LOGPROB_FLOOR, SequenceSampler, sample_next_tokens, token_logprobs
+from engine.sampling import LOGPROB_FLOOR, SequenceSampler, greedy_tokens, sample_next_tokens, token_logprobs
 
 VOCAB = 12
 
@@ -83,6 +83,22 @@ def test_top_k_and_min_p_keep_only_their_tokens():
     # (0.57 and 0.43 once renormalised), top_p 0.5 keeps the first alone.
     both = SequenceSampler.create(1.0, 0.5, seed=2, top_k=2)
     assert {sample_next_tokens(logits[:1].clone(), [both])[0] for _ in range(100)} == {0}
+
+
+def test_greedy_tokens_are_torchs_argmax_with_ties_nans_and_masked_rows():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=gen)
+    logits[1, 7] = logits[1, 250] = 99.0  # a tie: the first wins
+    logits[2, 40] = float("nan")  # a NaN wins, as in torch
+    logits[3, 12] = float("inf")
+    logits[4] = float("-inf")  # every token masked (a grammar's dead end): index 0
+    logits[5, 299] = 50.0
+    for rows in (logits, logits[:, ::2], logits.double()):  # strided and float64 too
+        got = greedy_tokens(rows)
+        assert got.dtype == torch.long and got.tolist() == rows.argmax(dim=-1).tolist()
+    assert greedy_tokens(logits).tolist()[:4] == [int(logits[0].argmax()), 7, 40, 12]
+    greedy = SequenceSampler(0.0, 1.0, torch.Generator())
+    assert sample_next_tokens(logits.clone(), [greedy] * 6) == logits.argmax(dim=-1).tolist()
 
 
 def test_a_token_that_cannot_be_drawn_reports_a_finite_floor():
