@@ -212,7 +212,7 @@ def build_packed(
         return None
 
 
-HALF_ULPS = 4  # a half-precision token's hidden state may differ by this many eps of its norm
+HALF_EPS = 4  # a half-precision token's hidden state may differ by this many eps of its norm
 
 
 def _agreement(dtype: Any) -> Callable[[Any, Any], bool]:
@@ -221,11 +221,11 @@ def _agreement(dtype: Any) -> Callable[[Any, Any], bool]:
     sum in other orders and round every layer's output, so an element can differ by a few
     units in the last place of the larger values beside it (all-MiniLM-L6-v2 in bfloat16:
     up to 0.031 where values reach 6, 1.2-1.7% of a token's norm, on the load check's rows):
-    each token's difference within HALF_ULPS eps of its norm (3.1% in bfloat16), where a
+    each token's difference within HALF_EPS eps of its norm (3.1% in bfloat16), where a
     wrong position or a row attending to another's tokens is tens of percent."""
     if dtype == torch.float32 or dtype == torch.float64:
         return lambda got, want: bool(torch.allclose(got, want, rtol=1e-4, atol=1e-4))
-    limit = HALF_ULPS * torch.finfo(dtype).eps
+    limit = HALF_EPS * torch.finfo(dtype).eps
 
     def close(got: Any, want: Any) -> bool:
         norm = want.norm(dim=-1).clamp_min(torch.finfo(torch.float32).tiny)

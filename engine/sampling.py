@@ -61,7 +61,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     beside every compare and took 0.45-0.8 ms of a 17-20 ms decode step for 64 rows of the
     built-in model's 8,192 logits, NumPy's 0.05 ms (docs/benchmarks.md)."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
-        return torch.from_numpy(logits.contiguous().numpy().argmax(axis=1))
+        return torch.from_numpy(logits.detach().contiguous().numpy().argmax(axis=1))
     return logits.argmax(dim=-1)
 
 

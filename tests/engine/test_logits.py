@@ -93,7 +93,7 @@ def test_greedy_tokens_are_torchs_argmax_with_ties_nans_and_masked_rows():
     logits[3, 12] = float("inf")
     logits[4] = float("-inf")  # every token masked (a grammar's dead end): index 0
     logits[5, 299] = 50.0
-    for rows in (logits, logits[:, ::2], logits.double()):  # strided and float64 too
+    for rows in (logits, logits[:, ::2], logits.double(), logits.clone().requires_grad_()):  # strided, float64, grad
         got = greedy_tokens(rows)
         assert got.dtype == torch.long and got.tolist() == rows.argmax(dim=-1).tolist()
     assert greedy_tokens(logits).tolist()[:4] == [int(logits[0].argmax()), 7, 40, 12]
