@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import gc
+import threading
 
 import httpx
 import numpy as np
@@ -77,8 +78,23 @@ def test_body_and_input_limits(fake_server_factory):
     assert r.status_code == 422 and r.json()["error"]["code"] == "too_many_inputs"
 
 
+class HeldEngine(FakeEmbeddingEngine):
+    """Holds each batch until `release` is set: the queue fills behind the first whatever
+    the host's speed (with a fixed 0.3 s batch, a loaded host could finish it before the
+    next two were queued, and the queue never reached two)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def embed(self, batch):
+        self.entered.set()
+        assert self.release.wait(30), "never released"
+        return super().embed(batch)
+
+
 def test_queue_full_gets_429_with_retry_after(fake_server_factory):
-    engine = FakeEmbeddingEngine(fixed=0.3)
+    engine = HeldEngine()
     # No interactive lane: requests after the first must queue behind it (they are interactive)
     s = fake_server_factory(
         embed=engine, max_batch_size=1, max_queue=2, max_wait_ms=0, policy="fixed", interactive_lane=False
@@ -88,7 +104,7 @@ def test_queue_full_gets_429_with_retry_after(fake_server_factory):
         async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
             first = asyncio.create_task(c.post("/v1/embeddings", json={"model": "fake-embed", "input": "a"}))
             # The first is on the engine; the next two fill the queue.
-            await async_wait_until(lambda: engine.calls, message="the first request to reach the engine")
+            await async_wait_until(engine.entered.is_set, message="the first request to reach the engine")
             queued = [
                 asyncio.create_task(c.post("/v1/embeddings", json={"model": "fake-embed", "input": f"q{i}"}))
                 for i in range(2)
@@ -97,6 +113,7 @@ def test_queue_full_gets_429_with_retry_after(fake_server_factory):
                 lambda: len(s.ferry.models["fake-embed"].batcher.inner.queue) >= 2, message="two requests to queue"
             )
             rejected = await c.post("/v1/embeddings", json={"model": "fake-embed", "input": "late"})
+            engine.release.set()
             return rejected, await asyncio.gather(first, *queued)
 
     rejected, served = asyncio.run(burst())
