@@ -8,7 +8,11 @@ columns on the built-in model it took 5-6 ms of a 24 ms step over its 4 layers, 
 the host's memory bandwidth. The kernel reads each row's own columns only (the ones its
 mask keeps, so padding costs nothing and a column that was never written is never read),
 one (row, KV head) per task over torch's intra-op threads, the keys once for every query
-head they serve (grouped-query attention): 2.3 ms there (docs/benchmarks.md).
+head they serve (grouped-query attention): 2.3 ms there (docs/benchmarks.md). Where torch
+found AVX2 and FMA and the head dimension is a multiple of 8, its inner loops are vector
+code (four keys' dot products at a time, the exponentials eight at a time, the output held
+in registers across the columns): at 256 and more columns a step's attention is then bound
+by reading the keys and values, not by arithmetic (`python -m loadtests.decode_kernel`).
 
 Built with torch's JIT extension builder (a C++ compiler and ninja), once per machine and
 source: the library is cached under TORCH_EXTENSIONS_DIR (default ~/.cache/torch_extensions),

@@ -48,6 +48,29 @@ def test_kernel_equals_sdpa_over_the_columns_each_row_keeps(kernel, heads, kv_he
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dim", [8, 12, 40, 64, 96, 128])
+def test_every_head_dimension_through_the_vector_path_or_the_plain_loops(kernel, dim):
+    """Multiples of 8 run the vector path (blocks of 64, 32, 16 and 8 columns of the output;
+    four keys at a time, the rest one by one), others the plain loops: SDPA's output either way,
+    for rows of 1 to 45 kept columns."""
+    gen = torch.Generator().manual_seed(dim)
+    rows, heads, kv_heads, width = 45, 4, 2, 45
+    keys = torch.randn(rows, kv_heads, width + 3, dim, generator=gen)[:, :, 3:]
+    values = torch.randn(rows, kv_heads, width + 3, dim, generator=gen)[:, :, 3:]
+    query = torch.randn(rows, heads, dim, generator=gen) * 3  # sharp softmaxes too
+    mask = (torch.arange(width)[None, :] >= width - 1 - torch.arange(rows)[:, None]).long()  # row r keeps r + 1
+    want = reference(query, keys, values, mask, dim**-0.5)
+    assert torch.allclose(kernel(query, keys, values, mask, dim**-0.5), want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_non_finite_query_gives_non_finite_output_not_zeros(kernel):
+    keys = values = torch.ones(1, 1, 9, 16)
+    query = torch.ones(1, 1, 16)
+    query[0, 0, 3] = float("nan")
+    out = kernel(query, keys, values, torch.ones(1, 9, dtype=torch.long), 1.0)
+    assert torch.isnan(out).all()
+
+
 def test_a_row_with_no_column_to_attend_gets_zeros(kernel):
     keys = values = torch.ones(2, 1, 4, 8)
     mask = torch.tensor([[0, 0, 0, 0], [1, 1, 0, 1]])
