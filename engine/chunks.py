@@ -202,22 +202,24 @@ class PendingPrefills(Generic[Row]):
         chunks: Sequence[Chunk[Row]],
         sharing: Sharing,
         device: torch.device,
+        empty: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, PackedPlan, torch.Tensor]:
         """A packed forward (engine/packed.py) of one token of each row of `batch` ((token,
         position) each, in `last`) and then `chunks`: its input ids and position ids [1,
         tokens], its plan (the rows' shared prefixes `sharing`), and the indices of the tokens
         whose logits it needs (each row's, each completing chunk's last), on `device`. Opens
         the batch's next column for the rows."""
-        mask = batch.decode_mask()  # may grow or compact the buffers: read them after
-        slots = [(layer.keys, layer.values) for layer in batch.layers]
-        segments = packed_segments(chunks, len(last), slots[0][0], len(slots))
+        mask = batch.decode_mask() if last else None  # may grow or compact the buffers: read them after
+        slots = [(layer.keys, layer.values) for layer in batch.layers] if last else []
+        segments = packed_segments(chunks, len(last), empty)
         ids, positions = [t for t, _ in last], [p for _, p in last]
         for c in chunks:
             ids += c.pending.prompt[c.start : c.end]
             positions += range(c.start, c.end)
         ends = [g.offset + g.tokens - 1 for g, c in zip(segments, chunks, strict=True) if c.completes]
-        plan = PackedPlan(len(last), slots, batch.start, batch.end, mask.bool()[:, None, None, :], segments, *sharing)
-        plan.row_mask = mask.long()  # the kernel reads int64 (no copy when it is already)
+        decode_mask = None if mask is None else mask.bool()[:, None, None, :]
+        plan = PackedPlan(len(last), slots, batch.start, batch.end, decode_mask, segments, *sharing)
+        plan.row_mask = None if mask is None else mask.long()  # the kernel reads int64 (no copy when it is already)
         keep = list(range(len(last))) + ends
         return _tensor([ids], device), _tensor([positions], device), plan, _tensor(keep, device)
 
@@ -274,16 +276,17 @@ def _tensor(data: list, device: torch.device) -> torch.Tensor:
     return torch.tensor(data, device=device)
 
 
-def packed_segments(chunks: Sequence[Chunk], offset: int, like: torch.Tensor, layers: int) -> list[Segment]:
+def packed_segments(chunks: Sequence[Chunk], offset: int, empty: torch.Tensor) -> list[Segment]:
     """Each chunk as a segment of a packed forward (engine/packed.py), its tokens placed
     from `offset` on in chunk order. The forward writes the chunk's keys and values into its
-    prompt's buffer, allocated here the first time (`like`: a [.., kv_heads, .., head_dim]
-    KV tensor of the model) with what is known (the prefix cache's part) copied in."""
+    prompt's buffer, allocated here the first time after `empty` (an empty prompt buffer of
+    the model, [layers, 2, kv_heads, 0, head_dim]) with what is known (the prefix cache's
+    part) copied in."""
     segments = []
     for c in chunks:
         p = c.pending
         if p.buffer is None:
-            p.buffer = like.new_empty((layers, 2, like.shape[1], len(p.prompt), like.shape[3]))
+            p.buffer = empty.new_empty((*empty.shape[:3], len(p.prompt), empty.shape[4]))
             if p.kv is not None:
                 p.buffer[:, :, :, : p.done] = p.kv
             p.kv = p.buffer[:, :, :, : p.done]

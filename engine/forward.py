@@ -80,10 +80,12 @@ class CausalForward:
 
         return DynamicCache(config=self.model.config)
 
-    def check_cache_layout(self, device: torch.device) -> tuple[bool, int]:
+    def check_cache_layout(self, device: torch.device) -> tuple[bool, int, torch.Tensor]:
         """Fail at load, not mid-traffic, if the merge recipe cannot apply to this model.
         True if every layer's keys and values have one shape, as prefix cache blocks need;
-        and the bytes one token's keys and values take over all layers."""
+        the bytes one token's keys and values take over all layers; and an empty prompt KV
+        buffer, [layers, 2, kv_heads, 0, head_dim], of the cache's dtype and device (what
+        prompts' buffers are shaped after)."""
         ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         mask = torch.ones_like(ids)
         with torch.inference_mode():
@@ -96,7 +98,9 @@ class CausalForward:
                 "DynamicLayer caches can be merged across sequences"
             )
         shapes = {(layer.keys.shape, layer.values.shape, layer.keys.dtype) for layer in cache.layers}
-        return len(shapes) == 1, token_bytes
+        keys = cache.layers[0].keys  # [1, kv_heads, 1, head_dim]
+        empty = keys.new_empty((len(cache.layers), 2, keys.shape[1], 0, keys.shape[3]))
+        return len(shapes) == 1, token_bytes, empty
 
 
 def _cache_kwarg(model: Any) -> str:

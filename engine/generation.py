@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .base import PrefillStep, SequenceRequest, StepOutput, TokenLogprob
+from .base import PrefillStep, SequenceRequest, StepOutput
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, PendingPrefills
 from .decode_attention import kernel_after, kernel_for
@@ -32,7 +32,8 @@ from .forward import CausalForward
 from .grammar import GrammarCache
 from .kv import RunningBatch
 from .onednn import prepack_output_head
-from .packed import PrefixSharing, Sharing, install
+from .packed import PrefixSharing, install
+from .packed_steps import PackedSteps
 from .preemption import Preemption
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
@@ -93,7 +94,7 @@ class KVMemory:
         return self._preemption.count
 
 
-class HFGenerationEngine(ChatTokens, KVMemory):
+class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
     """GenerationEngine for a local path or hub id loadable by AutoModelForCausalLM.
 
     Not thread-safe: the batcher calls it from one worker thread.
@@ -145,7 +146,7 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         vocab, tokenizer = int(self.model.config.vocab_size), copy.deepcopy(self.tokenizer)
         self.grammars = GrammarCache(tokenizer, vocab, self.eos_token_ids)
         self._next = NextTokens(self, self._forward, self.grammars, max_running)
-        uniform, token_bytes = self._forward.check_cache_layout(self.device)
+        uniform, token_bytes, self._empty_kv = self._forward.check_cache_layout(self.device)
         # Cells (rows x columns) the running rows' KV may take; the context capped to fit it.
         self.kv_budget, self.max_context = _kv_budget(kv_cache_bytes, token_bytes, self.max_context, self.name)
         self._batch = self._new_batch()
@@ -283,6 +284,16 @@ class HFGenerationEngine(ChatTokens, KVMemory):
             raise
 
     def _run_chunks(self, chunks: list[Chunk[RunningSequence]], result: PrefillStep) -> None:
+        """Packed where no row decodes (no padding to the longest prompt, no copies into a
+        padded batch and out); else, or if that raises, padded with failures isolated."""
+        if chunks and self.packs_steps and not self._batch.seqs:
+            try:
+                logits = self._packed_forward(chunks)
+            except Exception:  # nothing advanced
+                log.exception("packed prefill of %s failed; running its chunks padded", self.name)
+            else:
+                self._packed_outputs(chunks, logits, result)
+                return
         for group, done in self._pending.run_isolated(chunks, result):
             self._first_tokens(group, done, result)
 
@@ -309,44 +320,6 @@ class HFGenerationEngine(ChatTokens, KVMemory):
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
         return self._decoded(self._next.sample(logits, batch.seqs))
-
-    def _decoded(self, tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
-        """The running rows' new tokens accounted; the rows that finish leave."""
-        outputs = [self._next.advance(seq, *token) for seq, token in zip(self._batch.seqs, tokens, strict=True)]
-        finished = {i for i, out in enumerate(outputs) if out.finish_reason}
-        if finished:
-            self._batch.drop(finished)
-        return outputs
-
-    def _packed_forward(self, chunks: Chunks, sharing: Sharing | None = None) -> torch.Tensor:
-        """One forward over one token of every running row and every chunk: the logits of
-        the rows, then of each chunk that ends its prompt; the batch advanced if it succeeds."""
-        batch = self._batch
-        batch.decode_mask()  # may move the columns: the plan reads them after
-        sharing = sharing or self._sharing.plan(batch.seqs, batch.end, self.device)
-        last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
-        input_ids, positions, plan, keep = self._pending.pack(batch, last, chunks, sharing, self.device)
-        plan.kernel = self._decode_kernel
-        logits = self._forward.packed(input_ids, positions, plan, keep)
-        batch.advance()
-        return logits
-
-    def _packed_outputs(self, chunks: Chunks, logits: torch.Tensor, result: PrefillStep) -> list[StepOutput]:
-        """The rows' tokens, then each finished prompt's first token (joining the rows)."""
-        batch = self._batch
-        completing = [c for c in chunks if c.completes]
-        rows = batch.rows
-        tokens = self._next.sample(logits, batch.seqs + [c.pending.seq for c in completing])
-        self._pending.packed_done(chunks, result)
-        decoded = self._decoded(tokens[:rows])
-        for c, token in zip(completing, tokens[rows:], strict=True):
-            out = self._next.advance(c.pending.seq, *token)
-            out.cached_tokens = c.pending.cached
-            result.outputs.append(out)
-            if out.finish_reason is None:
-                assert c.pending.buffer is not None
-                batch.join(c.pending.buffer[:, :, :, : c.end], c.pending.seq)
-        return decoded
 
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[int]) -> None:

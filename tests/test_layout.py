@@ -30,6 +30,8 @@ ALLOWED: dict[str, set[str]] = {
         "loadtests/lm_eval_check.py",
         "loadtests/padding_free.py",
         "loadtests/cost_fit.py",
+        "loadtests/decode_kernel.py",
+        "loadtests/prefix_burst.py",
         "loadtests/bench_metrics_scrape.py",
         "loadtests/sim_priority.py",
         "loadtests/ui_screenshot.py",

@@ -138,12 +138,28 @@ def test_a_chunk_that_fails_alone_fails_only_its_prompt(pair, monkeypatch):
         return extend(prompts, hits)
 
     monkeypatch.setattr(on._prefiller, "extend", failing)
+    monkeypatch.setattr(on._forward, "packed", _failing_packed)  # the packed prefill fails whole: run padded
     on.enqueue([greedy(1, good, max_tokens=3), greedy(2, bad, max_tokens=3)])
     done = on.prefill(None)
     assert list(done.failed) == [2] and "out of memory" in str(done.failed[2])
     assert [out.seq_id for out in done.outputs] == [1] and done.outputs[0].token_ids
     assert on.running_ids == [1]
     on.remove([1])
+
+
+def _failing_packed(*args):
+    raise RuntimeError("out of memory")
+
+
+def test_prompts_with_no_rows_running_are_prefilled_packed(engine):
+    """With no decode rows, the chunks still run as one packed forward: no padding to the
+    longest prompt, no copy of the prompts' KV into a padded batch and out again."""
+    short, long = turn(engine, "alone"), system_prompt(engine, "alone", words=60)
+    engine.enqueue([greedy(1, short, max_tokens=3), greedy(2, long, max_tokens=3)])
+    done = engine.prefill(None)
+    assert sorted(out.seq_id for out in done.outputs) == [1, 2] and not done.failed
+    assert done.computed_tokens == len(short) + len(long) == done.padded_tokens
+    engine.remove([1, 2])
 
 
 def test_removed_while_prefilling_and_refused_outright(engine):
@@ -193,6 +209,7 @@ def test_a_failure_keeping_one_prompts_kv_fails_it_alone(pair, monkeypatch):
         return kept(c, row, layers, width)
 
     monkeypatch.setattr(chunks, "_kept", failing)
+    monkeypatch.setattr(on._forward, "packed", _failing_packed)  # the padded path keeps a chunk's KV
     run = ChunkedRun(on, budget=40)
     on.enqueue([greedy(1, a), greedy(2, b)])
     try:
@@ -227,11 +244,11 @@ def test_a_packed_step_is_one_forward_and_gives_the_tokens_of_two(pair, monkeypa
     monkeypatch.setattr(on._forward, "packed", count_packed)
     run = ChunkedRun(on, budget=40, packed=True)
     run.add(greedy(1, turn(on, "decoding"), max_tokens=30))
-    run.step()  # nothing decodes yet: a prefill alone
-    assert calls == []
+    run.step()  # nothing decodes yet: a prefill alone, packed too
+    assert calls == ["packed"]
     run.add(greedy(2, long_prompt))
     run.step()
-    assert calls == ["packed"] and run.computed[-1] == 40  # the chunk rode in the decode step's forward
+    assert calls == ["packed"] * 2 and run.computed[-1] == 40  # the chunk rode in the decode step's forward
     run.drain()
     assert on.running == 0
     whole = Run(off)
