@@ -44,7 +44,6 @@ log = logging.getLogger("ferry.engine")
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_KV_CACHE_BYTES = 4096 * 1024 * 1024  # the running rows' KV, as vLLM's CPU backend's default
 MIN_KV_TOKENS = 1024  # fewer cannot hold the warm-up's rows (batcher/iteration.py) beside anything else
-Chunks = list[Chunk[RunningSequence]]
 
 
 class ChatTokens:
