@@ -21,9 +21,10 @@ import torch
 
 from .base import PrefillStep
 from .kv import RunningBatch
-from .packed import PackedPlan, Segment, Sharing
+from .packed import PackedPlan, Segment
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import chain_keys
+from .sharing import Sharing
 
 Row = TypeVar("Row")  # the engine's own state of the sequence; opaque here
 
@@ -221,7 +222,9 @@ class PendingPrefills(Generic[Row]):
         plan = PackedPlan(len(last), slots, batch.start, batch.end, decode_mask, segments, *sharing)
         plan.row_mask = None if mask is None else mask.long()  # the kernel reads int64 (no copy when it is already)
         keep = list(range(len(last))) + ends
-        return _tensor([ids], device), _tensor([positions], device), plan, _tensor(keep, device)
+        # (int64 even when empty: no row decodes and no chunk completes its prompt)
+        keep_ids = torch.tensor(keep, dtype=torch.long, device=device)
+        return _tensor([ids], device), _tensor([positions], device), plan, keep_ids
 
     def packed_done(self, chunks: Sequence[Chunk[Row]], step: PrefillStep) -> None:
         """After a packed forward over `chunks` (`packed_segments`) succeeded: every full

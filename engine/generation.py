@@ -32,12 +32,13 @@ from .forward import CausalForward
 from .grammar import GrammarCache
 from .kv import RunningBatch
 from .onednn import prepack_output_head
-from .packed import PrefixSharing, install
+from .packed import install
 from .packed_steps import PackedSteps
 from .preemption import Preemption
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .sequence import NextTokens, RunningSequence
+from .sharing import PrefixSharing
 
 log = logging.getLogger("ferry.engine")
 
@@ -71,13 +72,15 @@ class KVMemory:
     _batch: RunningBatch[RunningSequence]
     _pending: PendingPrefills[RunningSequence]
     _preemption: Preemption
+    _sharing: PrefixSharing
     kv_budget: int | None
 
     @property
     def kv_tokens(self) -> int:
-        """Token slots the running rows attend over (rows x length, padding included), and
-        the prompt tokens prefilling sequences hold."""
-        return self._batch.rows * self._batch.width + self._pending.kv_tokens
+        """Token slots the running rows attend over (rows x length, padding included), the
+        shared prefixes held for them once (engine/sharing.py), and the prompt tokens
+        prefilling sequences hold."""
+        return self._batch.rows * self._batch.width + self._sharing.tokens + self._pending.kv_tokens
 
     @property
     def kv_usage(self) -> float | None:
@@ -155,13 +158,13 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         # Packed steps keep a chunk's KV in one buffer across layers, as the prefix cache
         # does, and need the model's attention to be SDPA (engine/packed.py).
         self.packs_steps = packed_steps and uniform and install(self.model) and self._forward.packed_works(self.device)
-        self._sharing = PrefixSharing()
         # Decode steps' attention through engine/decode_attention.py's kernel (packed steps
         # only); None keeps SDPA.
         self._decode_kernel = kernel_for(self.model, native_attention and self.packs_steps)
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller)
-        self._preemption = Preemption(self._pending, self._prefiller.prefix_cache)
+        self._sharing = PrefixSharing()  # prefixes running rows share, held once (engine/sharing.py)
+        self._preemption = Preemption(self._pending, self._prefiller.prefix_cache, self._sharing)
         _log_loaded(self, prefix_cache)
 
     @classmethod
@@ -280,6 +283,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         except BaseException:
             self._batch = self._new_batch()
             self._pending.clear()
+            self._sharing.clear()
             raise
 
     def _run_chunks(self, chunks: list[Chunk[RunningSequence]], result: PrefillStep) -> None:
@@ -303,13 +307,16 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         if not batch.seqs:
             return []
         mask = batch.decode_mask()  # may move the columns: all below reads them after
-        # Packed where rows share a prefix, or where the decode attention kernel runs (only
-        # a packed forward's attention knows the rows apart); else one plain forward.
-        sharing = self._sharing.plan(batch.seqs, batch.end, self.device) if packed and self.packs_steps else ([], None)
+        # Packed where rows share a prefix (their slots do not hold it: only the packed
+        # attention reads it), or where the decode attention kernel runs (only a packed
+        # forward's attention knows the rows apart); else one plain forward.
+        sharing = self._sharing.plan(batch.seqs, batch.end, self.device) if self.packs_steps else ([], None)
         if sharing[0] or (packed and self.packs_steps and self._decode_kernel is not None):
             try:
                 logits = self._packed_forward([], sharing)
-            except Exception as exc:  # nothing advanced: run it plain
+            except Exception as exc:  # nothing advanced: run it plain, where that can be
+                if sharing[0]:
+                    raise
                 log.exception("packed decode step of %s failed; running it plain", self.name)
                 self._decode_kernel = kernel_after(exc, self._decode_kernel, self.name)
             else:
@@ -318,7 +325,9 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
-        return self._decoded(self._next.sample(logits, batch.seqs))
+        decoded = self._decoded(self._next.sample(logits, batch.seqs))
+        self._sharing.let_go(batch.seqs)
+        return decoded
 
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[int]) -> None:
@@ -327,6 +336,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         leaving = {i for i, seq in enumerate(self._batch.seqs) if seq.seq_id in drop}
         if leaving:
             self._batch.drop(leaving)
+            self._sharing.let_go(self._batch.seqs)
 
     # -- internals -------------------------------------------------------------------
 
@@ -346,7 +356,9 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
                 alive.append(row)
         if alive:  # rows are right-aligned: the finished ones need their own columns only
             w = max(chunks[row].end for row in alive)
-            self._batch.admit([(k[:, :, -w:], v[:, :, -w:]) for k, v in done.layers], done.mask[:, -w:], seqs, alive)
+            layers = [(k[:, :, -w:], v[:, :, -w:]) for k, v in done.layers]
+            layers, mask = self._take_prefixes(seqs, alive, [c.end for c in chunks], layers, done.mask[:, -w:])
+            self._batch.admit(layers, mask, seqs, alive)
 
     def _prefill(self, requests: Sequence[SequenceRequest]) -> list[StepOutput]:
         done = self._prefiller.run([r.prompt_ids for r in requests])
@@ -357,8 +369,41 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
             out.cached_tokens = cached
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]
         if alive:
-            self._batch.admit(done.layers, done.mask, seqs, alive)
+            lengths = [len(r.prompt_ids) for r in requests]
+            layers, mask = self._take_prefixes(seqs, alive, lengths, done.layers, done.mask)
+            self._batch.admit(layers, mask, seqs, alive)
         return outputs
+
+    def _take_prefixes(
+        self,
+        seqs: list[RunningSequence],
+        alive: list[int],
+        lengths: list[int],
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+        """Rows `alive` of a prefill (its KV right-aligned in `layers`, rows `lengths` long)
+        about to join the batch: each takes a held prefix where one serves (engine/sharing.py).
+        The layers and mask are returned as wide as the joining rows' own parts, the prefix
+        columns left in that width masked out (the mask a copy, where any is), so attention
+        reads a prefix from the one held copy only and the slots hold none of it."""
+        if not self.packs_steps:
+            return layers, mask
+        width, copied, own = mask.shape[1], False, 0
+        others = [*self._batch.seqs, *(p.seq for p in self._pending.waiting()), *(seqs[row] for row in alive)]
+        for row in alive:
+            lo = width - lengths[row]
+
+            def prefix(n: int, row: int = row, lo: int = lo) -> torch.Tensor:
+                return torch.stack([torch.stack((k[row, :, lo : lo + n], v[row, :, lo : lo + n])) for k, v in layers])
+
+            if taken := self._sharing.take(seqs[row], prefix, lambda: others):
+                mask, copied = (mask, True) if copied else (mask.clone(), True)
+                mask[row, lo : lo + taken] = 0
+            own = max(own, lengths[row] - taken)
+        if own == width:
+            return layers, mask
+        return [(k[:, :, -own:], v[:, :, -own:]) for k, v in layers], mask[:, -own:]
 
     def _new_batch(self) -> RunningBatch[RunningSequence]:
         return RunningBatch(self.max_running, self.kv_budget)

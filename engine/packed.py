@@ -17,10 +17,8 @@ as the forward's `ferry_plan` keyword, which transformers passes down to attenti
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -28,9 +26,6 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .decode_attention import DecodeAttention, KernelError
 
 IMPLEMENTATION = "ferry"  # the attention implementation name models are switched to
-SHARE_BLOCK = 16  # prefixes are shared in whole blocks of this many prompt tokens
-MIN_SHARED_BLOCKS = 2  # shorter shared prefixes are not worth a product of their own
-MAX_GROUPS = 8  # more groups than this: each row attends over all of itself, as usual
 
 
 @dataclass(slots=True)
@@ -52,13 +47,12 @@ class Segment:
 
 @dataclass(slots=True)
 class SharedPrefix:
-    """Decode rows `rows` (indices) start with the same `tokens` tokens, whose keys and values
-    row `source` holds from column `column` of the running batch."""
+    """Decode rows `rows` (indices) start with the same prefix, whose keys and values `kv`
+    [layers, 2, kv_heads, tokens, head_dim] are held once (engine/sharing.py), not in the
+    rows' slots: each row's slot holds only the columns after it."""
 
     rows: torch.Tensor
-    source: int
-    column: int
-    tokens: int
+    kv: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -177,10 +171,11 @@ def packed_attention(
 def shared_prefix_attention(query: torch.Tensor, plan: PackedPlan, layer: int, scaling: float) -> torch.Tensor:
     """Decode attention [rows, heads, head_dim] of one query per row, where groups of rows
     start with the same prefix (a shared system prompt): each group's queries meet the
-    prefix's keys once, as one matrix product over one copy of it, and each row's own part
-    (the rest of its tokens) is attended over a window as narrow as the rows' own parts;
-    the two softmaxes are merged by their maxima and sums. Without it every row reads its
-    own copy of the prefix at every step: at 32 rows of 700 tokens, most of a step's time."""
+    prefix's keys once, as one matrix product over the one copy held of it (the rows' slots
+    do not hold it: engine/sharing.py), and each row's own part (the rest of its tokens) is
+    attended over a window as narrow as the rows' own parts; the two softmaxes are merged by
+    their maxima and sums. Without it every row would read its own copy of the prefix at
+    every step: at 32 rows of 700 tokens, most of a step's time."""
     keys, values = plan.slots[layer]
     rows, heads, dim = query.shape
     kv_heads = keys.shape[1]
@@ -199,13 +194,12 @@ def shared_prefix_attention(query: torch.Tensor, plan: PackedPlan, layer: int, s
     out = torch.matmul(weights, values[:rows, :, lo:hi].float())
     for g in plan.shared:
         n = len(g.rows)
-        cached = slice(g.column, g.column + g.tokens)
         # [kv_heads, n x group, dim] against [kv_heads, tokens, dim]: one product per KV head.
         qg = q.index_select(0, g.rows).transpose(0, 1).reshape(kv_heads, n * group, dim)
-        s = torch.matmul(qg, keys[g.source, :, cached].transpose(-1, -2).float()) * scaling
+        s = torch.matmul(qg, g.kv[layer, 0].transpose(-1, -2).float()) * scaling
         top_g = s.amax(-1, keepdim=True)
         w = torch.exp(s - top_g)
-        total_g, out_g = w.sum(-1, keepdim=True), torch.matmul(w, values[g.source, :, cached].float())
+        total_g, out_g = w.sum(-1, keepdim=True), torch.matmul(w, g.kv[layer, 1].float())
 
         # [kv_heads, n x group, x] -> [n, kv_heads, group, x]
         top_g, total_g, out_g = (t.reshape(kv_heads, n, group, -1).transpose(0, 1) for t in (top_g, total_g, out_g))
@@ -216,66 +210,6 @@ def shared_prefix_attention(query: torch.Tensor, plan: PackedPlan, layer: int, s
         total.index_copy_(0, g.rows, total_g * a + total.index_select(0, g.rows) * b)
         top.index_copy_(0, g.rows, both)
     return (out / total).reshape(rows, heads, dim).to(query.dtype)
-
-
-Sharing = tuple[list[SharedPrefix], torch.Tensor | None]  # the groups, and each row's own start
-
-
-class SharingRow(Protocol):  # engine/sequence.py's RunningSequence
-    seq_id: int
-    chain: list[bytes]  # its prompt's block keys (engine/prefix_cache.py's chain_keys)
-
-    @property
-    def total_tokens(self) -> int: ...
-
-
-class PrefixSharing:
-    """Which running rows start with the same prompt prefix (`prefix_groups`), recomputed only
-    when the rows change, as the plan of a shared-prefix attention step."""
-
-    def __init__(self) -> None:
-        self._rows: tuple[tuple[int, bytes], ...] = ()
-        self._groups: list[tuple[list[int], int]] = []
-
-    def plan(self, seqs: Sequence[SharingRow], column: int, device: torch.device) -> Sharing:
-        """The running rows in batch order, right-aligned to end before `column`: the groups,
-        and each row's first column after its group's prefix (or its first column); ([],
-        None) if no sharing pays."""
-        # A chain's last key names its whole prefix: the groups change only with these.
-        key = tuple((s.seq_id, s.chain[-1] if s.chain else b"") for s in seqs)
-        if key != self._rows:
-            self._rows, self._groups = key, prefix_groups([s.chain for s in seqs])
-        if not self._groups:
-            return [], None
-        first = [column - (s.total_tokens - 1) for s in seqs]  # the cache holds all but the last token
-        own = list(first)
-        shared = []
-        for members, blocks in self._groups:
-            tokens = blocks * SHARE_BLOCK
-            for r in members:
-                own[r] += tokens
-            shared.append(SharedPrefix(torch.tensor(members, device=device), members[0], first[members[0]], tokens))
-        return shared, torch.tensor(own, device=device)
-
-
-def prefix_groups(chains: list[list[bytes]]) -> list[tuple[list[int], int]]:
-    """Rows grouped by the deepest prompt block each shares with another row (blocks keyed as
-    the prefix cache keys them: one key names the whole prefix up to it), as (rows, blocks);
-    [] unless at least half the rows share MIN_SHARED_BLOCKS or more, in at most MAX_GROUPS
-    groups (a row sharing less than its neighbours may form a group of its own)."""
-    counts = Counter(key for chain in chains for key in chain)
-    groups: dict[bytes, tuple[list[int], int]] = {}
-    for row, chain in enumerate(chains):
-        depth = 0
-        while depth < len(chain) and counts[chain[depth]] > 1:
-            depth += 1
-        if depth >= MIN_SHARED_BLOCKS:
-            groups.setdefault(chain[depth - 1], ([], depth))[0].append(row)
-    found = list(groups.values())
-    shared_rows = sum(len(rows) for rows, _ in found if len(rows) > 1)
-    if len(found) > MAX_GROUPS or 2 * shared_rows < len(chains):
-        return []
-    return found
 
 
 def install(model: Any) -> bool:

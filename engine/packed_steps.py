@@ -4,6 +4,8 @@ yields: the rows' tokens, and each finished prompt's first token as it joins the
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .base import PrefillStep, StepOutput, TokenLogprob
@@ -11,8 +13,8 @@ from .chunks import Chunk, PendingPrefills
 from .decode_attention import DecodeAttention
 from .forward import CausalForward
 from .kv import RunningBatch
-from .packed import PrefixSharing, Sharing
 from .sequence import NextTokens, RunningSequence
+from .sharing import PrefixSharing, Sharing
 
 Chunks = list[Chunk[RunningSequence]]
 
@@ -29,6 +31,7 @@ class PackedSteps:
     _decode_kernel: DecodeAttention | None
     _empty_kv: torch.Tensor
     _next: NextTokens
+    packs_steps: bool
 
     def _decoded(self, tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
         """The running rows' new tokens accounted; the rows that finish leave."""
@@ -58,14 +61,25 @@ class PackedSteps:
         batch = self._batch
         completing = [c for c in chunks if c.completes]
         rows = batch.rows
-        tokens = self._next.sample(logits, batch.seqs + [c.pending.seq for c in completing])
+        joining = [c.pending.seq for c in completing]
+        tokens = self._next.sample(logits, batch.seqs + joining)
         self._pending.packed_done(chunks, result)
         decoded = self._decoded(tokens[:rows])
+        others = [*batch.seqs, *(p.seq for p in self._pending.waiting()), *joining]
         for c, token in zip(completing, tokens[rows:], strict=True):
             out = self._next.advance(c.pending.seq, *token)
             out.cached_tokens = c.pending.cached
             result.outputs.append(out)
             if out.finish_reason is None:
-                assert c.pending.buffer is not None
-                batch.join(c.pending.buffer[:, :, :, : c.end], c.pending.seq)
+                buffer = c.pending.buffer
+                assert buffer is not None
+                # A prefix its row references is held once, not copied into its slot.
+                taken = self._sharing.take(c.pending.seq, functools.partial(_first_columns, buffer), lambda: others)
+                batch.join(buffer[:, :, :, taken : c.end], c.pending.seq)
+        self._sharing.let_go(batch.seqs)
         return decoded
+
+
+def _first_columns(buffer: torch.Tensor, n: int) -> torch.Tensor:
+    """A copy of a prompt buffer's KV of its first `n` tokens."""
+    return buffer[:, :, :, :n].clone()

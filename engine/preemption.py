@@ -25,18 +25,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from .base import PrefillStep
 from .chunks import Chunk, Pending, PendingPrefills
 from .kv import RunningBatch
 from .prefix_cache import PrefixCache
 from .sequence import RunningSequence
+from .sharing import PrefixSharing
 
 
 class Preemption:
     """Keeps an engine's running rows within their KV budget; counts the sequences preempted."""
 
-    def __init__(self, pending: PendingPrefills[RunningSequence], cache: PrefixCache | None) -> None:
+    def __init__(
+        self, pending: PendingPrefills[RunningSequence], cache: PrefixCache | None, sharing: PrefixSharing | None = None
+    ) -> None:
         self.pending, self.cache = pending, cache
+        self.sharing = sharing or PrefixSharing()  # the engine's: a prefix held once takes no row's columns
         self.count = 0  # sequences preempted so far (a counter: the metric reads it)
 
     def room_for_step(self, batch: RunningBatch[RunningSequence]) -> None:
@@ -69,8 +75,12 @@ class Preemption:
         known = seq.prompt + seq.tokens[:-1]  # the cache holds every token but the last
         if self.cache is not None:
             kv = batch.row_kv(row)
+            if seq.shared is not None:  # the prefix its slot does not hold (engine/sharing.py)
+                held = seq.shared.kv
+                kv = [(torch.cat((held[i, 0], k), 1), torch.cat((held[i, 1], v), 1)) for i, (k, v) in enumerate(kv)]
             if kv and kv[0][0].shape[1] == len(known):
                 self.cache.store(known, kv)
+        seq.shared = None
         batch.drop({row})
         self.pending.add(seq.seq_id, seq.prompt + seq.tokens, seq, resumed=True)
         self.count += 1
@@ -105,7 +115,8 @@ class StepRoom:
                 self.blocked.append(p.seq.priority)
                 return False
             self.preemption.park(batch, victim)
-        self.joining.append(len(p.prompt))
+        held = self.preemption.sharing.held(p.seq.chain)
+        self.joining.append(len(p.prompt) - (held.tokens if held else 0))
         return True
 
     def _held(self, p: Pending[RunningSequence]) -> bool:
@@ -116,13 +127,15 @@ class StepRoom:
         rows kept are as wide as the longest of them (rows are right-aligned)."""
         batch = self.batch
         kept = [s for s in batch.seqs if s.priority <= p.seq.priority]
-        width = batch.width if len(kept) == batch.rows else max((s.total_tokens - 1 for s in kept), default=0)
+        width = batch.width if len(kept) == batch.rows else max((_held_columns(s) for s in kept), default=0)
         return batch.fits(len(kept) + len(self.joining) + 1, self._columns(width, p))
 
     def _columns(self, width: int, p: Pending[RunningSequence]) -> int:
         """Columns after this step's decode column, with `p` and the prompts joining, and
-        room for the next one."""
-        return max([width + 1, len(p.prompt), *self.joining]) + 1
+        room for the next one. A prompt that starts with a prefix held once (engine/sharing.py)
+        needs columns for the rest only."""
+        held = self.preemption.sharing.held(p.seq.chain)
+        return max([width + 1, len(p.prompt) - (held.tokens if held else 0), *self.joining]) + 1
 
 
 def _victim(seqs: Sequence[RunningSequence], above: int | None = None) -> int | None:
@@ -130,3 +143,9 @@ def _victim(seqs: Sequence[RunningSequence], above: int | None = None) -> int | 
     where given), the newest (highest id) of those."""
     rows = [i for i, s in enumerate(seqs) if above is None or s.priority > above]
     return max(rows, key=lambda i: (seqs[i].priority, seqs[i].seq_id), default=None)
+
+
+def _held_columns(seq: RunningSequence) -> int:
+    """Columns a running row holds in its slot: all its tokens but the last, less a prefix
+    held apart."""
+    return seq.total_tokens - 1 - (seq.shared.tokens if seq.shared else 0)

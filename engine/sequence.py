@@ -15,10 +15,10 @@ from .detokenize import FINISH_COMPLETE, FINISH_LENGTH, FINISH_STOP, SequenceTex
 from .forward import CausalForward
 from .grammar import GrammarCache, RowMasks
 from .logits import LogitRules, apply_rules
-from .packed import SHARE_BLOCK
 from .prefix_cache import chain_keys
 from .prompt_logprobs import prompt_logprobs
 from .sampling import SequenceSampler, sample_next_tokens, token_logprobs
+from .sharing import SHARE_BLOCK, HeldPrefix
 
 
 class SequenceLimits(Protocol):
@@ -87,6 +87,7 @@ class RunningSequence:
     tokens: list[int] = field(default_factory=list)
     scored: list[int] | None = None  # its prompt, kept where its params ask for the prompt's log probabilities
     chain: list[bytes] = field(default_factory=list)  # its prompt's block keys, for shared-prefix attention
+    shared: HeldPrefix | None = None  # the prefix its running row references, not in its slot (engine/sharing.py)
     priority: int = 0  # lower runs first: when KV memory runs out, the highest yields first
 
     @classmethod

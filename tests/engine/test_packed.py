@@ -1,22 +1,19 @@
-"""Packed steps' attention (engine/packed.py): shared-prefix decode attention equals plain
-SDPA over each row's own copy (with grouped-query attention), rows are grouped by the
-deepest prompt block they share, and the engine's greedy tokens with shared-prefix
-attention are those of plain decode steps, on the built-in model and on a GQA Llama."""
+"""Packed steps' attention (engine/packed.py) and shared prefixes (engine/sharing.py):
+shared-prefix decode attention over a held prefix equals plain SDPA over each row's whole
+sequence (with grouped-query attention), a joining row takes the deepest prefix held or
+shared, and the engine's greedy tokens with shared prefixes held apart are those of plain
+decode steps, on the built-in model and on a GQA Llama."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from engine.packed import (
-    MIN_SHARED_BLOCKS,
-    SHARE_BLOCK,
-    PackedPlan,
-    SharedPrefix,
-    prefix_groups,
-    shared_prefix_attention,
-)
+from engine.packed import PackedPlan, SharedPrefix, shared_prefix_attention
 from engine.prefix_cache import chain_keys
+from engine.sharing import MAX_GROUPS, MIN_SHARED_BLOCKS, SHARE_BLOCK, HeldPrefix, PrefixSharing
 from tests.engine.test_chunks import ChunkedRun
 from tests.engine.test_prefill import Run, greedy, system_prompt, turn
 
@@ -24,59 +21,119 @@ from tests.engine.test_prefill import Run, greedy, system_prompt, turn
 pytestmark = pytest.mark.usefixtures("nan_empty")
 
 
-def test_shared_prefix_attention_equals_sdpa_over_each_rows_own_copy():
+def test_shared_prefix_attention_equals_sdpa_over_each_rows_whole_sequence():
+    """Rows 0-2 reference one held prefix of 16 tokens, rows 3-4 another of 8, row 5 none:
+    their slots hold only what follows their prefix; the result is SDPA over each row's
+    prefix and own part together."""
     torch.manual_seed(0)
     rows, kv_heads, group, dim, width = 6, 2, 4, 16, 40
     heads = kv_heads * group
-    keys = torch.randn(rows, kv_heads, width, dim)
-    values = torch.randn(rows, kv_heads, width, dim)
-    # Rows right-aligned at column 39 (the new token's); lengths 30, 34, 39, 25, 36, 20.
-    lengths = [30, 34, 39, 25, 36, 20]
-    first = [width - n for n in lengths]
+    prefixes = [torch.randn(1, 2, kv_heads, 16, dim), torch.randn(1, 2, kv_heads, 8, dim)]
+    held_by = [0, 0, 0, 1, 1, None]
+    own = [14, 18, 23, 17, 28, 20]  # own tokens in the slot, right-aligned at column 39
+    keys = torch.full((rows, kv_heads, width, dim), float("nan"))
+    values = torch.full((rows, kv_heads, width, dim), float("nan"))
     mask = torch.zeros(rows, width, dtype=torch.bool)
-    for r, f in enumerate(first):
-        mask[r, f:] = True
-    # Rows 0, 1, 2 share 16 tokens; rows 3, 4 share 8; row 5 shares nothing.
-    for members, tokens in (([0, 1, 2], 16), ([3, 4], 8)):
-        source = members[0]
-        for r in members[1:]:
-            keys[r, :, first[r] : first[r] + tokens] = keys[source, :, first[source] : first[source] + tokens]
-            values[r, :, first[r] : first[r] + tokens] = values[source, :, first[source] : first[source] + tokens]
-    shared = [
-        SharedPrefix(torch.tensor([0, 1, 2]), 0, first[0], 16),
-        SharedPrefix(torch.tensor([3, 4]), 3, first[3], 8),
-    ]
-    own = torch.tensor([first[0] + 16, first[1] + 16, first[2] + 16, first[3] + 8, first[4] + 8, first[5]])
-    plan = PackedPlan(rows, [(keys, values)], 0, width - 1, mask[:, None, None, :], [], shared, own)
+    whole_k, whole_v = [], []
+    for r, n in enumerate(own):
+        keys[r, :, width - n :] = torch.randn(kv_heads, n, dim)
+        values[r, :, width - n :] = torch.randn(kv_heads, n, dim)
+        keys[r, :, : width - n] = 0  # the engine zeroes what attention may read
+        values[r, :, : width - n] = 0
+        mask[r, width - n :] = True
+        k, v = keys[r, :, width - n :], values[r, :, width - n :]
+        if held_by[r] is not None:
+            held = prefixes[held_by[r]][0]
+            k, v = torch.cat((held[0], k), 1), torch.cat((held[1], v), 1)
+        whole_k.append(k)
+        whole_v.append(v)
+    shared = [SharedPrefix(torch.tensor([0, 1, 2]), prefixes[0]), SharedPrefix(torch.tensor([3, 4]), prefixes[1])]
+    own_start = torch.tensor([width - n for n in own])
+    plan = PackedPlan(rows, [(keys, values)], 0, width - 1, mask[:, None, None, :], [], shared, own_start)
     query = torch.randn(rows, heads, dim)
     got = shared_prefix_attention(query, plan, 0, dim**-0.5)
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query.unsqueeze(2),
-        keys.repeat_interleave(group, dim=1),
-        values.repeat_interleave(group, dim=1),
-        attn_mask=mask[:, None, None, :],
-    ).squeeze(2)
-    assert torch.allclose(got, expected, atol=1e-5)
+    for r in range(rows):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[r].unsqueeze(1),
+            whole_k[r].repeat_interleave(group, dim=0),
+            whole_v[r].repeat_interleave(group, dim=0),
+        ).squeeze(1)
+        assert torch.allclose(got[r], expected, atol=1e-5)
 
 
-def test_rows_are_grouped_by_the_deepest_block_they_share():
+@dataclass(eq=False)
+class Row:
+    seq_id: int
+    chain: list[bytes]
+    length: int
+    shared: HeldPrefix | None = None
+
+    @property
+    def total_tokens(self) -> int:
+        return self.length
+
+
+def _chain(prompt: list[int]) -> list[bytes]:
+    return chain_keys(prompt, SHARE_BLOCK, (len(prompt) - 1) // SHARE_BLOCK)
+
+
+def _kv(tokens: int) -> torch.Tensor:
+    return torch.arange(float(tokens)).reshape(1, 1, 1, tokens, 1).expand(2, 2, 1, tokens, 1).clone()
+
+
+def test_a_joining_row_takes_the_deepest_prefix_held_or_shared_with_another():
     system = list(range(1, 5 * SHARE_BLOCK + 1))
+    sharing = PrefixSharing()
+    a = Row(1, _chain(system + [900 + i for i in range(20)]), 101)
+    b = Row(2, _chain(system + [800 + i for i in range(20)]), 101)
+    alone = Row(3, _chain([300 + i for i in range(80)]), 80)
+    asked = []
 
-    def chain(prompt: list[int]) -> list[bytes]:
-        return chain_keys(prompt, SHARE_BLOCK, (len(prompt) - 1) // SHARE_BLOCK)
+    def prefix(n: int) -> torch.Tensor:
+        asked.append(n)
+        return _kv(n)
 
-    a = chain(system + [900 + i for i in range(20)])
-    b = chain(system + [900 + i for i in range(20)] + [7])  # shares all of a's blocks
-    c = chain(system[: 3 * SHARE_BLOCK] + [500 + i for i in range(40)])  # shares 3 blocks
-    d = chain(system[: 3 * SHARE_BLOCK] + [600 + i for i in range(40)])
-    alone = chain([300 + i for i in range(80)])
-    groups = prefix_groups([a, b, c, d, alone])
-    assert sorted((rows, blocks) for rows, blocks in groups) == [([0, 1], 6), ([2, 3], 3)]
-    # Fewer than half the rows sharing: not worth it.
-    assert prefix_groups([a, b, alone, chain([400 + i for i in range(80)]), chain([700 + i for i in range(80)])]) == []
-    # Less than MIN_SHARED_BLOCKS shared: no group.
+    # Nobody else shares: nothing held, nothing taken.
+    assert sharing.take(a, prefix, lambda: [alone]) == 0 and a.shared is None and asked == []
+    # b shares the five system blocks with a: a prefix of 80 tokens is copied once from b's KV.
+    assert sharing.take(b, prefix, lambda: [a, alone]) == 5 * SHARE_BLOCK
+    assert asked == [80] and b.shared is not None and b.shared.tokens == 80
+    # a (rejoining, say) takes the held one without asking anyone or copying anything.
+    assert sharing.take(a, prefix, lambda: pytest.fail("others asked")) == 80 and a.shared is b.shared
+    assert asked == [80] and sharing.tokens == 80
+    # Fewer than MIN_SHARED_BLOCKS shared: no prefix of its own.
     short = system[: (MIN_SHARED_BLOCKS - 1) * SHARE_BLOCK]
-    assert prefix_groups([chain(short + [1] * 40), chain(short + [2] * 40)]) == []
+    c, d = Row(4, _chain(short + [1] * 40), 60), Row(5, _chain(short + [2] * 40), 60)
+    assert sharing.take(c, prefix, lambda: [d]) == 0 and c.shared is None
+
+
+def test_at_most_max_groups_prefixes_are_held():
+    sharing = PrefixSharing()
+    rows = []
+    for g in range(MAX_GROUPS + 1):
+        prompt = [1000 * (g + 1) + i for i in range(3 * SHARE_BLOCK + 1)]
+        first, second = Row(2 * g, _chain(prompt), 60), Row(2 * g + 1, _chain(prompt), 60)
+        rows.append(sharing.take(second, _kv, lambda first=first: [first]))
+    assert rows == [3 * SHARE_BLOCK] * MAX_GROUPS + [0]
+
+
+def test_the_plan_groups_rows_by_the_prefix_they_reference_and_unused_ones_are_let_go():
+    system = list(range(1, 4 * SHARE_BLOCK + 1))
+    sharing = PrefixSharing()
+    a = Row(1, _chain(system + [7] * 10), 80)
+    b = Row(2, _chain(system + [8] * 10), 90)
+    plain = Row(3, _chain([5] * 30), 30)
+    sharing.take(b, _kv, lambda: [a])
+    sharing.take(a, _kv, lambda: [b])
+    groups, own = sharing.plan([plain, a, b], column=100, device=torch.device("cpu"))
+    assert len(groups) == 1 and groups[0].rows.tolist() == [1, 2] and groups[0].kv.shape[3] == 64
+    # Each row's slot holds all but its last token, less the held prefix: right-aligned before 100.
+    assert own is not None and own.tolist() == [100 - 29, 100 - (79 - 64), 100 - (89 - 64)]
+    assert sharing.plan([plain], column=100, device=torch.device("cpu")) == ([], None)
+    # Held until the step's joins are done (the room they were given counted on it), then let go.
+    assert sharing.tokens == 64
+    sharing.let_go([plain])
+    assert sharing.tokens == 0 and sharing.held(a.chain) is None
 
 
 def test_decode_with_shared_prefixes_gives_the_tokens_of_plain_decode(pair):
@@ -92,12 +149,15 @@ def test_decode_with_shared_prefixes_gives_the_tokens_of_plain_decode(pair):
         r.drain()
 
     shared, plain = ChunkedRun(on, budget=64, packed=True), Run(off)
-    groups = []
+    groups: list[int] = []
+    widths: list[int] = []
     plan = on._sharing.plan
 
     def spy(seqs, column, device):
         out = plan(seqs, column, device)
         groups.append(len(out[0]))
+        if out[0]:  # the rows' slots hold only what follows the prefix held for them
+            widths.append(on._batch.width)
         return out
 
     on._sharing.plan = spy  # type: ignore[method-assign]
@@ -108,6 +168,7 @@ def test_decode_with_shared_prefixes_gives_the_tokens_of_plain_decode(pair):
     script(plain)
     assert shared.tokens == plain.tokens
     assert max(groups) >= 1  # shared-prefix attention ran
+    assert widths and max(widths) < len(system) - 2 * SHARE_BLOCK
 
 
 def test_shared_prefix_attention_holds_when_the_columns_move(pair, monkeypatch):

@@ -19,7 +19,8 @@ from engine.base import SamplingParams, SequenceRequest
 from engine.chunks import PendingPrefills
 from engine.generation import HFGenerationEngine
 from engine.preemption import Preemption
-from tests.engine.test_prefill import Run, turn
+from engine.sharing import SHARE_BLOCK
+from tests.engine.test_prefill import Run, system_prompt, turn
 
 # The engine's buffers are allocated unzeroed: these tests run with them full of NaN.
 pytestmark = pytest.mark.usefixtures("nan_empty")
@@ -123,6 +124,47 @@ def test_preempted_sequences_give_the_unbounded_greedy_tokens(pair, packed: bool
         run.drain()
         assert engine.preemptions > before and run.parked
     assert run.tokens == want
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["apart", "packed"])
+def test_preempted_rows_of_a_shared_prefix_held_apart_give_the_unbounded_greedy_tokens(pair, packed: bool) -> None:
+    """Rows that hold a shared system prompt apart (engine/sharing.py) keep only their own
+    columns: parked, their whole KV (the held prefix, then their own) goes to the prefix
+    cache, and they resume where they were."""
+    on, off = pair
+    system = system_prompt(on, "preemptheld", words=40)
+    prompts = [system + turn(on, text) for text in TEXTS]
+    want = unbounded(off, prompts)
+    stored = []
+    store = on._prefiller.prefix_cache.store
+
+    def spy(prompt, kv, known=()):  # type: ignore[no-untyped-def]
+        stored.append((len(prompt), kv[0][0].shape[1]))
+        return store(prompt, kv, known)
+
+    on._prefiller.prefix_cache.store = spy  # type: ignore[method-assign]
+    try:
+        with budget(on, 3 * 60) as engine:  # three rows of their own parts: six take turns
+            before = engine.preemptions
+            run = Bounded(engine, packed)
+            run.add(*[request(i, p) for i, p in enumerate(prompts)])
+            held = []
+            take = engine._sharing.take
+
+            def taking(seq, prefix, others):  # type: ignore[no-untyped-def]
+                held.append(take(seq, prefix, others))
+                return held[-1]
+
+            engine._sharing.take = taking  # type: ignore[method-assign]
+            try:
+                run.drain()
+            finally:
+                del engine._sharing.take
+    finally:
+        del on._prefiller.prefix_cache.store
+    assert run.tokens == want
+    assert engine.preemptions > before and max(held) >= 2 * SHARE_BLOCK
+    assert all(tokens == columns for tokens, columns in stored)  # every store had the whole KV
 
 
 def test_batch_class_rows_yield_first_and_never_for_a_batch_class_prompt(engine: HFGenerationEngine) -> None:
