@@ -24,7 +24,7 @@ from .kv import RunningBatch
 from .packed import PackedPlan, Segment
 from .prefill import Prefilled, Prefiller
 from .prefix_cache import chain_keys
-from .sharing import Sharing
+from .sharing import SHARE_BLOCK, HeldPrefix, PrefixSharing, Sharing
 
 Row = TypeVar("Row")  # the engine's own state of the sequence; opaque here
 
@@ -49,6 +49,10 @@ class Pending(Generic[Row]):
     # blocks are in the prefix cache, where there is one) and it starts again when there
     # is room; `cached` stays what its first look-up found.
     held_back: bool = False
+    # A prefix held once for running rows (engine/sharing.py) that its prompt starts with:
+    # it gives the first `held.tokens` of the `done` tokens, whose columns of `buffer` are
+    # not filled (`filled` fills them where anything else needs them there).
+    held: HeldPrefix | None = None
 
     @property
     def left(self) -> int:
@@ -83,8 +87,9 @@ class Room(Protocol[Row]):
 class PendingPrefills(Generic[Row]):
     """The prompts an engine has taken but not yet fully prefilled, in the order they joined."""
 
-    def __init__(self, prefiller: Prefiller) -> None:
+    def __init__(self, prefiller: Prefiller, sharing: PrefixSharing | None = None) -> None:
         self.prefiller = prefiller
+        self.sharing = sharing  # the engine's prefixes held for running rows, which chunks read too
         self._pending: dict[int, Pending[Row]] = {}
 
     def __len__(self) -> int:
@@ -156,13 +161,16 @@ class PendingPrefills(Generic[Row]):
                     if have < len(p.keys) and p.keys[have] in claimed:
                         continue  # another prompt computes this block first: wait, then take it
                     first_look = not (p.resumed or p.held_back)
-                    hit, p.buffer = cache.lookup_into(p.prompt, len(p.prompt), p.keys, count=first_look)
-                    p.done = hit
-                    p.kv = None if p.buffer is None else p.buffer[:, :, :, :hit]
+                    # A prefix held for running rows is read where it is, not copied in.
+                    p.held = self.sharing.held(p.keys) if self.sharing and cache.block == SHARE_BLOCK else None
+                    skip = p.held.tokens if p.held else 0
+                    hit, p.buffer = cache.lookup_into(p.prompt, len(p.prompt), p.keys, count=first_look, skip=skip)
+                    p.done = max(hit, skip)
+                    p.kv = None if p.buffer is None else p.buffer[:, :, :, : p.done]
                     if first_look:
-                        p.cached = hit
+                        p.cached = p.done
                         step.queried_tokens += len(p.prompt)
-                        step.cached_tokens += hit
+                        step.cached_tokens += p.done
                     claimed.update(p.keys[p.done // cache.block :])
                 p.started = True
             n = min(p.left, left)
@@ -234,6 +242,8 @@ class PendingPrefills(Generic[Row]):
         for c in chunks:
             p = c.pending
             assert p.buffer is not None, "packed_segments allocates every chunk's buffer"
+            if cache is not None and p.held and cache.cached_blocks(p.prompt, p.keys) * cache.block < p.held.tokens:
+                filled(p)  # (evicted since: the store reads the held prefix's columns)
             if cache is not None:
                 cache.store(
                     p.prompt[: c.end], [(layer[0, :, : c.end], layer[1, :, : c.end]) for layer in p.buffer], p.keys
@@ -251,6 +261,8 @@ class PendingPrefills(Generic[Row]):
         a finished one leaves the pending set (its KV is in the result, right-aligned, for
         the running batch). A forward that raises changes nothing."""
         prompts = [c.pending.prompt[: c.end] for c in chunks]
+        for c in chunks:
+            filled(c.pending)  # the padded forward reads every known column from the buffer
         done = self.prefiller.extend(prompts, [(c.start, c.pending.kv) for c in chunks])
         width = done.mask.shape[1]
         # Every unfinished prompt's KV kept first (an allocation may fail), then the state
@@ -271,8 +283,19 @@ class PendingPrefills(Generic[Row]):
 
 def _hold_back(p: Pending) -> None:
     """Let go of a started prompt's KV: it starts again, from the prefix cache, when there is room."""
-    p.buffer = p.kv = None
+    p.buffer = p.kv = p.held = None
     p.done, p.started, p.held_back = 0, False, True
+
+
+def filled(p: Pending) -> None:
+    """A prompt's buffer with the columns of its held prefix filled in: it holds all of its
+    known KV and reads the held prefix no more."""
+    if p.held is None:
+        return
+    if p.buffer is None:
+        p.buffer = p.held.kv.new_empty((*p.held.kv.shape[:3], len(p.prompt), p.held.kv.shape[4]))
+    p.buffer[:, :, :, : p.held.tokens] = p.held.kv
+    p.kv, p.held = p.buffer[:, :, :, : p.done], None
 
 
 def _tensor(data: list, device: torch.device) -> torch.Tensor:
@@ -293,7 +316,7 @@ def packed_segments(chunks: Sequence[Chunk], offset: int, empty: torch.Tensor) -
             if p.kv is not None:
                 p.buffer[:, :, :, : p.done] = p.kv
             p.kv = p.buffer[:, :, :, : p.done]
-        segments.append(Segment(offset, c.start, c.tokens, p.buffer))
+        segments.append(Segment(offset, c.start, c.tokens, p.buffer, held=None if p.held is None else p.held.kv))
         offset += c.tokens
     return segments
 

@@ -162,8 +162,8 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         # only); None keeps SDPA.
         self._decode_kernel = kernel_for(self.model, native_attention and self.packs_steps)
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
-        self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller)
         self._sharing = PrefixSharing()  # prefixes running rows share, held once (engine/sharing.py)
+        self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller, self._sharing)
         self._preemption = Preemption(self._pending, self._prefiller.prefix_cache, self._sharing)
         _log_loaded(self, prefix_cache)
 

@@ -39,6 +39,9 @@ class Segment:
     tokens: int
     kv: torch.Tensor
     mask: torch.Tensor | None = None  # its attention mask, built by the first layer for all
+    # A prefix held once for running rows (engine/sharing.py) that gives the prompt's first
+    # tokens, [layers, 2, kv_heads, tokens, head_dim]: `kv` has none of those columns filled.
+    held: torch.Tensor | None = None
 
     @property
     def end(self) -> int:
@@ -76,6 +79,7 @@ class PackedPlan:
     # it reads `row_mask` [rows, width] (the running batch's int64 mask over [lo, column]).
     kernel: DecodeAttention | None = None
     row_mask: torch.Tensor | None = None
+    held_chunks: list[HeldChunks] | None = None  # built by the first layer (`held_chunks`)
 
     @property
     def layers(self) -> int:
@@ -88,6 +92,73 @@ class PackedPlan:
             query = torch.arange(s.start, s.end, device=device).unsqueeze(1)
             s.mask = (torch.arange(s.end, device=device).unsqueeze(0) <= query)[None, None]
         return s.mask
+
+
+@dataclass(slots=True, eq=False)
+class HeldChunks:
+    """Chunks whose prompts start with one held prefix `kv` [layers, 2, kv_heads, tokens,
+    head_dim]: their tokens (`index`, their places in the packed row, in segment order)
+    meet the prefix's keys in one product, and their own columns (each prompt's after the
+    prefix, its chunks' included) under `mask` [tokens, own columns], True where a token
+    may attend: its own prompt's, up to itself."""
+
+    kv: torch.Tensor
+    segments: list[Segment]
+    index: torch.Tensor
+    mask: torch.Tensor
+
+
+def held_chunks(plan: PackedPlan, device: torch.device) -> list[HeldChunks]:
+    """The plan's chunks over held prefixes, grouped by prefix (built once per forward)."""
+    if plan.held_chunks is None:
+        groups: dict[int, list[Segment]] = {}
+        for s in plan.segments:
+            if s.held is not None:
+                groups.setdefault(id(s.held), []).append(s)
+        plan.held_chunks = []
+        for segments in groups.values():
+            held = segments[0].held
+            assert held is not None
+            first = int(held.shape[3])
+            index = torch.cat([torch.arange(s.offset, s.offset + s.tokens, device=device) for s in segments])
+            own = [s.end - first for s in segments]
+            mask = torch.zeros((len(index), sum(own)), dtype=torch.bool, device=device)
+            t = k = 0
+            for s, n in zip(segments, own, strict=True):
+                query = torch.arange(s.start, s.end, device=device).unsqueeze(1)
+                mask[t : t + s.tokens, k : k + n] = torch.arange(first, s.end, device=device).unsqueeze(0) <= query
+                t, k = t + s.tokens, k + n
+            plan.held_chunks.append(HeldChunks(held, segments, index, mask))
+    return plan.held_chunks
+
+
+def held_chunk_attention(query: torch.Tensor, g: HeldChunks, layer: int, scaling: float) -> list[torch.Tensor]:
+    """Attention of `g`'s chunk tokens (`query` [heads, packed tokens, head_dim]): the held
+    prefix once for all of them, each token's own prompt after it apart, the two softmaxes
+    merged by their maxima and sums (as `shared_prefix_attention` does for decode rows);
+    [tokens, heads, head_dim] per segment. Their prompts' buffers hold no copy of the prefix."""
+    q = query.index_select(1, g.index)
+    heads, tokens, dim = q.shape
+    kv_heads = g.kv.shape[2]
+    group = heads // kv_heads
+    first = int(g.kv.shape[3])
+    qg = q.reshape(kv_heads, group * tokens, dim).float()  # heads are KV-head major
+    s1 = torch.matmul(qg, g.kv[layer, 0].transpose(-1, -2).float()) * scaling
+    top1 = s1.amax(-1, keepdim=True)
+    w1 = torch.exp(s1 - top1)
+    total1, out1 = w1.sum(-1, keepdim=True), torch.matmul(w1, g.kv[layer, 1].float())
+    keys = torch.cat([s.kv[layer, 0, :, first : s.end] for s in g.segments], dim=1).float()
+    values = torch.cat([s.kv[layer, 1, :, first : s.end] for s in g.segments], dim=1).float()
+    s2 = (torch.matmul(qg, keys.transpose(-1, -2)) * scaling).view(kv_heads, group, tokens, -1)
+    s2 = s2.masked_fill(~g.mask, float("-inf")).view(kv_heads, group * tokens, -1)
+    top2 = s2.amax(-1, keepdim=True)  # finite: every token attends itself
+    w2 = torch.exp(s2 - top2)
+    total2, out2 = w2.sum(-1, keepdim=True), torch.matmul(w2, values)
+    top = torch.maximum(top1, top2)
+    a, b = torch.exp(top1 - top), torch.exp(top2 - top)
+    out = (out1 * a + out2 * b) / (total1 * a + total2 * b)
+    out = out.view(heads, tokens, dim).transpose(0, 1).to(query.dtype)
+    return list(out.split([s.tokens for s in g.segments]))
 
 
 class PackedLayer(DynamicLayer):
@@ -160,7 +231,15 @@ def packed_attention(
             module, q, keys[: plan.rows, :, cols], values[: plan.rows, :, cols], plan.decode_mask, **kwargs
         )
         parts.append(out.reshape(1, plan.rows, *out.shape[2:]))  # [rows, 1, heads, d] -> [1, rows, heads, d]
+    over_held: dict[int, torch.Tensor] = {}
+    for g in held_chunks(plan, query.device):
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        outs = held_chunk_attention(query[0], g, i, scaling)
+        over_held.update((id(s), out) for s, out in zip(g.segments, outs, strict=True))
     for s in plan.segments:
+        if (held := over_held.get(id(s))) is not None:
+            parts.append(held.unsqueeze(0))
+            continue
         q = query[:, :, s.offset : s.offset + s.tokens]
         k, v = s.kv[i, 0, :, : s.end].unsqueeze(0), s.kv[i, 1, :, : s.end].unsqueeze(0)
         out, _ = sdpa_attention_forward(module, q, k, v, plan.chunk_mask(s, query.device), **kwargs)

@@ -74,7 +74,8 @@ class PackedSteps:
                 buffer = c.pending.buffer
                 assert buffer is not None
                 # A prefix its row references is held once, not copied into its slot.
-                taken = self._sharing.take(c.pending.seq, functools.partial(_first_columns, buffer), lambda: others)
+                take = functools.partial(_first_columns, buffer)
+                taken = self._sharing.take(c.pending.seq, take, lambda: others, c.pending.held)
                 batch.join(buffer[:, :, :, taken : c.end], c.pending.seq)
         self._sharing.let_go(batch.seqs)
         return decoded

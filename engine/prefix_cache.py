@@ -111,20 +111,24 @@ class PrefixCache:
         return len(keys)
 
     def lookup_into(
-        self, prompt_ids: Sequence[int], columns: int, keys: list[bytes], *, count: bool = True
+        self, prompt_ids: Sequence[int], columns: int, keys: list[bytes], *, count: bool = True, skip: int = 0
     ) -> tuple[int, torch.Tensor | None]:
         """`lookup` into a new buffer [layers, 2, kv_heads, columns, head_dim] (the prompt's
         own, which its chunks fill on): (tokens served, the buffer) or (0, None). Each block
         is copied once, straight into place, where a lookup's joined tensor and then a copy
-        of it into the prompt's buffer copied the prefix twice. `keys`: the prompt's usable chain."""
+        of it into the prompt's buffer copied the prefix twice. `keys`: the prompt's usable
+        chain. The blocks within its first `skip` tokens are served but not copied (the
+        caller has them elsewhere: a prefix held for running rows, engine/sharing.py)."""
         keys = self._served(prompt_ids, keys, count)
         n = len(keys) * self.block
         if not keys:
             return 0, None
         first = self._blocks[keys[0]].kv
         buffer = first.new_empty((*first.shape[:3], max(columns, n), first.shape[4]))
-        # One concatenation written straight into place: half the time of a copy per block.
-        torch.cat([self._blocks[key].kv for key in keys], dim=3, out=buffer[:, :, :, :n])
+        lo = min(skip // self.block, len(keys))
+        if lo < len(keys):
+            # One concatenation written straight into place: half the time of a copy per block.
+            torch.cat([self._blocks[key].kv for key in keys[lo:]], dim=3, out=buffer[:, :, :, lo * self.block : n])
         return n, buffer
 
     def lookup_many(

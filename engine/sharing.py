@@ -89,14 +89,23 @@ class PrefixSharing:
         return None
 
     def take(
-        self, seq: SharingRow, prefix: Callable[[int], torch.Tensor], others: Callable[[], Iterable[SharingRow]]
+        self,
+        seq: SharingRow,
+        prefix: Callable[[int], torch.Tensor],
+        others: Callable[[], Iterable[SharingRow]],
+        read: HeldPrefix | None = None,
     ) -> int:
         """At `seq`'s join: the prefix it references from now on (set as `seq.shared`), and
         how many of its first tokens its slot therefore need not hold (0: none). `prefix(n)`
         gives a copy of its own KV of its first n tokens; `others()` the other running and
-        pending sequences, asked only when no held prefix serves."""
+        pending sequences, asked only when no held prefix serves. `read`: the held prefix
+        its prompt's chunks read (engine/chunks.py), whose columns its KV does not have:
+        held again if it was let go meanwhile."""
         chain = seq.chain
-        seq.shared = held = self.held(chain)
+        held = self.held(chain)
+        if read is not None and (held is None or held.tokens < read.tokens):
+            held = self._held.setdefault(read.key, read)
+        seq.shared = held
         if held is not None:
             return held.tokens
         if len(chain) < MIN_SHARED_BLOCKS or len(self._held) >= MAX_GROUPS:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.packed import PackedPlan, SharedPrefix, shared_prefix_attention
+from engine.packed import PackedPlan, Segment, SharedPrefix, packed_attention, shared_prefix_attention
 from engine.prefix_cache import chain_keys
 from engine.sharing import MAX_GROUPS, MIN_SHARED_BLOCKS, SHARE_BLOCK, HeldPrefix, PrefixSharing
 from tests.engine.test_chunks import ChunkedRun
@@ -59,6 +59,69 @@ def test_shared_prefix_attention_equals_sdpa_over_each_rows_whole_sequence():
             whole_v[r].repeat_interleave(group, dim=0),
         ).squeeze(1)
         assert torch.allclose(got[r], expected, atol=1e-5)
+
+
+def test_chunks_over_a_held_prefix_equal_sdpa_over_their_whole_prompts():
+    """Two prompts start with one held prefix of 12 tokens (their buffers hold none of it,
+    NaN there), a third holds all of itself: each chunk's tokens attend their own prompt
+    causally, the prefix included, as SDPA over the whole prompt does."""
+    torch.manual_seed(1)
+    kv_heads, group, dim, first = 2, 2, 8, 12
+    heads = kv_heads * group
+    held = torch.randn(1, 2, kv_heads, first, dim)
+    ends, starts = [20, 31, 15], [12, 25, 9]  # each chunk runs [start, end) of its prompt
+    segments, whole, offset = [], [], 0
+    for n, (start, end) in enumerate(zip(starts, ends, strict=True)):
+        kv = torch.randn(1, 2, kv_heads, end, dim)
+        full = kv.clone()
+        if n < 2:
+            full[:, :, :, :first] = held
+            kv[:, :, :, :first] = float("nan")
+        segments.append(Segment(offset, start, end - start, kv, held=held if n < 2 else None))
+        whole.append(full)
+        offset += end - start
+    plan = PackedPlan(0, [], 0, 0, None, segments)
+    query = torch.randn(1, heads, offset, dim)
+    module = torch.nn.Module()
+    module.layer_idx = 0  # type: ignore[assignment]
+    module.num_key_value_groups = group  # type: ignore[assignment]
+    got, _ = packed_attention(module, query, query, query, None, ferry_plan=plan, scaling=dim**-0.5)
+    for s, full in zip(segments, whole, strict=True):
+        q = query[0, :, s.offset : s.offset + s.tokens]  # [heads, tokens, dim]
+        k, v = (full[0, j, :, : s.end].repeat_interleave(group, dim=0) for j in (0, 1))
+        mask = torch.arange(s.end)[None, :] <= torch.arange(s.start, s.end)[:, None]
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        assert torch.allclose(got[0, s.offset : s.offset + s.tokens], expected.transpose(0, 1), atol=1e-5)
+
+
+def test_prompts_joining_beside_rows_of_a_held_prefix_read_it_and_give_the_tokens_of_plain_decode(pair, monkeypatch):
+    import engine.chunks as chunks
+
+    on, off = pair
+    system = system_prompt(on, "heldchunks", words=120)
+    prompts = [system + turn(on, f" crossing {i} at the pier") for i in range(6)]
+    read: list[bool] = []
+    packed_segments = chunks.packed_segments
+
+    def script(r: Run | ChunkedRun) -> None:
+        r.add(*(greedy(i + 1, p, max_tokens=12) for i, p in enumerate(prompts[:2])))
+        r.step(2)
+        r.add(*(greedy(i + 1, p, max_tokens=8 + i) for i, p in enumerate(prompts[2:], start=2)))
+        r.drain()
+
+    def spy(*args):  # type: ignore[no-untyped-def]
+        segments = packed_segments(*args)
+        read.extend(s.held is not None for s in segments)
+        return segments
+
+    monkeypatch.setattr(chunks, "packed_segments", spy)
+    shared = ChunkedRun(on, budget=None, packed=True)
+    script(shared)
+    plain = Run(off)
+    script(plain)
+    assert shared.tokens == plain.tokens
+    assert any(read)  # the later prompts' chunks read the held prefix, not a copy of it
+    assert on.kv_tokens == 0 and on._sharing.tokens == 0  # all let go once the rows left
 
 
 @dataclass(eq=False)

@@ -151,8 +151,8 @@ def test_preempted_rows_of_a_shared_prefix_held_apart_give_the_unbounded_greedy_
             held = []
             take = engine._sharing.take
 
-            def taking(seq, prefix, others):  # type: ignore[no-untyped-def]
-                held.append(take(seq, prefix, others))
+            def taking(seq, prefix, others, read=None):  # type: ignore[no-untyped-def]
+                held.append(take(seq, prefix, others, read))
                 return held[-1]
 
             engine._sharing.take = taking  # type: ignore[method-assign]
