@@ -80,6 +80,7 @@ class PackedPlan:
     kernel: DecodeAttention | None = None
     row_mask: torch.Tensor | None = None
     held_chunks: list[HeldChunks] | None = None  # built by the first layer (`held_chunks`)
+    own_bias: torch.Tensor | None = None  # the decode rows' own parts' mask, built by the first layer
 
     @property
     def layers(self) -> int:
@@ -106,6 +107,7 @@ class HeldChunks:
     segments: list[Segment]
     index: torch.Tensor
     mask: torch.Tensor
+    bias: torch.Tensor | None = None  # the mask as the scores' bias, once per query head of a KV head
 
 
 def held_chunks(plan: PackedPlan, device: torch.device) -> list[HeldChunks]:
@@ -134,31 +136,52 @@ def held_chunks(plan: PackedPlan, device: torch.device) -> list[HeldChunks]:
 
 def held_chunk_attention(query: torch.Tensor, g: HeldChunks, layer: int, scaling: float) -> list[torch.Tensor]:
     """Attention of `g`'s chunk tokens (`query` [heads, packed tokens, head_dim]): the held
-    prefix once for all of them, each token's own prompt after it apart, the two softmaxes
-    merged by their maxima and sums (as `shared_prefix_attention` does for decode rows);
-    [tokens, heads, head_dim] per segment. Their prompts' buffers hold no copy of the prefix."""
+    prefix once for all of them, each token's own prompt after it apart, the two merged by
+    their log-sum-exps (as `shared_prefix_attention` does for decode rows); [tokens, heads,
+    head_dim] per segment. Their prompts' buffers hold no copy of the prefix."""
     q = query.index_select(1, g.index)
     heads, tokens, dim = q.shape
     kv_heads = g.kv.shape[2]
     group = heads // kv_heads
     first = int(g.kv.shape[3])
-    qg = q.reshape(kv_heads, group * tokens, dim).float()  # heads are KV-head major
-    s1 = torch.matmul(qg, g.kv[layer, 0].transpose(-1, -2).float()) * scaling
-    top1 = s1.amax(-1, keepdim=True)
-    w1 = torch.exp(s1 - top1)
-    total1, out1 = w1.sum(-1, keepdim=True), torch.matmul(w1, g.kv[layer, 1].float())
-    keys = torch.cat([s.kv[layer, 0, :, first : s.end] for s in g.segments], dim=1).float()
-    values = torch.cat([s.kv[layer, 1, :, first : s.end] for s in g.segments], dim=1).float()
-    s2 = (torch.matmul(qg, keys.transpose(-1, -2)) * scaling).view(kv_heads, group, tokens, -1)
-    s2 = s2.masked_fill(~g.mask, float("-inf")).view(kv_heads, group * tokens, -1)
-    top2 = s2.amax(-1, keepdim=True)  # finite: every token attends itself
-    w2 = torch.exp(s2 - top2)
-    total2, out2 = w2.sum(-1, keepdim=True), torch.matmul(w2, values)
-    top = torch.maximum(top1, top2)
-    a, b = torch.exp(top1 - top), torch.exp(top2 - top)
-    out = (out1 * a + out2 * b) / (total1 * a + total2 * b)
-    out = out.view(heads, tokens, dim).transpose(0, 1).to(query.dtype)
+    qg = q.reshape(1, kv_heads, group * tokens, dim)  # heads are KV-head major
+    prefix = attend(qg, g.kv[layer, 0].unsqueeze(0), g.kv[layer, 1].unsqueeze(0), None, scaling)
+    keys = torch.cat([s.kv[layer, 0, :, first : s.end] for s in g.segments], dim=1).unsqueeze(0)
+    values = torch.cat([s.kv[layer, 1, :, first : s.end] for s in g.segments], dim=1).unsqueeze(0)
+    if g.bias is None or g.bias.shape[2] != group * tokens:  # [1, 1, group x tokens, own columns]
+        g.bias = _bias(g.mask.repeat(group, 1), q.dtype)[None, None]
+    own = attend(qg, keys, values, g.bias, scaling)  # every token attends itself: never all masked
+    out = merge(*prefix, *own).view(heads, tokens, dim).transpose(0, 1).to(query.dtype)
     return list(out.split([s.tokens for s in g.segments]))
+
+
+def attend(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention [batch, heads, queries, head_dim] and its log-sum-exp [batch, heads, queries]
+    (float32), `bias` added to the scores (0 or -inf): on the CPU through the fused kernel
+    behind SDPA, which returns both; elsewhere in plain products."""
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, keys, values, 0.0, False, attn_mask=bias, scale=scaling
+        )
+        return out.float(), lse.float()
+    scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scaling
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float()), lse
+
+
+def merge(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """One softmax over two disjoint sets of keys, from each one's attention and log-sum-exp."""
+    top = torch.maximum(lse1, lse2)
+    a, b = torch.exp(lse1 - top).unsqueeze(-1), torch.exp(lse2 - top).unsqueeze(-1)
+    return (out1 * a + out2 * b) / (a + b)
+
+
+def _bias(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 class PackedLayer(DynamicLayer):
@@ -250,45 +273,35 @@ def packed_attention(
 def shared_prefix_attention(query: torch.Tensor, plan: PackedPlan, layer: int, scaling: float) -> torch.Tensor:
     """Decode attention [rows, heads, head_dim] of one query per row, where groups of rows
     start with the same prefix (a shared system prompt): each group's queries meet the
-    prefix's keys once, as one matrix product over the one copy held of it (the rows' slots
-    do not hold it: engine/sharing.py), and each row's own part (the rest of its tokens) is
-    attended over a window as narrow as the rows' own parts; the two softmaxes are merged by
-    their maxima and sums. Without it every row would read its own copy of the prefix at
-    every step: at 32 rows of 700 tokens, most of a step's time."""
+    prefix's keys once, as one product over the one copy held of it (the rows' slots do not
+    hold it: engine/sharing.py), and each row's own part (the rest of its tokens) is
+    attended over a window as narrow as the rows' own parts; the two are merged by their
+    log-sum-exps. Without it every row would read its own copy of the prefix at every
+    step: at 32 rows of 700 tokens, most of a step's time."""
     keys, values = plan.slots[layer]
     rows, heads, dim = query.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads  # query heads per KV head
     assert plan.own_start is not None and plan.decode_mask is not None
     lo, hi = int(plan.own_start.min()), plan.column + 1
-    q = query.reshape(rows, kv_heads, group, dim).float()
+    q = query.reshape(rows, kv_heads, group, dim)
     # Own parts: [rows, kv_heads, group, window], columns before a row's own start masked.
-    scores = torch.matmul(q, keys[:rows, :, lo:hi].transpose(-1, -2).float()) * scaling
-    cols = torch.arange(lo, hi, device=query.device)
-    allowed = (cols[None, :] >= plan.own_start[:, None]) & plan.decode_mask[:, 0, 0, lo - plan.lo :]
-    scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-    top = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - top)
-    total = weights.sum(-1, keepdim=True)
-    out = torch.matmul(weights, values[:rows, :, lo:hi].float())
+    if plan.own_bias is None:
+        cols = torch.arange(lo, hi, device=query.device)
+        allowed = (cols[None, :] >= plan.own_start[:, None]) & plan.decode_mask[:, 0, 0, lo - plan.lo :]
+        plan.own_bias = _bias(allowed, query.dtype)[:, None, None, :]
+    out, lse = attend(q, keys[:rows, :, lo:hi], values[:rows, :, lo:hi], plan.own_bias, scaling)
     for g in plan.shared:
         n = len(g.rows)
         # [kv_heads, n x group, dim] against [kv_heads, tokens, dim]: one product per KV head.
-        qg = q.index_select(0, g.rows).transpose(0, 1).reshape(kv_heads, n * group, dim)
-        s = torch.matmul(qg, g.kv[layer, 0].transpose(-1, -2).float()) * scaling
-        top_g = s.amax(-1, keepdim=True)
-        w = torch.exp(s - top_g)
-        total_g, out_g = w.sum(-1, keepdim=True), torch.matmul(w, g.kv[layer, 1].float())
-
-        # [kv_heads, n x group, x] -> [n, kv_heads, group, x]
-        top_g, total_g, out_g = (t.reshape(kv_heads, n, group, -1).transpose(0, 1) for t in (top_g, total_g, out_g))
-        top_r = top.index_select(0, g.rows)
-        both = torch.maximum(top_g, top_r)
-        a, b = torch.exp(top_g - both), torch.exp(top_r - both)
-        out.index_copy_(0, g.rows, out_g * a + out.index_select(0, g.rows) * b)
-        total.index_copy_(0, g.rows, total_g * a + total.index_select(0, g.rows) * b)
-        top.index_copy_(0, g.rows, both)
-    return (out / total).reshape(rows, heads, dim).to(query.dtype)
+        qg = q.index_select(0, g.rows).transpose(0, 1).reshape(1, kv_heads, n * group, dim)
+        out_g, lse_g = attend(qg, g.kv[layer, 0].unsqueeze(0), g.kv[layer, 1].unsqueeze(0), None, scaling)
+        # [1, kv_heads, n x group, x] -> [n, kv_heads, group, x]
+        out_g = out_g.reshape(kv_heads, n, group, dim).transpose(0, 1)
+        lse_g = lse_g.reshape(kv_heads, n, group).transpose(0, 1)
+        merged = merge(out_g, lse_g, out.index_select(0, g.rows), lse.index_select(0, g.rows))
+        out.index_copy_(0, g.rows, merged)
+    return out.reshape(rows, heads, dim).to(query.dtype)
 
 
 def install(model: Any) -> bool:
