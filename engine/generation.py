@@ -374,37 +374,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
             self._batch.admit(layers, mask, seqs, alive)
         return outputs
 
-    def _take_prefixes(
-        self,
-        seqs: list[RunningSequence],
-        alive: list[int],
-        lengths: list[int],
-        layers: list[tuple[torch.Tensor, torch.Tensor]],
-        mask: torch.Tensor,
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
-        """Rows `alive` of a prefill (its KV right-aligned in `layers`, rows `lengths` long)
-        about to join the batch: each takes a held prefix where one serves (engine/sharing.py).
-        The layers and mask are returned as wide as the joining rows' own parts, the prefix
-        columns left in that width masked out (the mask a copy, where any is), so attention
-        reads a prefix from the one held copy only and the slots hold none of it."""
-        if not self.packs_steps:
-            return layers, mask
-        width, copied, own = mask.shape[1], False, 0
-        others = [*self._batch.seqs, *(p.seq for p in self._pending.waiting()), *(seqs[row] for row in alive)]
-        for row in alive:
-            lo = width - lengths[row]
-
-            def prefix(n: int, row: int = row, lo: int = lo) -> torch.Tensor:
-                return torch.stack([torch.stack((k[row, :, lo : lo + n], v[row, :, lo : lo + n])) for k, v in layers])
-
-            if taken := self._sharing.take(seqs[row], prefix, lambda: others):
-                mask, copied = (mask, True) if copied else (mask.clone(), True)
-                mask[row, lo : lo + taken] = 0
-            own = max(own, lengths[row] - taken)
-        if own == width:
-            return layers, mask
-        return [(k[:, :, -own:], v[:, :, -own:]) for k, v in layers], mask[:, -own:]
-
     def _new_batch(self) -> RunningBatch[RunningSequence]:
         return RunningBatch(self.max_running, self.kv_budget)
 

@@ -175,3 +175,19 @@ def test_lookup_into_copies_the_served_prefix_into_a_buffer_with_room_for_the_pr
     assert (cache.queries, cache.hits) == (len(prompt), 8)
     other = [9, *range(1, 11)]
     assert cache.lookup_into(other, len(other), chain_keys(other, BLOCK, 2)) == (0, None)
+
+
+def test_lookup_into_serves_but_does_not_copy_the_blocks_the_caller_holds_elsewhere(nan_empty):
+    """`skip`: the first blocks are held elsewhere (a prefix held for running rows): counted
+    as served, left unwritten (NaN in new buffers here), the rest copied in place."""
+    cache = PrefixCache(max_bytes=1 << 20, block=BLOCK)
+    stored(cache, list(range(13)))  # three full blocks
+    prompt = [*range(12), 70, 71]
+    keys = chain_keys(prompt, BLOCK, cache.usable_blocks(len(prompt)))
+    n, buffer = cache.lookup_into(prompt, len(prompt), keys, skip=BLOCK)
+    assert n == 12 and buffer is not None
+    assert torch.isnan(buffer[:, :, :, :BLOCK]).all()
+    for layer, (k, v) in enumerate(kv_of(prompt[:12])):
+        assert torch.equal(buffer[layer, 0, :, BLOCK:12], k[:, BLOCK:])
+        assert torch.equal(buffer[layer, 1, :, BLOCK:12], v[:, BLOCK:])
+    assert (cache.queries, cache.hits) == (len(prompt), 12)
