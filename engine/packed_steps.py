@@ -80,7 +80,6 @@ class PackedSteps:
         self._sharing.let_go(batch.seqs)
         return decoded
 
-
     def _take_prefixes(
         self,
         seqs: list[RunningSequence],
