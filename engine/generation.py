@@ -285,6 +285,9 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
             self._pending.clear()
             self._sharing.clear()
             raise
+        # Only at the end of the call: the room its joining prompts were given (and any
+        # fallback's) counted on the prefixes held when its chunks were planned.
+        self._sharing.let_go(self._batch.seqs)
 
     def _run_chunks(self, chunks: list[Chunk[RunningSequence]], result: PrefillStep) -> None:
         """Packed where no row decodes (no padding to the longest prompt, no copies into a
@@ -325,9 +328,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
         batch.advance()
-        decoded = self._decoded(self._next.sample(logits, batch.seqs))
-        self._sharing.let_go(batch.seqs)
-        return decoded
+        return self._decoded(self._next.sample(logits, batch.seqs))
 
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[int]) -> None:

@@ -17,6 +17,8 @@ as the forward's `ferry_plan` keyword, which transformers passes down to attenti
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -25,6 +27,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .decode_attention import DecodeAttention, KernelError
 
+log = logging.getLogger("ferry.engine")
 IMPLEMENTATION = "ferry"  # the attention implementation name models are switched to
 
 
@@ -151,7 +154,7 @@ def held_chunk_attention(query: torch.Tensor, g: HeldChunks, layer: int, scaling
     if g.bias is None or g.bias.shape[2] != group * tokens:  # [1, 1, group x tokens, own columns]
         g.bias = _bias(g.mask.repeat(group, 1), q.dtype)[None, None]
     own = attend(qg, keys, values, g.bias, scaling)  # every token attends itself: never all masked
-    out = merge(*prefix, *own).view(heads, tokens, dim).transpose(0, 1).to(query.dtype)
+    out = merge(*prefix, *own).reshape(heads, tokens, dim).transpose(0, 1).to(query.dtype)
     return list(out.split([s.tokens for s in g.segments]))
 
 
@@ -161,16 +164,48 @@ def attend(
     """Attention [batch, heads, queries, head_dim] and its log-sum-exp [batch, heads, queries]
     (float32), `bias` added to the scores (0 or -inf): on the CPU through the fused kernel
     behind SDPA, which returns both; elsewhere in plain products."""
-    if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, keys, values, 0.0, False, attn_mask=bias, scale=scaling
-        )
+    if query.device.type == "cpu" and _fused_works():
+        out, lse = _fused(query, keys, values, bias, scaling)
         return out.float(), lse.float()
+    return _plain(query, keys, values, bias, scaling)
+
+
+def _fused(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    out, lse = op(query, keys, values, 0.0, False, attn_mask=bias, scale=scaling)
+    return out, lse
+
+
+def _plain(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor | None, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     scores = torch.matmul(query.float(), keys.float().transpose(-1, -2)) * scaling
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, -1)
     return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), values.float()), lse
+
+
+@functools.cache
+def _fused_works() -> bool:
+    """Whether this torch's fused CPU attention kernel is there and returns what `_plain`
+    does (a private op: checked once on a small case, so a build without it, or with another
+    signature, takes the plain products instead of failing a step)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 3, 8, generator=gen) for _ in range(3))
+    bias = torch.zeros(2, 1, 3, 3).masked_fill_(torch.ones(3, 3, dtype=torch.bool).triu(1), float("-inf"))
+    try:
+        out, lse = _fused(q, k, v, bias, 0.3)
+        want, want_lse = _plain(q, k, v, bias, 0.3)
+        ok = torch.allclose(out.float(), want, atol=1e-4) and torch.allclose(lse.float(), want_lse, atol=1e-4)
+    except (AttributeError, RuntimeError, TypeError, ValueError) as exc:
+        log.warning("fused CPU attention unavailable (%s): shared-prefix attention in plain products", exc)
+        return False
+    if not ok:
+        log.warning("fused CPU attention disagrees with plain products: shared-prefix attention in plain products")
+    return ok
 
 
 def merge(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:

@@ -77,7 +77,6 @@ class PackedSteps:
                 take = functools.partial(_first_columns, buffer)
                 taken = self._sharing.take(c.pending.seq, take, lambda: others, c.pending.held)
                 batch.join(buffer[:, :, :, taken : c.end], c.pending.seq)
-        self._sharing.let_go(batch.seqs)
         return decoded
 
     def _take_prefixes(

@@ -70,9 +70,10 @@ class PrefixSharing:
         return sum(h.tokens for h in tuple(self._held.values()))
 
     def let_go(self, seqs: Sequence[SharingRow]) -> None:
-        """After rows left and joined: the held prefixes none of `seqs` (the running rows)
-        references go. Not sooner: a prompt joining in a step was given room (engine/
-        preemption.py) for what a prefix held when its step was planned leaves it to hold."""
+        """At the end of an engine call: the held prefixes none of `seqs` (the running rows)
+        references go. Not sooner: a prompt joining in the call was given room (engine/
+        preemption.py) for what a prefix held when its chunks were planned leaves it to hold,
+        and a fallback after a failed forward runs them again."""
         if self._held:
             used = {id(s.shared) for s in seqs}
             self._held = {k: h for k, h in self._held.items() if id(h) in used}

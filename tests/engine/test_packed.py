@@ -306,3 +306,43 @@ def test_a_model_whose_attention_never_sees_the_plan_runs_its_steps_apart(pair):
         assert not on._forward.packed_works(on.device)
     finally:
         AttentionInterface.register(IMPLEMENTATION, packed_attention)
+
+
+def test_a_failed_packed_step_over_held_prefixes_runs_apart_and_gives_the_plain_tokens(pair, monkeypatch):
+    """Rows reference a held system prompt and a prompt of it is planned to read it; the
+    step's packed forward raises once: the rows decode and the chunk runs apart (padded,
+    its held columns filled in), with the plain tokens, and the held prefix is let go only
+    after the call (the room the prompt was given counted on it)."""
+    on, off = pair
+    system = system_prompt(on, "heldfallback", words=90)
+    prompts = [system + turn(on, f" a ticket for boat {i}") for i in range(3)]
+    let_go_calls: list[int] = []
+    let_go = on._sharing.let_go
+
+    def script(r: Run | ChunkedRun) -> None:
+        r.add(*(greedy(i + 1, p, max_tokens=10) for i, p in enumerate(prompts[:2])))
+        r.step(2)
+        r.add(greedy(3, prompts[2], max_tokens=6))
+        r.drain()
+
+    shared = ChunkedRun(on, budget=None, packed=True)
+    shared.add(*(greedy(i + 1, p, max_tokens=10) for i, p in enumerate(prompts[:2])))
+    shared.step(2)
+    assert on._sharing.tokens > 0  # the two rows reference one held prefix
+    shared.add(greedy(3, prompts[2], max_tokens=6))
+    packed = on._forward.packed
+    failures = [RuntimeError("packed forward failed once")]
+
+    def failing_once(*args):  # type: ignore[no-untyped-def]
+        if failures and args[2].segments:
+            raise failures.pop()
+        return packed(*args)
+
+    monkeypatch.setattr(on._forward, "packed", failing_once)
+    monkeypatch.setattr(on._sharing, "let_go", lambda seqs: (let_go_calls.append(len(seqs)), let_go(seqs)))
+    shared.step()
+    assert not failures and let_go_calls == [3]  # once, at the end of the call, all three rows running
+    shared.drain()
+    plain = Run(off)
+    script(plain)
+    assert shared.tokens == plain.tokens
