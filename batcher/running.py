@@ -15,6 +15,7 @@ from .types import GenResult, LogprobLedger, Priority, WorkItem
 @dataclass(slots=True)
 class _Seq:
     item: WorkItem
+    limit: int = 1  # its max_tokens: where its slot frees at the latest
     pieces: list[str] = field(default_factory=list)
     tokens: int = 0
     last_token_at: float | None = None
@@ -38,6 +39,7 @@ class RunningSet:
     def __init__(self) -> None:
         self._seqs: dict[int, _Seq] = {}
         self._removals: list[int] = []
+        self._batch_class = 0  # of the running sequences: admission reads it per request
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -51,7 +53,10 @@ class RunningSet:
     def join(self, items: list[WorkItem]) -> None:
         """Admitted items enter the running set (their prefill is this iteration's)."""
         for item in items:
-            self._seqs[item.id] = _Seq(item, every_token=not getattr(item.payload.params, "detokenize", True))
+            params = item.payload.params
+            limit = max_tokens(item)
+            self._seqs[item.id] = _Seq(item, limit, every_token=not getattr(params, "detokenize", True))
+            self._batch_class += item.priority is Priority.BATCH
 
     def decoding(self, joining: set[int]) -> list[int]:
         """The ids a decode step runs: every running sequence but those joining now."""
@@ -60,14 +65,20 @@ class RunningSet:
     def drop(self, seq_id: int) -> _Seq | None:
         """Take a sequence out before it finished: the engine drops it before its next step.
         An id not running (finished already) is skipped: None."""
-        seq = self._seqs.pop(seq_id, None)
+        seq = self._pop(seq_id)
         if seq is not None:
             self._removals.append(seq_id)
         return seq
 
     def leave(self, seq_id: int) -> _Seq | None:
         """Take out a sequence the engine no longer runs (finished, or its prefill failed)."""
-        return self._seqs.pop(seq_id, None)
+        return self._pop(seq_id)
+
+    def _pop(self, seq_id: int) -> _Seq | None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is not None:
+            self._batch_class -= seq.item.priority is Priority.BATCH
+        return seq
 
     @property
     def has_removals(self) -> bool:
@@ -79,4 +90,9 @@ class RunningSet:
         return removals
 
     def has_batch_class(self) -> bool:
-        return any(seq.item.priority is Priority.BATCH for seq in self._seqs.values())
+        return self._batch_class > 0
+
+
+def max_tokens(item: WorkItem) -> int:
+    """The most tokens `item` may generate (1 for a payload without sampling params)."""
+    return int(getattr(item.payload.params, "max_tokens", 1) or 1)

@@ -20,7 +20,6 @@ import asyncio
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from typing import Any
 
 from . import admission
@@ -108,18 +107,16 @@ class GenerationScheduler(QueueingBatcher):
         (`Slots.load`)."""
         s = self.settings
         base = self.tracker.snapshot(now, self.queue, s, self.prefill_cost, self.busy_until(now), shape=False)
-        load = self._slots.load(base, now, s, self.queue, self.decode_cost)
-        if not self._chunked:
-            return load
         # The lane's prefill-alone iterations stay on with chunks: measured, turning them off
         # cost interactive first tokens (on time 86-93% where 98% with them, bench_latency's
         # chat priority cells, docs/benchmarks.md "Token-budgeted steps").
         running = len(self._running)
-        if not running and s.max_batch_tokens is None:
-            return load
+        if not self._chunked or (not running and s.max_batch_tokens is None):
+            return self._slots.load(base, now, s, self.queue, self.decode_cost)
         chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine))
         step = self.decode_cost.predict(running) if running else 0.0
-        return replace(load, prefill_chunk=chunk, chunk_step=step, chunks_packed=packed)
+        extra = {"prefill_chunk": chunk, "chunk_step": step, "chunks_packed": packed}
+        return self._slots.load(base, now, s, self.queue, self.decode_cost, **extra)
 
     def check_itl(self, item: WorkItem, siblings: int) -> bool:
         """A request's inter-token target against the predicted decode step at the

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from typing import Any
 
 from .cost import CostModel
 from .load import Load
 from .protocols import SteppingEngine
 from .queue import RequestQueue
-from .running import RunningSet
+from .running import RunningSet, max_tokens
 from .settings import BatchingSettings
 from .types import Priority, WorkItem
 
@@ -42,9 +43,9 @@ class Slots:
     def submitted(self, items: list[WorkItem]) -> None:
         """A request's items were queued: their token limits and inter-token target."""
         for item in items:
-            self._typical_steps += 0.05 * (_max_tokens(item) - self._typical_steps)
+            self._typical_steps += 0.05 * (max_tokens(item) - self._typical_steps)
             if item.priority is Priority.INTERACTIVE:
-                self._interactive_steps += 0.05 * (_max_tokens(item) - self._interactive_steps)
+                self._interactive_steps += 0.05 * (max_tokens(item) - self._interactive_steps)
         if items[0].itl_target is not None:
             self._targeted.extend(items)
 
@@ -88,7 +89,9 @@ class Slots:
             return 0
         return max(0, self.limit(s, decode) - len(self._running))
 
-    def load(self, base: Load, now: float, s: BatchingSettings, queue: RequestQueue, decode: CostModel) -> Load:
+    def load(
+        self, base: Load, now: float, s: BatchingSettings, queue: RequestQueue, decode: CostModel, **more: Any
+    ) -> Load:
         """The tracker's snapshot `base` plus what runs: free slots, when each running
         sequence's slot frees at its token limit, and how long a typical sequence holds one.
         Decode steps are predicted at the occupancy the queue will bring (at most every
@@ -109,7 +112,7 @@ class Slots:
         slots = self.limit(s, decode)
         step = decode.predict(max(1, min(slots, len(self._running) + len(queue))))
         step = max(step, self._token_interval)
-        frees = tuple(sorted(now + max(1, _max_tokens(q.item) - q.tokens) * step for q in self._running.values()))
+        frees = tuple(sorted([now + max(1, q.limit - q.tokens) * step for q in self._running.values()]))
         held = self._typical_steps * step
         reserved = 0
         if s.interactive_first:  # one slot even before the first interactive arrival is seen
@@ -133,6 +136,7 @@ class Slots:
             slots_free_at=frees,
             sequence_seconds=held,
             prefill_first=first,
+            **more,
         )
 
     def _slot_rate(self, now: float, rate: float) -> float:
@@ -154,7 +158,3 @@ class Slots:
     def pause(self) -> None:
         """The loop waits: the next step's interval is not a token's."""
         self._last_decode_at = None
-
-
-def _max_tokens(item: WorkItem) -> int:
-    return int(getattr(item.payload.params, "max_tokens", 1) or 1)
