@@ -36,11 +36,13 @@ log = logging.getLogger("ferry.engine")
 ROWS_HINT = 32  # rows the packing is tuned for; any row count runs
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:  # noqa: UP045
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], attr: str) -> torch.Tensor:  # noqa: UP045
     # Scripted (`_scripted`) so that a traced model (engine/embeddings.py) records the call:
     # tracing alone cannot type the op's empty `Scalar?[]` argument (a TorchScript `number`).
+    # `attr` is the activation applied to the product in the same pass ("none", "relu",
+    # "gelu": erf's, algorithm "none" in oneDNN's terms).
     scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", scalars, "")
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, scalars, "none" if attr == "gelu" else "")
 
 
 @functools.cache
@@ -57,18 +59,27 @@ class PrepackedLinear(nn.Module):
     module's `weight` (a tied embedding shares it; state dicts and model utilities see it);
     the packed copy is what the forward reads."""
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor | None = None, activation: str = "none") -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        if packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT)
         # A buffer, not a plain attribute: a traced graph reads it as the module's own (a plain
         # tensor attribute would be baked in as a constant, which an opaque tensor cannot be).
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), ROWS_HINT)
         self.register_buffer("packed", packed, persistent=False)
+        self.activation = activation
         self.product = _scripted()
 
+    def with_activation(self, activation: str) -> PrepackedLinear:
+        """The same product (the same packed weight) with `activation` applied in its pass."""
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        linear.weight, linear.bias = self.weight, self.bias
+        packed: Any = self.packed  # a buffer (mypy reads nn.Module's attributes as Tensor | Module)
+        return PrepackedLinear(linear, packed, activation)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.product(x, self.packed, self.bias)
+        return self.product(x, self.packed, self.bias, self.activation)
 
 
 def available(weight: torch.Tensor) -> bool:
@@ -99,6 +110,49 @@ def prepacked(linear: nn.Module) -> nn.Module:
     except Exception as exc:  # an op this torch build lacks or calls otherwise, or refuses for this shape
         log.warning("linear layers not prepacked: %s", exc)
     return linear
+
+
+def _fusable(module: nn.Module) -> str | None:
+    """oneDNN's name for the activation `module` computes, where a fused product gives the
+    same: ReLU, and GELU with erf (transformers' GELUActivation as BERT's `gelu` builds it)."""
+    if type(module) is nn.ReLU:
+        return "relu"
+    if type(module) is nn.GELU and module.approximate == "none":
+        return "gelu"
+    if type(module).__name__ == "GELUActivation" and getattr(module, "act", None) is nn.functional.gelu:
+        return "gelu"
+    return None
+
+
+def fuse_activations(model: nn.Module) -> int:
+    """Each feed-forward block of the BERT family (a module with a prepacked `dense` and its
+    `intermediate_act_fn`: BERT, RoBERTa, XLM-R, ELECTRA, MPNet and the embedding models built
+    on them) with its activation run in the product's pass, not as a pass of its own over the
+    widest activations of the layer (4% of all-MiniLM-L6-v2's forward). Each swap is checked on
+    sample rows against the block as it was, and undone where it differs; how many."""
+    count = 0
+    for block in list(model.modules()):
+        dense, act = getattr(block, "dense", None), getattr(block, "intermediate_act_fn", None)
+        if not isinstance(dense, PrepackedLinear) or dense.activation != "none" or not isinstance(act, nn.Module):
+            continue
+        name = _fusable(act)
+        if name is None:
+            continue
+        try:
+            with torch.inference_mode():
+                x = torch.randn((2, 7, dense.in_features), generator=torch.Generator().manual_seed(0))
+                want = block(x)
+                block.dense, block.intermediate_act_fn = dense.with_activation(name), nn.Identity()
+                got = block(x)
+            scale = float(want.abs().max()) or 1.0
+            if got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale):
+                count += 1
+                continue
+            log.warning("a fused %s differs from the product and its activation apart; keeping them apart", name)
+        except Exception as exc:  # a block whose forward is not product-then-activation, an op this torch lacks
+            log.warning("activation not fused: %s", exc)
+        block.dense, block.intermediate_act_fn = dense, act
+    return count
 
 
 def prepack_output_head(model: nn.Module) -> bool:

@@ -66,6 +66,7 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     bounds = kwargs.pop("ferry_bounds", None)
+    kernel = kwargs.pop("ferry_kernel", None)
     if bounds is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if key.shape[1] != query.shape[1]:
@@ -78,6 +79,8 @@ def _attention(module: Any, query: Any, key: Any, value: Any, attention_mask: An
         raise ValueError(f"packed rows do not support {', '.join(extra)}")
     scale = kwargs.get("scaling")
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    if kernel is not None:  # engine/rows_attention.py: every row and head in one call
+        return kernel(query, key, value, bounds, scale), None
     return rows_attention(query, key, value, bounds, scale), None
 
 
@@ -103,10 +106,11 @@ class PackedEncoder(torch.nn.Module):
     """(input_ids [1, tokens], position_ids [1, tokens], bounds [rows + 1]) -> the last
     hidden state of every token [tokens, hidden]."""
 
-    def __init__(self, model: Any, token_types: bool) -> None:
+    def __init__(self, model: Any, token_types: bool, kernel: Any = None) -> None:
         super().__init__()
         self.inner = model
         self.token_types = token_types
+        self.kernel = kernel  # engine/rows_attention.py's, or None: SDPA per row
         # A 4D mask passes through transformers' mask building untouched; attention ignores it.
         device = next(model.parameters()).device
         self.register_buffer("mask", torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device), persistent=False)
@@ -114,7 +118,12 @@ class PackedEncoder(torch.nn.Module):
     def forward(self, input_ids: Any, position_ids: Any, bounds: Any) -> Any:
         extra = {"token_type_ids": torch.zeros_like(input_ids)} if self.token_types else {}
         out = self.inner(
-            input_ids=input_ids, position_ids=position_ids, attention_mask=self.mask, ferry_bounds=bounds, **extra
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=self.mask,
+            ferry_bounds=bounds,
+            ferry_kernel=self.kernel,
+            **extra,
         )
         return out.last_hidden_state[0]
 
@@ -145,9 +154,12 @@ def build_packed(
     device: Any,
     trace: bool,
     max_length: int = 0,
+    native_attention: bool = True,
 ) -> Any | None:
     """The model's packed forward (traced when `trace`), or None where the model cannot run
-    packed or its packed forward does not give the padded forward's hidden states."""
+    packed or its packed forward does not give the padded forward's hidden states. With
+    `native_attention`, its attention through engine/rows_attention.py's kernel where that
+    applies and gives the padded forward's states, else SDPA per row."""
     params = inspect.signature(model.forward).parameters
     impl = getattr(model.config, "_attn_implementation", None)
     if "position_ids" not in params or impl != "sdpa":
@@ -188,28 +200,49 @@ def build_packed(
                 ids, mask = padded_batch(batch)
                 cases.append((lengths, batch, ids, mask, padded(ids, mask).float()))
             model.set_attn_implementation(IMPLEMENTATION)
-            forward: Any = PackedEncoder(model, "token_type_ids" in params).eval()
-            if trace:
-                forward = torch.jit.trace(forward, pack_rows(rows((5, 9)), device)[:3], check_trace=False, strict=False)
-            for lengths, batch, ids, mask, want in cases:
-                got = forward(*pack_rows(batch, device)[:3]).float()
-                keep = mask.bool()
-                same_padded = same(padded(ids, mask).float()[keep], want[keep])
-                if got.shape != want[keep].shape or not same_padded or not same(got, want[keep]):
-                    log.warning(
-                        "embeddings model %s: packed rows differ from padded ones at lengths %s; keeping padding",
-                        name,
-                        lengths,
-                    )
-                    _restore(model, impl, name)
-                    return None
-        # The model keeps the packed implementation: without bounds it is plain SDPA, so the
-        # padded forward (the fallback) is unchanged.
-        return forward
+            kernel = _kernel(model, device) if native_attention else None
+            for attention in [kernel, None] if kernel is not None else [None]:
+                forward: Any = PackedEncoder(model, "token_type_ids" in params, attention).eval()
+                if trace:
+                    example = pack_rows(rows((5, 9)), device)[:3]
+                    forward = torch.jit.trace(forward, example, check_trace=False, strict=False)
+                    forward.kernel = attention  # what the graph calls, for the engine's log and tests
+                for lengths, batch, ids, mask, want in cases:
+                    got = forward(*pack_rows(batch, device)[:3]).float()
+                    keep = mask.bool()
+                    same_padded = same(padded(ids, mask).float()[keep], want[keep])
+                    if got.shape != want[keep].shape or not same_padded or not same(got, want[keep]):
+                        log.warning(
+                            "embeddings model %s: packed rows%s differ from padded ones at lengths %s",
+                            name,
+                            " through the attention kernel" if attention is not None else "",
+                            lengths,
+                        )
+                        break
+                else:
+                    # The model keeps the packed implementation: without bounds it is plain
+                    # SDPA, so the padded forward (the fallback) is unchanged.
+                    return forward
+        log.warning("embeddings model %s: keeping padding", name)
+        _restore(model, impl, name)
+        return None
     except Exception as exc:  # any model may refuse: padding is always correct
         log.warning("embeddings model %s cannot run packed (%s: %s); keeping padding", name, type(exc).__name__, exc)
         _restore(model, impl, name)
         return None
+
+
+def _kernel(model: Any, device: Any) -> Any | None:
+    """engine/rows_attention.py's kernel for this model's heads, or None (SDPA per row)."""
+    from .rows_attention import rows_kernel_for
+
+    config = model.config
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    hidden = int(getattr(config, "hidden_size", 0) or 0)
+    head_dim = int(getattr(config, "head_dim", 0) or (hidden // heads if heads else 0))
+    if heads <= 0 or head_dim <= 0:
+        return None
+    return rows_kernel_for(heads, head_dim, model.dtype, torch.device(device))
 
 
 HALF_EPS = 4  # a half-precision token's hidden state may differ by this many eps of its norm

@@ -29,6 +29,7 @@ ALLOWED: dict[str, set[str]] = {
         "loadtests/gpu_check.py",
         "loadtests/lm_eval_check.py",
         "loadtests/padding_free.py",
+        "loadtests/rows_attention.py",
         "loadtests/cost_fit.py",
         "loadtests/decode_kernel.py",
         "loadtests/prefix_burst.py",

@@ -119,6 +119,7 @@ def model_spec(
                 torchscript=cfg.torchscript,
                 prepacked_linears=cfg.prepacked_linears,
                 packed=cfg.packed_embeddings,
+                native_attention=cfg.native_attention,
                 name=name,
             )
 

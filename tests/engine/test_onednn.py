@@ -1,13 +1,15 @@
-"""The chat model's output head prepacked for oneDNN: the same products as torch's linear,
-and the same greedy tokens as the model's own head."""
+"""Linear layers prepacked for oneDNN: the same products as torch's linear, the chat model's
+greedy tokens those of its own head, and an encoder's feed-forward activation fused into its
+product only where that gives the block's own output."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from engine.onednn import PrepackedLinear, available, prepack_linears, prepack_output_head, prepacked
+from engine.onednn import PrepackedLinear, available, fuse_activations, prepack_linears, prepack_output_head, prepacked
 
 pytestmark = pytest.mark.skipif(not available(torch.zeros(1)), reason="torch without oneDNN on this CPU")
 
@@ -56,6 +58,58 @@ def test_every_linear_of_a_module_is_swapped_in_place():
         assert prepack_linears(model) == 2
         torch.testing.assert_close(model(x), want, rtol=1e-4, atol=1e-4)
     assert isinstance(model[0], PrepackedLinear) and isinstance(model[2][0], PrepackedLinear)
+
+
+class Intermediate(nn.Module):
+    """BERT's feed-forward block as transformers writes it: `dense`, then its activation."""
+
+    def __init__(self, act: nn.Module, then: float = 0.0) -> None:
+        super().__init__()
+        self.dense, self.intermediate_act_fn, self.then = nn.Linear(16, 48), act, then
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.intermediate_act_fn(self.dense(x) + self.then)
+
+
+@pytest.mark.parametrize(
+    ("act", "fused"),
+    [(nn.GELU(), "gelu"), (nn.ReLU(), "relu"), (nn.GELU(approximate="tanh"), None), (nn.SiLU(), None)],
+)
+def test_a_feed_forward_activation_runs_in_the_products_pass_where_oneDNN_has_it(act, fused):
+    block = nn.Sequential(Intermediate(act))
+    x = torch.randn(2, 9, 16)
+    with torch.inference_mode():
+        want = block(x)
+        prepack_linears(block)
+        packed = block[0].dense.packed
+        assert fuse_activations(block) == (1 if fused else 0)
+        torch.testing.assert_close(block(x), want, rtol=1e-4, atol=1e-4)
+    inner = block[0]
+    assert inner.dense.activation == (fused or "none")
+    assert isinstance(inner.intermediate_act_fn, nn.Identity) == bool(fused)
+    assert inner.dense.packed is packed  # the same packed weight, not a second copy
+
+
+def test_a_block_that_is_not_product_then_activation_is_left_as_it_was():
+    """A block that adds between its product and its activation: the fused product differs on
+    the check's sample rows, so the swap is undone."""
+    block = Intermediate(nn.ReLU(), then=-0.5)
+    prepack_linears(block)
+    dense, act = block.dense, block.intermediate_act_fn
+    assert fuse_activations(block) == 0
+    assert block.dense is dense and block.intermediate_act_fn is act
+
+
+def test_the_encoders_feed_forward_blocks_are_fused_and_its_vectors_unchanged():
+    from engine.embeddings import HFEmbeddingEngine
+
+    fused = HFEmbeddingEngine(torch_threads=1, packed=False)
+    apart = HFEmbeddingEngine(torch_threads=1, packed=False, prepacked_linears=False)
+    assert fused.fused == fused.model.config.num_hidden_layers and apart.fused == 0
+    texts = ["ferry", "a longer sentence about the river crossing at dawn " * 4]
+    got = np.stack([r.vector for r in fused.embed(fused.tokenize(texts))])
+    want = np.stack([r.vector for r in apart.embed(apart.tokenize(texts))])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_the_chat_engines_head_is_prepacked_and_greedy_tokens_are_the_models_own(_shared_engine, tiny_chat_dir):

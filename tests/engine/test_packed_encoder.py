@@ -39,6 +39,19 @@ def test_the_default_model_runs_packed_rows_as_a_traced_graph(packed):
     assert isinstance(packed._packed, torch.jit.ScriptModule)
 
 
+def test_packed_attention_runs_through_the_kernel_and_gives_sdpas_vectors(packed):
+    """engine/rows_attention.py's kernel where it builds (it does on the test machine), with
+    the vectors of SDPA per row (`native_attention=False`, `--no-native-attention`)."""
+    from engine.embeddings import HFEmbeddingEngine
+    from engine.rows_attention import rows_attention_kernel
+
+    assert packed._packed.kernel is rows_attention_kernel()[0]
+    assert "attention by Ferry's kernel" in packed.rows
+    sdpa = HFEmbeddingEngine(torch_threads=1, native_attention=False)
+    assert sdpa.packed and sdpa._packed.kernel is None and "SDPA per row" in sdpa.rows
+    np.testing.assert_allclose(vectors(packed, MIXED * 3), vectors(sdpa, MIXED * 3), atol=1e-6)
+
+
 @pytest.mark.parametrize("texts", [MIXED, MIXED[:1], MIXED * 5, TEXTS[::-1]])
 def test_packed_rows_give_each_text_its_own_vector(packed, texts):
     """One trace serves any number of rows of any lengths (the row loop is scripted, not
@@ -80,8 +93,26 @@ def test_a_packed_forward_that_differs_from_padding_is_not_used(monkeypatch):
         return real(q, k, v, bounds, scale) * 1.01
 
     monkeypatch.setattr(pe, "rows_attention", off_by_a_little)
+    monkeypatch.setattr(pe, "_kernel", lambda model, device: off_by_a_little)  # the kernel too
     engine = HFEmbeddingEngine(torch_threads=1)
     assert not engine.packed and engine.model.config._attn_implementation == "sdpa"
+    np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
+
+
+def test_a_kernel_that_differs_at_load_leaves_packed_rows_to_sdpa(monkeypatch, caplog):
+    import logging
+
+    import engine.packed_encoder as pe
+    from engine.embeddings import HFEmbeddingEngine
+
+    def off_by_a_little(q, k, v, bounds, scale):
+        return pe.rows_attention(q, k, v, bounds, scale) * 1.01
+
+    monkeypatch.setattr(pe, "_kernel", lambda model, device: off_by_a_little)
+    with caplog.at_level(logging.WARNING, logger="ferry.engine"):
+        engine = HFEmbeddingEngine(torch_threads=1)
+    assert "through the attention kernel differ" in caplog.text
+    assert engine.packed and engine._packed.kernel is None
     np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
 
 
@@ -195,7 +226,14 @@ def test_the_check_at_load_tries_a_row_at_the_model_limit(monkeypatch):
     for limit, packs in ((0, True), (120, False)):
         model = _tiny("bert", "sdpa")
         forward = pe.build_packed(
-            model, _last_hidden(model), name="l", pad_id=0, device=torch.device("cpu"), trace=False, max_length=limit
+            model,
+            _last_hidden(model),
+            name="l",
+            pad_id=0,
+            device=torch.device("cpu"),
+            trace=False,
+            max_length=limit,
+            native_attention=False,
         )
         assert (forward is not None) == packs
 
