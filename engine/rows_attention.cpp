@@ -57,8 +57,9 @@ inline float hmax(vf v) {
 // the rest by Cephes' expf polynomial (degree 5 after a two-part reduction by ln 2, as in
 // engine/decode_attention.cpp); relative error ~1e-7. Below -87 it gives exp(-87) (~1.6e-38,
 // where a column past the row sits: nothing against a row's largest weight, 1), and a NaN
-// stays NaN.
+// stays NaN (kept aside: the exponent trick below would turn some NaN payloads into numbers).
 inline vf exp_v(vf x) {
+  const vi nan = x != x;
   const vf lo = splat(-87.0f);
   x = x < lo ? lo : x;  // a NaN compares false and stays NaN
   const vf magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
@@ -74,7 +75,8 @@ inline vf exp_v(vf x) {
   y = y * x + 1.6666665459e-1f;
   y = y * x + 0.5f;
   y = y * (x * x) + (x + 1.f);
-  return (vf)((vi)y + (n << 23));  // times 2^n, by its exponent
+  y = (vf)((vi)y + (n << 23));  // times 2^n, by its exponent
+  return nan ? x : y;
 }
 
 constexpr int KB = 2;  // vectors of keys a block of scores takes: QB x KB accumulators

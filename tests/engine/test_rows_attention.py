@@ -58,14 +58,17 @@ def test_contiguous_separate_projections_and_one_row(built):
     torch.testing.assert_close(kernel(q, k, v, bounds, 0.2), rows_reference(q, k, v, bounds, 0.2), atol=2e-5, rtol=1e-4)
 
 
-def test_a_nan_stays_in_its_row(built):
-    """A NaN in one row's query gives NaN there (not zeros, not a finite guess) and leaves the
-    other rows exact."""
+@pytest.mark.parametrize("bits", [0x7FC00000, 0x7FC12345, 0xFFD00F00, 0x7F800001])
+def test_a_nan_stays_in_its_row(built, bits):
+    """A NaN in one row's query, whatever its payload, gives NaN there (not zeros, not a
+    finite guess) and leaves the other rows exact."""
     kernel, width = built
     dim = 2 * width
     q, k, v, bounds = projections([5, 9, 20], 2, dim, seed=7)
     q = q.clone()
-    q[0, 1, 7, 3] = float("nan")  # token 7: the second row (tokens 5..13), head 1
+    nan = torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32)[0]
+    assert torch.isnan(nan)
+    q[0, 1, 7, 3] = nan  # token 7: the second row (tokens 5..13), head 1
     got, want = kernel(q, k, v, bounds, 0.3), rows_reference(q, k, v, bounds, 0.3)
     assert torch.isnan(got[0, 7, 1]).all()
     keep = torch.ones(sum([5, 9, 20]), dtype=torch.bool)
