@@ -185,13 +185,36 @@ def build_packed(
         return ids.to(device), mask.to(device)
 
     same = _agreement(model.dtype)
+    cases: list[tuple[Sequence[int], list[list[int]], Any, Any, Any]] = []
+
+    def _checked(attention: Any) -> Any | None:
+        """The packed forward through `attention` (None: SDPA per row) where it gives the
+        padded forward's states for every case, else None."""
+        forward: Any = PackedEncoder(model, "token_type_ids" in params, attention).eval()
+        if trace:
+            example = pack_rows(rows((5, 9)), device)[:3]
+            forward = torch.jit.trace(forward, example, check_trace=False, strict=False)
+            forward.kernel = attention  # what the graph calls, for the engine's log and tests
+        for lengths, batch, ids, mask, want in cases:
+            got = forward(*pack_rows(batch, device)[:3]).float()
+            keep = mask.bool()
+            same_padded = same(padded(ids, mask).float()[keep], want[keep])
+            if got.shape != want[keep].shape or not same_padded or not same(got, want[keep]):
+                log.warning(
+                    "embeddings model %s: packed rows%s differ from padded ones at lengths %s",
+                    name,
+                    " through the attention kernel" if attention is not None else "",
+                    lengths,
+                )
+                return None
+        return forward
+
     try:
         _register()
         with torch.inference_mode(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             # The padded forward's answers, taken before the implementation changes: both the
             # packed forward and the padded one after the change must give them.
-            cases = []
             shapes: list[tuple[int, ...]] = [(7,), (3, 12, 30), (40, 2, 17, 9, 1), (12, 12)]
             if max_length > 40:  # a row at the model's limit (positions, windows) beside a short one
                 shapes.append((max_length, 3))
@@ -202,24 +225,21 @@ def build_packed(
             model.set_attn_implementation(IMPLEMENTATION)
             kernel = _kernel(model, device) if native_attention else None
             for attention in [kernel, None] if kernel is not None else [None]:
-                forward: Any = PackedEncoder(model, "token_type_ids" in params, attention).eval()
-                if trace:
-                    example = pack_rows(rows((5, 9)), device)[:3]
-                    forward = torch.jit.trace(forward, example, check_trace=False, strict=False)
-                    forward.kernel = attention  # what the graph calls, for the engine's log and tests
-                for lengths, batch, ids, mask, want in cases:
-                    got = forward(*pack_rows(batch, device)[:3]).float()
-                    keep = mask.bool()
-                    same_padded = same(padded(ids, mask).float()[keep], want[keep])
-                    if got.shape != want[keep].shape or not same_padded or not same(got, want[keep]):
-                        log.warning(
-                            "embeddings model %s: packed rows%s differ from padded ones at lengths %s",
-                            name,
-                            " through the attention kernel" if attention is not None else "",
-                            lengths,
-                        )
-                        break
-                else:
+                try:
+                    forward = _checked(attention)
+                except Exception as exc:
+                    if attention is None:
+                        raise
+                    # The kernel refused this model's shapes (a check in C++ the Python side
+                    # did not foresee): SDPA per row still packs.
+                    log.warning(
+                        "embeddings model %s: the attention kernel failed (%s: %s); SDPA per row",
+                        name,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    continue
+                if forward is not None:
                     # The model keeps the packed implementation: without bounds it is plain
                     # SDPA, so the padded forward (the fallback) is unchanged.
                     return forward

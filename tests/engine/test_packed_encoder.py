@@ -116,6 +116,23 @@ def test_a_kernel_that_differs_at_load_leaves_packed_rows_to_sdpa(monkeypatch, c
     np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
 
 
+def test_a_kernel_that_raises_at_load_leaves_packed_rows_to_sdpa(monkeypatch, caplog):
+    import logging
+
+    import engine.packed_encoder as pe
+    from engine.embeddings import HFEmbeddingEngine
+
+    def refuses(q, k, v, bounds, scale):
+        raise RuntimeError("value head dim differs from the query's")
+
+    monkeypatch.setattr(pe, "_kernel", lambda model, device: refuses)
+    with caplog.at_level(logging.WARNING, logger="ferry.engine"):
+        engine = HFEmbeddingEngine(torch_threads=1)
+    assert "the attention kernel failed (RuntimeError" in caplog.text
+    assert engine.packed and engine._packed.kernel is None  # packed, not padded
+    np.testing.assert_allclose(vectors(engine, MIXED), eager_vectors(engine, MIXED), atol=1e-5)
+
+
 def test_the_default_model_packs_in_bfloat16_and_gives_the_float32_vectors_to_rounding(packed):
     from engine.embeddings import HFEmbeddingEngine
 
