@@ -39,8 +39,8 @@ ROWS_HINT = 32  # rows the packing is tuned for; any row count runs
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], attr: str) -> torch.Tensor:  # noqa: UP045
     # Scripted (`_scripted`) so that a traced model (engine/embeddings.py) records the call:
     # tracing alone cannot type the op's empty `Scalar?[]` argument (a TorchScript `number`).
-    # `attr` is the activation applied to the product in the same pass ("none", "relu",
-    # "gelu": erf's, algorithm "none" in oneDNN's terms).
+    # `attr` is the activation applied to the product in the same pass ("none", or "gelu":
+    # erf's, algorithm "none" in oneDNN's terms).
     scalars: List[Optional[Union[int, float, complex]]] = []  # noqa: UP006, UP007, UP045
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, attr, scalars, "none" if attr == "gelu" else "")
 
@@ -73,7 +73,8 @@ class PrepackedLinear(nn.Module):
 
     def with_activation(self, activation: str) -> PrepackedLinear:
         """The same product (the same packed weight) with `activation` applied in its pass."""
-        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+        # A shell on the meta device (no weight allocated nor initialised), given this one's.
+        linear = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device="meta")
         linear.weight, linear.bias = self.weight, self.bias
         packed: Any = self.packed  # a buffer (mypy reads nn.Module's attributes as Tensor | Module)
         return PrepackedLinear(linear, packed, activation)
@@ -114,9 +115,9 @@ def prepacked(linear: nn.Module) -> nn.Module:
 
 def _fusable(module: nn.Module) -> str | None:
     """oneDNN's name for the activation `module` computes, where a fused product gives the
-    same: ReLU, and GELU with erf (transformers' GELUActivation as BERT's `gelu` builds it)."""
-    if type(module) is nn.ReLU:
-        return "relu"
+    same: GELU with erf (transformers' GELUActivation as BERT's `gelu` builds it). Not ReLU:
+    oneDNN's fused ReLU turns a NaN into 0 where torch's keeps it, so a row that overflowed
+    would come out as a finite vector instead of a visibly broken one."""
     if type(module) is nn.GELU and module.approximate == "none":
         return "gelu"
     if type(module).__name__ == "GELUActivation" and getattr(module, "act", None) is nn.functional.gelu:

@@ -82,8 +82,10 @@ class ServerSettings(Knobs):
         "run the embeddings model's linear layers and a chat model's output head through oneDNN "
         "with their weights reordered once at load (fp32 on the CPU; each checked at load against "
         "torch's product): 1.1-1.3x the encoder's forward, the head 1.5-2.5x at a decode step's rows "
-        "on the hosts measured. The products differ from MKL's in the last bits; the packed copies "
-        "take the layers' memory again. `--no-prepacked-linears`: torch's own linear. Set at start "
+        "on the hosts measured; a BERT-family feed-forward block's erf GELU runs in its product's pass "
+        "(each block checked at load). The products differ from MKL's in the last bits; the packed "
+        "copies take the layers' memory again. `--no-prepacked-linears`: torch's own linear and "
+        "activation. Set at start "
         "(docs/scheduling.md)",
     )
     native_attention: bool = knob(

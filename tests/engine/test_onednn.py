@@ -73,7 +73,7 @@ class Intermediate(nn.Module):
 
 @pytest.mark.parametrize(
     ("act", "fused"),
-    [(nn.GELU(), "gelu"), (nn.ReLU(), "relu"), (nn.GELU(approximate="tanh"), None), (nn.SiLU(), None)],
+    [(nn.GELU(), "gelu"), (nn.GELU(approximate="tanh"), None), (nn.SiLU(), None), (nn.ReLU(), None)],
 )
 def test_a_feed_forward_activation_runs_in_the_products_pass_where_oneDNN_has_it(act, fused):
     block = nn.Sequential(Intermediate(act))
@@ -90,10 +90,23 @@ def test_a_feed_forward_activation_runs_in_the_products_pass_where_oneDNN_has_it
     assert inner.dense.packed is packed  # the same packed weight, not a second copy
 
 
+def test_a_nan_through_the_feed_forward_block_stays_nan():
+    """ReLU is not fused (oneDNN's fused ReLU makes a NaN 0); a fused GELU keeps it."""
+    for act in (nn.GELU(), nn.ReLU()):
+        block = Intermediate(act)
+        prepack_linears(block)
+        fuse_activations(block)
+        x = torch.randn(1, 3, 16)
+        x[0, 1, 4] = float("nan")
+        with torch.inference_mode():
+            out = block(x)
+        assert out[0, 1].isnan().all() and not out[0, [0, 2]].isnan().any()
+
+
 def test_a_block_that_is_not_product_then_activation_is_left_as_it_was():
     """A block that adds between its product and its activation: the fused product differs on
     the check's sample rows, so the swap is undone."""
-    block = Intermediate(nn.ReLU(), then=-0.5)
+    block = Intermediate(nn.GELU(), then=-0.5)
     prepack_linears(block)
     dense, act = block.dense, block.intermediate_act_fn
     assert fuse_activations(block) == 0
