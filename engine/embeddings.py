@@ -174,8 +174,17 @@ class HFEmbeddingEngine:
             pooled = self._pooled_packed(batch)
             if pooled is None:
                 pooled = self._pooled_padded(batch)
-            vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().numpy()
-        return [EmbeddingResult(vectors[i], len(ids)) for i, ids in enumerate(batch)]
+            vectors = torch.nn.functional.normalize(pooled, p=2, dim=1)
+            finite = vectors.isfinite().all(dim=1).tolist()
+            vectors = vectors.cpu().numpy()
+        # A row that overflowed (or a model that yields NaN for some input) fails alone: JSON
+        # would carry its NaNs as nulls, a vector the client could not tell from a real one.
+        return [
+            EmbeddingResult(vectors[i], len(ids))
+            if finite[i]
+            else ValueError(f"the model's vector for this input ({len(ids)} tokens) is not finite")
+            for i, ids in enumerate(batch)
+        ]
 
     def _pooled_packed(self, batch: Sequence[Sequence[int]]) -> Any | None:
         """Each row's mean-pooled hidden state from the packed forward; None when the engine

@@ -104,6 +104,23 @@ def test_a_graph_that_fails_at_run_time_falls_back_to_eager_for_good():
     assert engine.graph == "eager"
 
 
+def test_a_row_whose_vector_is_not_finite_fails_alone(traced, monkeypatch):
+    """A row that overflowed comes back as that item's error (JSON would carry its NaNs as
+    nulls); its batch mates get their vectors."""
+    forward = traced._forward
+
+    def overflows_on_row_one(ids, mask):
+        hidden = forward(ids, mask).clone()
+        hidden[1, 0, 0] = float("inf")
+        return hidden
+
+    monkeypatch.setattr(traced, "_forward", overflows_on_row_one)
+    results = traced.embed(traced.tokenize(TEXTS))
+    assert isinstance(results[1], ValueError) and "not finite" in str(results[1])
+    got = np.stack([results[i].vector for i in (0, 2, 3)])
+    np.testing.assert_allclose(got, eager_vectors(traced, [TEXTS[i] for i in (0, 2, 3)]), atol=1e-5)
+
+
 def test_out_of_memory_in_the_graph_is_left_to_the_batcher_to_split():
     import torch
 
