@@ -70,33 +70,68 @@ def _shaped(item: WorkItem, s: BatchingSettings) -> bool:
     return item.priority is Priority.INTERACTIVE and s.policy != "fixed"
 
 
+def rows_within(s: BatchingSettings, tokens: int) -> int:
+    """The rows `max_batch_tokens` lets a one-shot batch of inputs this long hold (one input
+    always fits)."""
+    return max(1, s.batch_tokens // max(tokens, 1))
+
+
+def _length_ahead(q: RequestQueue, item: WorkItem, queued_ahead: int, siblings: int) -> int:
+    """The typical length of the work ahead of `item`: the queue's mean for the classes
+    that go first (their own lengths, not the new item's: a short request behind 40
+    passages waits for the passages' batches), the item's own for its siblings."""
+    tokens = max(item.cost, 1)
+    mean = q.mean_cost(item.priority) if queued_ahead else None
+    if mean is None or queued_ahead + siblings == 0:
+        return tokens
+    return max(math.ceil((mean * queued_ahead + tokens * siblings) / (queued_ahead + siblings)), 1)
+
+
+def _batches(
+    ahead: int, size: int, tokens: int, length: int, s: BatchingSettings, cost: CostModel
+) -> tuple[int, float, int, int, int]:
+    """The work ahead in batches as the policies form them: (full batches ahead, the cost of
+    one, its rows, the rows left over that join the item's own batch, its rows cap). Items
+    ahead run in batches of their typical `length`, each cut to `max_batch_tokens`."""
+    size_ahead = min(size, rows_within(s, length))
+    full, rest = divmod(ahead, size_ahead)
+    per_batch = cost.predict(size_ahead, size_ahead * length)
+    own_size = min(size, rows_within(s, max(tokens, length) if rest else tokens))
+    if rest + 1 > own_size:  # the leftover fills a batch of its own first
+        full, rest = full + 1, 0
+    return full, per_batch, size_ahead, rest, own_size
+
+
 def predicted_completion(
     q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, load: Load, siblings: int = 0
 ) -> float:
     """One-shot batches: the batch running now, then the items ahead in batches of the size
-    the policies will form, then the item's own batch."""
-    ahead = items_ahead(q, item) + siblings
+    the policies will form (of the lengths queued ahead, within `max_batch_tokens`), then
+    the item's own batch."""
+    queued_ahead = items_ahead(q, item)
+    ahead = queued_ahead + siblings
     tokens = max(item.cost, 1)
+    length = _length_ahead(q, item, queued_ahead, siblings)
     shaped = _shaped(item, s)
     size = s.max_batch_size if shaped else batch_size_under(load.reserve, s, cost, tokens)
-    full, rest = divmod(ahead + 1, size)
+    full, per_batch, size_ahead, rest, own_size = _batches(ahead, size, tokens, length, s, cost)
+    rows = rest + 1  # its own batch: what is left of the work ahead, and the item
     # Every promise allows for the slowdown under a deadline-aware policy: batch-class work
     # admitted to the last millisecond of its budget on the mean drain was served late.
     slow = load.slowdown if s.policy != "fixed" else 1.0
-    if rest and shaped:
+    if shaped:
         # Its batch is filled from the work queued behind it up to the floor: interactive
         # deadlines do not cut batches below what keeps up with the load.
-        rest = max(rest, min(load.floor, size, len(q) + siblings + 1 - full * size))
-    per_batch = cost.predict(size, size * tokens)
-    own = cost.predict(rest, rest * tokens) if rest else per_batch  # its own batch
-    wait = full * per_batch + (own if rest else 0.0)
+        rows = max(rows, min(load.floor, own_size, len(q) + siblings + 1 - (ahead - rest)))
+    own = cost.predict(rows, rows * (max(tokens, length) if rest else tokens))
+    wait = full * per_batch + own
     if load.workers > 1:  # the batches ahead of its own drain on that many threads; its own runs on one
         wait = (wait - own) / load.workers + own
     interactive = item.priority is Priority.INTERACTIVE
     if not interactive and load.interactive_rate > 0:
         # Interactive arrivals keep going ahead of batch-class work: it only gets the
         # capacity they leave, a share of 1 - rho (priority queueing).
-        rho = load.interactive_rate * per_batch / size
+        rho = load.interactive_rate * per_batch / size_ahead
         wait = wait / (1.0 - rho) if rho < 0.95 else INF
     if load.drain_rate is not None and not shaped:
         # Under sustained load the batches the policies really form (cut by the reserve and
@@ -113,14 +148,16 @@ def predicted_in_lane(
     q: RequestQueue, item: WorkItem, now: float, s: BatchingSettings, cost: CostModel, free_at: float, siblings: int = 0
 ) -> float:
     """Interactive work in the lane (MicroBatcher): the lane batch running now, then the
-    interactive items ahead of it in lane batches of max_batch_size, then its own batch,
-    each allowing for the lane's slowdown (`cost` is the lane's own fit: its batches share
-    the cores with the batch beside them)."""
-    ahead = q.count_before(item) + siblings
+    interactive items ahead of it in lane batches of max_batch_size (of their own lengths,
+    within `max_batch_tokens`), then its own batch, each allowing for the lane's slowdown
+    (`cost` is the lane's own fit: its batches share the cores with the batch beside them)."""
+    queued_ahead = q.count_before(item)
+    ahead = queued_ahead + siblings
     tokens = max(item.cost, 1)
-    size = s.max_batch_size
-    full, rest = divmod(ahead + 1, size)
-    wait = full * cost.predict(size, size * tokens) + (cost.predict(rest, rest * tokens) if rest else 0.0)
+    length = _length_ahead(q, item, queued_ahead, siblings)
+    full, per_batch, _, rest, _ = _batches(ahead, s.max_batch_size, tokens, length, s, cost)
+    rows = rest + 1
+    wait = full * per_batch + cost.predict(rows, rows * (max(tokens, length) if rest else tokens))
     return now + (max(free_at - now, 0.0) + wait) * cost.slowdown
 
 

@@ -5,9 +5,9 @@ interactive work leaves, but an item that has waited `aging` seconds is ordered 
 interactive items as if its deadline were `arrival + aging`, so it cannot starve.
 
 With `grouping` set (embeddings, `group_by_length`), what a batch takes is grouped by
-length (`LengthGrouping`): the head of that order leads, the items that cannot wait for
-another batch follow, then the rest of a window of the next items, each class (interactive
-or aged first) by how close its length is to the leader's. Inputs are padded to the
+length (`LengthGrouping`): the head of that order leads, then the rest of a window of the
+next items, each class in turn (interactive or aged first): its items that cannot wait for
+another batch, then its others by how close their length is to the leader's. Inputs are padded to the
 longest of their batch, so mixed lengths compute mostly padding.
 """
 
@@ -44,6 +44,10 @@ class RequestQueue:
         self._all: dict[int, WorkItem] = {}
         self._batch_fifo: dict[int, WorkItem] = {}
         self._edf: dict[Priority, list[tuple[float, int]]] = {p: [] for p in Priority}
+        # Each class's queued tokens (items' costs as pushed: a generation prompt repriced
+        # while queued keeps its first price here), for admission's lengths of the work ahead.
+        self._pushed: dict[int, int] = {}
+        self._tokens: dict[Priority, int] = dict.fromkeys(Priority, 0)
         self.grouping: LengthGrouping | None = None  # set by the batcher around one decision
 
     def __len__(self) -> int:
@@ -59,9 +63,18 @@ class RequestQueue:
         """Queued items of the item's own class that EDF orders before it."""
         return bisect_right(self._edf[item.priority], _key(item))
 
+    def mean_cost(self, priority: Priority) -> float | None:
+        """The mean cost (tokens) of the queued items of `priority` and the classes ahead of
+        it; None when none is queued."""
+        classes = [p for p in Priority if p <= priority]
+        count = sum(len(self._edf[p]) for p in classes)
+        return sum(self._tokens[p] for p in classes) / count if count else None
+
     def push(self, item: WorkItem) -> None:
         self._all[item.id] = item
         insort(self._edf[item.priority], _key(item))
+        self._pushed[item.id] = item.cost
+        self._tokens[item.priority] += item.cost
         if item.priority is Priority.BATCH:
             self._batch_fifo[item.id] = item
 
@@ -70,6 +83,7 @@ class RequestQueue:
             return False
         edf = self._edf[item.priority]
         del edf[bisect_left(edf, _key(item))]
+        self._tokens[item.priority] -= self._pushed.pop(item.id)
         self._batch_fifo.pop(item.id, None)
         return True
 
@@ -144,17 +158,20 @@ class RequestQueue:
 
 
 def by_length(items: list[WorkItem], now: float, aging: float, urgent_before: float) -> list[WorkItem]:
-    """`items` (dispatch order) regrouped: the first leads; items due before `urgent_before`
-    follow in order; then the others, interactive (and aged) ones before batch-class ones,
-    each by the distance of their length (`cost`) from the leader's, ties in order."""
+    """`items` (dispatch order) regrouped: the first leads; then interactive (and aged)
+    items, those due before `urgent_before` in order, the others by the distance of their
+    length (`cost`) from the leader's, ties in order; then batch-class items the same way.
+    Grouping never puts a batch-class item ahead of an interactive one: the dispatch order
+    does not, and an urgent batch-class item is no more urgent than it was there."""
     lead, rest = items[0], items[1:]
-    urgent = [i for i in rest if i.deadline is not None and i.deadline <= urgent_before]
-    taken = {i.id for i in urgent}
 
-    def key(pair: tuple[int, WorkItem]) -> tuple[int, int, int]:
+    def first(item: WorkItem) -> bool:
+        return item.priority is Priority.INTERACTIVE or item.arrival + aging <= now
+
+    def key(pair: tuple[int, WorkItem]) -> tuple[int, int, int, int]:
         position, item = pair
-        first = item.priority is Priority.INTERACTIVE or item.arrival + aging <= now
-        return (0 if first else 1, abs(item.cost - lead.cost), position)
+        urgent = item.deadline is not None and item.deadline <= urgent_before
+        # Urgent ones keep their order (their distance does not count).
+        return (0 if first(item) else 1, 0 if urgent else 1, 0 if urgent else abs(item.cost - lead.cost), position)
 
-    others = sorted(((p, i) for p, i in enumerate(rest) if i.id not in taken), key=key)
-    return [lead, *urgent, *(i for _, i in others)]
+    return [lead, *(i for _, i in sorted(enumerate(rest), key=key))]

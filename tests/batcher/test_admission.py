@@ -95,6 +95,39 @@ def test_an_item_waits_for_the_running_batch_then_full_batches_of_the_items_ahea
     )
 
 
+def test_a_short_item_behind_long_ones_waits_for_their_batches_cut_to_max_batch_tokens():
+    """40 passages of 256 tokens queued ahead: under a budget of 2,048 padded tokens they run
+    in batches of 8, not 32, so a 12-token item behind them is done after five such batches
+    and its own (priced by the passages' lengths, not its own)."""
+    s = batching(max_batch_size=32, max_batch_tokens=2048)
+    q = queue(*[item(NOW + 0.5, tokens=256) for _ in range(40)])
+    short = item(NOW + 1.0, tokens=12)
+    assert admission.predicted_completion(q, short, NOW, s, COST, IDLE) == pytest.approx(NOW + 5 * cost(8) + cost(1))
+    assert admission.predicted_in_lane(q, short, NOW, s, COST, NOW) == pytest.approx(NOW + 5 * cost(8) + cost(1))
+    # The same queue of 12-token items: one full batch of 32, then the rest with it.
+    q = queue(*[item(NOW + 0.5, tokens=12) for _ in range(40)])
+    assert admission.predicted_completion(q, short, NOW, s, COST, IDLE) == pytest.approx(NOW + cost(32) + cost(9))
+
+
+def test_a_request_of_long_inputs_is_predicted_in_batches_its_token_budget_allows():
+    s = batching(max_batch_size=32, max_batch_tokens=2048)
+    # Its 11 siblings and itself, 500 tokens each: batches of 4.
+    assert admission.predicted_completion(
+        queue(), item(NOW + 1.0, tokens=500), NOW, s, COST, IDLE, siblings=11
+    ) == pytest.approx(NOW + 3 * cost(4))
+
+
+def test_queued_tokens_follow_pushes_and_removals_by_class():
+    long, short, bulk = item(tokens=300), item(tokens=10), item(priority=BATCH, tokens=50)
+    q = queue(long, short, bulk)
+    assert q.mean_cost(INTERACTIVE) == 155 and q.mean_cost(BATCH) == 120
+    q.remove(long)
+    long.cost = 1  # a price changed while queued does not unbalance the sums
+    assert q.mean_cost(INTERACTIVE) == 10 and q.mean_cost(BATCH) == 30
+    q.remove(short), q.remove(bulk)
+    assert q.mean_cost(INTERACTIVE) is None and q.mean_cost(BATCH) is None
+
+
 def test_with_two_threads_draining_the_queue_the_batches_ahead_take_half_as_long():
     s = batching(max_batch_size=4)
     q = queue(*[item(NOW + 5.0, BATCH) for _ in range(9)])

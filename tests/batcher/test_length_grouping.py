@@ -57,6 +57,18 @@ def test_interactive_items_stay_ahead_of_batch_class_ones_of_a_nearer_length():
     assert [i.id for i in q.peek(3, 0.0)] == [0, 1, 9]
 
 
+def test_an_urgent_batch_class_item_does_not_go_ahead_of_interactive_ones():
+    """A batch-class item due soon follows the interactive items of the window, as it does in
+    dispatch order; urgent interactive ones still lead their class."""
+    bulk = WorkItem(payload=9, arrival=0.0, deadline=0.5, priority=Priority.BATCH, id=9, cost=400)
+    interactive = queued(15, 15, 300, 15, deadlines=[1.0, 1.0, 0.4, 1.0])
+    q = queue_of([*interactive, bulk], LengthGrouping(window=16, urgent_before=0.6))
+    assert [i.id for i in q.peek(5, 0.0)] == [2, 0, 1, 3, 9]  # before the fix: [2, 9, 0, 1, 3]
+    # Aged, it is among the interactive ones, and urgent there.
+    q.aging = 0.45
+    assert [i.id for i in q.peek(5, 0.45)] == [2, 9, 0, 1, 3]
+
+
 def test_max_batch_tokens_caps_rows_times_the_longest_row():
     s = BatchingSettings(max_batch_tokens=150)
     assert token_cap(queued(10, 10, 100), s) == 2  # 3 x 100 > 150
