@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from . import schemas as s
 from .config import ServerConfig
+from .jobs import objects as jo
 from .jobs.validate import MAX_FILE_BYTES, BatchCreate
 from .limits import RequestModels, request_models
 from .models.kinds import CHAT, CUSTOM, EMBEDDING
@@ -143,7 +144,7 @@ def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] |
     cfg = cfg or ServerConfig()
     req = request_models(cfg)
     ops = _operations(req)
-    batch_models: list[type[BaseModel]] = [s.FileObject, s.BatchObject, s.BatchList]
+    batch_models: list[type[BaseModel]] = [jo.FileObject, jo.BatchObject, jo.BatchList]
     wanted: set[type[BaseModel]] = {m for op in ops for m in (op[3], op[4]) if m is not None} | {
         s.ErrorResponse,
         BatchCreate,
@@ -386,13 +387,13 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
     ]
     jsonl = {"application/jsonl": {"schema": {"type": "string"}}}
     paths["/v1/files"] = {
-        "post": op("post_files", "Upload a JSONL batch input file", _json(s.FileObject), body=upload, links=file_links)
+        "post": op("post_files", "Upload a JSONL batch input file", _json(jo.FileObject), body=upload, links=file_links)
     }
     paths["/v1/files/{file_id}"] = {
         "get": op(
             "get_file",
             "A file object",
-            _json(s.FileObject),
+            _json(jo.FileObject),
             "file_id",
             links={"GetFileContent": file_links["GetFileContent"]},
         )
@@ -402,28 +403,28 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
         "post": op(
             "post_batches",
             "Create a batch job from an uploaded file",
-            _json(s.BatchObject),
+            _json(jo.BatchObject),
             body=create,
             links=batch_links,
         ),
         "get": op(
             "list_batches",
             "List batch jobs, newest first (paginated with after and limit)",
-            _json(s.BatchList),
+            _json(jo.BatchList),
             query=page,
             links={"GetFirstBatch": link("get_batch", "$response.body#/first_id", "batch_id")},
         ),
     }
     paths["/v1/batches/{batch_id}"] = {
         "get": op(
-            "get_batch", "A batch job: status and request counts", _json(s.BatchObject), "batch_id", links=batch_links
+            "get_batch", "A batch job: status and request counts", _json(jo.BatchObject), "batch_id", links=batch_links
         )
     }
     paths["/v1/batches/{batch_id}/cancel"] = {
         "post": op(
             "cancel_batch",
             "Cancel a batch job",
-            _json(s.BatchObject),
+            _json(jo.BatchObject),
             "batch_id",
             links={"GetBatch": batch_links["GetBatch"]},
         )

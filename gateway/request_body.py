@@ -14,9 +14,17 @@ from .errors import APIError
 
 M = TypeVar("M", bound=BaseModel)
 
-# Error types raised by the request models' limit validators (gateway/schemas.py) that keep
-# their own error code.
-LIMIT_CODES = frozenset({"too_many_prompts", "too_many_inputs", "too_many_stop_strings"})
+# Error types raised by the request models' validators (gateway/schemas.py) that keep their
+# own error code: limits, and rules across fields that JSON Schema does not state.
+LIMIT_CODES = frozenset(
+    {
+        "too_many_prompts",
+        "too_many_inputs",
+        "too_many_stop_strings",
+        "stream_options_without_stream",
+        "unsupported_parameter",
+    }
+)
 # OpenAI request fields Ferry's models cannot honour: refused by name rather than ignored.
 UNSUPPORTED_FIELDS = frozenset(
     {
@@ -78,14 +86,14 @@ async def parse(request: Request, model: type[M], limit: int) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, data) from None
 
 
-def validation_error(exc: ValidationError) -> APIError:
+def validation_error(exc: ValidationError, data: Any = None) -> APIError:
     # A union field reports one error per branch; the one that got deepest into the value
     # names the real problem ("messages.0.role", not "messages.0: should be a list").
     def where(e: ErrorDetails) -> list[str]:
-        return [str(p) for p in e["loc"] if not _is_type_tag(p)]
+        return _path([p for p in e["loc"] if not _is_type_tag(p)], data)
 
     err = max(exc.errors(), key=lambda e: len(where(e)))
     loc = where(err)
@@ -100,6 +108,26 @@ def validation_error(exc: ValidationError) -> APIError:
                 ("unsupported_parameter"),
             )
     return APIError(422, f"{param}: {msg}" if param else msg, code=code, param=param)
+
+
+def _path(loc: list[Any], data: Any) -> list[str]:
+    """The parts of an error's location that lead through the request's JSON (`data`), so
+    `param` names a field the client sent: pydantic also puts a union branch's model name
+    ("NamedToolChoice") or a discriminator's value ("json_schema") in the location. The last
+    part stays when it is a field the client left out ("missing")."""
+    if data is None:
+        return [str(p) for p in loc]
+    out, node = [], data
+    for k, p in enumerate(loc):
+        if isinstance(node, dict) and isinstance(p, str) and p in node:
+            out.append(p)
+            node = node[p]
+        elif isinstance(node, list) and isinstance(p, int) and 0 <= p < len(node):
+            out.append(str(p))
+            node = node[p]
+        elif k == len(loc) - 1:
+            out.append(str(p))
+    return out
 
 
 def _is_type_tag(p: Any) -> bool:

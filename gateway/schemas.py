@@ -4,9 +4,21 @@ validates with their subclasses bounded by its limits (gateway/limits.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, WithJsonSchema, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
 
 
 def _integral(v: Any) -> Any:
@@ -17,6 +29,20 @@ def _integral(v: Any) -> Any:
 # true for 1, no "5" for 5) but take a float with no fraction as the integer it is. It goes
 # after the constraints: before them, pydantic would write them as unknown keywords (ge, le).
 Integral = BeforeValidator(_integral)
+
+
+def only(allowed: Callable[[Any], bool], why: str) -> AfterValidator:
+    """An OpenAI field Ferry honours only where its value asks for nothing more (`store:
+    false`): any other value is refused by name (422 unsupported_parameter), never ignored."""
+
+    def check(v: Any) -> Any:
+        if not allowed(v):
+            raise PydanticCustomError("unsupported_parameter", why)
+        return v
+
+    return AfterValidator(check)
+
+
 Budget = Annotated[float, Field(gt=0, le=3_600_000, description="Latency budget in milliseconds.")]
 PriorityName = Literal["interactive", "batch"]
 NonEmptyText = Annotated[str, Field(min_length=1)]
@@ -239,6 +265,20 @@ class GenerationParams(Scheduling):
     logit_bias: LogitBias | Annotated[list[LogitBias | None], Field(min_length=1)] | None = Field(
         None, description="Token id (a string) to a bias in [-100, 100], for every prompt or a per-prompt list."
     )
+    prompt_cache_key: str | None = Field(
+        None,
+        max_length=1024,
+        description="Accepted: Ferry's prefix cache finds shared prefixes by their tokens, whatever the key.",
+    )
+    safety_identifier: str | None = Field(None, max_length=256, description="Accepted, as `user` is.")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, v: Any, info: ValidationInfo) -> Any:
+        # OpenAI refuses it too: options of a stream that will not be sent would be ignored.
+        if v is not None and not info.data.get("stream", False):
+            raise PydanticCustomError("stream_options_without_stream", "only allowed when stream is true")
+        return v
 
 
 class ChatCompletionRequest(GenerationParams):
@@ -264,6 +304,13 @@ class ChatCompletionRequest(GenerationParams):
     logprobs: StrictBool | None = Field(None, description="Each generated token's log probability.")
     top_logprobs: Annotated[int, Field(ge=0, le=20), Integral] | None = Field(
         None, description="With logprobs true: the most likely alternatives listed per token (0-20)."
+    )
+
+    store: (
+        Annotated[StrictBool, only(lambda v: not v, "this server stores no completion; send false or omit it")] | None
+    ) = Field(None, description="false or absent: Ferry stores no completion.")
+    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = Field(
+        None, description="Up to 16 string pairs, accepted as `user` is (nothing is stored to attach them to)."
     )
 
     @field_validator("messages")
@@ -308,6 +355,12 @@ class CompletionRequest(GenerationParams):
         False,
         description="The prompt before each completion in `text`; with `logprobs`, the prompt tokens' log "
         "probabilities before the completion's (the first token's null).",
+    )
+    best_of: (
+        Annotated[int, Field(ge=1), Integral, only(lambda v: v == 1, "each choice is generated once here")] | None
+    ) = Field(None, description="1 or absent: each choice is the one generated (a larger best_of is refused by name).")
+    suffix: Annotated[str, only(lambda v: not v, "this server's models do not fill in before a suffix")] | None = Field(
+        None, description='"" or absent: text after the completion is refused by name.'
     )
 
     @property
@@ -409,55 +462,3 @@ class Status(BaseModel):
     status: str
     models: list[str] | None = None
     error: str | None = None
-
-
-# -- batch API objects (OpenAI's shapes; gateway/routes/batches.py builds them) -------------
-class FileObject(BaseModel):
-    id: str
-    object: Literal["file"]
-    bytes: int
-    created_at: int
-    filename: str
-    purpose: str
-    status: str
-    expires_at: int | None
-    status_details: str | None
-
-
-class BatchRequestCounts(BaseModel):
-    total: int
-    completed: int
-    failed: int
-
-
-class BatchObject(BaseModel):
-    id: str
-    object: Literal["batch"]
-    endpoint: str
-    errors: dict[str, Any] | None
-    input_file_id: str
-    completion_window: str
-    status: Literal[
-        "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
-    ]
-    output_file_id: str | None
-    error_file_id: str | None
-    created_at: int
-    in_progress_at: int | None
-    expires_at: int | None
-    finalizing_at: int | None
-    completed_at: int | None
-    failed_at: int | None
-    expired_at: int | None
-    cancelling_at: int | None
-    cancelled_at: int | None
-    request_counts: BatchRequestCounts
-    metadata: dict[str, str] | None
-
-
-class BatchList(BaseModel):
-    object: Literal["list"]
-    data: list[BatchObject]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool

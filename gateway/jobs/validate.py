@@ -236,7 +236,7 @@ def parse_body(host: JobsHost, url: str, body: dict) -> EmbeddingsRequest | Gene
     try:
         parsed = schema.model_validate(body)
     except ValidationError as exc:
-        raise validation_error(exc) from None
+        raise validation_error(exc, body) from None
     if getattr(parsed, "stream", False):
         raise APIError(422, "stream is not supported in batch requests", code="invalid_value", param="stream")
     return parsed

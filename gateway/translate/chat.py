@@ -249,9 +249,18 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine, thinking_mode
     error (422 naming the prompt and quoting the template)."""
     if not isinstance(body, ChatCompletionRequest):
         given: list[Any] = list(body.prompts)  # texts, or token ids
-        return [
+        prompts = [
             engine.encode_prompt(t) if isinstance(t, str) else token_prompt(t, i, engine) for i, t in enumerate(given)
         ]
+        for i, ids in enumerate(prompts):
+            if not ids:  # "" on a model that adds no BOS: nothing to condition on (vLLM refuses it too)
+                raise APIError(
+                    422,
+                    f"prompt {i} is empty: {engine.name} adds no start token, so there is nothing to continue",
+                    code="empty_prompt",
+                    param="prompt",
+                )
+        return prompts
     conversations = body.conversations
     nested = conversations is body.messages  # a list of conversations, not one
     tools = offered_tools(body, len(conversations))

@@ -38,6 +38,8 @@ NOT_IN_JSON_SCHEMA = frozenset(
         "chat_template_error",
         "invalid_batch_file",
         "invalid_token_id",  # a logit_bias key beyond the model's vocabulary
+        "empty_prompt",  # "" tokenized to nothing (a model with no start token)
+        "stream_options_without_stream",  # a rule across two fields
         "logprobs_required",  # top_logprobs without logprobs: true (a rule across two fields)
     }
 )

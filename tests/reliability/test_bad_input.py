@@ -94,6 +94,42 @@ CASES = [
         "echo",
     ),
     (
+        C,  # OpenAI refuses it too: options for a stream that is not sent
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "stream_options": {}}',
+        422,
+        "stream_options_without_stream",
+        "stream_options",
+    ),
+    (
+        C,
+        b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "store": true}',
+        422,
+        "unsupported_parameter",
+        "store",
+    ),
+    (P, b'{"model": "fake-chat", "prompt": "x", "best_of": 3}', 422, "unsupported_parameter", "best_of"),
+    (P, b'{"model": "fake-chat", "prompt": "x", "suffix": "after"}', 422, "unsupported_parameter", "suffix"),
+    (
+        C,  # param names the path the client sent, not pydantic's branch ("tool_choice.NamedToolChoice...")
+        (
+            b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], '
+            b'"tool_choice": {"type": "function", "function": {}}}'
+        ),
+        422,
+        "invalid_value",
+        "tool_choice.function.name",
+    ),
+    (
+        C,  # nor the discriminator's value ("response_format.json_schema.json_schema.name")
+        (
+            b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], '
+            b'"response_format": {"type": "json_schema", "json_schema": {"name": "a b"}}}'
+        ),
+        422,
+        "invalid_value",
+        "response_format.json_schema.name",
+    ),
+    (
         C,
         b'{"model": "fake-chat", "messages": [{"role": "user", "content": "x"}], "frequency_penalty": 3}',
         422,
@@ -186,6 +222,27 @@ def test_bad_input_gets_its_documented_error(server, route, raw, status, code, p
     assert [len(m.engine.calls) for m in server.ferry.models.values()] == calls  # nothing reached an engine
     good = httpx.post(server.url + C, json={"model": "fake-chat", "messages": MSG, "max_tokens": 2})
     assert good.status_code == 200
+
+
+def test_openai_fields_that_change_nothing_here_are_served(server):
+    """Values Ferry honours by doing nothing (no completion stored, one generation per
+    choice, no suffix) and metadata such as `user` are served, not refused."""
+    chat = {
+        "model": "fake-chat",
+        "messages": MSG,
+        "max_tokens": 2,
+        "store": False,
+        "metadata": {"team": "search"},
+        "prompt_cache_key": "tenant-7",
+        "safety_identifier": "user-1234",
+    }
+    r = httpx.post(server.url + C, json=chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"]
+    done = {"model": "fake-chat", "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": ""}
+    r = httpx.post(server.url + P, json=done)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"]
 
 
 LIMITS = [

@@ -52,6 +52,20 @@ def test_completion_prompts_are_encoded_as_they_are():
     assert work.prompts == [engine.encode_prompt("abc")] and not work.chat
 
 
+def test_a_completion_prompt_of_no_tokens_is_refused_before_the_engine():
+    """ "" on a model whose tokenizer adds no start token (GPT-2, Qwen) tokenizes to nothing:
+    a 422 naming the prompt, never a sequence with nothing to condition on."""
+
+    class NoStartToken(FakeGenerationEngine):
+        def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [] if not text else super().encode_prompt(text, add_special_tokens)
+
+    engine = NoStartToken()
+    err = refusal(lambda: generation_work(completion_body(prompt=["abc", ""]), engine, CFG))
+    assert (err.status, err.code, err.param) == (422, "empty_prompt", "prompt") and "prompt 1" in err.message
+    assert generation_work(completion_body(prompt="abc"), engine, CFG).prompts == [engine.encode_prompt("abc")]
+
+
 def test_scalars_apply_to_every_prompt_and_lists_one_value_each():
     body = chat_body(messages=[CONV_A, CONV_B], temperature=0.5, top_p=[0.9, 0.8], seed=[1, 2], max_tokens=[3, 4])
     params = generation_work(body, FakeGenerationEngine(), CFG).params
