@@ -71,6 +71,8 @@ class LineExecutor:
             if not await self._submit(job, run, batcher, work, rid):
                 return None
             outcome = await _gather(batcher, run.items)
+        except BatchingError as exc:  # refused for good at admission (more items than the queue holds)
+            return failed(job, row, rid, APIError.from_batching(exc))
         finally:
             share.release(n)
         if not isinstance(outcome, BaseException):
@@ -100,7 +102,8 @@ class LineExecutor:
 
     async def _submit(self, job: Job, run: LineRun, batcher: ServedBatcher, work: Work, rid: str) -> bool:
         """Queue the line's items (`run.items`), retrying refusals at admission; False when
-        it cannot be queued any more (the job stops, the window ends, the model goes)."""
+        it cannot be queued any more (the job stops, the window ends, the model goes). A
+        refusal retrying cannot help (`RequestTooLarge`) is raised: the line fails with it."""
         delay = RETRY_MIN
         while True:
             budget = job.expires_ts - time.time()

@@ -302,3 +302,17 @@ def test_schema_constrained_lines_with_the_tiny_chat(tmp_path):
         assert call["finish_reason"] == "tool_calls"
         arguments = call["message"]["tool_calls"][0]["function"]["arguments"]
         jsonschema.validate(orjson.loads(arguments), TIDES["function"]["parameters"])
+
+
+def test_a_line_with_more_inputs_than_the_queue_holds_fails_at_once(jobs_server):
+    """Admission refuses it for good (request_too_large): the line fails with that error and
+    its job completes, instead of the line staying pending until the window ends."""
+    _s, api = jobs_server(max_queue=4)
+    lines = [embed_line("big", [f"text {i}" for i in range(6)]), embed_line("ok", ["a", "b"])]
+    done = api.wait(api.create(lines, endpoint="/v1/embeddings")["id"], timeout=15)
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+    [err] = api.content(done["error_file_id"])
+    assert err["custom_id"] == "big" and err["response"]["status_code"] == 422
+    assert err["response"]["body"]["error"]["code"] == "request_too_large"
+    [ok] = api.content(done["output_file_id"])
+    assert ok["custom_id"] == "ok" and len(ok["response"]["body"]["data"]) == 2
