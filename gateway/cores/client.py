@@ -317,7 +317,10 @@ class CoreClient:
             self.table.fail(self._unavailable())
 
     async def reconnect(self, address: str) -> None:
-        """Serve from a new core at `address` (a restarted one): the model is available again."""
+        """Serve from a new core at `address` (a restarted one): the model is available again.
+        A request still open was sent to the core that is gone (its loss not heard here):
+        it fails now, as `lost` would have failed it, rather than wait for an answer."""
+        self.table.fail(ModelUnavailable(f"the engine core of {self.model} restarted", retry_after=1))
         await self._stop_receiving()
         self.outbox.clear()
         self.sock.close(linger=0)

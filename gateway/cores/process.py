@@ -323,9 +323,10 @@ async def attach_core(spec: ModelSpec, view: dict[str, Any]) -> tuple[ServedMode
     engine = await asyncio.to_thread(spec.front, view["facts"])
     control = AttachedCore()
     identity = view.get("identity")
+    address, failed = view["address"], view["failed"]
     batcher = CoreClient(
         engine.name,
-        view["address"],
+        address,
         BatchingSettings(**view["settings"]),
         core=control,
         tokenizer=_detokenizer(spec, engine),
@@ -333,11 +334,20 @@ async def attach_core(spec: ModelSpec, view: dict[str, Any]) -> tuple[ServedMode
     )
     control.batcher = batcher
     await batcher.start()
-    if view["failed"]:  # lost before this front end started: unavailable until it is back
-        await batcher.lost(view["failed"], restarting=view["restarting"])
+    if failed:  # lost before this front end started: unavailable until it is back
+        await batcher.lost(failed, restarting=view["restarting"])
     else:  # the core's settings now (another front end may have changed them since it started)
         with contextlib.suppress(Exception):
             await batcher.update()
+    # The supervisor's word that came while this front end attached (GatewayState skips it
+    # for a model not attached yet, and the view holds it): applied until nothing more came
+    # meanwhile. Returning from here, the caller records the client before the next event.
+    while (view["address"], view["failed"]) != (address, failed):
+        address, failed = view["address"], view["failed"]
+        if failed:
+            await batcher.lost(failed, restarting=view["restarting"])
+        else:
+            await batcher.reconnect(address)
     return ServedModel(engine.name, spec.kind, engine, batcher, None), batcher
 
 

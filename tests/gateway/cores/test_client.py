@@ -216,6 +216,61 @@ def test_a_lost_core_fails_every_open_request_at_once_and_every_later_one(tmp_pa
     run(main())
 
 
+def test_a_reconnect_fails_what_was_open_on_the_old_core_and_serves_what_comes_after(tmp_path):
+    """A front end that missed the core's loss (it came while the front end attached) hears
+    of the new core only: what it had sent to the old one fails at once, not never."""
+    engine = FakeEmbeddingEngine(fixed=0.5)
+
+    async def main():
+        async with core_and_front(tmp_path, engine, max_wait_ms=0) as (_, core, remote):
+            items = await remote.submit_many(engine.tokenize(["in flight"]))
+            await remote.reconnect(core.address)  # the "new" core: the same one serves here
+            with pytest.raises(ModelUnavailable) as gone:
+                await items[0].future
+            assert "restarted" in gone.value.message and gone.value.retry_after == 1
+            engine.fixed = 0.0
+            [again] = await remote.submit_many(engine.tokenize(["after"]))
+            np.testing.assert_array_equal((await again.future).vector, fake_vector("after", 8))
+
+    run(main())
+
+
+def test_a_front_end_attaching_applies_the_loss_it_heard_while_attaching(tmp_path, monkeypatch):
+    """The supervisor's "lost" came while attach_core waited for the core's settings (the
+    gateway skips it for a model not attached yet; the view holds it): the client it returns
+    is failed, not connected to a core that is gone."""
+    from gateway.cores.process import attach_core
+    from gateway.models.catalogue import ModelSpec
+    from gateway.models.kinds import EMBEDDING
+
+    engine = FakeEmbeddingEngine()
+
+    async def main():
+        async with core_and_front(tmp_path, engine) as (batcher, core, _):
+            view = {
+                "address": core.address,
+                "failed": None,
+                "restarting": False,
+                "settings": batcher.settings.to_dict(),
+                "facts": {},
+            }
+
+            async def lost_meanwhile(self):
+                view.update(failed="engine core killed by SIGKILL", restarting=True)
+
+            monkeypatch.setattr(CoreClient, "update", lost_meanwhile)
+            spec = ModelSpec(kind=EMBEDDING, load=lambda: engine, front=lambda facts: engine)
+            _, client = await attach_core(spec, view)
+            try:
+                assert client.failed == "engine core killed by SIGKILL" and client.restarting
+                with pytest.raises(ModelUnavailable):
+                    await client.submit_many([[1]])
+            finally:
+                await client.stop()
+
+    run(main())
+
+
 def test_a_closing_remote_refuses_new_work_as_shutting_down(tmp_path):
     engine = FakeEmbeddingEngine()
 
