@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..endpoint import Ctx
-from ..errors import APIError
+from ..errors import not_found_model, not_ready
 from ..metrics.merge import merged_exposition, merged_families
 from ..responses import json_response
 from ..state import gateway_state
@@ -74,13 +74,17 @@ def _model_card(m) -> dict:
 
 async def list_models(request: Request, ctx: Ctx) -> Response:
     ferry = gateway_state(request)
+    if not ferry.ready:  # an empty list would read as "serves nothing"; the POST routes say 503 too
+        raise not_ready(ferry.load_error)
     return json_response({"object": "list", "data": [_model_card(m) for m in ferry.models.values()]})
 
 
 async def get_model(request: Request, ctx: Ctx) -> Response:
     ferry = gateway_state(request)
+    if not ferry.ready:
+        raise not_ready(ferry.load_error)
     name = request.path_params["model"]
     m = ferry.models.get(name)
     if m is None:
-        raise APIError(404, f"The model '{name}' does not exist", code="model_not_found", param="model")
+        raise not_found_model(name, list(ferry.models))
     return json_response(_model_card(m))

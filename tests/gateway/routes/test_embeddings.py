@@ -164,6 +164,22 @@ def test_models_health_and_metrics(fake_server_factory):
     assert "ferry_batch_size_items_count" in text
 
 
+def test_the_models_routes_name_what_is_served_and_say_503_while_loading(fake_server_factory):
+    s = fake_server_factory()
+    assert httpx.get(s.url + "/v1/models/fake-chat").json()["id"] == "fake-chat"
+    ghost = httpx.get(s.url + "/v1/models/ghost")
+    assert ghost.status_code == 404 and ghost.json()["error"]["code"] == "model_not_found"
+    assert "Available models: fake-embed, fake-chat" in ghost.json()["error"]["message"]
+    s.ferry.ready = False  # as while the models load: no empty list, no "does not exist"
+    try:
+        for path in ("/v1/models", "/v1/models/fake-chat"):
+            r = httpx.get(s.url + path)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready", path
+            assert r.headers["Retry-After"] == "2"
+    finally:
+        s.ferry.ready = True
+
+
 def test_a_failed_input_withdraws_its_siblings_without_counting_a_client_cancel(fake_server_factory):
     s = fake_server_factory(max_batch_size=1, max_wait_ms=0, policy="fixed")
     r = post(s, {"model": "fake-embed", "input": ["FAIL_ITEM first", "second", "third"]})
