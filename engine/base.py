@@ -31,6 +31,8 @@ class EmbeddingEngine(Protocol):
     name: str
     max_length: int  # tokens; longer inputs are truncated
     dim: int
+    # Optional: `vocab_size`, the ids its embedding table holds. An engine with it takes
+    # inputs given as token ids (each checked against it); one without takes text only.
 
     def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
         """Token ids per text, already truncated to max_length (special tokens included)."""

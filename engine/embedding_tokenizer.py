@@ -14,9 +14,10 @@ from collections.abc import Sequence
 
 
 class EmbeddingTokenizer:
-    def __init__(self, path: str, *, name: str, dim: int, max_length: int):
-        """`name`, `dim` and `max_length` are what the core's engine reports of itself."""
-        self.name, self.dim, self.max_length = name, dim, max_length
+    def __init__(self, path: str, *, name: str, dim: int, max_length: int, vocab_size: int | None = None):
+        """`name`, `dim`, `max_length` and `vocab_size` are what the core's engine reports of
+        itself (no `vocab_size`: inputs given as token ids are refused)."""
+        self.name, self.dim, self.max_length, self.vocab_size = name, dim, max_length, vocab_size
         self._fast = None
         self._auto = None
         if os.path.isfile(os.path.join(path, "tokenizer.json")):

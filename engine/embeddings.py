@@ -68,6 +68,9 @@ class HFEmbeddingEngine:
 
         self.prepacked = prepack_linears(self.model) if prepacked_linears else 0
         self.fused = fuse_activations(self.model) if self.prepacked and fused_activations else 0
+        # The ids the model's embedding table holds: inputs given as token ids are checked
+        # against it before they reach a batch (gateway/translate/embeddings.py).
+        self.vocab_size = int(getattr(self.model.config, "vocab_size", 0) or len(self.tokenizer))
         limit = getattr(self.model.config, "max_position_embeddings", 512)
         tok_limit = self.tokenizer.model_max_length if self.tokenizer.model_max_length < 1e6 else limit
         # sentence-transformers caps all-MiniLM-L6-v2 at 256 word pieces; honour a

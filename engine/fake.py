@@ -104,8 +104,10 @@ class FakeEmbeddingEngine:
         per_token: float = 0.0,
         max_length: int = 512,
         hang_seconds: float = 30.0,
+        vocab_size: int | None = None,
     ):
         self.name, self.dim, self.max_length = name, dim, max_length
+        self.vocab_size = vocab_size or _FAULT_IDS  # ids a client may send (the fault markers lie above)
         self.fixed, self.per_item, self.per_token, self.hang_seconds = fixed, per_item, per_token, hang_seconds
         self.calls: list[int] = []  # batch sizes seen, in order
         self._texts: dict[tuple[int, ...], str] = {}  # what this instance tokenized, for logs

@@ -22,7 +22,6 @@ from .schemas import (
     EmbeddingsRequest,
     as_conversations,
     completion_prompts,
-    one_or_many,
     stop_lists,
 )
 
@@ -141,7 +140,8 @@ def _bounded(lim: Limits) -> RequestModels:
         branches[1]["maxItems"] = branches[3]["maxItems"] = lim.max_prompts  # strings, token-id lists
 
     def embeddings_schema(schema: dict) -> None:
-        schema["properties"]["input"]["anyOf"][1]["maxItems"] = lim.max_inputs
+        branches = schema["properties"]["input"]["anyOf"]
+        branches[1]["maxItems"] = branches[3]["maxItems"] = lim.max_inputs  # strings, token-id lists
 
     class Chat(ChatCompletionRequest):
         __qualname__ = "ChatCompletionRequest"  # its name in /openapi.json
@@ -174,7 +174,7 @@ def _bounded(lim: Limits) -> RequestModels:
         @field_validator("input")
         @classmethod
         def _inputs(cls, v: Any) -> Any:
-            n = len(one_or_many(v))
+            n = len(completion_prompts(v))
             if n > lim.max_inputs:
                 raise PydanticCustomError(
                     "too_many_inputs",

@@ -244,7 +244,7 @@ def _served_facts(components: dict[str, Any], models: dict[str, ServedModel[Any]
 # Per route: the request schema, the kind of model it serves, the field that lists prompts
 # or inputs and which of its anyOf branches is the list.
 LISTED = (
-    ("EmbeddingsRequest", EMBEDDING, "input", (1,)),
+    ("EmbeddingsRequest", EMBEDDING, "input", (1, 3)),  # a list of texts, a list of token-id lists
     ("ChatCompletionRequest", CHAT, "messages", (0,)),
     ("CompletionRequest", CHAT, "prompt", (1, 3)),  # a list of texts, a list of token-id lists
 )

@@ -54,11 +54,6 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
-def one_or_many(value: str | list[str]) -> list[str]:
-    """`prompt` and `input` take one string or a list; everything past the request model sees a list."""
-    return [value] if isinstance(value, str) else value
-
-
 def as_conversations(messages: Any) -> list[list[ChatMessage]]:
     """`messages` is one conversation or a list of them; everything past the request model sees a list."""
     return messages if isinstance(messages[0], list) else [messages]
@@ -72,18 +67,38 @@ class Scheduling(Strict):
     user: str | None = Field(None, max_length=256)
 
 
+TokenId = Annotated[int, Field(ge=0), Integral]
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
+    """`prompt` (or embeddings' `input`) is a string, a list of strings, token ids, or a
+    list of token-id lists."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return prompt
+
+
 # -- embeddings ---------------------------------------------------------------------
 class EmbeddingsRequest(Scheduling):
     model: str = Field(min_length=1, max_length=256)
-    input: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1)] = Field(
-        description="A string or a list of strings; each becomes its own work item."
+    input: (
+        NonEmptyText
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | TokenPrompt
+        | Annotated[list[TokenPrompt], Field(min_length=1)]
+    ) = Field(
+        description="A string, a list of strings, token ids, or a list of token-id lists; each input becomes its "
+        "own work item. Token ids are the model's input as given (with its special tokens, if it wants them)."
     )
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1), Integral] | None = None
 
     @property
-    def inputs(self) -> list[str]:
-        return one_or_many(self.input)
+    def inputs(self) -> list[str] | list[list[int]]:
+        return completion_prompts(self.input)
 
 
 class EmbeddingData(BaseModel):
@@ -323,19 +338,6 @@ class ChatCompletionRequest(GenerationParams):
     @property
     def conversations(self) -> list[list[ChatMessage]]:
         return as_conversations(self.messages)
-
-
-TokenId = Annotated[int, Field(ge=0), Integral]
-TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
-
-
-def completion_prompts(prompt: Any) -> list[str] | list[list[int]]:
-    """`prompt` is a string, a list of strings, token ids, or a list of token-id lists."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if isinstance(prompt[0], int):
-        return [prompt]
-    return prompt
 
 
 class CompletionRequest(GenerationParams):

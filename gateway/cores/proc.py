@@ -76,7 +76,12 @@ def facts(served: ServedModel[Any]) -> dict[str, Any]:
         return {"name": engine.name, "max_context": engine.max_context}
     if served.kind == CUSTOM:
         return engine.facts()
-    return {"name": engine.name, "dim": engine.dim, "max_length": engine.max_length}
+    return {
+        "name": engine.name,
+        "dim": engine.dim,
+        "max_length": engine.max_length,
+        "vocab_size": getattr(engine, "vocab_size", None),
+    }
 
 
 async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, settings: dict[str, Any] | None) -> int:

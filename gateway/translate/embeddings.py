@@ -57,13 +57,42 @@ def check_embeddings(body: EmbeddingsRequest, engine: EmbeddingEngine) -> None:
             code="invalid_value",
             param="dimensions",
         )
+    inputs = body.inputs
+    if not isinstance(inputs[0], str):
+        check_token_inputs(inputs, engine)  # token-id lists
+
+
+def check_token_inputs(inputs: list[list[int]], engine: EmbeddingEngine) -> None:
+    """Inputs given as token ids are the model's input as they are: each id in its
+    vocabulary, each input within its length (a text is truncated to it; ids are not cut,
+    which would drop the end token a client put there). Refused, never reaching a batch."""
+    vocab = getattr(engine, "vocab_size", None)
+    if vocab is None:
+        raise APIError(422, f"{engine.name} takes its inputs as text only", code="unsupported_parameter", param="input")
+    for i, ids in enumerate(inputs):
+        outside = next((t for t in ids if t >= vocab), None)
+        if outside is not None:
+            raise APIError(
+                422,
+                f"input[{i}]: token id {outside} is not in the vocabulary of {engine.name} ({vocab} tokens)",
+                code="invalid_token_id",
+                param="input",
+            )
+        if len(ids) > engine.max_length:
+            raise APIError(
+                422,
+                f"input[{i}] has {len(ids)} token ids; {engine.name} takes at most {engine.max_length}",
+                code="context_length_exceeded",
+                param="input",
+            )
 
 
 def embedding_work(body: EmbeddingsRequest, engine: EmbeddingEngine, cfg: ServerConfig) -> EmbeddingWork:
-    """Check and tokenize every input (the engine truncates to its own max length);
-    an input still over `--max-prompt-tokens` is refused."""
+    """Check and tokenize every input (the engine truncates text to its own max length;
+    token ids are taken as they are); an input still over `--max-prompt-tokens` is refused."""
     check_embeddings(body, engine)
-    token_ids = engine.tokenize(body.inputs)
+    inputs = body.inputs
+    token_ids = engine.tokenize(inputs) if isinstance(inputs[0], str) else [list(ids) for ids in inputs]
     if cfg.max_prompt_tokens is not None:
         for i, ids in enumerate(token_ids):
             if len(ids) > cfg.max_prompt_tokens:

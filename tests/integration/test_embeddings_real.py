@@ -84,3 +84,25 @@ def test_openai_client_embeddings(real_server):
     np.testing.assert_allclose(floats, res.data[0].embedding, rtol=1e-5, atol=1e-6)
     models = {m.id for m in client.models.list()}
     assert MODEL in models
+
+
+def test_inputs_given_as_token_ids_are_the_texts_own_vectors(real_server):
+    """The openai client's token-id inputs (one list, or a list of lists): the model's ids
+    for a text give that text's vector; an id outside its vocabulary is refused."""
+    from transformers import AutoTokenizer
+
+    from engine.embeddings import default_model_path
+
+    client = openai.OpenAI(base_url=real_server.url + "/v1", api_key="unused")
+    texts = ["hello ferry", "the river crossing at dawn"]
+    ids = AutoTokenizer.from_pretrained(default_model_path())(texts)["input_ids"]
+    by_text = client.embeddings.create(model=MODEL, input=texts, encoding_format="float")
+    by_ids = client.embeddings.create(model=MODEL, input=ids, encoding_format="float")
+    np.testing.assert_allclose(
+        [d.embedding for d in by_ids.data], [d.embedding for d in by_text.data], rtol=1e-5, atol=1e-6
+    )
+    assert by_ids.usage.prompt_tokens == by_text.usage.prompt_tokens == sum(map(len, ids))
+    one = client.embeddings.create(model=MODEL, input=ids[0], encoding_format="float")
+    np.testing.assert_allclose(one.data[0].embedding, by_text.data[0].embedding, rtol=1e-5, atol=1e-6)
+    r = httpx.post(real_server.url + "/v1/embeddings", json={"model": MODEL, "input": [101, 10**6, 102]}, timeout=30)
+    assert r.status_code == 422 and r.json()["error"]["code"] == "invalid_token_id"

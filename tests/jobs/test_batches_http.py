@@ -85,17 +85,20 @@ def test_whole_file_is_validated_and_bad_lines_are_named(jobs_server):
         chat_line("x11", "hi", messages=[[{"role": "user", "content": "a"}]], max_tokens=[1, 2]),  # 11 per-prompt list
         embed_line("x12", "hi", dimensions=3),  # 12 route limit
         [1, 2],  # 13 not an object
+        embed_line("x14", [[101, 7, 102], [101, 1 << 31, 102]]),  # 14 a token id outside the vocabulary
+        embed_line("ok-15", [101, 7, 102]),  # 15 token ids
     ]
     fid = api.upload(lines)
     r = api.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "*", "completion_window": "24h"})
     assert r.status_code == 422, r.text
     error = r.json()["error"]
     assert error["code"] == "invalid_batch_file" and error["type"] == "invalid_request_error"
-    assert error["lines"] == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13]
+    assert error["lines"] == [2, 3, 4, 5, 6, 7, 10, 11, 12, 13, 14]
     details = {d["line"]: d for d in error["errors"]["data"]}
     assert details[4]["code"] == "duplicate_custom_id" and "line 1" in details[4]["message"]
     assert details[3]["code"] == "invalid_url" and details[6]["code"] == "model_not_found"
     assert details[5]["param"].startswith("body.temperature")
+    assert details[14]["code"] == "invalid_token_id" and "input[1]" in details[14]["message"]
     assert "line 2" in error["message"]
     # Nothing was created, nothing ran.
     assert api.http.get("/v1/batches").json()["data"] == []

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pydantic import ValidationError
 
 from engine.fake import FakeEmbeddingEngine
 from gateway.config import ServerConfig
@@ -25,6 +26,32 @@ def refusal(call: Any) -> APIError:
     with pytest.raises(APIError) as info:
         call()
     return info.value
+
+
+@pytest.mark.parametrize("given, inputs", [([101, 7, 102], [[101, 7, 102]]), ([[101, 102], [5]], [[101, 102], [5]])])
+def test_token_ids_are_taken_as_given_one_item_per_input(given, inputs):
+    engine = FakeEmbeddingEngine()
+    work = embedding_work(body(input=given), engine, CFG)
+    assert work.payloads == inputs and work.costs == [len(ids) for ids in inputs]
+
+
+def test_token_ids_outside_the_vocabulary_or_the_length_or_for_a_text_only_model_are_refused():
+    engine = FakeEmbeddingEngine(max_length=4)
+    err = refusal(lambda: embedding_work(body(input=[[1, 2], [3, engine.vocab_size]]), engine, CFG))
+    assert (err.status, err.code, err.param) == (422, "invalid_token_id", "input") and "input[1]" in err.message
+    err = refusal(lambda: embedding_work(body(input=[1, 2, 3, 4, 5]), engine, CFG))
+    assert (err.code, err.param) == ("context_length_exceeded", "input")  # ids are not cut: the end token would go
+    err = refusal(lambda: check_embeddings(body(input=[1, 2]), engine_without_vocab()))
+    assert (err.code, err.param) == ("unsupported_parameter", "input")
+    with pytest.raises(ValidationError, match="too_many_inputs"):  # token-id lists counted as inputs
+        body(input=[[1]] * (CFG.max_inputs + 1))
+    assert len(body(input=list(range(CFG.max_inputs + 5))).inputs) == 1  # one input of many ids
+
+
+def engine_without_vocab() -> FakeEmbeddingEngine:
+    engine = FakeEmbeddingEngine()
+    del engine.vocab_size
+    return engine
 
 
 @pytest.mark.parametrize("given, inputs", [("one two", ["one two"]), (["a", "b c"], ["a", "b c"])])
