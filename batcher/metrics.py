@@ -11,9 +11,9 @@ docs/operations.md explains each metric and panel to operators.
 Label values:
 - `status`: the item outcome (`result`, `error`, `cancelled`, `expired`) on
   `ferry_items_total`; `met` / `missed` on `ferry_slo_total`.
-- `reason`: a dispatch reason (`full`, `max_wait`, `deadline`, `adaptive`, `drain`) or a
+- `reason`: a dispatch reason (`full`, `max_wait`, `deadline`, `adaptive`, `drain`, `lane`) or a
   rejection reason (`queue_full`, `deadline_infeasible`, `invalid`, `shutting_down`).
-- `phase`: the engine phase (`embed`, `prefill`, `decode`), or on
+- `phase`: the engine phase (`embed`, `prefill`, `decode`, a custom model's `predict`), or on
   `ferry_cancellations_total` where the item was when its client left (`queued`, `running`).
 - `class`: the priority class (`interactive`, `batch`).
 
@@ -175,7 +175,7 @@ class Metrics:
         self.first_token_slowdown = Gauge(
             "ferry_first_token_slowdown",
             "Generation: 90th percentile of observed / predicted time to first token lately, per class, "
-            "within 1-1.5: what admission's first-token promises allow for.",
+            "within 1-4: what admission's first-token promises allow for.",
             ["model", "class"],
             registry=r,
             multiprocess_mode=MAX,
@@ -241,8 +241,9 @@ class Metrics:
         )
         self.kv_usage = Gauge(
             "ferry_kv_cache_usage_ratio",
-            "Share (0-1) of the KV-cache capacity the model may use that is in use: cache tokens of the "
-            "running sequences over max_running x the model's context; 0 for embeddings models (no KV cache).",
+            "Share (0-1) of the KV-cache memory in use: the running rows x longest row over the "
+            "--kv-cache-mb budget in tokens (no budget: cache tokens over max_running x the model's context); "
+            "0 for embeddings models (no KV cache).",
             ["model"],
             registry=r,
             multiprocess_mode=SUM,

@@ -8,7 +8,7 @@ from typing import Any
 
 import httpx
 
-REASONS = ("full", "max_wait", "deadline", "adaptive", "drain")  # label values of ferry_batches_total
+REASONS = ("full", "max_wait", "deadline", "adaptive", "drain", "lane")  # label values of ferry_batches_total
 REJECTIONS = ("queue_full", "deadline_infeasible")  # of ferry_rejections_total
 
 
