@@ -350,7 +350,9 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         tokens = self._next.sample(done.logits[finished], [seqs[row] for row in finished])
         alive = []
         for row, token in zip(finished, tokens, strict=True):
-            out = self._next.advance(seqs[row], *token)
+            out = self._next.first(seqs[row], *token, failed=result.failed)
+            if out is None:  # failed alone (its prompt's log probabilities): dropped
+                continue
             out.cached_tokens = chunks[row].pending.cached
             result.outputs.append(out)
             if out.finish_reason is None:
@@ -365,7 +367,11 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         done = self._prefiller.run([r.prompt_ids for r in requests])
         seqs = [self._new_sequence(r) for r in requests]
         tokens = self._next.sample(done.logits, seqs)
-        outputs = [self._next.advance(seq, *token) for seq, token in zip(seqs, tokens, strict=True)]
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            out = self._next.first(seq, *token)
+            assert out is not None  # without `failed`, a failure raises (and `add` runs again apart)
+            outputs.append(out)
         for out, cached in zip(outputs, done.cached, strict=True):
             out.cached_tokens = cached
         alive = [i for i, out in enumerate(outputs) if out.finish_reason is None]

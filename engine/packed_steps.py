@@ -67,7 +67,9 @@ class PackedSteps:
         decoded = self._decoded(tokens[:rows])
         others = [*batch.seqs, *(p.seq for p in self._pending.waiting()), *joining]
         for c, token in zip(completing, tokens[rows:], strict=True):
-            out = self._next.advance(c.pending.seq, *token)
+            out = self._next.first(c.pending.seq, *token, failed=result.failed)
+            if out is None:  # failed alone (its prompt's log probabilities): dropped
+                continue
             out.cached_tokens = c.pending.cached
             result.outputs.append(out)
             if out.finish_reason is None:

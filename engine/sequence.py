@@ -4,6 +4,7 @@ with its own sampler, the token accounted (text released, stop and length decide
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -19,6 +20,8 @@ from .prefix_cache import chain_keys
 from .prompt_logprobs import prompt_logprobs
 from .sampling import SequenceSampler, sample_next_tokens, token_logprobs
 from .sharing import SHARE_BLOCK, HeldPrefix
+
+log = logging.getLogger("ferry.engine")
 
 
 class SequenceLimits(Protocol):
@@ -68,11 +71,35 @@ class NextTokens:
             if end is None and (len(seq.tokens) >= seq.params.max_tokens or full):
                 end = FINISH_LENGTH
         logprobs = None if logprob is None else [logprob]
-        prompt = seq.score_prompt(self.forward) if len(seq.tokens) == 1 else None
         if seq.text is None:
-            return StepOutput(seq.seq_id, [token], "", end, logprobs=logprobs, prompt_logprobs=prompt)
+            return StepOutput(seq.seq_id, [token], "", end, logprobs=logprobs)
         text, reason = seq.text.advance(token, end)
-        return StepOutput(seq.seq_id, [token], text, reason, logprobs=logprobs, prompt_logprobs=prompt)
+        return StepOutput(seq.seq_id, [token], text, reason, logprobs=logprobs)
+
+    def first(
+        self,
+        seq: RunningSequence,
+        token: int,
+        logprob: TokenLogprob | None = None,
+        failed: dict[int, Exception] | None = None,
+    ) -> StepOutput | None:
+        """A prompt's first token (`advance`), with its prompt's log probabilities where its
+        params ask. Those take a forward of the prompt's own (engine/prompt_logprobs.py): one
+        that fails (a long prompt's memory) fails that prompt alone, in `failed`, and gives
+        None (it does not join); without `failed` the error is raised (`add`, which the
+        batcher runs again one prompt at a time)."""
+        out = self.advance(seq, token, logprob)
+        if len(seq.tokens) != 1 or seq.scored is None:
+            return out
+        try:
+            out.prompt_logprobs = seq.score_prompt(self.forward)
+        except Exception as exc:
+            if failed is None:
+                raise
+            log.exception("prompt log probabilities of sequence %d failed", seq.seq_id)
+            failed[seq.seq_id] = exc
+            return None
+        return out
 
 
 @dataclass(slots=True)

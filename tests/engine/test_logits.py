@@ -5,6 +5,7 @@ min_tokens and ignore_eos, top_k and min_p; then on the built-in model through t
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
@@ -193,3 +194,34 @@ def test_prompt_log_probabilities_score_what_decoding_generated(engine):
     for row, (token, logprob, _) in enumerate(entries[1:]):
         assert abs(logprob - float(want[row, token])) < 1e-4
     assert first.logprobs is None  # the completion's own were not asked
+
+
+@pytest.mark.parametrize("beside_a_running_row", [False, True])
+def test_a_prompt_whose_log_probabilities_fail_fails_alone(engine, monkeypatch, beside_a_running_row):
+    """Echo's prompt forward is the prompt's own (a long prompt's logits take length x
+    vocabulary floats): one that fails fails that prompt alone, in `failed`, while its batch
+    mates get their first token and decode on (packed, and padded beside a running row)."""
+    import engine.sequence as sequence
+
+    scored = sequence.prompt_logprobs
+    doomed = engine.encode_prompt("a prompt far too long to score")
+
+    def fails_for_one(forward, prompt, top):
+        if list(prompt) == doomed:
+            raise torch.OutOfMemoryError("prompt logits of 150k x 32k floats")
+        return scored(forward, prompt, top)
+
+    monkeypatch.setattr(sequence, "prompt_logprobs", fails_for_one)
+    if beside_a_running_row:
+        engine.enqueue([SequenceRequest(9, engine.encode_prompt("already decoding"), SamplingParams(max_tokens=8))])
+        assert engine.prefill().outputs[0].finish_reason is None
+    params = SamplingParams(max_tokens=3, temperature=0.0, prompt_logprobs=1)
+    mate = engine.encode_prompt("Every evening the ferry")
+    engine.enqueue([SequenceRequest(1, doomed, params), SequenceRequest(2, mate, params)])
+    step = engine.prefill()
+    assert list(step.failed) == [1] and isinstance(step.failed[1], torch.OutOfMemoryError)
+    [out] = step.outputs
+    assert out.seq_id == 2 and out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(mate)
+    assert 1 not in engine.running_ids and 2 in engine.running_ids
+    outputs = engine.step()
+    assert {o.seq_id for o in outputs} == ({2, 9} if beside_a_running_row else {2})
