@@ -126,7 +126,8 @@ class ServerSettings(Knobs):
         "the number running is bounded by it, not only by max_running; when it is full, running "
         "sequences are preempted, batch class first, and recomputed from the prefix cache when there "
         "is room (docs/scheduling.md). A model whose context does not fit has it capped to the budget. "
-        "0: no bound. Set at start",
+        "Prompts still prefilling, shared prefixes held once and the prefix cache (--prefix-cache-mb) "
+        "take memory beside it. 0: no bound. Set at start",
         unit="MiB",
         ge=0,
     )
