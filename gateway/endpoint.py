@@ -3,6 +3,7 @@ request metrics and one structured log line per request."""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import itertools
 import logging
@@ -47,6 +48,15 @@ def check_key(request: Request, keys: list[str], name: str = "authorization") ->
     for key in keys:
         ok |= hmac.compare_digest(token.encode(), key.encode())
     return ok
+
+
+def key_owner(request: Request, keys: list[str]) -> str | None:
+    """The caller's API key as the batch API records who owns a file or batch: a digest,
+    never the key (None where the server has no keys; the endpoint has checked the key)."""
+    if not keys:
+        return None
+    token = (header(request, "authorization") or "").partition(" ")[2]
+    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 def endpoint(

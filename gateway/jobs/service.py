@@ -119,7 +119,9 @@ class BatchJobs:
             await self.store.close()
 
     # -- files -----------------------------------------------------------------------------
-    async def upload(self, content: bytes, filename: str, purpose: str) -> dict:
+    # `owner`: the caller's API key as `endpoint.key_owner` names it; a file or batch is
+    # seen (and cancelled) only with the key that made it. None: the server has no keys.
+    async def upload(self, content: bytes, filename: str, purpose: str, owner: str | None = None) -> dict:
         await self.ensure_open()
         row = {
             "id": "file-" + uuid.uuid4().hex,
@@ -128,26 +130,27 @@ class BatchJobs:
             "bytes": len(content),
             "created_at": int(time.time()),
             "kind": "upload",
+            "owner": owner,
         }
         await self.store.write(self.store.insert_file, row, content)
         return row
 
-    async def get_file(self, file_id: str) -> dict:
+    async def get_file(self, file_id: str, owner: str | None = None) -> dict:
         row = await self._read(self.store.get_file, file_id)
-        if row is None:
+        if row is None or not _owns(owner, row):
             raise APIError(404, f"No such file: {file_id}", code="file_not_found", param="file_id")
         return row
 
-    async def file_content(self, file_id: str) -> bytes:
-        await self.get_file(file_id)
+    async def file_content(self, file_id: str, owner: str | None = None) -> bytes:
+        await self.get_file(file_id, owner)
         content = await self.store.read(self.store.file_content, file_id)
         return content or b""
 
     # -- batches ---------------------------------------------------------------------------
-    async def create(self, body: BatchCreate) -> dict:
+    async def create(self, body: BatchCreate, owner: str | None = None) -> dict:
         window = check_create(body)
         f = await self._read(self.store.get_file, body.input_file_id)
-        if f is None or f["kind"] != "upload":
+        if f is None or f["kind"] != "upload" or not _owns(owner, f):
             raise _no_input_file(body.input_file_id)
         if f["purpose"] != "batch":
             raise APIError(
@@ -176,28 +179,29 @@ class BatchJobs:
             "created_at": int(now),
             "in_progress_at": int(now),
             "total": len(good),
+            "owner": owner,
         }
         await self.store.write(self.store.create_batch, row, [(v.line, v.custom_id, v.url, v.body) for v in good])
         self.metrics.moved(None, "in_progress")
         if self.lease.holding:
             self.runner.launch(row)  # else the lease's holder adopts it at its next renewal
         log.info("batch %s created: %d requests, window %s", row["id"], len(good), body.completion_window)
-        return await self.get(row["id"])
+        return await self.get(row["id"], owner)
 
-    async def get(self, batch_id: str) -> dict:
+    async def get(self, batch_id: str, owner: str | None = None) -> dict:
         row = await self._read(self.store.get_batch, batch_id)
-        if row is None:
+        if row is None or not _owns(owner, row):
             raise APIError(404, f"No such batch: {batch_id}", code="batch_not_found", param="batch_id")
         return row
 
-    async def list(self, after: str | None, limit: int) -> tuple[list[dict], bool]:
-        page = await self._read(self.store.list_batches, after, limit)
+    async def list(self, after: str | None, limit: int, owner: str | None = None) -> tuple[list[dict], bool]:
+        page = await self._read(self.store.list_batches, after, limit, owner)
         if page is None:
             raise APIError(404, f"No such batch: {after}", code="batch_not_found", param="after")
         return page
 
-    async def cancel(self, batch_id: str) -> dict:
-        row = await self.get(batch_id)
+    async def cancel(self, batch_id: str, owner: str | None = None) -> dict:
+        row = await self.get(batch_id, owner)
         runner = self.runner
         job = runner.jobs.get(batch_id)
         if job is not None and job.stop in (None, "shutdown") and job.status in ("validating", "in_progress"):
@@ -217,13 +221,19 @@ class BatchJobs:
                 code="batch_not_cancellable",
                 param="batch_id",
             )
-        return await self.get(batch_id)
+        return await self.get(batch_id, owner)
 
     def _check_ready(self) -> None:
         if self.host.draining or self.runner.paused:
             raise shutting_down()
         if not self.host.ready:
             raise not_ready(self.host.load_error)
+
+
+def _owns(owner: str | None, row: dict) -> bool:
+    """Whether the caller (`owner`; None: the server has no keys) may see `row`. A file or
+    batch made before the server had keys belongs to no key."""
+    return owner is None or row.get("owner") == owner
 
 
 def _no_input_file(file_id: str) -> APIError:

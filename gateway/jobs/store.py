@@ -47,7 +47,7 @@ T = TypeVar("T")
 
 DB_NAME = "ferry.db"
 LOCK_NAME = "ferry.lock"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: files and batches carry the API key they belong to (`owner`)
 
 # Line statuses. `pending` = not (yet) committed.
 PENDING, COMPLETED, FAILED, CANCELLED, EXPIRED = "pending", "completed", "failed", "cancelled", "expired"
@@ -65,7 +65,8 @@ CREATE TABLE IF NOT EXISTS files (
     created_at INTEGER NOT NULL,
     kind       TEXT NOT NULL,            -- upload | output | error
     batch_id   TEXT,                     -- output and error files: their job
-    content    BLOB                      -- uploads only; output/error files are built from lines
+    content    BLOB,                     -- uploads only; output/error files are built from lines
+    owner      TEXT                      -- the API key's digest (endpoint.key_owner); NULL: no keys
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq               INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -89,7 +90,8 @@ CREATE TABLE IF NOT EXISTS batches (
     errors            TEXT,
     total             INTEGER NOT NULL,
     completed         INTEGER NOT NULL DEFAULT 0,
-    failed            INTEGER NOT NULL DEFAULT 0
+    failed            INTEGER NOT NULL DEFAULT 0,
+    owner             TEXT
 );
 CREATE TABLE IF NOT EXISTS lines (
     batch_id    TEXT NOT NULL,
@@ -132,8 +134,9 @@ BATCH_COLUMNS = (
     "total",
     "completed",
     "failed",
+    "owner",
 )
-FILE_COLUMNS = ("id", "purpose", "filename", "bytes", "created_at", "kind", "batch_id")
+FILE_COLUMNS = ("id", "purpose", "filename", "bytes", "created_at", "kind", "batch_id", "owner")
 
 
 class StoreLocked(RuntimeError):
@@ -207,6 +210,9 @@ class Store:
         if version > SCHEMA_VERSION:
             raise RuntimeError(f"{self.path} was written by a newer Ferry (schema {version} > {SCHEMA_VERSION})")
         conn.executescript(SCHEMA)
+        for table in ("files", "batches"):  # schema 1: made before keys owned jobs (theirs stay NULL)
+            if "owner" not in {r[1] for r in conn.execute(f"PRAGMA table_info({table})")}:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN owner TEXT")
         conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _conn(self) -> sqlite3.Connection:
@@ -265,8 +271,8 @@ class Store:
     def insert_file(self, row: dict, content: bytes | None) -> None:
         with self._tx() as c:
             c.execute(
-                "INSERT INTO files (id, purpose, filename, bytes, created_at, kind, batch_id, content) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO files (id, purpose, filename, bytes, created_at, kind, batch_id, content, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     row["id"],
                     row["purpose"],
@@ -276,6 +282,7 @@ class Store:
                     row["kind"],
                     row.get("batch_id"),
                     content,
+                    row.get("owner"),
                 ),
             )
 
@@ -328,21 +335,20 @@ class Store:
         r = self._conn().execute(f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return None if r is None else dict(r)
 
-    def list_batches(self, after: str | None, limit: int) -> tuple[list[dict], bool] | None:
-        """Newest first; `after` is the id of the last batch of the previous page (None if unknown)."""
+    def list_batches(self, after: str | None, limit: int, owner: str | None = None) -> tuple[list[dict], bool] | None:
+        """Newest first; `after` is the id of the last batch of the previous page (None if
+        unknown). With `owner`, that key's batches only."""
         c = self._conn()
+        where, args = ("owner = ?", [owner]) if owner is not None else ("1", [])
         if after is not None:
-            r = c.execute("SELECT seq FROM batches WHERE id = ?", (after,)).fetchone()
+            r = c.execute(f"SELECT seq FROM batches WHERE id = ? AND {where}", (after, *args)).fetchone()
             if r is None:
                 return None
-            rows = c.execute(
-                f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE seq < ? ORDER BY seq DESC LIMIT ?",
-                (r["seq"], limit + 1),
-            ).fetchall()
-        else:
-            rows = c.execute(
-                f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches ORDER BY seq DESC LIMIT ?", (limit + 1,)
-            ).fetchall()
+            where, args = f"{where} AND seq < ?", [*args, r["seq"]]
+        rows = c.execute(
+            f"SELECT {', '.join(BATCH_COLUMNS)} FROM batches WHERE {where} ORDER BY seq DESC LIMIT ?",
+            (*args, limit + 1),
+        ).fetchall()
         return [dict(r) for r in rows[:limit]], len(rows) > limit
 
     def active_batches(self) -> list[dict]:
@@ -441,9 +447,9 @@ class Store:
                 size = sum(len(b) for b in self._result_lines(c, batch_id, kind)) + n
                 fid = file_id_for(batch_id, kind)
                 c.execute(
-                    "INSERT OR IGNORE INTO files (id, purpose, filename, bytes, created_at, kind, batch_id) "
-                    "VALUES (?, 'batch_output', ?, ?, ?, ?, ?)",
-                    (fid, f"{batch_id}_{kind}.jsonl", size, now, kind, batch_id),
+                    "INSERT OR IGNORE INTO files (id, purpose, filename, bytes, created_at, kind, batch_id, owner) "
+                    "VALUES (?, 'batch_output', ?, ?, ?, ?, ?, (SELECT owner FROM batches WHERE id = ?))",
+                    (fid, f"{batch_id}_{kind}.jsonl", size, now, kind, batch_id, batch_id),
                 )
                 files[kind] = fid
             c.execute(

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from ..endpoint import Ctx, endpoint, route
+from ..endpoint import Ctx, endpoint, key_owner, route
 from ..errors import APIError
 from ..jobs.service import BatchJobs
 from ..jobs.validate import MAX_FILE_BYTES, BatchCreate
@@ -69,6 +69,11 @@ def batch_object(row: dict) -> dict:
     return out
 
 
+def _owner(request: Request) -> str | None:
+    """Who the caller is to the batch API: its key's digest (None: the server has no keys)."""
+    return key_owner(request, gateway_state(request).config.api_keys)
+
+
 def _jobs(request: Request) -> BatchJobs:
     jobs = gateway_state(request).jobs
     assert jobs is not None, "create_app gives every gateway its batch-job service"
@@ -107,7 +112,7 @@ async def create_file(request: Request, ctx: Ctx) -> Response:
         )
     if len(content) > MAX_FILE_BYTES:
         raise APIError(413, f"the file exceeds the limit of {MAX_FILE_BYTES} bytes", code="body_too_large")
-    row = await _jobs(request).upload(content, filename[:256], purpose)
+    row = await _jobs(request).upload(content, filename[:256], purpose, _owner(request))
     return json_response(file_object(row))
 
 
@@ -148,26 +153,26 @@ async def _multipart(request: Request) -> tuple[bytes, str, str]:
 
 
 async def get_file(request: Request, ctx: Ctx) -> Response:
-    return json_response(file_object(await _jobs(request).get_file(request.path_params["file_id"])))
+    return json_response(file_object(await _jobs(request).get_file(request.path_params["file_id"], _owner(request))))
 
 
 async def file_content(request: Request, ctx: Ctx) -> Response:
-    content = await _jobs(request).file_content(request.path_params["file_id"])
+    content = await _jobs(request).file_content(request.path_params["file_id"], _owner(request))
     return Response(content, media_type="application/jsonl")
 
 
 # -- batches -------------------------------------------------------------------------------
 async def create_batch(request: Request, ctx: Ctx) -> Response:
     body = await parse(request, BatchCreate, gateway_state(request).config.max_body_bytes)
-    return json_response(batch_object(await _jobs(request).create(body)))
+    return json_response(batch_object(await _jobs(request).create(body, _owner(request))))
 
 
 async def get_batch(request: Request, ctx: Ctx) -> Response:
-    return json_response(batch_object(await _jobs(request).get(request.path_params["batch_id"])))
+    return json_response(batch_object(await _jobs(request).get(request.path_params["batch_id"], _owner(request))))
 
 
 async def cancel_batch(request: Request, ctx: Ctx) -> Response:
-    return json_response(batch_object(await _jobs(request).cancel(request.path_params["batch_id"])))
+    return json_response(batch_object(await _jobs(request).cancel(request.path_params["batch_id"], _owner(request))))
 
 
 async def list_batches(request: Request, ctx: Ctx) -> Response:
@@ -177,7 +182,7 @@ async def list_batches(request: Request, ctx: Ctx) -> Response:
         raise APIError(
             422, f"limit must be an integer between 1 and 100, got {raw!r}", code="invalid_value", param="limit"
         )
-    rows, has_more = await _jobs(request).list(q.get("after") or None, int(raw))
+    rows, has_more = await _jobs(request).list(q.get("after") or None, int(raw), _owner(request))
     data = [batch_object(r) for r in rows]
     return json_response(
         {

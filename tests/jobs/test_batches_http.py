@@ -319,3 +319,28 @@ def test_a_line_with_more_inputs_than_the_queue_holds_fails_at_once(jobs_server)
     assert err["response"]["body"]["error"]["code"] == "request_too_large"
     [ok] = api.content(done["output_file_id"])
     assert ok["custom_id"] == "ok" and len(ok["response"]["body"]["data"]) == 2
+
+
+def test_each_api_key_sees_only_its_own_files_and_batches(jobs_server):
+    """With keys, a file or batch belongs to the key that made it: another key can neither
+    list, read, cancel, nor build a batch from it (404, as if it did not exist)."""
+    s, _ = jobs_server(api_keys=["key-a", "key-b"])
+    a, b = Api(s.url), Api(s.url)
+    a.http.headers["Authorization"], b.http.headers["Authorization"] = "Bearer key-a", "Bearer key-b"
+    batch = a.wait(a.create([embed_line("x", "hello")], endpoint="/v1/embeddings")["id"])
+    assert batch["status"] == "completed"
+    fid, out = batch["input_file_id"], batch["output_file_id"]
+    assert [x["id"] for x in a.http.get("/v1/batches").json()["data"]] == [batch["id"]]
+    assert b.http.get("/v1/batches").json()["data"] == []
+    for path in (
+        f"/v1/batches/{batch['id']}",
+        f"/v1/files/{fid}",
+        f"/v1/files/{fid}/content",
+        f"/v1/files/{out}/content",
+    ):
+        assert b.http.get(path).status_code == 404, path
+        assert a.http.get(path).status_code == 200, path
+    assert b.http.post(f"/v1/batches/{batch['id']}/cancel").status_code == 404
+    r = b.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "*", "completion_window": "24h"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "file_not_found"
+    assert b.http.get(f"/v1/batches?after={batch['id']}").status_code == 404  # not even as a cursor

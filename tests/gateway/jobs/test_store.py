@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import orjson
 import pytest
@@ -16,18 +17,7 @@ def run(coro):
 
 
 def make_batch(s: st.Store, n: int) -> str:
-    row = {
-        "id": "batch_x",
-        "input_file_id": "file-x",
-        "endpoint": "*",
-        "completion_window": "24h",
-        "expires_ts": 1e12,
-        "metadata": None,
-        "status": "in_progress",
-        "created_at": 1,
-        "in_progress_at": 1,
-        "total": n,
-    }
+    row = _batch_row(n)
     s.create_batch(row, [(i, f"c{i}", "/v1/embeddings", "{}") for i in range(1, n + 1)])
     return row["id"]
 
@@ -139,3 +129,56 @@ def test_front_ends_share_the_directory_their_server_holds(tmp_path):
         import os
 
         os.close(fd)
+
+
+def test_a_schema_1_store_opens_with_owners_and_its_jobs_belong_to_no_key(tmp_path):
+    """A data directory written before keys owned jobs gains the `owner` columns at open;
+    its files and batches keep NULL (no key's), and a finished batch's files take its owner."""
+    import sqlite3
+
+    s1 = sqlite3.connect(tmp_path / st.DB_NAME)
+    old_schema = re.sub(r",([^,\n]*)\n\s*owner\s+TEXT[^\n]*", r"\1", st.SCHEMA)  # the columns dropped
+    assert "owner" not in old_schema.split("worker_lease")[0]
+    s1.executescript(old_schema)
+    s1.execute(
+        "INSERT INTO files (id, purpose, filename, bytes, created_at, kind) "
+        "VALUES ('file-old', 'batch', 'a', 1, 1, 'upload')"
+    )
+    s1.execute("PRAGMA user_version = 1")
+    s1.commit()
+    s1.close()
+
+    async def scenario():
+        s = st.Store(tmp_path)
+        await s.open()
+        try:
+            old = await s.read(s.get_file, "file-old")
+            row = {**_batch_row(2), "owner": "k1"}
+            await s.write(s.create_batch, row, [(1, "c1", "/v1/embeddings", "{}")])
+            await s.write(s.commit_lines, [(row["id"], 1, st.COMPLETED, "{}")])
+            info = await s.write(s.finalize, row["id"], "completed", None)
+            out = await s.read(s.get_file, info["output"])
+            mine = await s.read(s.list_batches, None, 10, "k1")
+            theirs = await s.read(s.list_batches, None, 10, "k2")
+            return old, out, mine, theirs
+        finally:
+            await s.close()
+
+    old, out, mine, theirs = run(scenario())
+    assert old["owner"] is None and out["owner"] == "k1"
+    assert [b["id"] for b in mine[0]] == ["batch_x"] and theirs == ([], False)
+
+
+def _batch_row(n: int) -> dict:
+    return {
+        "id": "batch_x",
+        "input_file_id": "file-x",
+        "endpoint": "*",
+        "completion_window": "24h",
+        "expires_ts": 1e12,
+        "metadata": None,
+        "status": "in_progress",
+        "created_at": 1,
+        "in_progress_at": 1,
+        "total": n,
+    }
