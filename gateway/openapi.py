@@ -144,7 +144,7 @@ def build(cfg: ServerConfig | None = None, models: dict[str, ServedModel[Any]] |
     cfg = cfg or ServerConfig()
     req = request_models(cfg)
     ops = _operations(req)
-    batch_models: list[type[BaseModel]] = [jo.FileObject, jo.BatchObject, jo.BatchList]
+    batch_models: list[type[BaseModel]] = [jo.FileObject, jo.FileDeleted, jo.BatchObject, jo.BatchList]
     wanted: set[type[BaseModel]] = {m for op in ops for m in (op[3], op[4]) if m is not None} | {
         s.ErrorResponse,
         BatchCreate,
@@ -396,7 +396,13 @@ def _batch_jobs(paths: dict[str, dict[str, Any]]) -> None:
             _json(jo.FileObject),
             "file_id",
             links={"GetFileContent": file_links["GetFileContent"]},
-        )
+        ),
+        "delete": op(
+            "delete_file",
+            "Delete an uploaded file (a batch's output and error files stay)",
+            _json(jo.FileDeleted),
+            "file_id",
+        ),
     }
     paths["/v1/files/{file_id}/content"] = {"get": op("get_file_content", "A file's content (JSONL)", jsonl, "file_id")}
     paths["/v1/batches"] = {

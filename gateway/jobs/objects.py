@@ -8,6 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 
+class FileDeleted(BaseModel):
+    id: str
+    object: Literal["file"]
+    deleted: bool
+
+
 class FileObject(BaseModel):
     id: str
     object: Literal["file"]

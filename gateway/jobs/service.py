@@ -141,6 +141,22 @@ class BatchJobs:
             raise APIError(404, f"No such file: {file_id}", code="file_not_found", param="file_id")
         return row
 
+    async def delete_file(self, file_id: str, owner: str | None = None) -> dict:
+        """An upload deleted, its content with it: batches made from it run on (their lines
+        hold their requests). A batch's output and error files are read from its lines and
+        live as long as it does."""
+        row = await self.get_file(file_id, owner)
+        if row["kind"] != "upload":
+            raise APIError(
+                400,
+                f"{file_id} is a batch's {row['kind']} file, read from the batch's results; only uploads are deleted",
+                code="file_not_deletable",
+                param="file_id",
+            )
+        if not await self.store.write(self.store.delete_upload, file_id):
+            raise APIError(404, f"No such file: {file_id}", code="file_not_found", param="file_id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
     async def file_content(self, file_id: str, owner: str | None = None) -> bytes:
         await self.get_file(file_id, owner)
         content = await self.store.read(self.store.file_content, file_id)

@@ -290,6 +290,11 @@ class Store:
         r = self._conn().execute(f"SELECT {', '.join(FILE_COLUMNS)} FROM files WHERE id = ?", (file_id,)).fetchone()
         return None if r is None else dict(r)
 
+    def delete_upload(self, file_id: str) -> bool:
+        """An uploaded file and its content gone (a batch made from it keeps its lines)."""
+        with self._tx() as c:
+            return c.execute("DELETE FROM files WHERE id = ? AND kind = 'upload'", (file_id,)).rowcount > 0
+
     def file_content(self, file_id: str) -> bytes | None:
         c = self._conn()
         r = c.execute("SELECT kind, batch_id, content FROM files WHERE id = ?", (file_id,)).fetchone()

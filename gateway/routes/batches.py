@@ -156,6 +156,10 @@ async def get_file(request: Request, ctx: Ctx) -> Response:
     return json_response(file_object(await _jobs(request).get_file(request.path_params["file_id"], _owner(request))))
 
 
+async def delete_file(request: Request, ctx: Ctx) -> Response:
+    return json_response(await _jobs(request).delete_file(request.path_params["file_id"], _owner(request)))
+
+
 async def file_content(request: Request, ctx: Ctx) -> Response:
     content = await _jobs(request).file_content(request.path_params["file_id"], _owner(request))
     return Response(content, media_type="application/jsonl")
@@ -198,7 +202,11 @@ async def list_batches(request: Request, ctx: Ctx) -> Response:
 def batch_routes() -> list[Route]:
     return [
         Route("/v1/files", endpoint("/v1/files", create_file), methods=["POST"]),
-        Route("/v1/files/{file_id}", endpoint("/v1/files/{id}", get_file), methods=["GET"]),
+        route(
+            "/v1/files/{file_id}",
+            get=endpoint("/v1/files/{id}", get_file),
+            delete=endpoint("/v1/files/{id}", delete_file),
+        ),
         Route("/v1/files/{file_id}/content", endpoint("/v1/files/{id}/content", file_content), methods=["GET"]),
         route("/v1/batches", post=endpoint("/v1/batches", create_batch), get=endpoint("/v1/batches", list_batches)),
         Route("/v1/batches/{batch_id}", endpoint("/v1/batches/{id}", get_batch), methods=["GET"]),

@@ -236,6 +236,14 @@ def test_metrics_and_openai_client(jobs_server, tmp_path):
     assert sorted(o["custom_id"] for o in out) == [f"e{i}" for i in range(5)]
     assert client.files.retrieve(b.output_file_id).purpose == "batch_output"
     assert [x.id for x in client.batches.list(limit=10)] == [b.id]
+    # The upload can go once the batch holds its requests; its results cannot (read from the batch).
+    gone = client.files.delete(f.id)
+    assert (gone.id, gone.deleted, gone.object) == (f.id, True, "file")
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+    with pytest.raises(openai.BadRequestError, match="only uploads are deleted"):
+        client.files.delete(b.output_file_id)
+    assert len(client.files.content(b.output_file_id).content.splitlines()) == 5
     registry = s.ferry.metrics.registry
     assert registry.get_sample_value("ferry_jobs", {"status": "completed"}) == 1
     assert registry.get_sample_value("ferry_jobs", {"status": "in_progress"}) == 0
@@ -341,6 +349,7 @@ def test_each_api_key_sees_only_its_own_files_and_batches(jobs_server):
         assert b.http.get(path).status_code == 404, path
         assert a.http.get(path).status_code == 200, path
     assert b.http.post(f"/v1/batches/{batch['id']}/cancel").status_code == 404
+    assert b.http.delete(f"/v1/files/{fid}").status_code == 404
     r = b.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "*", "completion_window": "24h"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "file_not_found"
     assert b.http.get(f"/v1/batches?after={batch['id']}").status_code == 404  # not even as a cursor

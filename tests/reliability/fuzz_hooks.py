@@ -51,7 +51,7 @@ TENSOR_REFUSALS = frozenset(
 )
 # Refusals that depend on a resource's state, not on the request: cancelling a batch that has
 # already finished (400 batch_not_cancellable, docs/batch-jobs.md).
-STATE_REFUSALS = frozenset({(400, "batch_not_cancellable")})
+STATE_REFUSALS = frozenset({(400, "batch_not_cancellable"), (400, "file_not_deletable")})
 
 
 def _error_code(response) -> str | None:
