@@ -67,18 +67,24 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
                 retry_after=1,
             )
         deltas: asyncio.Queue[Delta | WorkItem] = asyncio.Queue()  # deltas, then endings
-        items = await submit(
-            served.batcher,
-            work.payloads,
-            costs=work.costs,
-            budget=budget,
-            priority=priority,
-            request_id=ctx.request_id,
-            on_delta=deltas.put_nowait,
-            itl_target=tpot,
-        )
-        state = StreamState(time.perf_counter())
+        # Counted before the submit awaits (an engine core's admission): streams checked
+        # meanwhile see this one, so max_streams holds under concurrency.
         ferry.streams += 1
+        try:
+            items = await submit(
+                served.batcher,
+                work.payloads,
+                costs=work.costs,
+                budget=budget,
+                priority=priority,
+                request_id=ctx.request_id,
+                on_delta=deltas.put_nowait,
+                itl_target=tpot,
+            )
+        except BaseException:
+            ferry.streams -= 1
+            raise
+        state = StreamState(time.perf_counter())
 
         def close() -> None:
             # The client left, the stream ended or the server stops: cancel whatever is
@@ -151,7 +157,7 @@ async def _stream(
     include_usage: bool,
     state: StreamState,
 ) -> AsyncGenerator[bytes, None]:
-    chunks = StreamChunks(work)
+    chunks = StreamChunks(work, include_usage)
     index_of = {item.id: k for k, item in enumerate(items)}
     open_items = state.open = {item.id for item in items}
 

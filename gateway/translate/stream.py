@@ -18,8 +18,11 @@ class StreamChunks:
     """The chunk objects of one streamed response (OpenAI's shapes plus `prompt_index`);
     `k` is the item's index, the choice's `index`."""
 
-    def __init__(self, work: GenerationWork):
+    def __init__(self, work: GenerationWork, include_usage: bool = False):
         self.work = work
+        # With stream_options.include_usage every chunk says `"usage": null` but the last
+        # (OpenAI's contract: a client may read the key on every chunk).
+        self.include_usage = include_usage
         self.id, self.created = response_id(work.chat), int(time.time())
         self.object = "chat.completion.chunk" if work.chat else "text_completion"
         self._started: set[int] = set()  # chat choices whose first delta (the role) went out
@@ -193,4 +196,7 @@ class StreamChunks:
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
-        return {**self._head(), "choices": [choice]}
+        out = {**self._head(), "choices": [choice]}
+        if self.include_usage:
+            out["usage"] = None
+        return out

@@ -89,6 +89,7 @@ def test_streaming_is_demultiplexed_by_prompt_index(fake_server_factory):
     buffers, finish = {0: "", 1: ""}, {}
     for e in events[:-2]:
         assert e["object"] == "chat.completion.chunk"
+        assert "usage" in e and e["usage"] is None  # OpenAI's: every chunk but the last says null
         (choice,) = e["choices"]
         buffers[choice["prompt_index"]] += choice["delta"].get("content", "")
         if choice["finish_reason"]:
@@ -192,3 +193,36 @@ def test_client_disconnect_while_waiting_cancels(fake_server_factory):
     registry = s.ferry.metrics.registry
     assert registry.get_sample_value("ferry_cancellations_total", {"model": "fake-chat", "phase": "queued"}) == 1
     assert all(len(ids) == 1 for kind, ids in engine.calls)  # the cancelled one never ran
+
+
+def test_max_streams_holds_while_a_stream_awaits_its_admission(fake_server_factory):
+    """A stream counts from before its submit awaits (an engine core's admission answer):
+    a second stream checked meanwhile is refused with 429, not let past the limit."""
+    s = fake_server_factory(max_streams=1)
+    batcher = s.ferry.models["fake-chat"].batcher
+    submit_many = batcher.submit_many
+    held: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    async def first_admission_waits(*args, **kw):
+        if not held:  # the first stream's admission waits until the test lets it go
+            gate = asyncio.Event()
+            held.append((asyncio.get_running_loop(), gate))
+            await gate.wait()
+        return await submit_many(*args, **kw)
+
+    batcher.submit_many = first_admission_waits
+    body = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=s.url, timeout=30) as c:
+            first = asyncio.create_task(c.post("/v1/chat/completions", json=body))
+            await async_wait_until(lambda: held, message="the first stream to await its admission")
+            second = await c.post("/v1/chat/completions", json=body)
+            loop, gate = held[0]
+            loop.call_soon_threadsafe(gate.set)
+            return await first, second
+
+    first, second = asyncio.run(scenario())
+    assert (first.status_code, second.status_code) == (200, 429)
+    assert second.json()["error"]["code"] == "too_many_streams"
+    assert s.ferry.streams == 0
