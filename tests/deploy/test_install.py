@@ -16,12 +16,17 @@ from .manifests import ROOT
 
 INSTALL = ROOT / "deploy" / "install.sh"
 
-# A venv whose python logs its arguments; `pip show torch` answers "not installed" unless told.
+# A venv whose python logs its arguments; asked torch's version (`-c`), it answers
+# TORCH_PRESENT, or fails as without torch.
 FAKE_PYTHON = """#!/bin/sh
 echo "$*" >> "$(dirname "$0")/calls"
-if [ "$3" = show ] && [ -z "${TORCH_PRESENT:-}" ]; then exit 1; fi
+if [ "$1" = -c ]; then
+  if [ -z "${TORCH_PRESENT:-}" ]; then exit 1; fi
+  echo "$TORCH_PRESENT"
+fi
 exit 0
 """
+PIN = re.search(r"^TORCH_VERSION=(\S+)$", INSTALL.read_text(), re.M).group(1)
 
 
 def _run(tmp_path: Path, *args: str, **env: str) -> list[str]:
@@ -60,9 +65,11 @@ def test_an_index_url_chooses_the_torch_build(tmp_path):
     assert calls[-1] == f"-m pip install -q {ROOT}"  # the image: not editable, no extras
 
 
-def test_an_installed_torch_is_left_alone(tmp_path):
-    calls = _run(tmp_path, TORCH_PRESENT="1")
+def test_the_pinned_torch_is_left_alone_and_another_replaced(tmp_path):
+    calls = _run(tmp_path, TORCH_PRESENT=f"{PIN}+cpu")  # the CPU wheel's local version
     assert not any("torch==" in c for c in calls)
+    calls = _run(tmp_path / "older", TORCH_PRESENT="2.2.0")  # a pin bumped since the venv was made
+    assert any(c.endswith(f"torch=={PIN}") for c in calls)
 
 
 def test_make_setup_and_the_dockerfile_run_the_same_script():
