@@ -82,7 +82,7 @@ def _length_ahead(q: RequestQueue, item: WorkItem, queued_ahead: int, siblings: 
     passages waits for the passages' batches), the item's own for its siblings."""
     tokens = max(item.cost, 1)
     mean = q.mean_cost(item.priority) if queued_ahead else None
-    if mean is None or queued_ahead + siblings == 0:
+    if mean is None:  # nothing queued ahead: its siblings are of its own length
         return tokens
     return max(math.ceil((mean * queued_ahead + tokens * siblings) / (queued_ahead + siblings)), 1)
 

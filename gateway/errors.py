@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 from batcher.errors import (
     BatchingError,
@@ -86,6 +87,19 @@ def not_found_model(name: str, available: list[str]) -> APIError:
         code="model_not_found",
         param="model",
     )
+
+
+def check_vocabulary(ids: Iterable[int], vocab: int | None, where: str, model: str, param: str) -> None:
+    """422 invalid_token_id naming the first of `ids` outside a vocabulary of `vocab` ids
+    (None: not known, nothing checked); `where` opens the message ("prompt 0")."""
+    outside = None if vocab is None else next((t for t in ids if t >= vocab), None)
+    if outside is not None:
+        raise APIError(
+            422,
+            f"{where}: token id {outside} is not in the vocabulary of {model} ({vocab} tokens)",
+            code="invalid_token_id",
+            param=param,
+        )
 
 
 def shutting_down() -> APIError:

@@ -57,7 +57,13 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
     work = generation_work(body, served.engine, ferry.config)
     await compile_structures(work.structures, served.engine)
     budget, priority = scheduling(request, body)
-    tpot = itl_target(request)
+    queued: dict[str, Any] = {
+        "costs": work.costs,
+        "budget": budget,
+        "priority": priority,
+        "request_id": ctx.request_id,
+        "itl_target": itl_target(request),
+    }
     if body.stream:
         if ferry.streams >= ferry.config.max_streams:
             raise APIError(
@@ -71,16 +77,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
         # meanwhile see this one, so max_streams holds under concurrency.
         ferry.streams += 1
         try:
-            items = await submit(
-                served.batcher,
-                work.payloads,
-                costs=work.costs,
-                budget=budget,
-                priority=priority,
-                request_id=ctx.request_id,
-                on_delta=deltas.put_nowait,
-                itl_target=tpot,
-            )
+            items = await submit(served.batcher, work.payloads, on_delta=deltas.put_nowait, **queued)
         except BaseException:
             ferry.streams -= 1
             raise
@@ -100,15 +97,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return EventStream(_stream(work, items, deltas, include_usage, state), close)
-    items = await submit(
-        served.batcher,
-        work.payloads,
-        costs=work.costs,
-        budget=budget,
-        priority=priority,
-        request_id=ctx.request_id,
-        itl_target=tpot,
-    )
+    items = await submit(served.batcher, work.payloads, **queued)
     results = await wait_items(request, served.batcher, items)
     out = work.response(results)
     ctx.extra.update(n_prompts=len(work.prompts), completion_tokens=out["usage"]["completion_tokens"])

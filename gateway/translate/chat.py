@@ -21,7 +21,7 @@ from batcher.types import GenRequest
 from engine.base import ChatTemplateError, GenerationEngine, SamplingParams
 from engine.grammar import after_thinking
 
-from ..errors import APIError
+from ..errors import APIError, check_vocabulary
 from ..schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, stop_lists
 from . import logprobs as lp
 from .per_prompt import per_prompt
@@ -282,14 +282,7 @@ def encode_prompts(body: GenerationBody, engine: GenerationEngine, thinking_mode
 def token_prompt(ids: list[int], i: int, engine: GenerationEngine) -> list[int]:
     """A prompt given as token ids, each in the model's vocabulary."""
     vocab = getattr(getattr(engine, "grammars", None), "vocab_size", None)
-    outside = [t for t in ids if vocab is not None and t >= vocab]
-    if outside:
-        raise APIError(
-            422,
-            f"prompt {i}: token id {outside[0]} is not in the vocabulary of {engine.name} ({vocab} tokens)",
-            code="invalid_token_id",
-            param="prompt",
-        )
+    check_vocabulary(ids, vocab, f"prompt {i}", engine.name, "prompt")
     return list(ids)
 
 
@@ -306,15 +299,7 @@ def sampling_params(
     params = []
     vocab = getattr(getattr(engine, "grammars", None), "vocab_size", None)
     for i, (ids, req) in enumerate(zip(prompts, requested, strict=True)):
-        outside = [t for t in req.extra.get("logit_bias", {}) if vocab is not None and t >= vocab]
-        if outside:
-            raise APIError(
-                422,
-                f"logit_bias of prompt {i}: token id {outside[0]} is not in the vocabulary of {engine.name} "
-                f"({vocab} tokens)",
-                code="invalid_token_id",
-                param="logit_bias",
-            )
+        check_vocabulary(req.extra.get("logit_bias", {}), vocab, f"logit_bias of prompt {i}", engine.name, "logit_bias")
         if len(ids) > limit_prompt:
             raise APIError(
                 422,

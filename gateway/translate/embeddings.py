@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import APIError
+from ..errors import APIError, check_vocabulary
 from ..schemas import EmbeddingsRequest
 
 if TYPE_CHECKING:
@@ -70,14 +70,7 @@ def check_token_inputs(inputs: list[list[int]], engine: EmbeddingEngine) -> None
     if vocab is None:
         raise APIError(422, f"{engine.name} takes its inputs as text only", code="unsupported_parameter", param="input")
     for i, ids in enumerate(inputs):
-        outside = next((t for t in ids if t >= vocab), None)
-        if outside is not None:
-            raise APIError(
-                422,
-                f"input[{i}]: token id {outside} is not in the vocabulary of {engine.name} ({vocab} tokens)",
-                code="invalid_token_id",
-                param="input",
-            )
+        check_vocabulary(ids, vocab, f"input[{i}]", engine.name, "input")
         if len(ids) > engine.max_length:
             raise APIError(
                 422,
