@@ -6,7 +6,7 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: setup serve test lint bench clean prometheus chromium nginx wrk gpu-wheels
+.PHONY: setup serve test test-kernels lint bench clean prometheus chromium nginx wrk gpu-wheels
 
 setup: $(STAMP)
 
@@ -23,6 +23,18 @@ serve: setup
 # Lint and type checks first (configured in pyproject.toml): a new finding fails CI.
 test: setup prometheus chromium nginx lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-kernels
+
+# The kernels' tests again as an AVX2-only host and a host without AVX would run them:
+# torch's dispatch pinned (ATEN_CPU_CAPABILITY, which the kernels' build flags and vector
+# width follow) and oneDNN held to the same instructions (ONEDNN_MAX_CPU_ISA), so a
+# developer on an AVX-512 host sees what the others would. Each capability builds its own
+# library once (~/.cache/torch_extensions).
+KERNEL_TESTS := tests/engine/test_rows_attention.py tests/engine/test_decode_attention.py \
+	tests/engine/test_onednn.py tests/engine/test_packed.py
+test-kernels: setup
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(KERNEL_TESTS)
+	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 
 lint: setup
 	$(PY) -m ruff check .

@@ -105,7 +105,8 @@ def test_the_kernel_runs_only_where_it_applies(built):
     cpu = torch.device("cpu")
     assert rows_kernel_for(12, 2 * width, torch.float32, cpu) is kernel
     assert rows_kernel_for(12, 2 * width, torch.bfloat16, cpu) is None  # float32 only
-    assert rows_kernel_for(12, width + 8, torch.float32, cpu) is None  # not a whole number of vectors
+    assert rows_kernel_for(12, width + width // 2, torch.float32, cpu) is None  # not a whole number of vectors
+    assert rows_kernel_for(12, 3 * width, torch.float32, cpu) is None  # 3 vectors: not 1, 2, 4 or 8
     assert rows_kernel_for(12, 16 * width, torch.float32, cpu) is None  # 16 vectors: beyond its registers
 
 
