@@ -66,11 +66,30 @@ def routes(models: dict[str, Callable[[Request], Awaitable[Response]]]) -> list[
     ]
 
 
+def _oip_path(path: str) -> bool:
+    """Under /v2 the Open Inference Protocol's error shape holds, whatever answers."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
 async def _http_error(request, exc):
-    """Unknown routes and methods answer in the same OpenAI error shape as everything else."""
+    """Unknown routes and methods answer in the same error shape as the routes around them:
+    OpenAI's, or the Open Inference Protocol's `{"error": message}` under /v2."""
     code = "not_found" if exc.status_code == 404 else "method_not_allowed"
-    message = "Not Found" if exc.status_code == 404 else f"method {request.method} is not allowed here"
-    return APIError(exc.status_code, message, code=code).response(headers=getattr(exc, "headers", None))
+    if exc.status_code == 404:
+        message = f"no route {request.url.path!r}" if _oip_path(request.url.path) else "Not Found"
+    else:
+        message = f"method {request.method} is not allowed here"
+    error = APIError(exc.status_code, message, code=code)
+    headers = getattr(exc, "headers", None)
+    return error.oip_response(headers) if _oip_path(request.url.path) else error.response(headers=headers)
+
+
+async def _server_error(request, exc):
+    """An exception that escaped a route (the routes' own wrapper answers theirs): a 500 in
+    the route family's shape, never Starlette's plain-text page."""
+    log.error("unhandled error on %s", request.url.path, exc_info=exc)
+    error = APIError(500, "internal server error", code="internal_error")
+    return error.oip_response() if _oip_path(request.url.path) else error.response()
 
 
 class Gateway(Starlette):
@@ -80,7 +99,7 @@ class Gateway(Starlette):
     handlers) and its router. A POST to a model route skips them: `endpoint` already turns
     every exception into an OpenAI-style answer, and under the zero-cost engines those
     layers (three wrappers around each `send`, a regular expression per route tried) were
-    a fifth of a front end's time per request (docs/benchmarks.md, "A leaner request path").
+    a fifth of a front end's time per request (docs/benchmarks-history.md, "A leaner request path").
     """
 
     def __init__(self, *, fast: dict[str, Callable[[Request], Awaitable[Response]]], **kwargs: Any) -> None:
@@ -141,7 +160,7 @@ def create_app(
         fast=fast,
         routes=routes(fast),
         lifespan=lifespan,
-        exception_handlers={404: _http_error, 405: _http_error},
+        exception_handlers={404: _http_error, 405: _http_error, 500: _server_error},
     )
     app.state.ferry = app.ferry = ferry
     return app

@@ -68,9 +68,9 @@ class APIError(Exception):
             hdrs["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return json_response(error_body(self.status, self.message, self.code, self.param), self.status, hdrs)
 
-    def oip_response(self):
+    def oip_response(self, headers: dict[str, str] | None = None):
         """The Open Inference Protocol's shape, `{"error": message}`, for its routes (/v2/...)."""
-        hdrs = {}
+        hdrs = dict(headers or {})
         if self.retry_after is not None:
             hdrs["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
         return json_response({"error": self.message}, self.status, hdrs)

@@ -27,6 +27,18 @@ def test_v1_routes_require_a_valid_key(keyed, auth):
     assert keyed.ferry.models["fake-embed"].engine.calls == []
 
 
+def test_v2_routes_refuse_a_missing_key_in_the_protocols_shape(keyed):
+    """Errors raised before a /v2 handler runs (authentication) answer
+    `{"error": message}` as the Open Inference Protocol states, not OpenAI's object."""
+    r = httpx.post(keyed.url + "/v2/models/fake-embed/infer", json={"inputs": []})
+    assert r.status_code == 401
+    assert r.json() == {"error": "missing or invalid API key (send Authorization: Bearer <key>)"}
+    r = httpx.get(keyed.url + "/v2/models/fake-embed")
+    assert r.status_code == 401 and isinstance(r.json()["error"], str)
+    r = httpx.get(keyed.url + "/v2/models/fake-embed", headers={"Authorization": "Bearer key-one"})
+    assert r.status_code == 404 and "fake-embed" in r.json()["error"]  # past the key: not a custom model
+
+
 def test_every_configured_key_works_and_health_and_metrics_stay_open(keyed):
     for key in ("key-one", "key-two"):
         r = httpx.post(

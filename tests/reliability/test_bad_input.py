@@ -282,6 +282,24 @@ def test_unknown_route_and_method_answer_in_the_same_shape(server):
 
 
 @pytest.mark.parametrize(
+    "method, path, status",
+    [
+        ("GET", "/v2/models/i%0A/versions/x", 404),  # schemathesis' control character: no route matches
+        ("GET", "/v2/nope", 404),
+        ("DELETE", "/v2/health/live", 405),
+        ("PUT", "/v2", 405),
+    ],
+)
+def test_the_routers_own_answers_under_v2_keep_the_protocols_shape(server, method, path, status):
+    """Under /v2 the Open Inference Protocol's `{"error": message}` holds, even where no
+    route runs (the router's 404 and 405)."""
+    r = httpx.request(method, server.url + path)
+    assert r.status_code == status and r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"} and isinstance(body["error"], str) and body["error"]
+
+
+@pytest.mark.parametrize(
     "path, allow",
     [
         ("/v1/batches", {"GET", "HEAD", "POST"}),

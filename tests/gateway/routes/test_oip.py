@@ -137,6 +137,9 @@ def test_tritonclient_calls_it_unchanged(served):
         bad = triton.InferInput("txt", [1], "BYTES")
         bad.set_data_from_numpy(np.array(["x"], dtype=object))
         client.infer(MODEL, [bad])
+    # The exception carries the server's own words.
+    with pytest.raises(InferenceServerException, match=r"The model 'no-such-model' does not exist"):
+        client.get_model_metadata("no-such-model")
     client.close()
 
 
@@ -186,6 +189,9 @@ def test_limits_and_unparseable_bodies(served):
     assert r.status_code == 400 and "not a length within the body" in r.json()["error"]
     nan = b'{"inputs": [], "parameters": {"latency_budget_ms": NaN}}'
     assert httpx.post(s.url + INFER, content=nan).status_code == 400
+    big = b"{" + b" " * s.ferry.config.max_body_bytes + b"}"
+    r = httpx.post(s.url + INFER, content=big)
+    assert r.status_code == 413 and set(r.json()) == {"error"} and "exceeds the limit" in r.json()["error"]
     assert model.batches == []
 
 
