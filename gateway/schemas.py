@@ -322,7 +322,12 @@ class ChatCompletionRequest(GenerationParams):
     )
 
     store: (
-        Annotated[StrictBool, only(lambda v: not v, "this server stores no completion; send false or omit it")] | None
+        Annotated[
+            StrictBool,
+            Field(json_schema_extra={"enum": [False]}),
+            only(lambda v: not v, "this server stores no completion; send false or omit it"),
+        ]
+        | None
     ) = Field(None, description="false or absent: Ferry stores no completion.")
     metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=16)] | None = Field(
         None, description="Up to 16 string pairs, accepted as `user` is (nothing is stored to attach them to)."
@@ -359,11 +364,22 @@ class CompletionRequest(GenerationParams):
         "probabilities before the completion's (the first token's null).",
     )
     best_of: (
-        Annotated[int, Field(ge=1), Integral, only(lambda v: v == 1, "each choice is generated once here")] | None
+        Annotated[
+            int,
+            Field(ge=1, json_schema_extra={"maximum": 1}),
+            Integral,
+            only(lambda v: v == 1, "each choice is generated once here"),
+        ]
+        | None
     ) = Field(None, description="1 or absent: each choice is the one generated (a larger best_of is refused by name).")
-    suffix: Annotated[str, only(lambda v: not v, "this server's models do not fill in before a suffix")] | None = Field(
-        None, description='"" or absent: text after the completion is refused by name.'
-    )
+    suffix: (
+        Annotated[
+            str,
+            Field(json_schema_extra={"maxLength": 0}),
+            only(lambda v: not v, "this server's models do not fill in before a suffix"),
+        ]
+        | None
+    ) = Field(None, description='"" or absent: text after the completion is refused by name.')
 
     @property
     def prompts(self) -> list[str] | list[list[int]]:
