@@ -147,7 +147,10 @@ class PendingPrefills(Generic[Row]):
         ahead = [self._pending[i] for i in dict.fromkeys(first) if i in self._pending]
         order = ahead + [p for p in self._pending.values() if p not in ahead]
         # Blocks that prompts already started will compute (and store) in this or a later step.
-        claimed = {key for p in order if p.started for key in p.keys[p.done // cache.block :]} if cache else set()
+        # (An empty cache is falsy: `is not None`, or the first prompts' blocks go unclaimed.)
+        claimed = set()
+        if cache is not None:
+            claimed = {key for p in order if p.started for key in p.keys[p.done // cache.block :]}
         left = budget if budget is not None else sum(p.left for p in order)
         chunks: list[Chunk[Row]] = []
         for p in order:

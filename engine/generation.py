@@ -397,7 +397,7 @@ def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) ->
         engine.max_context,
         engine.max_running,
         f"at most {engine.kv_budget} tokens" if engine.kv_budget else "unbounded",
-        f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache else "off",
+        f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache is not None else "off",
         "on" if engine.packs_steps else "off",
         "prepacked for oneDNN" if engine.head_prepacked else "as loaded",
     )

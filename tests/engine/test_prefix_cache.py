@@ -191,3 +191,20 @@ def test_lookup_into_serves_but_does_not_copy_the_blocks_the_caller_holds_elsewh
         assert torch.equal(buffer[layer, 0, :, BLOCK:12], k[:, BLOCK:])
         assert torch.equal(buffer[layer, 1, :, BLOCK:12], v[:, BLOCK:])
     assert (cache.queries, cache.hits) == (len(prompt), 12)
+
+
+def test_the_load_line_says_the_cache_is_on_while_it_is_still_empty(tiny_chat_dir, caplog):
+    """An empty cache has length 0: the load line once read it as off, and an operator
+    reading the log turned on what was already on."""
+    import logging
+
+    from engine.generation import HFGenerationEngine
+
+    with caplog.at_level(logging.INFO, logger="ferry.engine"):
+        on = HFGenerationEngine(str(tiny_chat_dir), name="t-on")
+        off = HFGenerationEngine(str(tiny_chat_dir), name="t-off", prefix_caching=False)
+    lines = {m.split(" on ")[0]: m for m in (r.getMessage() for r in caplog.records) if "loaded chat model" in m}
+    del on, off
+    on_line = lines["loaded chat model t-on"]
+    assert "prefix cache off" not in on_line and "-token blocks" in on_line
+    assert "prefix cache off" in lines["loaded chat model t-off"]
