@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
@@ -56,14 +57,17 @@ class GatewayState:
     _event_task: asyncio.Task | None = None
 
     async def load(self) -> None:
+        began = time.monotonic()
         try:
+            if self.cores is None and self.config.engine_cores:
+                await self._start_cores()
             for index, spec in enumerate(self.specs):
                 if self.cores is not None:
                     served, self.by_index[index] = await attach_core(spec, self.cores[index])
-                elif self.config.engine_cores:
-                    served = await start_in_core(spec, index, self.config, self.metrics)
-                else:
+                elif not self.config.engine_cores:
                     served = await start_model(spec, self.config, self.metrics)
+                else:
+                    continue
                 self.models[served.name] = served
                 self.metrics.core_restarts.labels(served.name)  # at zero from the start, engine cores or not
             if self.freeze_gc:
@@ -75,7 +79,7 @@ class GatewayState:
                 gc.collect()
                 gc.freeze()
             self.ready = True
-            log.info("ready: %s", ", ".join(self.models))
+            log.info("ready in %.1f s: %s", time.monotonic() - began, ", ".join(self.models))
         except CoreFailed as exc:  # one line, no traceback: the model, its source, the reason
             self.load_error = self.fatal = str(exc)
             if self.on_fatal is not None:
@@ -83,6 +87,23 @@ class GatewayState:
         except Exception as exc:  # surfaced on /readyz; the process keeps answering health checks
             log.exception("model loading failed")
             self.load_error = f"{type(exc).__name__}: {exc}"
+
+    async def _start_cores(self) -> None:
+        """One engine core per model, all loading side by side (each its own process: a
+        model's libraries and weights load while another's do); the first failure is
+        raised once every core has answered, the cores that started kept for close()."""
+        results = await asyncio.gather(
+            *(start_in_core(spec, index, self.config, self.metrics) for index, spec in enumerate(self.specs)),
+            return_exceptions=True,
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                continue
+            self.models[result.name] = result
+            self.metrics.core_restarts.labels(result.name)  # at zero from the start
+        failure = next((r for r in results if isinstance(r, BaseException)), None)
+        if failure is not None:
+            raise failure
 
     def core_event(self, message: tuple) -> None:
         """The supervisor's word on a core (a front end of several): ("lost", index, reason,

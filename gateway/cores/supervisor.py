@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from batcher.settings import BatchingSettings
 
@@ -234,6 +234,11 @@ def _say(line: str) -> None:
     print(f"ferry: {line}", file=sys.stderr)
 
 
+async def _all_ready(cores: list[CoreProcess]) -> list[dict[str, Any] | BaseException]:
+    """Each core's report once it serves, or what it failed with, in the cores' order."""
+    return await asyncio.gather(*(core.ready() for core in cores), return_exceptions=True)
+
+
 async def supervise(
     cfg: ServerConfig,
     *,
@@ -269,25 +274,27 @@ async def supervise(
     restarters = fronts.restarters
     code = 0
     try:
-        for index, _spec in enumerate(default_specs(cfg)):
-            core = CoreProcess(cfg, index)
-            loading = asyncio.create_task(core.ready())
-            stopping = asyncio.create_task(stop.wait())
-            await asyncio.wait([loading, stopping], return_when=asyncio.FIRST_COMPLETED)
-            stopping.cancel()
-            if not loading.done():  # SIGTERM while loading: nothing accepted yet
-                loading.cancel()
-                with contextlib.suppress(asyncio.CancelledError, CoreFailed):
-                    await loading
-                await core.stop()
-                return 0
-            try:
-                info = loading.result()
-            except CoreFailed as exc:
-                await core.stop()
-                report(str(exc))
-                return 1
-            relay = CoreRelay(index, core.address, info, fronts)
+        # Every model's core loads side by side: each is a process of its own.
+        cores = [CoreProcess(cfg, index) for index, _spec in enumerate(default_specs(cfg))]
+        all_loaded = asyncio.create_task(_all_ready(cores))
+        stopping = asyncio.create_task(stop.wait())
+        await asyncio.wait([all_loaded, stopping], return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if not all_loaded.done():  # SIGTERM while loading: nothing accepted yet
+            all_loaded.cancel()
+            with contextlib.suppress(asyncio.CancelledError, CoreFailed):
+                await all_loaded
+            await asyncio.gather(*(core.stop() for core in cores))
+            return 0
+        failed = next((r for r in all_loaded.result() if isinstance(r, BaseException)), None)
+        if failed is not None:
+            await asyncio.gather(*(core.stop() for core in cores))
+            if not isinstance(failed, CoreFailed):
+                raise failed
+            report(str(failed))
+            return 1
+        for index, (core, info) in enumerate(zip(cores, all_loaded.result(), strict=True)):
+            relay = CoreRelay(index, core.address, cast(dict[str, Any], info), fronts)
             restarter = CoreRestarter(cfg, index, core, metrics)
             restarter.watch(relay)
             restarters.append(restarter)

@@ -65,14 +65,14 @@ def _thread_setup(cfg: ServerConfig):
 # The niceness of an embeddings model's main engine thread: its batches (batch-class work
 # most of the time) yield the cores to the interactive lane's thread, the event loops and the
 # front ends. On 2 vCPUs at 200% load, interactive requests on time went from 87-97% to
-# 96-100% with it (docs/benchmarks.md, "The interactive lane").
+# 96-100% with it (docs/benchmarks-history.md, "The interactive lane").
 BATCH_THREAD_NICE = 10
 
 
 # The interactive lane's thread ahead of the other processes on the machine (the front ends,
 # a load generator), where the process may raise a priority (CAP_SYS_NICE, as root in a
 # container); elsewhere it stays at the process's own. At 200% load its queue wait p99 fell
-# from 38-75 ms to 22-48 ms (docs/benchmarks.md, "The interactive lane").
+# from 38-75 ms to 22-48 ms (docs/benchmarks-history.md, "The interactive lane").
 LANE_THREAD_NICE = -5
 
 
@@ -86,7 +86,9 @@ async def start_local(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> t
     """Load and start `spec` here; returns the served model and its batcher itself (which
     an engine core serves to its front ends)."""
     loop = asyncio.get_running_loop()
+    began = time.perf_counter()
     engine = await loop.run_in_executor(None, spec.load)
+    loaded = time.perf_counter()
     engine_thread = EngineThread(
         engine.name,
         timeout=cfg.engine_timeout,
@@ -105,7 +107,14 @@ async def start_local(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> t
     else:
         batcher = await _generation_batcher(cast(GenerationEngine, engine), engine_thread, settings, cfg, metrics)
     await batcher.start()
-    log.info("serving %s model %s", spec.kind, engine.name)
+    # What start-up costs, step by step: an operator waiting on /readyz sees where it goes.
+    log.info(
+        "serving %s model %s (libraries, weights and kernels %.1f s, warm-up %.1f s)",
+        spec.kind,
+        engine.name,
+        loaded - began,
+        time.perf_counter() - loaded,
+    )
     return ServedModel(engine.name, spec.kind, engine, LocalBatcher(batcher), engine_thread), batcher
 
 
