@@ -163,7 +163,7 @@ class Calibration:
     Its cap was MAX_SLOWDOWN (1.5) until chat at twice its capacity beside interactive
     prompts (bench_latency's chat priority cells) was seen at that cap, the ratio's p90
     about 2.0: up to a quarter of the admitted batch-class requests then expired before
-    their first token (docs/benchmarks.md, "First-token promises that hold at overload")."""
+    their first token (docs/benchmarks-history.md, "First-token promises that hold at overload")."""
 
     def __init__(self, window: int = 256, refresh_every: int = 8, floor: float = 0.02) -> None:
         self._ratios: deque[float] = deque(maxlen=window)

@@ -109,7 +109,7 @@ class GenerationScheduler(QueueingBatcher):
         base = self.tracker.snapshot(now, self.queue, s, self.prefill_cost, self.busy_until(now), shape=False)
         # The lane's prefill-alone iterations stay on with chunks: measured, turning them off
         # cost interactive first tokens (on time 86-93% where 98% with them, bench_latency's
-        # chat priority cells, docs/benchmarks.md "Token-budgeted steps").
+        # chat priority cells, docs/benchmarks-history.md "Token-budgeted steps").
         running = len(self._running)
         if not self._chunked or (not running and s.max_batch_tokens is None):
             return self._slots.load(base, now, s, self.queue, self.decode_cost)

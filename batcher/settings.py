@@ -13,7 +13,7 @@ __all__ = ["BatchingSettings", "PolicyName", "SettingsError"]
 PolicyName = Literal["fixed", "deadline", "adaptive"]
 COUNT: dict[str, Any] = {"ge": 1, "le": 1_000_000}
 # Padded tokens of one embeddings batch when `max_batch_tokens` is unset; measured on this
-# machine's two cores (docs/benchmarks.md, "Batches of like lengths").
+# machine's two cores (docs/benchmarks-history.md, "Batches of like lengths").
 EMBED_BATCH_TOKENS = 2048
 WAIT: dict[str, Any] = {"unit": "ms", "ge": 0, "lt": MAX_MS}
 BUDGET: dict[str, Any] = {"unit": "ms", "gt": 0, "lt": MAX_MS}
@@ -71,7 +71,7 @@ class BatchingSettings(Knobs):
         live=True,
     )
     # Measured: interactive first with the lane kept interactive requests on time and let
-    # batch-class batches grow back to full size (docs/benchmarks.md, "The interactive lane").
+    # batch-class batches grow back to full size (docs/benchmarks-history.md, "The interactive lane").
     interactive_lane: bool = knob(
         True,
         "embeddings: a batch of interactive requests runs at once beside the batch in flight, on a second "

@@ -7,7 +7,7 @@ backend and vLLM's CPU build take) does the same product faster, most of all whe
 weight is large and the rows few: a chat model's output head (vocabulary x hidden, the
 built-in model's 8,192 x 256) at a decode step's 32 rows took 2.0-4.3 ms with MKL and
 1.2-1.7 ms prepacked (one thread); the embeddings encoder's forward 1.1-1.3x
-(docs/benchmarks.md, "Chunks priced by their tokens, and a prepacked output head").
+(docs/benchmarks-history.md, "Chunks priced by their tokens, and a prepacked output head").
 
 Only on the CPU, in float32, where torch has the two oneDNN ops; each layer swapped in is
 checked at load against `F.linear` on sample rows (a mismatch, or an op this torch lacks,
