@@ -270,6 +270,7 @@ class GenerationScheduler(QueueingBatcher):
             seq = self._running.leave(out.seq_id) if out.finish_reason is not None else None
             if seq is not None:
                 finished[out.seq_id] = seq
+                self._slots.finished(seq.tokens + len(out.token_ids), seq.limit)
         self._publish_gen()
         return finished
 
@@ -302,6 +303,7 @@ class GenerationScheduler(QueueingBatcher):
         if seq is None:
             return False
         self._finish(item, Outcome.RESULT, seq.result("stop"))  # first: nothing below may leave it open
+        self._slots.finished(seq.tokens, seq.limit)
         self._publish_gen()
         self._wake.set()
         return True

@@ -24,6 +24,57 @@ from .types import Priority, WorkItem
 # The 99th percentile of a Poisson count with mean m is about m + 2.33 sqrt(m).
 POISSON_Z99 = 2.33
 SLOT_RATE_MEMORY = 30.0  # seconds over which the interactive slots' rate fades (_slot_rate)
+LENGTHS_SEEN = 8  # finished sequences before their lengths replace the token limits in predictions
+
+
+class Lengths:
+    """How sequences really end: the share that finish before their token limit (EOS or a
+    stop string), and where those end (a moving mean and spread of their tokens). A real
+    instruct model ends most answers long before `max_tokens` (an unset one is the whole
+    context left): slots predicted to free only at the token limit refused work that could
+    be served on time. Sequences that run to their limit teach nothing about early ends,
+    and while most do, the limits stand."""
+
+    def __init__(self, weight: float = 0.05) -> None:
+        self.weight, self.seen, self.early_seen = weight, 0, 0
+        self.early_share = 0.0
+        self.mean, self.var = 0.0, 0.0
+
+    def add(self, tokens: int, limit: int) -> None:
+        self.seen += 1
+        early = tokens < limit
+        self.early_share += max(self.weight, 1.0 / self.seen) * (early - self.early_share)
+        if not early:
+            return
+        self.early_seen += 1
+        w = max(self.weight, 1.0 / self.early_seen)  # the plain mean at first, then moving
+        delta = tokens - self.mean
+        self.mean += w * delta
+        self.var = (1.0 - w) * (self.var + w * delta * delta)
+
+    @property
+    def known(self) -> bool:
+        """Enough sequences seen, most of them ending before their limit."""
+        return self.seen >= LENGTHS_SEEN and self.early_seen >= LENGTHS_SEEN // 2 and self.early_share >= 0.5
+
+    def steps_left(self, limit: int, tokens: int) -> int:
+        """Decode steps until a sequence with `tokens` generated and at most `limit` frees its
+        slot: the limit's, or where sequences end early (the mean plus one spread, about the
+        84th percentile); past that, one more spread. Never beyond the limit."""
+        left = max(1, limit - tokens)
+        if not self.known:
+            return left
+        spread = math.sqrt(self.var)
+        end = self.mean + spread
+        expected = end - tokens if tokens < end else spread
+        return min(left, max(1, math.ceil(expected)))
+
+    def typical(self, limit: float) -> float:
+        """Steps a new sequence holds its slot, `limit` the mean of token limits: the early
+        ones' mean and the limit, weighed by how many end early."""
+        if not self.known:
+            return limit
+        return self.early_share * min(limit, self.mean) + (1.0 - self.early_share) * limit
 
 
 class Slots:
@@ -33,6 +84,7 @@ class Slots:
         self._targeted: list[WorkItem] = []  # unfinished items with an inter-token target (few)
         self._typical_steps = 16.0  # moving average of max_tokens, for how long a slot is held
         self._interactive_steps = 16.0  # the same over interactive requests (the slots kept for them)
+        self.lengths = Lengths()  # what sequences really generate: slots free sooner than their limits
         self.skipped_decode = False  # the last iteration was interactive prompts' prefill alone
         # Seconds between two decode steps, measured (a moving average): what a running
         # sequence waits per token, prefill groups and prefill-only iterations included.
@@ -48,6 +100,10 @@ class Slots:
                 self._interactive_steps += 0.05 * (max_tokens(item) - self._interactive_steps)
         if items[0].itl_target is not None:
             self._targeted.extend(items)
+
+    def finished(self, tokens: int, limit: int) -> None:
+        """A sequence of token limit `limit` finished having generated `tokens`."""
+        self.lengths.add(tokens, limit)
 
     def engine_slots(self, s: BatchingSettings) -> int:
         """max_running, bounded by the engine's own slot count (it bounds a live PATCH)."""
@@ -93,7 +149,8 @@ class Slots:
         self, base: Load, now: float, s: BatchingSettings, queue: RequestQueue, decode: CostModel, **more: Any
     ) -> Load:
         """The tracker's snapshot `base` plus what runs: free slots, when each running
-        sequence's slot frees at its token limit, and how long a typical sequence holds one.
+        sequence's slot frees (at its token limit, or sooner where the sequences seen so far
+        ended sooner: `Lengths`), and how long a typical sequence holds one.
         Decode steps are predicted at the occupancy the queue will bring (at most every
         slot). A sequence's tokens come one a decode step, at least the predicted step apart
         and at least as far apart as measured lately (prefills share the iterations).
@@ -112,11 +169,12 @@ class Slots:
         slots = self.limit(s, decode)
         step = decode.predict(max(1, min(slots, len(self._running) + len(queue))))
         step = max(step, self._token_interval)
-        frees = tuple(sorted([now + max(1, q.limit - q.tokens) * step for q in self._running.values()]))
-        held = self._typical_steps * step
+        lengths = self.lengths
+        frees = tuple(sorted([now + lengths.steps_left(q.limit, q.tokens) * step for q in self._running.values()]))
+        held = lengths.typical(self._typical_steps) * step
         reserved = 0
         if s.interactive_first:  # one slot even before the first interactive arrival is seen
-            in_use = self._slot_rate(now, base.interactive_rate) * self._interactive_steps * step
+            in_use = self._slot_rate(now, base.interactive_rate) * lengths.typical(self._interactive_steps) * step
             reserved = min(slots - 1, math.ceil(in_use + POISSON_Z99 * math.sqrt(in_use)) + 1)
         reserve = base.reserve
         if reserve is not None and self._running:

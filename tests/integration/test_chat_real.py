@@ -161,7 +161,9 @@ def test_stop_strings_through_an_engine_core_are_those_of_one_process(real_serve
     local = answers(real_server.url)
     with contextlib.ExitStack() as stack:
         core = stack.enter_context(
-            GatewayProcess("--engine-cores", "--embedding-model", "none", env={"FERRY_FAKE_ENGINES": "0"})
+            GatewayProcess(
+                "--engine-cores", "--embedding-model", "none", "--chat-model", "tiny", env={"FERRY_FAKE_ENGINES": "0"}
+            )
         )
         remote = answers(core.url)
     assert remote == local

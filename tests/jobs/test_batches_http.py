@@ -274,7 +274,9 @@ def test_schema_constrained_lines_with_the_tiny_chat(tmp_path):
     from tests.gateway.routes.test_chat_structured import DOCK, MAX_TOKENS, SHIP, TIDES, fmt
     from tests.live import live
 
-    cfg = ServerConfig(embedding_model="none", data_dir=str(tmp_path / "data"), warmup=False, max_wait_ms=5.0)
+    cfg = ServerConfig(
+        embedding_model="none", chat_model="tiny", data_dir=str(tmp_path / "data"), warmup=False, max_wait_ms=5.0
+    )
     with live(create_app(cfg, metrics=GatewayMetrics(CollectorRegistry())), ready_timeout=300) as s:
         api = Api(s.url)
         model = {"model": "ferry-tiny-chat", "max_tokens": MAX_TOKENS}

