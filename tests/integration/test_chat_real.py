@@ -219,7 +219,12 @@ def test_a_shared_system_prompt_is_served_from_the_prefix_cache(real_server, tmp
     assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens >= cached
 
     cfg = ServerConfig(
-        embedding_model="none", engine_cores=False, prefix_caching=False, warmup=False, data_dir=str(tmp_path)
+        embedding_model="none",
+        chat_model="tiny",
+        engine_cores=False,
+        prefix_caching=False,
+        warmup=False,
+        data_dir=str(tmp_path),
     )
     with live(create_app(cfg, metrics=GatewayMetrics(CollectorRegistry())), ready_timeout=300) as off:
         plain = [httpx.post(off.url + url, json=body(q), timeout=60).json() for q in questions]
