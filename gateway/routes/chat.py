@@ -96,7 +96,10 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
             finish(ferry, ctx, status, state.start)
 
         include_usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventStream(_stream(work, items, deltas, include_usage, state), close)
+        # Admission has answered (submit awaited it): a stream says it is served best-effort
+        # in its headers, as a whole answer does.
+        extra = {"X-Ferry-Best-Effort": "true"} if any(i.best_effort for i in items) else {}
+        return EventStream(_stream(work, items, deltas, include_usage, state), close, extra)
     items = await submit(served.batcher, work.payloads, **queued)
     results = await wait_items(request, served.batcher, items)
     out = work.response(results)
@@ -124,9 +127,13 @@ class EventStream(StreamingResponse):
     """SSE response whose clean-up runs however it ends, even when the client leaves before
     the first byte: then the generator never starts and its own `finally` never runs."""
 
-    def __init__(self, gen: AsyncGenerator[bytes, None], on_close: Callable[[], None]):
+    def __init__(
+        self, gen: AsyncGenerator[bytes, None], on_close: Callable[[], None], headers: dict[str, str] | None = None
+    ):
         super().__init__(
-            gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            gen,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **(headers or {})},
         )
         self._gen = gen
         self._on_close = on_close

@@ -64,6 +64,18 @@ def test_on_infeasible_serve_marks_best_effort(fake_server_factory):
     assert r.status_code == 200 and r.headers["X-Ferry-Best-Effort"] == "true"
 
 
+def test_a_stream_served_best_effort_says_so_in_its_headers(fake_server_factory):
+    s = fake_server_factory(on_infeasible="serve", interactive_lane=False)
+    scheduler = s.ferry.models["fake-chat"].batcher.inner
+    scheduler.prefill_cost = scheduler.cost = CostModel(LinearCost(1.0, 0.0, 0.0), refit_every=10**9)  # 1 s a prefill
+    body = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "latency_budget_ms": 100}) as r:
+        assert r.status_code == 200 and r.headers["X-Ferry-Best-Effort"] == "true"
+        assert r.read().endswith(b"data: [DONE]\n\n")
+    with httpx.stream("POST", s.url + "/v1/chat/completions", json={**body, "latency_budget_ms": 60_000}) as r:
+        assert r.status_code == 200 and "X-Ferry-Best-Effort" not in r.headers
+
+
 def test_deadline_passing_in_the_queue_gives_504(fake_server_factory):
     engine = FakeEmbeddingEngine(fixed=0.3)
     s = fake_server_factory(
