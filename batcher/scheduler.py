@@ -111,10 +111,8 @@ class GenerationScheduler(QueueingBatcher):
         # cost interactive first tokens (on time 86-93% where 98% with them, bench_latency's
         # chat priority cells, docs/benchmarks-history.md "Token-budgeted steps").
         running = len(self._running)
-        # The decode step a prompt's first chunk shares its iteration with: of the rows running
-        # now and the prompts queued ahead that join before it (at most the slots).
-        occupancy = min(self._slots.limit(s, self.decode_cost), running + len(self.queue))
-        step = self.decode_cost.predict(occupancy) if running else 0.0
+        # The decode step of the rows running now: a prompt's first chunk shares its iteration.
+        step = self.decode_cost.predict(running) if running else 0.0
         if not self._chunked or (not running and s.max_batch_tokens is None):
             return self._slots.load(base, now, s, self.queue, self.decode_cost, chunk_step=step)
         chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine))
