@@ -168,9 +168,7 @@ def predicted_first_token(
     next iteration boundary, else the one a running sequence frees at its token limit (an
     upper bound: EOS or a stop string ends it sooner). The prompts ahead take slots first,
     each holding it for a typical sequence's time; batch-class prompts also leave
-    `interactive_slots` free. Then its prefill, in a group of at most max_batch_size, in an
-    iteration with the running rows' decode step (`chunk_step`; not for interactive prompts
-    that go first in a prefill of their own, `prefill_first`); with
+    `interactive_slots` free. Then its prefill, in a group of at most max_batch_size; with
     token-budgeted steps a group over `prefill_chunk` tokens takes a chunk an iteration, each
     further chunk behind a decode step."""
     ahead = items_ahead(q, item) + siblings
@@ -185,12 +183,6 @@ def predicted_first_token(
     group = min(ahead + 1, s.max_batch_size)
     tokens = max(item.cost, 1)
     prefill = cost.predict(group, group * tokens)
-    if not (load.prefill_first and item.priority is Priority.INTERACTIVE):
-        # Its prefill shares an iteration with the running rows' decode step (packed into
-        # one forward or one after the other): on a real model that step, tens of ms at a
-        # few dozen rows, is most of a first token's wait; left out, admission promised
-        # first tokens it could not keep.
-        prefill += load.chunk_step
     if load.prefill_chunk is not None and group * tokens > load.prefill_chunk:
         further = math.ceil(group * tokens / load.prefill_chunk) - 1
         prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))

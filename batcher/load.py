@@ -73,8 +73,8 @@ class Load:
     sequence_seconds: float = 0.0
     prefill_first: bool = False
     # Token-budgeted steps: the prompt tokens one iteration prefills beside its decode step
-    # (None: whole prompts). `chunk_step`: that decode step (of the rows running now), which
-    # a prompt's first chunk shares its iteration with and each further chunk waits for.
+    # (None: whole prompts), and that decode step, which each further chunk of a longer
+    # prompt waits for.
     prefill_chunk: int | None = None
     chunk_step: float = 0.0
     chunks_packed: bool = False  # further chunks ride in the decode step's forward: no forward of their own

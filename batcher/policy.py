@@ -250,17 +250,11 @@ def _by_first_token_deadline(
     decision: Decision, group: list[WorkItem], now: float, s: BatchingSettings, cost: CostModel, load: Load
 ) -> Decision:
     """Join early (`deadline`) when the group's prefill, allowing for the slowdown, would
-    otherwise miss the tightest first-token deadline in it. The prefill shares its iteration
-    with the running rows' decode step (`load.chunk_step`; not a group of interactive
-    prompts going first, `prefill_first`), and a group that does not join now waits out this
-    iteration's decode step before the next chance: on a real model each step is tens of
-    ms, and leaving them out let groups wait past their first tokens' deadlines."""
+    otherwise miss the tightest first-token deadline in it."""
     if not isinstance(decision, WaitUntil) or not group:
         return decision
     tightest = min((i.deadline for i in group if i.deadline is not None), default=INF)
-    step = load.chunk_step
-    shared = 0.0 if load.prefill_first and group[0].priority is Priority.INTERACTIVE else step
-    start_by = tightest - (batch_cost(cost, group) + shared) * load.slowdown - s.margin - step
+    start_by = tightest - batch_cost(cost, group) * load.slowdown - s.margin
     if now >= start_by:
         return Dispatch(len(group), DispatchReason.DEADLINE)
     return WaitUntil(start_by if decision.t is None else min(decision.t, start_by))

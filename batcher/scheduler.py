@@ -111,11 +111,10 @@ class GenerationScheduler(QueueingBatcher):
         # cost interactive first tokens (on time 86-93% where 98% with them, bench_latency's
         # chat priority cells, docs/benchmarks-history.md "Token-budgeted steps").
         running = len(self._running)
-        # The decode step of the rows running now: a prompt's first chunk shares its iteration.
-        step = self.decode_cost.predict(running) if running else 0.0
         if not self._chunked or (not running and s.max_batch_tokens is None):
-            return self._slots.load(base, now, s, self.queue, self.decode_cost, chunk_step=step)
+            return self._slots.load(base, now, s, self.queue, self.decode_cost)
         chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine))
+        step = self.decode_cost.predict(running) if running else 0.0
         extra = {"prefill_chunk": chunk, "chunk_step": step, "chunks_packed": packed}
         return self._slots.load(base, now, s, self.queue, self.decode_cost, **extra)
 
