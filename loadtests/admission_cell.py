@@ -78,7 +78,9 @@ def judge(samples: list[Sample], budget_ms: float, duration: float) -> dict:
     }
 
 
-def run(chat_model: str, rates: list[float], duration: float, budget_ms: float, max_tokens: int, extra: list[str]):
+def run_admission(
+    chat_model: str, rates: list[float], duration: float, budget_ms: float, max_tokens: int, extra: list[str]
+):
     model = SERVED.get(chat_model, chat_model)
     send = make_send(model, budget_ms, max_tokens)
     rows = []
@@ -126,7 +128,7 @@ def main() -> None:
         f"Admission on {a.chat_model}: first-token budget {a.budget_ms:.0f} ms, {a.max_tokens} new tokens, "
         f"{a.duration:.0f} s per rate"
     )
-    run(a.chat_model, rates, a.duration, a.budget_ms, a.max_tokens, a.ferry_args.split())
+    run_admission(a.chat_model, rates, a.duration, a.budget_ms, a.max_tokens, a.ferry_args.split())
 
 
 if __name__ == "__main__":

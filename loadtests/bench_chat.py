@@ -306,9 +306,7 @@ def main() -> None:
         # Every cell's Ferry serves it under the name the cells send (GatewayProcess reads these).
         os.environ["FERRY_CHAT_MODEL"] = a.chat_model
         os.environ["FERRY_SERVED_MODEL_NAME"] = "ferry-tiny-chat"
-        print(f"Ferry's chat model: {a.chat_model}, served as ferry-tiny-chat for the cells' requests")
-        if a.vllm_python:
-            print("note: vLLM still runs ferry-tiny-chat's weights: the peer is on another model here")
+        print(f"chat model: {a.chat_model} (Ferry and vLLM), served as ferry-tiny-chat for the cells' requests")
     servers = set(a.servers.split(","))
     if a.skip_transformers:
         servers.discard("transformers")

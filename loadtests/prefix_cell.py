@@ -85,8 +85,21 @@ def run_cell(label: str, url: str, model: str, clients: int = 32, rounds: int = 
     return row
 
 
+def peer_model_dir(default: str) -> str:
+    """The model directory a peer loads: the one Ferry's cells serve when bench_chat's
+    `--chat-model` named another than the tiny model (FERRY_CHAT_MODEL), else `default`."""
+    source = os.environ.get("FERRY_CHAT_MODEL")
+    if not source or source == "tiny":
+        return default
+    from gateway.models.catalogue import chat_directory
+
+    return chat_directory(None if source == "default" else source)[0]
+
+
 def vllm_server(python: str, model_path: str, *extra: str):
-    """vLLM's OpenAI server on the model at `model_path`, from the venv of `python`."""
+    """vLLM's OpenAI server on the model at `model_path` (or the one bench_chat's
+    `--chat-model` names: `peer_model_dir`), from the venv of `python`."""
+    model_path = peer_model_dir(model_path)
     port = free_port()
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path, "--dtype", "float32"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "ferry-tiny-chat", *extra]
