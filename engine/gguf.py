@@ -153,7 +153,7 @@ def _main(argv: list[str] | None = None) -> int:
     try:
         source = Path(args.file) if args.file else builtin_smollm2_file()
         print(ensure_dequantized(source))
-    except GGUFError as exc:
+    except (GGUFError, OSError) as exc:  # OSError: a cache directory it cannot write
         print(f"error: {exc}")
         return 1
     return 0

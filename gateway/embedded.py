@@ -125,7 +125,8 @@ def resolve_models(models: Any) -> tuple[str, str]:
             kind, value = _DEFAULT_NAMES[entry]
         elif sep and kind_word.lower() in _EMBEDDING_WORDS | _CHAT_WORDS and rest:
             kind = EMBEDDING if kind_word.lower() in _EMBEDDING_WORDS else CHAT
-            value = _DEFAULT_NAMES[rest][1] if rest in _DEFAULT_NAMES else rest
+            # A built-in model's name stands for its setting only under its own kind.
+            value = _DEFAULT_NAMES[rest][1] if _DEFAULT_NAMES.get(rest, (None,))[0] == kind else rest
             value = value.lower() if value.lower() in ("default", "tiny") else value
         else:
             kind, value = _infer_kind(entry), entry

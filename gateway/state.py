@@ -92,15 +92,20 @@ class GatewayState:
         """One engine core per model, all loading side by side (each its own process: a
         model's libraries and weights load while another's do); the first failure is
         raised once every core has answered, the cores that started kept for close()."""
-        results = await asyncio.gather(
-            *(start_in_core(spec, index, self.config, self.metrics) for index, spec in enumerate(self.specs)),
-            return_exceptions=True,
-        )
-        for result in results:
-            if isinstance(result, BaseException):
-                continue
-            self.models[result.name] = result
-            self.metrics.core_restarts.labels(result.name)  # at zero from the start
+
+        async def start(index: int, spec: ModelSpec) -> ServedModel:
+            served = await start_in_core(spec, index, self.config, self.metrics)
+            # Kept at once: if the load is cancelled (SIGTERM while another core still
+            # loads), close() still stops this core.
+            self.models[served.name] = served
+            self.metrics.core_restarts.labels(served.name)  # at zero from the start
+            return served
+
+        results = await asyncio.gather(*(start(i, spec) for i, spec in enumerate(self.specs)), return_exceptions=True)
+        # In the order of the specs, whichever core was ready first (/v1/models lists them so).
+        ordered = [r for r in results if not isinstance(r, BaseException)]
+        self.models.clear()  # the same dictionary: others may hold it
+        self.models.update((r.name, r) for r in ordered)
         failure = next((r for r in results if isinstance(r, BaseException)), None)
         if failure is not None:
             raise failure

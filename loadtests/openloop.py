@@ -55,7 +55,7 @@ class GatewayProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
-        if not {"--chat-model", "--config"} & set(args) and "FERRY_CHAT_MODEL" not in full_env:
+        if not {"--chat-model", "--config"} & set(args) and not {"FERRY_CHAT_MODEL", "FERRY_CONFIG"} & set(full_env):
             args = ("--chat-model", "tiny", *args)
         cmd = [sys.executable, "-m", "gateway.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port), *args]
         # Logs go to a file: an unread pipe fills up and blocks the server. It stays open as

@@ -141,6 +141,11 @@ def test_models_argument():
     assert resolve_models(["sentence-transformers/all-MiniLM-L6-v2", "ferry-tiny-chat"]) == ("default", "tiny")
     assert resolve_models(["HuggingFaceTB/SmolLM2-135M-Instruct"]) == ("none", "default")
     assert resolve_models(["chat:tiny"]) == resolve_models(["chat:ferry-tiny-chat"]) == ("none", "tiny")
+    # A built-in name stands for the built-in model only under its own kind.
+    assert resolve_models(["chat:sentence-transformers/all-MiniLM-L6-v2"]) == (
+        "none",
+        "sentence-transformers/all-MiniLM-L6-v2",
+    )
     assert resolve_models(["chat:/models/llama", "embeddings:BAAI/bge-small"]) == ("BAAI/bge-small", "/models/llama")
     assert resolve_models({"chat": "/models/llama"}) == ("none", "/models/llama")
     with pytest.raises(ValueError, match="two chat models"):
