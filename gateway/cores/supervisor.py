@@ -54,7 +54,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from batcher.settings import BatchingSettings
 
@@ -234,15 +234,9 @@ def _say(line: str) -> None:
     print(f"ferry: {line}", file=sys.stderr)
 
 
-async def _all_ready(cores: list[CoreProcess]) -> list[dict[str, Any]]:
-    """Each core's report once it serves, in the cores' order. The first failure is raised
-    as it comes (a core that fails in a second is not reported after the others load)."""
-    waits = [asyncio.ensure_future(core.ready()) for core in cores]
-    try:
-        return await asyncio.gather(*waits)
-    finally:
-        for wait in waits:
-            wait.cancel()
+async def _all_ready(cores: list[CoreProcess]) -> list[dict[str, Any] | BaseException]:
+    """Each core's report once it serves, or what it failed with, in the cores' order."""
+    return await asyncio.gather(*(core.ready() for core in cores), return_exceptions=True)
 
 
 async def supervise(
@@ -292,16 +286,15 @@ async def supervise(
                 await all_loaded
             await asyncio.gather(*(core.stop() for core in cores))
             return 0
-        try:
-            infos = all_loaded.result()
-        except BaseException as exc:
+        failed = next((r for r in all_loaded.result() if isinstance(r, BaseException)), None)
+        if failed is not None:
             await asyncio.gather(*(core.stop() for core in cores))
-            if not isinstance(exc, CoreFailed):
-                raise
-            report(str(exc))
+            if not isinstance(failed, CoreFailed):
+                raise failed
+            report(str(failed))
             return 1
-        for index, (core, info) in enumerate(zip(cores, infos, strict=True)):
-            relay = CoreRelay(index, core.address, info, fronts)
+        for index, (core, info) in enumerate(zip(cores, all_loaded.result(), strict=True)):
+            relay = CoreRelay(index, core.address, cast(dict[str, Any], info), fronts)
             restarter = CoreRestarter(cfg, index, core, metrics)
             restarter.watch(relay)
             restarters.append(restarter)
