@@ -7,18 +7,14 @@
         vectors = client.embed("sentence-transformers/all-MiniLM-L6-v2", ["hello", "goodbye"])
 
 `Ferry` runs uvicorn with the gateway app in a background thread with its own event loop
-(`_InProcessRunner`), listening on a free 127.0.0.1 port (or the `port=` given), so
-everything the HTTP server does (micro-batching across callers, admission, metrics on
-/metrics) works unchanged and several threads or processes can share it. Entering waits
-until /readyz is 200; leaving stops the server, finishes the models' worker threads and
-closes the socket, leaving no thread and no open port behind.
+(`_InProcessRunner`) on a free 127.0.0.1 port (or `port=`): everything the HTTP server does
+works unchanged, shared by threads or processes. Entering waits until /readyz is 200;
+leaving stops the server and its models' threads, leaving no thread or open port behind.
 
-`Ferry(api_workers=2, ...)` runs the whole process set of `ferry serve --api-workers 2`
-instead (gateway/cores/supervisor.py; `_ProcessSetRunner`): the supervisor in a background
-thread of yours, the engine cores and front ends as child processes. Entering waits until
-every front end is ready; leaving drains them all and waits until every process has
-exited. `state` is None then (the models live in other processes); `models` comes from
-`/v1/models`.
+`Ferry(api_workers=2, ...)` runs the process set of `ferry serve --api-workers 2` instead
+(`_ProcessSetRunner`): the supervisor in a thread of yours, engine cores and front ends as
+child processes, all drained and exited on leaving. `state` is None then; `models` comes
+from `/v1/models`.
 """
 
 from __future__ import annotations
@@ -58,8 +54,7 @@ __all__ = ["Ferry"]
 
 _EMBEDDING_WORDS = {"embeddings", "embedding", "embed"}
 _CHAT_WORDS = {"chat", "completions", "generation", "llm"}
-# The built-in models' served names, and the setting each stands for.
-_DEFAULT_NAMES = {
+_DEFAULT_NAMES = {  # the built-in models' served names: (kind, the setting each stands for)
     "sentence-transformers/all-MiniLM-L6-v2": (EMBEDDING, "default"),
     "HuggingFaceTB/SmolLM2-135M-Instruct": (CHAT, "default"),
     "ferry-tiny-chat": (CHAT, "tiny"),
@@ -97,8 +92,7 @@ def resolve_models(models: Any) -> tuple[str, str]:
     """(embedding_model, chat_model) settings for `models`, each "default", an id/path or "none".
 
     models: None (both defaults); "embeddings"/"chat" (the built-in default of that kind);
-    a built-in model's served name ("sentence-transformers/all-MiniLM-L6-v2",
-    "HuggingFaceTB/SmolLM2-135M-Instruct", "ferry-tiny-chat" or "chat:tiny");
+    a built-in model's served name (MiniLM's, SmolLM2's, "ferry-tiny-chat"; or "chat:tiny");
     "embeddings:<id or path>" / "chat:<id or path>"; a bare Hugging Face id or local path
     (kind read from its config); or a dict {"embeddings": id, "chat": id}. A list names at
     most one model per kind; a kind not named is not served.
@@ -145,13 +139,11 @@ class Ferry:
 
     models: what to serve (see `resolve_models`; default: both built-in models).
     host, port: where to listen (default 127.0.0.1 and a free port).
-    specs: a list of gateway.models.catalogue.ModelSpec to serve instead of `models` (fake engines
-    in tests, or engines you built yourself). metrics: a gateway.metrics.registry.GatewayMetrics (default:
-    a fresh registry, so several Ferry instances can coexist).
+    specs: ModelSpecs to serve instead of `models` (fake engines, engines you built yourself).
+    metrics: a GatewayMetrics (default: a fresh registry: several Ferry instances coexist).
     ready_timeout: seconds to wait for the models to load (raises RuntimeError beyond).
     log_level: level of uvicorn's own loggers (None leaves logging alone).
-    settings: any gateway.config.ServerConfig field, e.g. max_batch_size=16,
-    max_wait_ms=2, policy="deadline", api_keys=["secret"] (or api_key="secret").
+    settings: any ServerConfig field, e.g. max_batch_size=16, api_keys=["secret"] (or api_key=).
     """
 
     def __init__(
