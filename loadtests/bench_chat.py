@@ -19,9 +19,10 @@ of penalties, top_k, min_p, logit_bias and log probabilities (SAMPLING_MIXES), a
 tokens/s of the two side by side (median ratio of the repeats).
 
 The `saturation` cell (`--servers saturation [--clients 64,128]`): generated tokens/s of
-closed-loop clients asking 64 tokens each (loadtests/saturation_cell.py), Ferry at defaults,
-with `--no-packed-steps` and with `--torch-threads 2`, and vLLM with `--vllm-python`;
-`--duration` is the window.
+closed-loop clients asking 64 tokens each, streamed and counted as they arrive
+(loadtests/saturation_cell.py), Ferry at defaults, with `--no-packed-steps` and with
+`--torch-threads 2` (`--saturation-variants` names others), and vLLM with `--vllm-python`;
+`--duration` is the window, `--repeats` the rounds (medians, and ratios per round).
 
 The `prefix` cell (`--servers prefix`): 32 conversations sharing one ~690-token system
 prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching, with
@@ -246,31 +247,47 @@ def transformers_serve(model_path: str):
     raise RuntimeError("transformers serve did not start")
 
 
-def run_saturation_cells(duration: float, vllm_python: str, clients: list[int]) -> None:
-    """Ferry at defaults (and with both cores for torch) and vLLM, closed loops of each size."""
+SATURATION_VARIANTS = "defaults;--no-packed-steps;--torch-threads 2"
+
+
+def run_saturation_cells(
+    duration: float, vllm_python: str, clients: list[int], repeats: int = 1, variants: str = SATURATION_VARIANTS
+) -> None:
+    """Ferry with each variant's flags (`;`-separated; "defaults" for none) and vLLM, closed
+    loops of each size, `repeats` rounds one after the other; medians over the rounds, and
+    each variant's ratio to vLLM per round."""
+    import shlex
+    import statistics
+
     from engine.tiny_chat import ensure_tiny_chat
 
-    print("Saturation (closed loop, 64 new tokens per request, greedy, ignore_eos):")
+    print("Saturation (closed loop, 64 new tokens per request, greedy, ignore_eos, streamed):")
     rows = []
-    for label, flags in (
-        ("ferry", ()),
-        ("ferry --no-packed-steps", ("--no-packed-steps",)),
-        ("ferry --torch-threads 2", ("--torch-threads", "2")),
-    ):
-        with GatewayProcess("--embedding-model", "none", *flags) as gw:
-            rows += [run_saturation(label, gw.url, "ferry-tiny-chat", c, duration) for c in clients]
-    if vllm_python:
-        proc, url = vllm_server(vllm_python, ensure_tiny_chat())
-        try:
-            rows += [run_saturation("vllm", url, "ferry-tiny-chat", c, duration) for c in clients]
-        finally:
-            proc.terminate()
-            proc.wait(60)
-    peer = {r["clients"]: r for r in rows if r["label"] == "vllm"}
-    for r in rows:
-        if r["label"] != "vllm" and r["clients"] in peer:
-            ratio = r["tok_s"] / peer[r["clients"]]["tok_s"]
-            print(f"  {r['label']} / vllm at {r['clients']} clients: {ratio:.2f}x tok/s")
+    for round_ in range(repeats):
+        for variant in variants.split(";"):
+            flags = [] if variant.strip() == "defaults" else shlex.split(variant)
+            label = "ferry " + variant.strip() if flags else "ferry"
+            with GatewayProcess("--embedding-model", "none", *flags) as gw:
+                for c in clients:
+                    rows.append({**run_saturation(label, gw.url, "ferry-tiny-chat", c, duration), "round": round_})
+        if vllm_python:
+            proc, url = vllm_server(vllm_python, ensure_tiny_chat())
+            try:
+                for c in clients:
+                    rows.append({**run_saturation("vllm", url, "ferry-tiny-chat", c, duration), "round": round_})
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    print(f"Medians over {repeats} round(s):")
+    for label in dict.fromkeys(r["label"] for r in rows):
+        for c in clients:
+            mine = {r["round"]: r["tok_s"] for r in rows if r["label"] == label and r["clients"] == c}
+            line = f"  {label:28s} {c:4d} clients: {statistics.median(mine.values()):8.1f} tok/s"
+            peer = {r["round"]: r["tok_s"] for r in rows if r["label"] == "vllm" and r["clients"] == c}
+            if label != "vllm" and peer:
+                ratios = [mine[k] / peer[k] for k in mine if peer.get(k)]
+                line += f"  / vllm {statistics.median(ratios):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in ratios)})"
+            print(line, flush=True)
 
 
 def main() -> None:
@@ -290,7 +307,12 @@ def main() -> None:
         help="comma-separated subset of "
         "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,vllm",
     )
-    p.add_argument("--repeats", type=int, default=1, help="sampling cell: alternating runs of each variant")
+    p.add_argument("--repeats", type=int, default=1, help="sampling and saturation cells: rounds of every variant")
+    p.add_argument(
+        "--saturation-variants",
+        default=SATURATION_VARIANTS,
+        help="saturation cell: Ferry's flags per variant, `;`-separated (`defaults` for none)",
+    )
     p.add_argument("--clients", default="64,128", help="saturation cell: closed-loop client counts")
     p.add_argument("--itl-streams", type=int, default=16, help="itl cell: streaming clients")
     p.add_argument("--itl-period", type=float, default=1.0, help="itl cell: seconds between long prompts")
@@ -378,7 +400,8 @@ def main() -> None:
     if "goodput" in servers:
         run_goodput_cells(common, rates, a.duration, a.slo_ms, a.vllm_python)
     if "saturation" in servers:
-        run_saturation_cells(a.duration, a.vllm_python, [int(c) for c in a.clients.split(",")])
+        clients = [int(c) for c in a.clients.split(",")]
+        run_saturation_cells(a.duration, a.vllm_python, clients, a.repeats, a.saturation_variants)
     if "memory" in servers:
         from .memory_cell import run_memory_cell
 
