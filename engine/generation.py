@@ -31,7 +31,7 @@ from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
 from .grammar import GrammarCache
 from .kv import RunningBatch
-from .onednn import prepack_output_head
+from .onednn import PLAIN_BELOW, fuse_projections, prepack_linears, prepack_output_head
 from .packed import install
 from .packed_steps import PackedSteps
 from .preemption import Preemption
@@ -120,6 +120,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         kv_cache_bytes: int | None = DEFAULT_KV_CACHE_BYTES,
         prepacked_linears: bool = True,
         native_attention: bool = True,
+        fused_projections: bool = True,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
@@ -135,7 +136,11 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         self.device = torch.device(resolve_device(device))
         self.max_running = max_running
         self.tokenizer, self.model = _load(model_name_or_path, self.device, dtype, trust_remote_code)
-        self.head_prepacked = prepacked_linears and prepack_output_head(self.model)  # engine/onednn.py
+        # Through oneDNN with weights prepacked once (engine/onednn.py): each block's products
+        # of one input as one product, then every other linear layer (the output head among them).
+        self.fused = fuse_projections(self.model) if prepacked_linears and fused_projections else 0
+        self.head_prepacked = prepacked_linears and prepack_output_head(self.model, PLAIN_BELOW)
+        self.prepacked = prepack_linears(self.model, PLAIN_BELOW) if self.fused else 0
         # Prompts are tokenized on the event loop while the worker thread detokenizes; a
         # Rust tokenizer borrowed from two threads raises "Already borrowed" as soon as one
         # side changes its settings, so the detokenizer gets its own copy.
@@ -391,7 +396,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
 def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) -> None:
     log.info(
         "loaded chat model %s on %s (max_context=%d, max_running=%d, KV %s, prefix cache %s, packed steps %s, "
-        "output head %s)",
+        "output head %s, %d blocks' products fused)",
         engine.name,
         engine.device,
         engine.max_context,
@@ -400,6 +405,7 @@ def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) ->
         f"{prefix_cache.max_bytes} bytes in {prefix_cache.block}-token blocks" if prefix_cache is not None else "off",
         "on" if engine.packs_steps else "off",
         "prepacked for oneDNN" if engine.head_prepacked else "as loaded",
+        engine.fused,
     )
 
 

@@ -34,6 +34,10 @@ from torch import nn
 log = logging.getLogger("ferry.engine")
 
 ROWS_HINT = 32  # rows the packing is tuned for; any row count runs
+# Below this many rows a chat model's layers take torch's own product (MKL's matrix-vector
+# path): one decode row ran 0.4-0.9x as fast prepacked, four rows 1.0-2.0x, on the Intel Xeon
+# (AVX-512) of docs/benchmarks.md (engine/onednn.py's layers measured one by one).
+PLAIN_BELOW = 4
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], attr: str) -> torch.Tensor:  # noqa: UP045
@@ -70,6 +74,9 @@ class PrepackedLinear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
         self.activation = activation
         self.product = _scripted()
+        # Rows below which torch's own product runs (0: never; a traced forward, as the
+        # embeddings engine's, must not branch on its input).
+        self.plain_below = 0
 
     def with_activation(self, activation: str) -> PrepackedLinear:
         """The same product (the same packed weight) with `activation` applied in its pass."""
@@ -80,6 +87,8 @@ class PrepackedLinear(nn.Module):
         return PrepackedLinear(linear, packed, activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.plain_below and self.activation == "none" and x.numel() < self.plain_below * self.in_features:
+            return nn.functional.linear(x, self.weight, self.bias)
         return self.product(x, self.packed, self.bias, self.activation)
 
 
@@ -156,27 +165,190 @@ def fuse_activations(model: nn.Module) -> int:
     return count
 
 
-def prepack_output_head(model: nn.Module) -> bool:
+def prepack_output_head(model: nn.Module, plain_below: int = 0) -> bool:
     """A causal LM's output head (vocabulary x hidden: the largest linear of a small
-    model, run once per decode row) swapped for its prepacked copy. True if it was."""
+    model, run once per decode row) swapped for its prepacked copy (torch's own product
+    below `plain_below` rows). True if it was."""
     get, put = getattr(model, "get_output_embeddings", None), getattr(model, "set_output_embeddings", None)
     head = get() if callable(get) else None
     if head is None or not callable(put):
         return False
     swapped = prepacked(head)
-    if swapped is head:
+    if swapped is head or not isinstance(swapped, PrepackedLinear):
         return False
+    swapped.plain_below = plain_below
     put(swapped)
     return True
 
 
-def prepack_linears(model: nn.Module) -> int:
-    """Every `nn.Linear` of `model` swapped for its prepacked copy where that runs; how many."""
+def prepack_linears(model: nn.Module, plain_below: int = 0) -> int:
+    """Every `nn.Linear` of `model` swapped for its prepacked copy where that runs (torch's
+    own product below `plain_below` rows: never in a model to be traced); how many."""
     count = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             swapped = prepacked(child)
-            if swapped is not child:
+            if swapped is not child and isinstance(swapped, PrepackedLinear):
+                swapped.plain_below = plain_below
                 setattr(parent, name, swapped)
                 count += 1
     return count
+
+
+class _Outputs:
+    """The products one fused call computed for one input, until each part is taken."""
+
+    __slots__ = ("input", "left", "parts")
+
+    def __init__(self) -> None:
+        self.input: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] = []
+        self.left = 0
+
+
+class FusedProjections(nn.Module):
+    """The first of several linear layers of one input (attention's q, k and v), computing
+    all of them in one prepacked product and keeping the others' outputs for their own
+    layers (`TakenProjection`) to return when called with the same tensor."""
+
+    def __init__(self, linears: list[nn.Linear], outputs: _Outputs) -> None:
+        super().__init__()
+        first = linears[0]
+        self.in_features, self.out_features = first.in_features, first.out_features
+        self.weight, self.bias = first.weight, first.bias  # the first layer's, as it was
+        self.sizes = [lin.out_features for lin in linears]
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        bias = None if first.bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, ROWS_HINT), persistent=False)
+        self.register_buffer("fused_bias", bias, persistent=False)
+        self.outputs = outputs
+        self.product = _scripted()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < PLAIN_BELOW * self.in_features:  # a row or two: each layer its own product
+            self.outputs.input, self.outputs.parts = None, []
+            return nn.functional.linear(x, self.weight, self.bias)
+        parts = list(self.product(x, self.packed, self.fused_bias, "none").split(self.sizes, dim=-1))
+        self.outputs.input, self.outputs.parts, self.outputs.left = x, parts, len(parts) - 1
+        return parts[0]
+
+
+class TakenProjection(nn.Module):
+    """A linear layer whose output a `FusedProjections` computed: returned when called on
+    the same tensor (the one kept holds it alive, so no other can be it), else computed."""
+
+    def __init__(self, linear: nn.Linear, outputs: _Outputs, index: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+        self.outputs, self.index = outputs, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        held = self.outputs
+        if held.input is not x or not held.parts:
+            return nn.functional.linear(x, self.weight, self.bias)
+        out = held.parts[self.index]
+        held.left -= 1
+        if held.left <= 0:  # every part taken: let go of the step's tensors
+            held.input, held.parts = None, []
+        return out
+
+
+class GatedMLP(nn.Module):
+    """A gated feed-forward block (Llama's `down(act(gate(x)) * up(x))`, and every family
+    built the same way) with its gate and up products as one prepacked product."""
+
+    def __init__(self, gate: nn.Linear, up: nn.Linear, down: nn.Linear, act_fn: nn.Module) -> None:
+        super().__init__()
+        self.width = gate.out_features
+        weight = torch.cat([gate.weight.detach(), up.weight.detach()])
+        shell = nn.Linear(gate.in_features, 2 * self.width, bias=gate.bias is not None, device="meta")
+        shell.weight = nn.Parameter(weight, requires_grad=False)
+        if gate.bias is not None and up.bias is not None:
+            shell.bias = nn.Parameter(torch.cat([gate.bias.detach(), up.bias.detach()]), requires_grad=False)
+        self.gate_up = PrepackedLinear(shell)
+        # Their own weights (shared, not copied), for a row or two.
+        self.gate_weight, self.gate_bias, self.up_weight, self.up_bias = gate.weight, gate.bias, up.weight, up.bias
+        self.down_proj, self.act_fn = prepacked(down), act_fn
+        if isinstance(self.down_proj, PrepackedLinear):
+            self.down_proj.plain_below = PLAIN_BELOW
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < PLAIN_BELOW * self.gate_weight.shape[1]:
+            gate = nn.functional.linear(x, self.gate_weight, self.gate_bias)
+            return self.down_proj(self.act_fn(gate) * nn.functional.linear(x, self.up_weight, self.up_bias))
+        gate, up = self.gate_up(x).split(self.width, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+
+
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    scale = float(want.abs().max()) or 1.0
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-4, atol=1e-4 * scale)
+
+
+def _linears(block: nn.Module, names: tuple[str, ...]) -> list[nn.Linear] | None:
+    """`block`'s linear layers of these names, where all are plain fp32 CPU layers of one
+    input width, all with a bias or none."""
+    found = [getattr(block, n, None) for n in names]
+    linears = [x for x in found if type(x) is nn.Linear and available(x.weight)]
+    if len(linears) < len(names):
+        return None
+    same_input = len({x.in_features for x in linears}) == 1
+    return linears if same_input and len({x.bias is None for x in linears}) == 1 else None
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """A decoder's products of one input run as one prepacked product each: every
+    attention block's q, k and v projections (`q_proj`, `k_proj`, `v_proj`), and every
+    gated feed-forward block's gate and up projections (`gate_proj`, `up_proj`, with its
+    `down_proj` and `act_fn`): one pass over the input and one call where there were three
+    or two. Each feed-forward block swapped is checked on sample rows against the block as
+    it was, each fused q/k/v against the three products, and left as it was where they
+    differ. How many blocks were fused."""
+    count = 0
+    for parent in list(model.modules()):
+        for name, block in list(parent.named_children()):
+            gated = _linears(block, ("gate_proj", "up_proj"))
+            down, act = getattr(block, "down_proj", None), getattr(block, "act_fn", None)
+            if gated is not None and type(down) is nn.Linear and isinstance(act, nn.Module):
+                count += _swap_mlp(parent, name, block, [*gated, down], act)
+            elif (qkv := _linears(block, ("q_proj", "k_proj", "v_proj"))) is not None:
+                count += _fuse_qkv(block, qkv)
+    return count
+
+
+def _swap_mlp(parent: nn.Module, name: str, block: nn.Module, linears: list[nn.Linear], act: nn.Module) -> int:
+    try:
+        gate, up, down = linears
+        fused = GatedMLP(gate, up, down, act)
+        with torch.inference_mode():
+            x = torch.randn((2, 7, linears[0].in_features), generator=torch.Generator().manual_seed(0))
+            ok = _same(fused(x), block(x))
+    except Exception as exc:  # a block whose forward is not the gated product, an op this torch lacks
+        log.warning("feed-forward products not fused: %s", exc)
+        return 0
+    if not ok:
+        log.warning("a fused feed-forward block differs from %s; keeping it", type(block).__name__)
+        return 0
+    setattr(parent, name, fused)
+    return 1
+
+
+def _fuse_qkv(block: nn.Module, linears: list[nn.Linear]) -> int:
+    try:
+        outputs = _Outputs()
+        first = FusedProjections(linears, outputs)
+        taken = [TakenProjection(lin, outputs, i) for i, lin in enumerate(linears) if i]
+        with torch.inference_mode():
+            x = torch.randn((2, 7, linears[0].in_features), generator=torch.Generator().manual_seed(0))
+            got = [first(x), *(t(x) for t in taken)]
+            want = [nn.functional.linear(x, lin.weight, lin.bias) for lin in linears]
+        ok = all(_same(g, w) for g, w in zip(got, want, strict=True))
+    except Exception as exc:  # an op this torch lacks or refuses for this shape
+        log.warning("attention projections not fused: %s", exc)
+        return 0
+    if not ok:
+        log.warning("fused attention projections differ from torch's; keeping them apart")
+        return 0
+    block.q_proj, block.k_proj, block.v_proj = first, *taken
+    return 1

@@ -91,6 +91,15 @@ class ServerSettings(Knobs):
         "activation. Set at start "
         "(docs/scheduling.md)",
     )
+    fused_projections: bool = knob(
+        True,
+        "with `--prepacked-linears`, run each chat model decoder block's products of one input as "
+        "one prepacked product: attention's q, k and v projections, and a gated feed-forward "
+        "block's gate and up projections (Llama, Mistral, Qwen and the families built alike); "
+        "every other linear layer prepacked too. Each block checked at load against its "
+        "products apart. `--no-fused-projections`: only the output head prepacked. Set at start "
+        "(docs/scheduling.md)",
+    )
     native_attention: bool = knob(
         True,
         "run attention through Ferry's C++ kernels (fp32 on the CPU): a chat model's decode steps "
@@ -141,6 +150,12 @@ class ServerSettings(Knobs):
         [],
         "API keys required as `Authorization: Bearer <key>` on `/v1` routes (repeat "
         "`--api-key` or comma-separate for several)",
+    )
+    tenant_source: Literal["header", "user", "none"] = knob(
+        "header",
+        "without API keys, where a request's tenant comes from (fair shares and quotas, docs/scheduling.md): "
+        "`header` (`X-Ferry-Tenant`, set by a trusted proxy), `user` (the request's `user` field) or `none` "
+        "(one tenant); with keys, each key is a tenant and this is ignored",
     )
     max_body_bytes: int = knob(4 * 1024 * 1024, "largest request body (413 beyond)", unit="bytes", **AT_LEAST_ONE)
     max_inputs: int = knob(2048, "most inputs in one embeddings request", **AT_LEAST_ONE)

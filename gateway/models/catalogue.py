@@ -142,6 +142,7 @@ def model_spec(
             "torch_threads": cfg.torch_threads or 1,
             "packed_steps": cfg.packed_steps,
             "prepacked_linears": cfg.prepacked_linears,
+            "fused_projections": cfg.fused_projections,
             "native_attention": cfg.native_attention,
             "kv_cache_bytes": (cfg.kv_cache_mb if kv_cache_mb is None else kv_cache_mb) * 1024 * 1024 or None,
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),

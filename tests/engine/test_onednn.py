@@ -158,3 +158,77 @@ def test_no_prepacked_linears_keeps_torchs_own_layers(tiny_chat_dir):
     encoder = HFEmbeddingEngine(torch_threads=1, prepacked_linears=False)
     assert encoder.prepacked == 0 and not any(isinstance(m, PrepackedLinear) for m in encoder.model.modules())
     assert encoder.graph == "torchscript"
+
+
+def test_a_decoders_projections_of_one_input_run_as_one_product_with_the_models_logits(tiny_chat_dir):
+    """Every attention block's q/k/v and every gated feed-forward block's gate/up become one
+    product each; the model's logits over a prompt (and its greedy tokens) are its own."""
+    from transformers import AutoModelForCausalLM
+
+    from engine.onednn import FusedProjections, GatedMLP, TakenProjection, fuse_projections
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_chat_dir), dtype=torch.float32).eval()
+    ids = torch.randint(3, model.config.vocab_size, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits
+        layers = model.config.num_hidden_layers
+        assert fuse_projections(model) == 2 * layers
+        assert prepack_linears(model) == layers + 1  # each o_proj, and the head
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    block = model.model.layers[0]
+    assert isinstance(block.mlp, GatedMLP) and isinstance(block.self_attn.q_proj, FusedProjections)
+    assert isinstance(block.self_attn.k_proj, TakenProjection) and isinstance(block.self_attn.o_proj, PrepackedLinear)
+
+
+def test_a_taken_projection_called_on_another_input_computes_its_own_product():
+    """k and v come from the fused call only for the tensor it ran on; any other input (or
+    a call before it) gets the layer's own product, and nothing is kept once all are taken."""
+    from engine.onednn import FusedProjections, TakenProjection, _fuse_qkv
+
+    block = nn.Module()
+    block.q_proj, block.k_proj, block.v_proj = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+    original = [block.q_proj, block.k_proj, block.v_proj]
+    assert _fuse_qkv(block, list(original)) == 1
+    q, k, v = block.q_proj, block.k_proj, block.v_proj
+    assert isinstance(q, FusedProjections) and isinstance(k, TakenProjection)
+    x, other = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(k(other), original[1](other))  # before any fused call
+        torch.testing.assert_close(q(x), original[0](x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v(other), original[2](other))  # another input
+        torch.testing.assert_close(k(x), original[1](x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v(x), original[2](x), rtol=1e-4, atol=1e-4)
+    assert k.outputs.input is None and k.outputs.parts == []
+
+
+def test_a_feed_forward_block_that_computes_something_else_is_left_as_it_is():
+    """Fusion keeps a block's `act_fn` and checks the whole block: one whose forward is not
+    `down(act(gate(x)) * up(x))` (here the activation on the other product) stays."""
+    from engine.onednn import GatedMLP, fuse_projections
+
+    class Swapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 32), nn.Linear(8, 32), nn.Linear(32, 8)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+    class Plain(Swapped):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    model = nn.ModuleDict({"odd": Swapped(), "plain": Plain()})
+    assert fuse_projections(model) == 1
+    assert isinstance(model["plain"], GatedMLP) and isinstance(model["odd"], Swapped)
+
+
+def test_no_fused_projections_prepacks_only_the_head(tiny_chat_dir):
+    from engine.generation import HFGenerationEngine
+
+    chat = HFGenerationEngine(str(tiny_chat_dir), max_running=2, fused_projections=False)
+    assert chat.fused == 0 and chat.head_prepacked
+    assert type(chat.model.model.layers[0].self_attn.q_proj) is nn.Linear
