@@ -24,6 +24,12 @@ class DeadlineInfeasible(BatchingError):
     code = "deadline_infeasible"
 
 
+class TenantQuota(BatchingError):
+    """The request's tenant is over one of its quotas (batcher/fairness.py)."""
+
+    code = "tenant_quota"
+
+
 class RequestTooLarge(BatchingError):
     """More items in one request than the queue can ever hold: retrying cannot help."""
 

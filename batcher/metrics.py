@@ -2,7 +2,10 @@
 (gateway/metrics/registry.py, whose `GatewayMetrics` adds them to these on one registry).
 
 Names follow `ferry_<thing>_<unit>`; counters end in `_total`; labels stay in
-{model, route, status, reason, phase, class}. Tests build a `Metrics` on a fresh
+{model, route, status, reason, phase, class, tenant, kind}. `tenant` is bounded: the tenants
+named in the config file keep their names, the busiest others (TENANT_LABELS, re-ranked every
+TENANT_RERANK seconds) theirs, and the rest are `other`; it is never an API key (the gateway
+names a key's tenant, or labels it by a digest). Tests build a `Metrics` on a fresh
 `CollectorRegistry` and read values with `registry.get_sample_value`.
 The Grafana dashboard and alert rules use only these names, and every metric here is
 drawn by at least one panel (tests/observability/test_catalogue.py checks both ways).
@@ -44,6 +47,7 @@ from typing import Final
 
 from prometheus_client import CollectorRegistry
 
+from .fairness import Tenants
 from .knobs import Knob, knobs
 from .metric_types import Counter, Gauge, Histogram
 from .settings import BatchingSettings
@@ -83,6 +87,10 @@ ERROR_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 5.0)
 # twice while the lease moves). Outside that mode the mode means nothing.
 SUM: Final = "livesum"
 MAX: Final = "livemax"
+
+TENANT_LABELS = 16  # tenants with a label of their own beside those the config names
+TENANT_RERANK = 10.0  # seconds between re-rankings of the busiest tenants
+OTHER = "other"
 
 # Rejection reasons known up front (others, like shutting_down, appear when they happen).
 REJECTION_REASONS = ("queue_full", "deadline_infeasible", "invalid")
@@ -255,6 +263,39 @@ class Metrics:
             ["model", "class", "status"],
             registry=r,
         )
+        # Tenants (batcher/fairness.py)
+        self.tenant_tokens = Counter(
+            "ferry_tenant_tokens_total",
+            "Tokens computed for each tenant: kind=input (prompt tokens prefilled, inputs embedded) or "
+            "output (tokens generated).",
+            ["model", "tenant", "kind"],
+            registry=r,
+        )
+        self.tenant_queue_depth = Gauge(
+            "ferry_tenant_queue_depth",
+            "Items of each tenant waiting in the queue.",
+            ["model", "tenant"],
+            registry=r,
+            multiprocess_mode=SUM,
+        )
+        self.tenant_refusals = Counter(
+            "ferry_tenant_refusals_total",
+            "Requests' items refused at once, by tenant and reason (deadline_infeasible, queue_full, tenant_quota).",
+            ["model", "tenant", "reason"],
+            registry=r,
+        )
+        self.tenant_fairness = Gauge(
+            "ferry_tenant_fairness_ratio",
+            "Jain's index over the active tenants' weighted service in the last minute: 1 when each got "
+            "service in proportion to its weight, 1/n when one got all; absent with fewer than two tenants.",
+            ["model"],
+            registry=r,
+            multiprocess_mode=MAX,
+        )
+        self.named_tenants: set[str] = set()  # the config file's tenants: always labelled by name
+        self._tenant_top: dict[str, set[str]] = {}
+        self._tenant_ranked: dict[str, float] = {}
+        self._tenant_depths: dict[str, set[str]] = {}
         # Knobs: a gauge per setting declared with gauge=True (batcher/settings.py).
         self.setting_gauges = {
             k.name: (k, Gauge(k.gauge_name, _setting_help(k), ["model"], registry=r, multiprocess_mode=MAX))
@@ -307,6 +348,51 @@ class Metrics:
             self.queue_depth.labels(model, p.label)
             for status in ("met", "missed"):
                 self.slo.labels(model, p.label, status)
+
+    # -- tenants -------------------------------------------------------------------
+    def tenant_label(self, model: str, tenants: Tenants, name: str, now: float) -> str:
+        """`name`, or `other` beyond the tenants that keep a label of their own."""
+        if name in self.named_tenants:
+            return name
+        top = self._tenant_top.setdefault(model, set())
+        if now - self._tenant_ranked.get(model, -TENANT_RERANK) >= TENANT_RERANK:
+            self._tenant_ranked[model] = now
+            top.clear()
+            top.update(n for n in tenants.busiest(TENANT_LABELS, now) if n not in self.named_tenants)
+        if name not in top and len(top) < TENANT_LABELS:
+            top.add(name)
+        return name if name in top else OTHER
+
+    def tenant_served(
+        self, model: str, tenants: Tenants, name: str, input_tokens: int, output_tokens: int, now: float
+    ) -> None:
+        label = self.tenant_label(model, tenants, name, now)
+        if input_tokens > 0:
+            self.tenant_tokens.labels(model, label, "input").inc(input_tokens)
+        if output_tokens > 0:
+            self.tenant_tokens.labels(model, label, "output").inc(output_tokens)
+
+    def tenant_refused(self, model: str, tenants: Tenants, name: str, reason: str, items: int, now: float) -> None:
+        self.tenant_refusals.labels(model, self.tenant_label(model, tenants, name, now), reason).inc(items)
+
+    def publish_tenants(self, model: str, tenants: Tenants, depths: dict[str, int], now: float) -> None:
+        """Each tenant's queue depth (0 for those that had items before) and the fairness index."""
+        by_label: dict[str, int] = {}
+        for name, n in depths.items():
+            label = self.tenant_label(model, tenants, name, now)
+            by_label[label] = by_label.get(label, 0) + n
+        shown = self._tenant_depths.setdefault(model, set())
+        for label in shown - set(by_label):
+            self.tenant_queue_depth.labels(model, label).set(0)
+        for label, n in by_label.items():
+            self.tenant_queue_depth.labels(model, label).set(n)
+        shown |= set(by_label)
+        index = tenants.jain(now)
+        if index is None:
+            with contextlib.suppress(KeyError):
+                self.tenant_fairness.remove(model)
+        else:
+            self.tenant_fairness.labels(model).set(index)
 
     def set_first_token_slowdown(self, model: str, factors: dict[Priority, float]) -> None:
         for p, factor in factors.items():

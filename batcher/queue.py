@@ -1,6 +1,9 @@
 """The waiting room: ordered by priority class, then earliest deadline, with aging.
 
-Interactive work goes first, earliest deadline first (EDF). Batch-class work fills what
+Interactive work goes first, earliest deadline first (EDF). With fair shares between
+tenants (`tenants`, batcher/fairness.py), each class serves the tenant with the smallest
+virtual token counter first, each tenant's own items earliest deadline first: the order
+simulates the counters as the items ahead are served (each adds its input price). Batch-class work fills what
 interactive work leaves, but an item that has waited `aging` seconds is ordered among the
 interactive items as if its deadline were `arrival + aging`, so it cannot starve.
 
@@ -19,6 +22,7 @@ from bisect import bisect_left, bisect_right, insort
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .fairness import Tenants
 from .types import Priority, WorkItem
 
 INF = math.inf
@@ -37,13 +41,20 @@ def _key(item: WorkItem) -> tuple[float, int]:
     return (item.deadline if item.deadline is not None else INF, item.id)
 
 
+Key = tuple[float, int]
+
+
 class RequestQueue:
-    def __init__(self, aging: float = 2.0):
+    def __init__(self, aging: float = 2.0, tenants: Tenants | None = None):
         self.aging = aging
+        self.tenants = tenants  # fair order within classes when set and enabled
         # dicts keep insertion order, and items are inserted on arrival: arrival order.
         self._all: dict[int, WorkItem] = {}
         self._batch_fifo: dict[int, WorkItem] = {}
         self._edf: dict[Priority, list[tuple[float, int]]] = {p: [] for p in Priority}
+        # Each class's items by tenant, EDF (kept whether or not fairness is on: it can be
+        # switched live).
+        self._by_tenant: dict[Priority, dict[str, list[Key]]] = {p: {} for p in Priority}
         # Each class's queued tokens (items' costs as pushed: a generation prompt repriced
         # while queued keeps its first price here), for admission's lengths of the work ahead.
         self._pushed: dict[int, int] = {}
@@ -59,9 +70,56 @@ class RequestQueue:
     def count(self, priority: Priority) -> int:
         return len(self._edf[priority])
 
+    def tenant_depths(self) -> dict[str, int]:
+        """Queued items by tenant (every class)."""
+        out: dict[str, int] = {}
+        for lanes in self._by_tenant.values():
+            for tenant, keys in lanes.items():
+                out[tenant] = out.get(tenant, 0) + len(keys)
+        return out
+
+    @property
+    def fair(self) -> bool:
+        """Fair order within classes: tenants set and enabled, and more than one queued (one
+        tenant's fair order is EDF)."""
+        return self._fair_with(None)
+
+    def _fair_with(self, tenant: str | None) -> bool:
+        if self.tenants is None or not self.tenants.enabled:
+            return False
+        queued = {t for lanes in self._by_tenant.values() for t in lanes}
+        if tenant is not None:
+            queued.add(tenant)
+        return len(queued) > 1
+
     def count_before(self, item: WorkItem) -> int:
-        """Queued items of the item's own class that EDF orders before it."""
-        return bisect_right(self._edf[item.priority], _key(item))
+        """Queued items of the item's own class served before it: EDF, or with fair shares
+        the items the counters' order serves first (the item need not be queued)."""
+        if not self._fair_with(item.tenant):
+            return bisect_right(self._edf[item.priority], _key(item))
+        assert self.tenants is not None
+        tenants, key = self.tenants, _key(item)
+        lanes = self._by_tenant[item.priority]
+        own = lanes.get(item.tenant, [])
+        # Its turn: its tenant's counter (lifted, if it returns from idle) plus the price of
+        # the tenant's items ahead of it.
+        turn = tenants.arriving_counter(item.tenant)
+        ahead = 0
+        for k in own:
+            if k >= key:
+                break
+            turn += tenants.price(item.tenant, self._all[k[1]].cost)
+            ahead += 1
+        for tenant, keys in lanes.items():
+            if tenant == item.tenant:
+                continue
+            c = tenants.counter(tenant)
+            for k in keys:
+                if (c, k) >= (turn, key):
+                    break
+                ahead += 1
+                c += tenants.price(tenant, self._all[k[1]].cost)
+        return ahead
 
     def mean_cost(self, priority: Priority) -> float | None:
         """The mean cost (tokens) of the queued items of `priority` and the classes ahead of
@@ -73,6 +131,7 @@ class RequestQueue:
     def push(self, item: WorkItem) -> None:
         self._all[item.id] = item
         insort(self._edf[item.priority], _key(item))
+        insort(self._by_tenant[item.priority].setdefault(item.tenant, []), _key(item))
         self._pushed[item.id] = item.cost
         self._tokens[item.priority] += item.cost
         if item.priority is Priority.BATCH:
@@ -83,6 +142,11 @@ class RequestQueue:
             return False
         edf = self._edf[item.priority]
         del edf[bisect_left(edf, _key(item))]
+        lanes = self._by_tenant[item.priority]
+        own = lanes[item.tenant]
+        del own[bisect_left(own, _key(item))]
+        if not own:
+            del lanes[item.tenant]
         self._tokens[item.priority] -= self._pushed.pop(item.id)
         self._batch_fifo.pop(item.id, None)
         return True
@@ -114,11 +178,40 @@ class RequestQueue:
                 break
             aged.append((item.arrival + self.aging, item.id))
         aged_ids = {i for _, i in aged}
+        if self.fair:
+            yield from self._fair_order(now, aged)
+            return
         for _, item_id in heapq.merge(self._edf[Priority.INTERACTIVE], aged):
             yield self._all[item_id]
         for _, item_id in self._edf[Priority.BATCH]:
             if item_id not in aged_ids:
                 yield self._all[item_id]
+
+    def _fair_order(self, now: float, aged: list[Key]) -> Iterator[WorkItem]:
+        """Interactive items (and aged batch-class ones, as interactive ones of their tenant
+        due at `arrival + aging`), tenants by their counters; then the other batch-class items."""
+        first: dict[str, list[Key]] = {t: list(keys) for t, keys in self._by_tenant[Priority.INTERACTIVE].items()}
+        for k in aged:
+            insort(first.setdefault(self._all[k[1]].tenant, []), k)
+        aged_ids = {i for _, i in aged}
+        rest = {t: [k for k in keys if k[1] not in aged_ids] for t, keys in self._by_tenant[Priority.BATCH].items()}
+        yield from self._by_counters(first)
+        yield from self._by_counters(rest)
+
+    def _by_counters(self, lanes: dict[str, list[Key]]) -> Iterator[WorkItem]:
+        """The tenant with the smallest counter next, its earliest item; its counter then
+        grows by that item's price (simulated: service is charged when it happens)."""
+        assert self.tenants is not None
+        tenants = self.tenants
+        heap = [(tenants.counter(t), keys[0], t, 0) for t, keys in lanes.items() if keys]
+        heapq.heapify(heap)
+        while heap:
+            c, key, t, i = heapq.heappop(heap)
+            item = self._all[key[1]]
+            yield item
+            keys = lanes[t]
+            if i + 1 < len(keys):
+                heapq.heappush(heap, (c + tenants.price(t, item.cost), keys[i + 1], t, i + 1))
 
     def peek(self, n: int, now: float) -> list[WorkItem]:
         """The first `n` items a batch would take now: dispatch order, grouped by length
@@ -137,7 +230,15 @@ class RequestQueue:
         return out[:n]
 
     def peek_class(self, priority: Priority, n: int) -> list[WorkItem]:
-        """The first `n` queued items of one class, earliest deadline first (no aging)."""
+        """The first `n` queued items of one class, earliest deadline first (no aging), or
+        with fair shares in the counters' order."""
+        if self.fair:
+            out: list[WorkItem] = []
+            for item in self._by_counters(self._by_tenant[priority]):
+                if len(out) >= n:
+                    break
+                out.append(item)
+            return out
         return [self._all[item_id] for _, item_id in self._edf[priority][:n]]
 
     def take(self, n: int, now: float) -> list[WorkItem]:

@@ -19,6 +19,7 @@ from .admission import Predictor
 from .clock import Clock, MonotonicClock
 from .cost import Calibration, CostModel
 from .errors import Cancelled, DeadlineExceeded, EngineError, RequestTooLarge, ShuttingDown
+from .fairness import DEFAULT, TenantPolicy, Tenants
 from .load import Load, LoadTracker
 from .metrics import Metrics
 from .queue import RequestQueue
@@ -40,13 +41,18 @@ class QueueingBatcher:
         clock: Clock | None = None,
         cost: CostModel | None = None,
         metrics: Metrics | None = None,
+        tenants: Tenants | None = None,
     ):
         self.model = model
         self.clock = clock or MonotonicClock()
         self.cost = cost or CostModel()
         self.metrics = metrics or Metrics()
         self._settings = settings
-        self.queue = RequestQueue(aging=settings.aging_ms / 1000.0)
+        # Fair shares between tenants (batcher/fairness.py): on by default; a batcher of its
+        # own has one tenant, "default", until its callers name others.
+        self.tenants = tenants if tenants is not None else Tenants()
+        self._apply_fairness(settings)
+        self.queue = RequestQueue(aging=settings.aging_ms / 1000.0, tenants=self.tenants)
         self._wake = asyncio.Event()
         self.tracker = LoadTracker()
         self._task: asyncio.Task | None = None
@@ -64,11 +70,45 @@ class QueueingBatcher:
     def settings(self) -> BatchingSettings:
         return self._settings
 
+    def _apply_fairness(self, s: BatchingSettings) -> None:
+        t = self.tenants
+        t.enabled, t.input_weight, t.output_weight = s.fairness == "on", s.fair_input_weight, s.fair_output_weight
+
+    def set_tenants(self, policies: dict[str, TenantPolicy]) -> None:
+        """New weights and quotas by tenant, live (the others get weight 1 and no quota)."""
+        self.tenants.set_policies(policies)
+        log.info("tenant policies changed", extra={"model": self.model, "tenants": sorted(policies)})
+        self._wake.set()
+
+    def tenant_report(self) -> dict[str, dict[str, Any]]:
+        """Each tenant's weight, counter, items active and queued, tokens served and weighted
+        service in the last minute (the admin API's view)."""
+        now, t = self.clock.now(), self.tenants
+        depths, service = self.queue.tenant_depths(), t.service(now)
+        return {
+            name: {
+                "weight": t.weight(name),
+                "counter": round(t.counter(name), 3),
+                "active": t.active(name),
+                "queued": depths.get(name, 0),
+                "tokens": t.tokens(name),
+                "service_last_minute": round(service.get(name, 0.0), 3),
+            }
+            for name in t.names
+        }
+
     def update(self, **changes: Any) -> BatchingSettings:
-        """Apply new knobs from the next decision on; queued work keeps its place."""
+        """Apply new knobs from the next decision on; queued work keeps its place. A
+        `tenants` entry ({name: {weight, tokens_per_minute, max_concurrent}}) replaces the
+        tenants' weights and quotas (the admin API's `PATCH /admin/tenants`)."""
+        if (policies := changes.pop("tenants", None)) is not None:
+            self.set_tenants({name: TenantPolicy(**p) for name, p in policies.items()})
+            if not changes:
+                return self._settings
         new = self._settings.updated(**changes)
         old, self._settings = self._settings, new
         self.queue.aging = new.aging_ms / 1000.0
+        self._apply_fairness(new)
         self.tracker.forget_drain()
         self.metrics.publish_settings(self.model, new)
         self.metrics.config_changes.labels(self.model).inc()
@@ -102,13 +142,15 @@ class QueueingBatcher:
         on_delta: Callable[[Any], None] | None = None,
         count_rejection: bool = True,
         itl_target: float | None = None,
+        tenant: str = DEFAULT,
     ) -> list[WorkItem]:
         """Queue the items of one request, all or none, or raise at once
-        (QueueFull, DeadlineInfeasible, ShuttingDown).
+        (QueueFull, DeadlineInfeasible, TenantQuota, ShuttingDown).
 
         `budget` is the latency budget in seconds; None uses the configured default.
         `itl_target`: the request's inter-token target in seconds (generation; a one-shot
         model has no tokens after the first and ignores it).
+        `tenant`: whose work it is (fair order within classes, quotas: batcher/fairness.py).
         Item i gets prompt_index i. `count_rejection=False` is for callers that retry a
         refusal themselves (batch jobs): only their final outcome should count.
         """
@@ -135,23 +177,28 @@ class QueueingBatcher:
                 prompt_index=i,
                 on_delta=on_delta,
                 itl_target=itl_target,
+                tenant=tenant,
             )
             for i, p in enumerate(payloads)
         ]
         try:
+            self.tenants.check_quota(tenant, len(items), now)
             best_effort = admission.check(
                 self.queue, items[-1], now, s, self.cost, self.load(now), siblings=len(items) - 1, predict=self.predict
             )
             best_effort = self.check_itl(items[-1], len(items) - 1) or best_effort
         except Exception as exc:
             if count_rejection:
-                self.metrics.rejections.labels(self.model, getattr(exc, "code", "invalid")).inc(len(items))
+                reason = getattr(exc, "code", "invalid")
+                self.metrics.rejections.labels(self.model, reason).inc(len(items))
+                self.metrics.tenant_refused(self.model, self.tenants, tenant, reason, len(items), now)
                 # Offered load, refused; a caller that retries would count each try.
                 self.tracker.offered(now, len(items), budget, priority)
             raise
         self.tracker.offered(now, len(items), budget, priority)
         self.tracker.admitted([i.cost for i in items])
         loop = asyncio.get_running_loop()
+        self.tenants.arrive(tenant, len(items))
         for item in items:
             item.best_effort = best_effort
             item.future = loop.create_future()
@@ -185,6 +232,7 @@ class QueueingBatcher:
     def _finish(self, item: WorkItem, outcome: Outcome, value: Any = None) -> bool:
         if not item.finish(outcome, value):
             return False
+        self.tenants.left(item.tenant)
         self.outcomes[outcome] += 1
         self.metrics.items.labels(self.model, outcome.name.lower()).inc()
         if outcome in (Outcome.RESULT, Outcome.EXPIRED):
@@ -230,16 +278,25 @@ class QueueingBatcher:
         return self._taken(self.queue.take(n, now), now)
 
     def _taken(self, items: list[WorkItem], now: float) -> list[WorkItem]:
-        """Items just taken off the queue: their queue wait observed, the depth published."""
+        """Items just taken off the queue: their queue wait observed, their input tokens
+        charged to their tenants, the depth published."""
         for item in items:
             self.metrics.queue_wait.labels(self.model, item.priority.label).observe(now - item.arrival)
+            self.serve_tokens(item.tenant, now, input_tokens=item.cost)
         self._publish_depth()
         return items
 
+    def serve_tokens(self, tenant: str, now: float, input_tokens: int = 0, output_tokens: int = 0) -> None:
+        """Tokens computed for a tenant: its counter, and the metric."""
+        self.tenants.charge(tenant, now, input_tokens, output_tokens)
+        self.metrics.tenant_served(self.model, self.tenants, tenant, input_tokens, output_tokens, now)
+
     def _publish_depth(self, *priorities: Priority) -> None:
-        """The queue depth gauge of the given classes (all when none are given)."""
+        """The queue depth gauge of the given classes (all when none are given), and each
+        tenant's."""
         for p in priorities or Priority:
             self.metrics.queue_depth.labels(self.model, p.label).set(self.queue.count(p))
+        self.metrics.publish_tenants(self.model, self.tenants, self.queue.tenant_depths(), self.clock.now())
 
     # -- lifecycle ----------------------------------------------------------------
     async def start(self) -> None:

@@ -254,7 +254,8 @@ class GenerationScheduler(QueueingBatcher):
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt
-        the prefix cache served. Finished sequences leave the running set now, so the next
+        the prefix cache served; each sequence's new tokens are charged to its tenant.
+        Finished sequences leave the running set now, so the next
         admission sees their slots; returned, their last outputs still to deliver."""
         for seq_id, cached in result.cached.items():
             joined = self._running.get(seq_id)
@@ -266,7 +267,10 @@ class GenerationScheduler(QueueingBatcher):
                 self.metrics.engine_errors.labels(self.model, "prefill").inc()
                 self._finish(seq.item, Outcome.ERROR, EngineError(f"model execution failed for this prompt: {error}"))
         finished = {}
+        now = self.clock.now()
         for out in result.outputs:
+            if out.token_ids and (running := self._running.get(out.seq_id)) is not None:
+                self.serve_tokens(running.item.tenant, now, output_tokens=len(out.token_ids))
             seq = self._running.leave(out.seq_id) if out.finish_reason is not None else None
             if seq is not None:
                 finished[out.seq_id] = seq

@@ -61,6 +61,19 @@ class BatchingSettings(Knobs):
         "`reject` gives `429 deadline_infeasible` at once; `serve` serves best-effort (`X-Ferry-Best-Effort: true`)",
         live=True,
     )
+    fairness: Literal["on", "off"] = knob(
+        "on",
+        "fair shares between tenants within each priority class (batcher/fairness.py): the tenant with the "
+        "smallest virtual token counter first, so admission refuses the tenant over its share first; `off`: "
+        "earliest deadline first whoever asks",
+        live=True,
+    )
+    fair_input_weight: float = knob(
+        1.0, "what one input token (prompt, embedded input) adds to its tenant's counter", live=True, ge=0, le=1000
+    )
+    fair_output_weight: float = knob(
+        2.0, "what one generated token adds to its tenant's counter", live=True, ge=0, le=1000
+    )
     # On by default since admission counts on the measured drain (batcher/load.py): with it
     # off, interactive requests are refused under batch-class overload (docs/benchmarks.md).
     interactive_first: bool = knob(

@@ -75,6 +75,9 @@ class WorkItem:
     # admission refuses what the predicted decode step cannot meet, and while it runs the
     # running batch is kept small enough for it (docs/api.md).
     itl_target: float | None = None
+    # Whose work it is (batcher/fairness.py): an API key's tenant, or a name the gateway took
+    # from a trusted header or the request.
+    tenant: str = "default"
     id: int = field(default_factory=lambda: next(_ids))
     future: asyncio.Future | None = None
     outcome: Outcome = Outcome.PENDING

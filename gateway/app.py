@@ -25,6 +25,7 @@ from .metrics.registry import GatewayMetrics
 from .models.catalogue import ModelSpec, default_specs
 from .routes import admin, batches, chat, embeddings, oip, system, tokenize
 from .state import GatewayState
+from .tenancy import Tenancy
 from .ui import route as ui
 
 log = logging.getLogger("ferry.gateway")
@@ -57,6 +58,11 @@ def routes(models: dict[str, Callable[[Request], Awaitable[Response]]]) -> list[
         Route("/tokenizer_info", endpoint("/tokenizer_info", tokenize.tokenizer_info), methods=["GET"]),
         *batches.batch_routes(),
         *oip.oip_routes(),
+        route(
+            "/admin/tenants",
+            get=endpoint("/admin/tenants", admin.get_tenants, public=True),
+            patch=endpoint("/admin/tenants", admin.patch_tenants, public=True),
+        ),
         route(
             "/admin/models/{model:path}/batching",
             get=endpoint("/admin/batching", admin.get_batching, public=True),
@@ -136,6 +142,8 @@ def create_app(
         config = dataclasses.replace(config, engine_cores=False)
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
     ferry.cores = cores
+    ferry.tenancy = Tenancy.of(config)
+    ferry.metrics.named_tenants |= ferry.tenancy.named
     jobs = ferry.jobs = BatchJobs(ferry)
 
     @contextlib.asynccontextmanager

@@ -75,7 +75,7 @@ def endpoint(
         start = time.perf_counter()
         m.series(m.in_flight, route).inc()
         try:
-            if not public and ferry.config.api_keys and not check_key(request, ferry.config.api_keys):
+            if not public and (keys := ferry.api_keys) and not check_key(request, keys):
                 raise APIError(
                     401, "missing or invalid API key (send Authorization: Bearer <key>)", code="invalid_api_key"
                 )

@@ -15,6 +15,7 @@ from batcher.errors import (
     QueueFull,
     RequestTooLarge,
     ShuttingDown,
+    TenantQuota,
 )
 
 from .responses import json_response
@@ -36,6 +37,7 @@ STATUS_OF = {
     QueueFull: 429,
     RequestTooLarge: 422,
     DeadlineInfeasible: 429,
+    TenantQuota: 429,
     DeadlineExceeded: 504,
     ShuttingDown: 503,
     ModelUnavailable: 503,

@@ -127,6 +127,16 @@ def _operations(req: RequestModels) -> list[tuple]:
             False,
             "admin",
         ),
+        ("/admin/tenants", "get", "Tenants' weights, quotas and service", None, admin.TenantsOut, False, "admin"),
+        (
+            "/admin/tenants",
+            "patch",
+            "Replace the tenants' weights and quotas live",
+            admin.TenantsPatch,
+            admin.TenantsOut,
+            False,
+            "admin",
+        ),
     ]
 
 

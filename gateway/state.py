@@ -22,6 +22,7 @@ from .metrics.registry import GatewayMetrics
 from .models.catalogue import ModelSpec
 from .models.kinds import ModelKind
 from .models.start import ServedModel, start_model
+from .tenancy import Tenancy
 from .ui.stats import StatsRing
 
 if TYPE_CHECKING:
@@ -55,6 +56,12 @@ class GatewayState:
     shared_metrics: CollectorRegistry | None = None
     _events: asyncio.Queue | None = None
     _event_task: asyncio.Task | None = None
+    tenancy: Tenancy = field(default_factory=Tenancy)  # whose work each request is (gateway/tenancy.py)
+
+    @property
+    def api_keys(self) -> list[str]:
+        """Every key the `/v1` routes accept: `--api-key`'s and the config file's tenants'."""
+        return list(self.tenancy.keys) if self.tenancy.keys else list(self.config.api_keys)
 
     async def load(self) -> None:
         began = time.monotonic()

@@ -39,6 +39,7 @@ import zmq
 import zmq.asyncio
 
 from batcher.errors import ModelUnavailable, ShuttingDown
+from batcher.fairness import DEFAULT
 from batcher.settings import BatchingSettings, SettingsError
 from batcher.types import GenRequest, Priority, WorkItem
 from engine.base import SamplingParams
@@ -167,6 +168,7 @@ class CoreClient:
         count_rejection: bool = True,
         itl_target: float | None = None,
         one_shot: bool = False,
+        tenant: str = DEFAULT,
     ) -> list[WorkItem]:
         """As QueueingBatcher.submit_many, once the core has answered. `one_shot`
         (work whose caller reads only the results): the items come back at once
@@ -191,6 +193,7 @@ class CoreClient:
                 prompt_index=i,
                 on_delta=on_delta,
                 itl_target=itl_target,
+                tenant=tenant,
                 future=loop.create_future(),
             )
             for i, p in enumerate(payloads)
@@ -217,6 +220,7 @@ class CoreClient:
             itl_target,
             quiet,
             rows,
+            tenant,
         )
         if quiet:
             self.table.track(req, items)

@@ -171,6 +171,7 @@ class EngineCore:
                 on_delta=functools.partial(self._delta, key) if m.stream or m.sampling is not None else None,
                 count_rejection=m.count_rejection,
                 itl_target=m.itl_target,
+                tenant=m.tenant,
             )
         except Exception as exc:  # BatchingError or a bug: either way refused, at once
             self._send(peer, wire.refusal(m.req, exc))

@@ -122,6 +122,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     # nobody until it is done); a refusal still comes, as Refused.
     quiet: bool = False
     rows: bool = False  # `payloads` are a custom model's rows (`rows`), not token ids
+    tenant: str = "default"  # whose work (batcher/fairness.py)
 
 
 class Admitted(msgspec.Struct, tag="admitted", array_like=True):
@@ -274,6 +275,7 @@ _ERRORS: dict[str, type[errors.BatchingError]] = {
     for cls in (
         errors.QueueFull,
         errors.DeadlineInfeasible,
+        errors.TenantQuota,
         errors.RequestTooLarge,
         errors.DeadlineExceeded,
         errors.Cancelled,

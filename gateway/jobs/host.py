@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..config import ServerConfig
     from ..models.kinds import ModelKind
     from ..models.start import ServedModel
+    from ..tenancy import Tenancy
 
 
 class JobsHost(Protocol):
@@ -21,6 +22,11 @@ class JobsHost(Protocol):
 
     @property
     def metrics(self) -> Metrics: ...
+
+    @property
+    def tenancy(self) -> Tenancy:
+        """Whose work a job's lines are: its creator key's tenant."""
+        ...
 
     @property
     def ready(self) -> bool:

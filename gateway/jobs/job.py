@@ -31,6 +31,7 @@ class Job:
     status: str
     expires_ts: float
     stop: str | None = None  # cancel | expire | shutdown
+    owner: str | None = None  # the creator's key, as `endpoint.key_owner` names it: its lines' tenant
     running: dict[int, LineRun] = field(default_factory=dict)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     stopped: asyncio.Event = field(default_factory=asyncio.Event)

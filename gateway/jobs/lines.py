@@ -24,6 +24,7 @@ from batcher.errors import (
     ModelUnavailable,
     QueueFull,
     ShuttingDown,
+    TenantQuota,
 )
 from batcher.types import Priority, WorkItem
 
@@ -117,9 +118,10 @@ class LineExecutor:
                     priority=Priority.BATCH,
                     request_id=rid,
                     count_rejection=False,
+                    tenant=self.host.tenancy.owner_tenant(job.owner),
                 )  # retried, not refused
                 return True
-            except (QueueFull, DeadlineInfeasible):
+            except (QueueFull, DeadlineInfeasible, TenantQuota):
                 self.admission_retries += 1
                 await job.sleep(delay)
                 delay = min(delay * 2, RETRY_MAX)

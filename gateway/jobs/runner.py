@@ -54,7 +54,7 @@ class JobRunner:
 
     # -- starting and stopping jobs ------------------------------------------------------
     def launch(self, row: dict) -> None:
-        job = Job(row["id"], row["status"], float(row["expires_ts"]))
+        job = Job(row["id"], row["status"], float(row["expires_ts"]), owner=row.get("owner"))
         if row["status"] == "cancelling":
             job.stop = "cancel"
         self.jobs[job.id] = job

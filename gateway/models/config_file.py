@@ -13,6 +13,12 @@
         prefix_cache_mb: 256      # optional, chat only (default: --prefix-cache-mb)
         kv_cache_mb: 4096         # optional, chat only (default: --kv-cache-mb)
         options: {labels: [a, b]} # optional, custom only: keyword arguments of the class
+    tenants:                      # optional: fair shares between tenants (docs/scheduling.md)
+      - name: team-a              # the tenant's name (metric label, admin API)
+        key: sk-team-a            # optional: its API key (accepted beside --api-key)
+        weight: 2                 # optional: its share against the others' (default 1)
+        tokens_per_minute: 200000 # optional quota: input and output tokens a minute, per model
+        max_concurrent: 32        # optional quota: requests' items queued or running at once, per model
 
 The schema is a pydantic model that forbids unknown fields; a bad file fails `ferry serve` at
 start with one line naming the file, the model and the field (`ConfigError`). Each model's
@@ -73,14 +79,35 @@ class ModelEntry(BaseModel):
     )
 
 
+TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,63}$"
+
+
+class TenantEntry(BaseModel):
+    """One tenant: its name, optionally its API key, its weight and quotas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    name: str = Field(pattern=TENANT_NAME, description="the tenant's name (at most 64 characters)")
+    key: str | None = Field(None, min_length=8, description="its API key, accepted beside --api-key")
+    weight: float = Field(1.0, gt=0, le=1000, description="its share against the others'")
+    tokens_per_minute: int | None = Field(None, ge=1, description="quota: tokens a minute, per model")
+    max_concurrent: int | None = Field(None, ge=1, description="quota: items queued or running at once, per model")
+
+
 class ConfigFile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     models: list[ModelEntry] = Field(min_length=1)
+    tenants: list[TenantEntry] = Field(default_factory=list)
 
 
 def load_config(path: str) -> list[ModelEntry]:
     """The models of the config file at `path`, checked; ConfigError (one line) when not."""
+    return load_file(path).models
+
+
+def load_file(path: str) -> ConfigFile:
+    """The config file at `path`, checked; ConfigError (one line) when not."""
     where = f"config {path}"
     try:
         with open(os.path.expanduser(path), encoding="utf-8") as f:
@@ -117,7 +144,17 @@ def load_config(path: str) -> list[ModelEntry]:
             raise ConfigError(
                 f"invalid {where}: model {entry.name!r}: field 'batching.{exc.field}': {exc.message}"
             ) from None
-    return list(parsed.models)
+    names: set[str] = set()
+    keys: set[str] = set()
+    for tenant in parsed.tenants:
+        if tenant.name in names:
+            raise ConfigError(f"invalid {where}: tenant {tenant.name!r}: another tenant has this name")
+        if tenant.key is not None and tenant.key in keys:
+            raise ConfigError(f"invalid {where}: tenant {tenant.name!r}: field 'key': another tenant has this key")
+        names.add(tenant.name)
+        if tenant.key is not None:
+            keys.add(tenant.key)
+    return parsed
 
 
 def _kind_problem(entry: ModelEntry) -> str | None:

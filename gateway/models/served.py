@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from batcher.cost import cost_report
+from batcher.fairness import DEFAULT
 from batcher.queueing import QueueingBatcher
 from batcher.settings import BatchingSettings
 from batcher.types import Priority, WorkItem
@@ -63,6 +64,7 @@ class ServedBatcher(Protocol):
         count_rejection: bool = True,
         itl_target: float | None = None,
         one_shot: bool = False,
+        tenant: str = DEFAULT,
     ) -> list[WorkItem]:
         """Queue one request's items, all or none, or raise a BatchingError at once.
         `one_shot`: the caller only waits for the results (embeddings), so a refusal may
@@ -133,6 +135,7 @@ class LocalBatcher:
         count_rejection: bool = True,
         itl_target: float | None = None,
         one_shot: bool = False,
+        tenant: str = DEFAULT,
     ) -> list[WorkItem]:
         return self.inner.submit_many(
             payloads,
@@ -144,6 +147,7 @@ class LocalBatcher:
             on_delta=on_delta,
             count_rejection=count_rejection,
             itl_target=itl_target,
+            tenant=tenant,
         )
 
     def cancel(self, item: WorkItem, *, by_client: bool = True) -> bool:

@@ -21,6 +21,7 @@ from batcher.settings import BatchingSettings
 from engine.base import EmbeddingEngine, GenerationEngine
 
 from ..config import ServerConfig
+from ..tenancy import Tenancy
 from .catalogue import ModelSpec
 from .kinds import CUSTOM, EMBEDDING, ModelKind
 from .served import LocalBatcher, ServedBatcher
@@ -106,6 +107,9 @@ async def start_local(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> t
         batcher = _custom_batcher(engine, engine_thread, settings, metrics)
     else:
         batcher = await _generation_batcher(cast(GenerationEngine, engine), engine_thread, settings, cfg, metrics)
+    tenancy = Tenancy.of(cfg)  # fair shares: the config file's weights and quotas (gateway/tenancy.py)
+    batcher.set_tenants(tenancy.policies)
+    metrics.named_tenants |= tenancy.named
     await batcher.start()
     # What start-up costs, step by step: an operator waiting on /readyz sees where it goes.
     log.info(

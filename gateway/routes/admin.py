@@ -1,4 +1,5 @@
-"""Live tuning: GET and PATCH /admin/models/{model}/batching.
+"""Live tuning: GET and PATCH /admin/models/{model}/batching, and GET and PATCH
+/admin/tenants (every tenant's weight and quotas, for every model).
 
 Off (404) unless --admin-token is set; a wrong or missing token gets 401. A change applies
 from the next batch; queued work keeps its place. Both bodies come from the declaration of
@@ -7,6 +8,7 @@ the batching knobs (batcher/settings.py): GET answers every knob, PATCH takes th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Annotated, Any
 
@@ -15,11 +17,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from batcher.errors import BatchingError
+from batcher.fairness import TenantPolicy
 from batcher.knobs import Knob, knobs
 from batcher.settings import BatchingSettings, SettingsError
 
 from ..endpoint import Ctx, check_key
 from ..errors import APIError
+from ..models.config_file import TENANT_NAME
 from ..request_body import parse
 from ..responses import json_response
 from ..schemas import Integral, Strict
@@ -77,13 +81,18 @@ BatchingSettingsOut = create_model(
 )
 
 
-def _authorize(request: Request):
+def _admin(request: Request):
     ferry = gateway_state(request)
     token = ferry.config.admin_token
     if not token:
         raise APIError(404, "Not Found", code="not_found")
     if not check_key(request, [token]):
         raise APIError(401, "missing or invalid admin token", code="invalid_admin_token")
+    return ferry
+
+
+def _authorize(request: Request):
+    ferry = _admin(request)
     name = request.path_params["model"]
     served = ferry.models.get(name)
     if served is None:
@@ -118,3 +127,60 @@ async def patch_batching(request: Request, ctx: Ctx) -> Response:
         raise APIError(422, f"{exc.field}: {exc.message}", code="invalid_value", param=exc.field) from None
     log.info("admin changed batching of %s: %s", served.name, changes)
     return json_response(new.to_dict())
+
+
+class TenantIn(Strict):
+    """One tenant's weight and quotas (as in the config file's `tenants:`)."""
+
+    name: str = Field(pattern=TENANT_NAME, description="the tenant's name")
+    weight: float = Field(1.0, gt=0, le=1000, description="its share against the others'")
+    tokens_per_minute: int | None = Field(None, ge=1, description="quota: tokens a minute, per model")
+    max_concurrent: int | None = Field(None, ge=1, description="quota: items queued or running at once, per model")
+
+
+class TenantsPatch(Strict):
+    """Every tenant's weight and quotas, replacing the ones in force (a tenant left out gets
+    weight 1 and no quota). Keys stay as the config file gives them."""
+
+    tenants: list[TenantIn] = Field(max_length=10_000)
+
+
+class TenantsOut(BaseModel):
+    """The tenants' weights and quotas in force, and per model served in this process each
+    tenant's counter, items and service."""
+
+    tenants: dict[str, dict[str, Any]] = Field(description="by name: weight, tokens_per_minute, max_concurrent")
+    models: dict[str, dict[str, dict[str, Any]]] = Field(
+        description="by model, by tenant: weight, counter, active, queued, tokens, service_last_minute"
+    )
+
+
+def _tenants_view(ferry: Any) -> dict[str, Any]:
+    """The policies in force, and per model served in this process each tenant's counter
+    and service (a model in an engine core reports its own on its /metrics)."""
+    policies = {name: dataclasses.asdict(p) for name, p in ferry.tenancy.policies.items()}
+    models = {
+        name: served.batcher.inner.tenant_report()
+        for name, served in ferry.models.items()
+        if hasattr(served.batcher, "inner")
+    }
+    return {"tenants": policies, "models": models}
+
+
+async def get_tenants(request: Request, ctx: Ctx) -> Response:
+    return json_response(_tenants_view(_admin(request)))
+
+
+async def patch_tenants(request: Request, ctx: Ctx) -> Response:
+    ferry = _admin(request)
+    patch = await parse(request, TenantsPatch, 1024 * 1024)
+    names = [t.name for t in patch.tenants]
+    if len(set(names)) != len(names):
+        raise APIError(422, "tenants: a name appears twice", code="invalid_value", param="tenants")
+    policies = {t.name: TenantPolicy(t.weight, t.tokens_per_minute, t.max_concurrent) for t in patch.tenants}
+    for served in ferry.models.values():
+        await _answered(served.batcher.update(tenants={n: dataclasses.asdict(p) for n, p in policies.items()}))
+    ferry.tenancy = dataclasses.replace(ferry.tenancy, policies=policies)
+    ferry.metrics.named_tenants |= set(policies)
+    log.info("admin changed tenants: %s", {n: dataclasses.asdict(p) for n, p in policies.items()})
+    return json_response(_tenants_view(ferry))

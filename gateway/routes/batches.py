@@ -71,7 +71,7 @@ def batch_object(row: dict) -> dict:
 
 def _owner(request: Request) -> str | None:
     """Who the caller is to the batch API: its key's digest (None: the server has no keys)."""
-    return key_owner(request, gateway_state(request).config.api_keys)
+    return key_owner(request, gateway_state(request).api_keys)
 
 
 def _jobs(request: Request) -> BatchJobs:

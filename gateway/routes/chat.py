@@ -63,6 +63,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
         "priority": priority,
         "request_id": ctx.request_id,
         "itl_target": itl_target(request),
+        "tenant": ferry.tenancy.tenant(request, body),
     }
     if body.stream:
         if ferry.streams >= ferry.config.max_streams:

@@ -33,6 +33,7 @@ async def create_embeddings(request: Request, ctx: Ctx):
         budget=budget,
         priority=priority,
         request_id=ctx.request_id,
+        tenant=ferry.tenancy.tenant(request, body),
     )
     results = await wait_items(request, served.batcher, items)
     ctx.extra.update(inputs=len(work.payloads), **_log_fields(items))

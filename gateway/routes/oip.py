@@ -98,6 +98,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
         budget=budget,
         priority=priority,
         request_id=ctx.request_id,
+        tenant=ferry.tenancy.tenant(request),
     )
     results = await wait_items(request, served.batcher, items)
     body, headers = encode_response(served.name, work, results)

@@ -59,6 +59,8 @@ EXISTING_FLAGS = {
     "--log-prompts",
     "--warmup",
     "--data-dir",
+    "--fairness",
+    "--tenant-source",
 }
 EXISTING_PATCH_FIELDS = {
     "max_batch_size",
@@ -69,6 +71,9 @@ EXISTING_PATCH_FIELDS = {
     "max_itl_ms",
     "max_running",
     "max_batch_tokens",
+    "fairness",
+    "fair_input_weight",
+    "fair_output_weight",
     "group_by_length",
     "on_infeasible",
     "aging_ms",

@@ -21,7 +21,8 @@ DASHBOARD = GRAFANA / "dashboards" / "ferry.json"
 ALERTS = GRAFANA / "alerts.yml"
 PROMETHEUS_CONFIG = GRAFANA / "prometheus.yml"
 
-ALLOWED_LABELS = {"model", "route", "status", "reason", "phase", "class"}
+# `tenant` is bounded by the batcher (batcher/metrics.py: named tenants, the busiest others, `other`).
+ALLOWED_LABELS = {"model", "route", "status", "reason", "phase", "class", "tenant", "kind"}
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 COMPARISONS = ("==", "!=", ">=", "<=", ">", "<")
 _NAME = re.compile(r"\bferry_[a-zA-Z0-9_]*")

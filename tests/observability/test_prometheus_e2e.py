@@ -238,6 +238,11 @@ def warm_up(s, c: httpx.Client) -> None:
         c.post(s.url + "/v1/completions", json={"model": "fake-chat", "prompt": "warm", "max_tokens": 2}).status_code
         == 200
     )
+    # A second tenant on each model: the fairness index needs two.
+    other = {"X-Ferry-Tenant": "second-app"}
+    assert c.post(s.url + "/v1/embeddings", json={"model": "fake-embed", "input": "hi"}, headers=other).is_success
+    r = c.post(s.url + "/v1/chat/completions", json={"model": "fake-chat", "messages": conv}, headers=other)
+    assert r.status_code == 200
 
 
 def wait_scraped(s, prom: Prometheus) -> None:

@@ -1,0 +1,214 @@
+"""Fair shares between tenants (batcher/fairness.py): virtual token counters, their lift on
+return from idle, weights, quotas; the queue's order within each class; admission refusing
+the tenant over its share first; service charged as it is computed; on a fake clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from batcher.errors import DeadlineInfeasible
+from batcher.fairness import WINDOW, TenantPolicy, TenantQuota, Tenants
+from batcher.queue import RequestQueue
+from batcher.types import GenRequest, Priority, WorkItem
+from engine.base import SamplingParams
+
+from .conftest import exact_rig, run
+from .test_scheduler import GenRig
+
+INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
+
+
+def item(tenant: str, deadline: float | None = 10.0, cost: int = 10, priority: Priority = INTERACTIVE) -> WorkItem:
+    return WorkItem(payload=None, arrival=0.0, deadline=deadline, priority=priority, cost=cost, tenant=tenant)
+
+
+# -- counters ---------------------------------------------------------------------------
+def test_counters_grow_with_weighted_tokens_over_the_tenants_weight():
+    t = Tenants({"gold": TenantPolicy(weight=4.0)}, input_weight=1.0, output_weight=2.0)
+    t.charge("plain", 0.0, input_tokens=10, output_tokens=5)  # 10 + 2 x 5
+    t.charge("gold", 0.0, input_tokens=10, output_tokens=5)
+    assert t.counter("plain") == 20.0
+    assert t.counter("gold") == 5.0
+    assert t.tokens("plain") == {"input": 10, "output": 5}
+
+
+def test_a_tenant_back_from_idle_is_lifted_to_the_smallest_active_counter_and_banks_no_credit():
+    t = Tenants()
+    t.arrive("busy", 1)
+    t.charge("busy", 0.0, input_tokens=500)
+    t.arrive("other", 1)  # arrives while busy is active: lifted to busy's 500
+    assert t.counter("other") == 500.0
+    t.charge("other", 0.0, input_tokens=100)
+    t.left("other")
+    t.charge("busy", 1.0, input_tokens=1000)  # busy kept working while other was away
+    t.arrive("other", 1)
+    assert t.counter("other") == 1500.0  # not 600: the time away is not credit
+    t.left("busy")
+    t.left("other")
+    # Nobody active: a newcomer starts at the last one to leave, not at zero.
+    t.arrive("new", 1)
+    assert t.counter("new") == 1500.0
+
+
+def test_jains_index_is_one_for_service_in_proportion_to_weight_and_falls_as_one_takes_all():
+    t = Tenants({"b": TenantPolicy(weight=3.0)})
+    t.charge("a", 0.0, input_tokens=100)
+    t.charge("b", 0.0, input_tokens=300)  # three times a's, at three times the weight
+    assert t.jain(1.0) == pytest.approx(1.0)
+    t.charge("a", 1.0, input_tokens=10_000)
+    assert t.jain(1.0) < 0.6
+    assert t.jain(WINDOW + 2.0) is None  # the window forgot them both
+
+
+# -- quotas -------------------------------------------------------------------------------
+def test_a_tenant_over_its_concurrency_quota_is_refused_and_others_are_not():
+    t = Tenants({"small": TenantPolicy(max_concurrent=2)})
+    t.arrive("small", 2)
+    with pytest.raises(TenantQuota) as refused:
+        t.check_quota("small", 1, 0.0)
+    assert refused.value.code == "tenant_quota" and refused.value.retry_after == 1
+    t.check_quota("anyone", 50, 0.0)
+    t.left("small")
+    t.check_quota("small", 1, 0.0)
+
+
+def test_a_tenant_over_its_tokens_a_minute_waits_until_the_window_lets_go_of_enough():
+    t = Tenants({"metered": TenantPolicy(tokens_per_minute=100)})
+    t.charge("metered", 0.0, input_tokens=60)
+    t.charge("metered", 20.0, input_tokens=50)  # 110 in the window
+    with pytest.raises(TenantQuota) as refused:
+        t.check_quota("metered", 1, 30.0)
+    assert refused.value.retry_after == 30  # the first 60 leave the window at 60 s
+    t.check_quota("metered", 1, 60.5)  # 50 left in the window
+
+
+# -- the queue's order --------------------------------------------------------------------
+def fair_queue(*items: WorkItem, tenants: Tenants | None = None) -> RequestQueue:
+    q = RequestQueue(aging=100.0, tenants=tenants or Tenants())
+    for i in items:
+        q.push(i)
+    return q
+
+
+def test_within_a_class_the_tenant_with_the_smallest_counter_goes_first_each_its_own_edf():
+    noisy = [item("noisy", deadline=1.0 + k) for k in range(4)]
+    quiet = [item("quiet", deadline=9.0), item("quiet", deadline=8.0)]
+    tenants = Tenants()
+    tenants.charge("noisy", 0.0, input_tokens=15)  # served a little already
+    q = fair_queue(*noisy, *quiet, tenants=tenants)
+    order = list(q.ordered(0.0))
+    # quiet (counter 0) takes two turns of 10 tokens before noisy (15) gets its first; each
+    # tenant's items in deadline order.
+    assert order == [quiet[1], quiet[0], *noisy]
+    assert [q.count_before(i) for i in order] == list(range(6))
+
+
+def test_fairness_orders_tenants_inside_a_class_never_across_classes():
+    job = item("quiet", priority=BATCH)
+    chats = [item("noisy", deadline=1.0 + k) for k in range(3)]
+    tenants = Tenants()
+    tenants.charge("noisy", 0.0, input_tokens=1000)
+    q = fair_queue(job, *chats, tenants=tenants)
+    assert list(q.ordered(0.0)) == [*chats, job]
+
+
+def test_weights_give_service_turns_in_proportion():
+    tenants = Tenants({"heavy": TenantPolicy(weight=3.0)})
+    q = fair_queue(*(item("light") for _ in range(8)), *(item("heavy") for _ in range(8)), tenants=tenants)
+    first = [i.tenant for i in q.peek(8, 0.0)]
+    assert first.count("heavy") == 6 and first.count("light") == 2
+
+
+def test_off_restores_earliest_deadline_first():
+    a, b = item("a", deadline=1.0), item("b", deadline=2.0)
+    tenants = Tenants(enabled=False)
+    tenants.charge("a", 0.0, input_tokens=1000)
+    assert list(fair_queue(b, a, tenants=tenants).ordered(0.0)) == [a, b]
+
+
+def test_a_new_items_place_counts_the_items_its_tenants_counter_lets_ahead():
+    tenants = Tenants()
+    q = fair_queue(*(item("noisy") for _ in range(20)), tenants=tenants)
+    for i in q.items():
+        tenants.arrive("noisy", 1)
+    tenants.charge("noisy", 0.0, input_tokens=200)
+    # Lifted to noisy's counter: only noisy's first item (the tie goes to the earlier one)
+    # comes before it; noisy's next waits behind all its own.
+    assert q.count_before(item("quiet")) == 1
+    assert q.count_before(item("noisy", deadline=99.0)) == 20
+
+
+# -- batchers ------------------------------------------------------------------------------
+def test_a_micro_batcher_serves_a_quiet_tenant_ahead_of_a_flood_and_charges_what_it_ran():
+    async def scenario():
+        r = exact_rig(max_batch_size=4, max_wait_ms=0)
+        b = r.batcher
+        await b.start()
+        flood = [b.submit(f"n{k}", cost=10, tenant="noisy") for k in range(12)]
+        await r.clock.advance(0.0)  # the first batch of four leaves: noisy has been served
+        quiet = [b.submit(f"q{k}", cost=10, tenant="quiet") for k in range(2)]
+        await r.clock.run_until_idle()
+        # Lifted to noisy's counter on arrival, quiet takes every other turn: both of its
+        # items in the next batch, ahead of the rest of the flood.
+        assert r.batches[1] == ["n4", "q0", "n5", "q1"]
+        assert all(i.future.done() for i in flood + quiet)
+        assert b.tenants.tokens("noisy") == {"input": 120, "output": 0}
+        assert r.value("ferry_tenant_tokens_total", model="m", tenant="quiet", kind="input") == 20
+        assert b.tenants.active("noisy") == 0
+        await b.stop()
+
+    run(scenario())
+
+
+def test_a_micro_batcher_refuses_a_tenant_over_its_quota_with_tenant_quota():
+    async def scenario():
+        r = exact_rig(max_batch_size=4, max_wait_ms=0)
+        b = r.batcher
+        b.tenants.set_policies({"small": TenantPolicy(max_concurrent=1)})
+        await b.start()
+        b.submit("x", tenant="small")
+        with pytest.raises(TenantQuota):
+            b.submit("y", tenant="small")
+        assert r.value("ferry_tenant_refusals_total", model="m", tenant="small", reason="tenant_quota") == 1
+        await r.clock.run_until_idle()
+        b.submit("z", tenant="small")  # the first one finished
+        await r.clock.run_until_idle()
+        await b.stop()
+
+    run(scenario())
+
+
+def test_chat_admission_refuses_the_tenant_over_its_share_and_admits_the_one_within_it():
+    async def scenario():
+        r = GenRig(max_running=2, max_batch_size=2, max_wait_ms=0)
+        r.seed_decode_cost()
+        s = r.sched
+        await s.start()
+
+        def submit(tenant: str, budget: float | None = None) -> WorkItem:
+            payload = GenRequest([1, 2, 3], SamplingParams(max_tokens=20, temperature=0.0))
+            return s.submit(payload, cost=3, tenant=tenant, budget=budget)
+
+        for _ in range(2):
+            submit("noisy")
+        await r.clock.advance(0.001)
+        # Noisy queues work with a 1 s budget until admission says no: its own queued work
+        # is ahead of its next request.
+        queued = []
+        with pytest.raises(DeadlineInfeasible):
+            for _ in range(20):
+                queued.append(submit("noisy", budget=1.0))
+        assert 2 <= len(queued) < 20
+        # Quiet's request with the same budget goes first at the next free slot: admitted.
+        quiet = submit("quiet", budget=1.0)
+        await r.clock.run_until_idle()
+        assert quiet.future.result().completion_tokens == 20
+        assert quiet.dispatched_at <= r.clock.now() and quiet.dispatched_at - quiet.arrival <= 1.0
+        assert quiet.dispatched_at < max(i.dispatched_at or 0.0 for i in queued)
+        # Output tokens are charged as generated: 20 per sequence, twice an input token.
+        assert s.tenants.tokens("quiet") == {"input": 3, "output": 20}
+        served = 2 + sum(i.future.exception() is None for i in queued)
+        assert s.tenants.tokens("noisy")["output"] == 20 * served
+        await s.stop()
+
+    run(scenario())
