@@ -30,6 +30,7 @@ from .errors import TenantQuota
 __all__ = ["DEFAULT", "WINDOW", "TenantPolicy", "TenantQuota", "Tenants"]
 
 WINDOW = 60.0  # seconds of service the quotas and the fairness index look back over
+MAX_TENANTS = 4096  # tenants kept; past it, those with nothing active nor served lately are forgotten
 DEFAULT = "default"  # the tenant of requests that name none
 
 
@@ -47,7 +48,6 @@ class _Tenant:
     policy: TenantPolicy
     counter: float = 0.0
     active: int = 0  # items queued or running
-    queued: int = 0
     # (time, tokens, weighted service) of what it was served, over the last WINDOW seconds.
     served: deque[tuple[float, int, float]] = field(default_factory=deque)
     tokens_in_window: int = 0
@@ -73,6 +73,7 @@ class Tenants:
         # The counter of the last tenant to go idle when none stayed active: what a tenant
         # arriving at an empty server is lifted to (the paper's rule for an empty queue).
         self._last_idle = 0.0
+        self._active_tenants = 0  # tenants with items active
 
     # -- who ----------------------------------------------------------------------
     def _get(self, name: str) -> _Tenant:
@@ -100,9 +101,6 @@ class Tenants:
 
     def active(self, name: str) -> int:
         return self._get(name).active
-
-    def queued(self, name: str) -> int:
-        return self._get(name).queued
 
     # -- admission ----------------------------------------------------------------
     def check_quota(self, name: str, items: int, now: float) -> None:
@@ -133,10 +131,13 @@ class Tenants:
     def arrive(self, name: str, items: int) -> None:
         """`items` of the tenant accepted (queued). One returning from idle has its counter
         lifted to the smallest active tenant's, so it cannot bank credit while away."""
+        if len(self._tenants) >= MAX_TENANTS and name not in self._tenants:
+            self.forget_idle()  # bounded memory under many names (a forgotten one is lifted on return)
         t = self._get(name)
         t.counter = self.arriving_counter(name)
+        if t.active == 0 and items > 0:
+            self._active_tenants += 1
         t.active += items
-        t.queued += items
 
     def arriving_counter(self, name: str) -> float:
         """The tenant's counter once a new item of it is accepted: its own, or if it has
@@ -145,19 +146,21 @@ class Tenants:
         t = self._get(name)
         if t.active:
             return t.counter
+        if not self._active_tenants:
+            return max(t.counter, self._last_idle)
         floor = min((o.counter for o in self._tenants.values() if o.active > 0), default=self._last_idle)
         return max(t.counter, floor)
-
-    def dequeued(self, name: str, items: int = 1) -> None:
-        t = self._get(name)
-        t.queued = max(0, t.queued - items)
 
     def left(self, name: str, items: int = 1) -> None:
         """Items of the tenant finished (any outcome)."""
         t = self._get(name)
+        if t.active == 0:
+            return
         t.active = max(0, t.active - items)
-        if t.active == 0 and not any(o.active for o in self._tenants.values()):
-            self._last_idle = t.counter
+        if t.active == 0:
+            self._active_tenants -= 1
+            if self._active_tenants == 0:
+                self._last_idle = t.counter
 
     # -- service --------------------------------------------------------------------
     def charge(self, name: str, now: float, input_tokens: int = 0, output_tokens: int = 0) -> float:
@@ -177,10 +180,13 @@ class Tenants:
         self._trim(t, now)
         return service
 
-    def price(self, name: str, input_tokens: int) -> float:
-        """What `input_tokens` more would add to the tenant's counter (the queue's order
-        within a class simulates service with it)."""
-        return self.input_weight * max(input_tokens, 1) / self._get(name).policy.weight
+    def price(self, name: str, input_tokens: int, output_tokens: float = 0.0) -> float:
+        """What serving an item of `input_tokens` expected to generate `output_tokens` would
+        add to the tenant's counter (the queue's order within a class simulates service with
+        it: without the output, a tenant whose turn came when many slots freed at once would
+        take them all for the price of its prompts)."""
+        cost = self.input_weight * max(input_tokens, 1) + self.output_weight * max(output_tokens, 0.0)
+        return cost / self._get(name).policy.weight
 
     def _trim(self, t: _Tenant, now: float) -> None:
         while t.served and t.served[0][0] <= now - WINDOW:

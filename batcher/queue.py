@@ -108,7 +108,7 @@ class RequestQueue:
         for k in own:
             if k >= key:
                 break
-            turn += tenants.price(item.tenant, self._all[k[1]].cost)
+            turn += tenants.price(item.tenant, self._all[k[1]].cost, self._all[k[1]].expected_output)
             ahead += 1
         for tenant, keys in lanes.items():
             if tenant == item.tenant:
@@ -118,7 +118,7 @@ class RequestQueue:
                 if (c, k) >= (turn, key):
                     break
                 ahead += 1
-                c += tenants.price(tenant, self._all[k[1]].cost)
+                c += tenants.price(tenant, self._all[k[1]].cost, self._all[k[1]].expected_output)
         return ahead
 
     def mean_cost(self, priority: Priority) -> float | None:
@@ -211,7 +211,7 @@ class RequestQueue:
             yield item
             keys = lanes[t]
             if i + 1 < len(keys):
-                heapq.heappush(heap, (c + tenants.price(t, item.cost), keys[i + 1], t, i + 1))
+                heapq.heappush(heap, (c + tenants.price(t, item.cost, item.expected_output), keys[i + 1], t, i + 1))
 
     def peek(self, n: int, now: float) -> list[WorkItem]:
         """The first `n` items a batch would take now: dispatch order, grouped by length

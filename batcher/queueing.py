@@ -178,6 +178,7 @@ class QueueingBatcher:
                 on_delta=on_delta,
                 itl_target=itl_target,
                 tenant=tenant,
+                expected_output=self.expected_output(p),
             )
             for i, p in enumerate(payloads)
         ]
@@ -206,6 +207,11 @@ class QueueingBatcher:
         self._publish_depth(priority)  # the other classes' depths did not change
         self._wake.set()
         return items
+
+    def expected_output(self, payload: Any) -> float:
+        """Tokens an item is expected to generate after its input (fair order's price):
+        none for a one-shot model; generation overrides."""
+        return 0.0
 
     def cancel(self, item: WorkItem, *, by_client: bool = True) -> bool:
         """Idempotent: a finished or unknown item is skipped. `by_client=False` withdraws an

@@ -102,6 +102,11 @@ class GenerationScheduler(QueueingBatcher):
         self._slots.submitted(items)
         return items
 
+    def expected_output(self, payload: Any) -> float:
+        """Tokens a prompt is expected to generate: its limit, or where answers end
+        (`Lengths.typical`), for the fair order's price."""
+        return self._slots.lengths.typical(int(getattr(payload.params, "max_tokens", 1) or 1))
+
     def load(self, now: float) -> Load:
         """The tracker's snapshot plus what runs and the slots kept for interactive prompts
         (`Slots.load`)."""

@@ -78,6 +78,9 @@ class WorkItem:
     # Whose work it is (batcher/fairness.py): an API key's tenant, or a name the gateway took
     # from a trusted header or the request.
     tenant: str = "default"
+    # Generation: the tokens it is expected to generate (its limit, or where answers end):
+    # what the fair order prices beside its prompt, as its output is charged only as it comes.
+    expected_output: float = 0.0
     id: int = field(default_factory=lambda: next(_ids))
     future: asyncio.Future | None = None
     outcome: Outcome = Outcome.PENDING

@@ -27,7 +27,11 @@ from .saturation_cell import PROMPTS
 MAX_TOKENS = 32
 
 
-def make_budget_send(model: str, slo_ms: float):
+def make_budget_send(model: str, slo_ms: float, tenant: str = ""):
+    """A streaming request with the SLO as its budget; `tenant`: sent as `X-Ferry-Tenant`
+    and kept as the sample's tag (loadtests/fairness_cell.py)."""
+    headers = {"Content-Type": "application/json", **({"X-Ferry-Tenant": tenant} if tenant else {})}
+
     async def send(session, i: int) -> Sample:
         body = {
             "model": model,
@@ -40,17 +44,15 @@ def make_budget_send(model: str, slo_ms: float):
         }
         t0 = time.perf_counter()
         ttft = None
-        async with session.post(
-            "/v1/chat/completions", data=orjson.dumps(body), headers={"Content-Type": "application/json"}
-        ) as r:
+        async with session.post("/v1/chat/completions", data=orjson.dumps(body), headers=headers) as r:
             if r.status != 200:
                 await r.read()
-                return Sample(t0, time.perf_counter() - t0, r.status)
+                return Sample(t0, time.perf_counter() - t0, r.status, tag=tenant)
             async for raw in r.content:
                 line = raw.decode().strip()
                 if ttft is None and line.startswith("data: {") and '"content":"' in line:
                     ttft = time.perf_counter()  # absolute; made relative to the scheduled send
-        return Sample(t0, time.perf_counter() - t0, 200, ttft=ttft)
+        return Sample(t0, time.perf_counter() - t0, 200, ttft=ttft, tag=tenant)
 
     return send
 

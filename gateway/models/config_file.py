@@ -90,8 +90,10 @@ class TenantEntry(BaseModel):
     name: str = Field(pattern=TENANT_NAME, description="the tenant's name (at most 64 characters)")
     key: str | None = Field(None, min_length=8, description="its API key, accepted beside --api-key")
     weight: float = Field(1.0, gt=0, le=1000, description="its share against the others'")
-    tokens_per_minute: int | None = Field(None, ge=1, description="quota: tokens a minute, per model")
-    max_concurrent: int | None = Field(None, ge=1, description="quota: items queued or running at once, per model")
+    tokens_per_minute: int | None = Field(None, ge=1, le=10**12, description="quota: tokens a minute, per model")
+    max_concurrent: int | None = Field(
+        None, ge=1, le=10**9, description="quota: items queued or running at once, per model"
+    )
 
 
 class ConfigFile(BaseModel):

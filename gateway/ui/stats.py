@@ -218,6 +218,7 @@ def model_stats(view: _View, last: _View, info: ModelInfo, seconds: float | None
         "cost": _cost(view, last, info),
         "tokens": {ph: _tokens(view, ph) for ph in phases if ph},
         "config_changes": view.current("ferry_config_changes_total"),
+        "tenants": _tenants(view, seconds),
     }
     if info.kind == "chat":
         out["prefix_cache"] = _prefix_cache(view)
@@ -227,6 +228,30 @@ def model_stats(view: _View, last: _View, info: ModelInfo, seconds: float | None
             "preemptions": view.delta("ferry_preemptions_total"),
         }
     return out
+
+
+def _tenants(view: _View, seconds: float | None) -> dict[str, Any]:
+    """Each tenant's tokens/s by kind in the window, its queued items and refusals, and the
+    fairness index (batcher/fairness.py)."""
+    names = {
+        dict(k).get("tenant")
+        for k in view.now.get("ferry_tenant_tokens_total", {})
+        if dict(k).get("model") == view.model
+    }
+    by: dict[str, Any] = {}
+    for name in sorted(n for n in names if n is not None):
+        by[name] = {
+            "input_per_s": view.delta("ferry_tenant_tokens_total", tenant=name, kind="input") / seconds
+            if seconds
+            else None,
+            "output_per_s": view.delta("ferry_tenant_tokens_total", tenant=name, kind="output") / seconds
+            if seconds
+            else None,
+            "queued": view.current("ferry_tenant_queue_depth", tenant=name),
+            "refused": view.delta("ferry_tenant_refusals_total", tenant=name),
+        }
+    fair = [v for k, v in view.now.get("ferry_tenant_fairness_ratio", {}).items() if dict(k).get("model") == view.model]
+    return {"by_tenant": by, "fairness": fair[0] if fair else None}
 
 
 def _tokens(view: _View, phase: str) -> dict[str, float | None]:

@@ -129,8 +129,7 @@ def test_off_restores_earliest_deadline_first():
 def test_a_new_items_place_counts_the_items_its_tenants_counter_lets_ahead():
     tenants = Tenants()
     q = fair_queue(*(item("noisy") for _ in range(20)), tenants=tenants)
-    for i in q.items():
-        tenants.arrive("noisy", 1)
+    tenants.arrive("noisy", len(q))
     tenants.charge("noisy", 0.0, input_tokens=200)
     # Lifted to noisy's counter: only noisy's first item (the tie goes to the earlier one)
     # comes before it; noisy's next waits behind all its own.
@@ -212,3 +211,51 @@ def test_chat_admission_refuses_the_tenant_over_its_share_and_admits_the_one_wit
         await s.stop()
 
     run(scenario())
+
+
+def test_memory_stays_bounded_under_many_tenant_names(monkeypatch):
+    import batcher.fairness as fairness
+
+    monkeypatch.setattr(fairness, "MAX_TENANTS", 3)
+    t = Tenants()
+    t.arrive("busy", 1)
+    for k in range(10):  # each served and gone: forgotten once the table is full
+        t.arrive(f"once-{k}", 1)
+        t.left(f"once-{k}")
+    assert len(t.names) <= 3 and "busy" in t.names
+    assert t.active("busy") == 1
+
+
+async def _backlogged(fairness: str) -> dict[str, int]:
+    """Four tenants of weights 1:1:2:4, each with more closed-loop clients than the slots its
+    share would give it (always some queued), on 16 slots; output tokens each got in 20 s."""
+    from batcher.fairness import TenantPolicy
+
+    r = GenRig(max_running=16, max_batch_size=16, max_wait_ms=0, fairness=fairness)
+    s = r.sched
+    s.tenants.set_policies({"w2": TenantPolicy(weight=2.0), "w4": TenantPolicy(weight=4.0)})
+    await s.start()
+    end = r.clock.now() + 20
+
+    async def client(tenant: str) -> None:
+        while r.clock.now() < end:
+            payload = GenRequest([1, 2, 3], SamplingParams(max_tokens=16, temperature=0.0))
+            await s.submit(payload, cost=3, tenant=tenant).future
+
+    import asyncio
+
+    tasks = [asyncio.create_task(client(t)) for t in ("w1a", "w1b", "w2", "w4") for _ in range(16)]
+    await asyncio.sleep(0)
+    while not all(t.done() for t in tasks):  # past `end`, each client ends with its last answer
+        await r.clock.advance(0.01)
+    await s.stop()
+    return {t: s.tenants.tokens(t)["output"] for t in ("w1a", "w1b", "w2", "w4")}
+
+
+def test_backlogged_tenants_are_served_in_proportion_to_their_weights_and_equally_with_fairness_off():
+    served = run(_backlogged("on"))
+    total = sum(served.values())
+    for tenant, share in {"w1a": 1 / 8, "w1b": 1 / 8, "w2": 2 / 8, "w4": 4 / 8}.items():
+        assert served[tenant] / total == pytest.approx(share, rel=0.05)
+    off = run(_backlogged("off"))
+    assert max(off.values()) / min(off.values()) < 1.1

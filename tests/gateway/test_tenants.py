@@ -107,14 +107,24 @@ def test_the_user_field_names_the_tenant_where_the_operator_says_so(fake_server_
 
 
 def test_a_batch_jobs_lines_belong_to_its_creators_tenant():
-    class Cfg:
-        api_keys = [KEY_LOOSE]
-        config = None
-        tenant_source = "header"
+    from types import SimpleNamespace
 
-    t = Tenancy.of(Cfg())
+    t = Tenancy.of(SimpleNamespace(api_keys=[KEY_LOOSE], config=None, tenant_source="header"))
     import hashlib
 
     owner = hashlib.sha256(KEY_LOOSE.encode()).hexdigest()[:32]  # as endpoint.key_owner records it
     assert t.owner_tenant(owner) == key_tenant(KEY_LOOSE)
     assert t.owner_tenant(None) == DEFAULT and t.owner_tenant("0" * 32) == DEFAULT
+
+
+def test_the_live_page_shows_service_per_tenant_and_the_fairness_index(fake_server_factory):
+    s = fake_server_factory()
+    with httpx.Client(base_url=s.url) as http:
+        http.get("/ui/stats")  # the first snapshot: rates are over the window from here
+        for tenant in ("app-1", "app-2"):
+            assert http.post("/v1/chat/completions", json=CHAT, headers={"X-Ferry-Tenant": tenant}).is_success
+        chat = next(m for m in http.get("/ui/stats").json()["models"] if m["name"] == "fake-chat")
+    tenants = chat["tenants"]
+    assert set(tenants["by_tenant"]) == {"app-1", "app-2"}
+    assert all(t["output_per_s"] > 0 and t["queued"] == 0 for t in tenants["by_tenant"].values())
+    assert 0.8 < tenants["fairness"] <= 1.0  # about equal service (the second prompt found a cached prefix)

@@ -355,3 +355,19 @@ def test_each_api_key_sees_only_its_own_files_and_batches(jobs_server):
     r = b.http.post("/v1/batches", json={"input_file_id": fid, "endpoint": "*", "completion_window": "24h"})
     assert r.status_code == 404 and r.json()["error"]["code"] == "file_not_found"
     assert b.http.get(f"/v1/batches?after={batch['id']}").status_code == 404  # not even as a cursor
+
+
+def test_a_batch_jobs_lines_count_toward_its_creator_keys_tenant(jobs_server):
+    """A job's lines are its key's tenant's work: their tokens are charged to that tenant
+    (fair shares and quotas, batcher/fairness.py), labelled by the key's digest."""
+    from gateway.tenancy import key_tenant
+
+    s, _ = jobs_server(api_keys=["key-a"])
+    a = Api(s.url)
+    a.http.headers["Authorization"] = "Bearer key-a"
+    batch = a.wait(a.create([embed_line("x", "hello there"), embed_line("y", "general kenobi")])["id"])
+    assert batch["status"] == "completed"
+    metrics = httpx.get(s.url + "/metrics").text
+    line = f'ferry_tenant_tokens_total{{kind="input",model="fake-embed",tenant="{key_tenant("key-a")}"}}'
+    assert any(row.startswith(line) and float(row.split()[-1]) > 0 for row in metrics.splitlines()), line
+    assert "key-a" not in metrics.replace(key_tenant("key-a"), "")

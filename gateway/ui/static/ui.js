@@ -282,6 +282,7 @@
     view.slo = panel("SLO attainment (last 10 s)");
     view.tokens = panel("Batch tokens and padding (last 10 s)");
     if (model.kind === "chat") view.prefix = panel("Prefix cache and KV (last 10 s)");
+    view.tenants = panel("Tenants (last 10 s)");
     knobForm(view, panels);
     const marksPanel = panel("Knob changes (dashed lines on the charts)");
     view.marksList = el("ol", { class: "marks" });
@@ -332,6 +333,14 @@
         ["KV in use", model.kv.usage === null || model.kv.usage === undefined ? "–" : fmt(100 * model.kv.usage, 1) + " %"],
         ["preemptions", fmt(model.kv.preemptions, 0)],
       ] : []));
+    }
+    if (model.tenants) {
+      const tn = model.tenants;
+      table(view.tenants, [["fairness (Jain)", tn.fairness === null ? "–" : fmt(tn.fairness, 3)]].concat(
+        Object.entries(tn.by_tenant).map(([name, v]) => [
+          name, fmt(v.input_per_s, 0) + " in/s", fmt(v.output_per_s, 0) + " out/s",
+          fmt(v.queued, 0) + " queued", fmt(v.refused, 0) + " refused",
+        ])));
     }
     // A change (from this page or anyone else's PATCH) shows as a mark on every time chart.
     if (view.lastChanges !== null && model.config_changes > view.lastChanges) {

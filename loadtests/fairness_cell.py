@@ -1,0 +1,252 @@
+"""Fair shares between tenants (batcher/fairness.py), measured side by side with the same
+load on Ferry with `--fairness on` (the default) and `--fairness off`.
+
+`two`: a noisy and a quiet tenant (`X-Ferry-Tenant`), equal weights, open-loop Poisson
+arrivals of streaming chat requests (a short prompt, 32 new tokens, `ignore_eos`), each
+carrying `--slo-ms` as its latency budget. Together they offer `--overload` x the capacity
+(requests/s of 32 closed-loop clients, measured first on the same server), the noisy one
+10x the quiet one's rate. Per tenant: offered/s, goodput (first token within the SLO)/s,
+and the share of its offer served on time. The quiet tenant's demand is under its half
+share, so with fairness it should be served in full.
+
+`lengths`: two backlogged tenants of equal weight, one sending ~500-token prompts, the other
+short ones: fair in weighted tokens, not in requests.
+
+`weights`: four backlogged tenants with weights 1:1:2:4 (a config file names them), each
+with `--clients` closed-loop clients asking 64 tokens, `--max-running` fewer than all their
+clients (fairness decides who takes the slots that free); over a `--duration` window, each
+one's service in weighted tokens (`fair_input_weight` 1 x prompt + `fair_output_weight` 2 x
+generated, from `ferry_tenant_tokens_total`) against its weighted share, and Jain's index
+on the service over the weights.
+
+    python -m loadtests.fairness_cell --cells two,weights --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from .goodput_cell import MAX_TOKENS, make_budget_send
+from .openloop import GatewayProcess, Sample, open_loop
+from .saturation_cell import PROMPTS
+
+MODEL = "ferry-tiny-chat"
+WEIGHTS = {"w1a": 1.0, "w1b": 1.0, "w2": 2.0, "w4": 4.0}
+
+
+def closed_loop_rate(url: str, clients: int = 32, seconds: float = 10.0) -> float:
+    """Requests/s that `clients` closed-loop clients get through (32 tokens each)."""
+
+    async def main() -> int:
+        done = 0
+        until = time.perf_counter() + seconds
+        async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+
+            async def client(k: int) -> None:
+                nonlocal done
+                i = 0
+                while time.perf_counter() < until:
+                    body = {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": PROMPTS[(k + i) % len(PROMPTS)]}],
+                        "max_tokens": MAX_TOKENS,
+                        "temperature": 0,
+                        "ignore_eos": True,
+                    }
+                    i += 1
+                    if (await http.post("/v1/chat/completions", json=body)).status_code == 200:
+                        done += 1
+
+            await asyncio.gather(*(client(k) for k in range(clients)))
+        return done
+
+    return asyncio.run(main()) / seconds
+
+
+def run_two(url: str, label: str, rate: float, duration: float, slo_ms: float) -> dict:
+    """The noisy tenant at 10/11 of `rate`, the quiet one at 1/11, together."""
+    noisy, quiet = rate * 10 / 11, rate / 11
+
+    async def main() -> list[Sample]:
+        a, b = await asyncio.gather(
+            open_loop(noisy, duration, make_budget_send(MODEL, slo_ms, "noisy"), url, seed=1),
+            open_loop(quiet, duration, make_budget_send(MODEL, slo_ms, "quiet"), url, seed=2),
+        )
+        return a + b
+
+    samples = asyncio.run(main())
+    row: dict = {"label": label}
+    for tenant in ("noisy", "quiet"):
+        mine = [s for s in samples if s.tag == tenant]
+        good = [s for s in mine if s.status == 200 and s.ttft is not None and s.ttft * 1000 <= slo_ms]
+        row[tenant] = {
+            "offered": len(mine) / duration,
+            "goodput": len(good) / duration,
+            "on_time": len(good) / max(1, len(mine)),
+            "refused": sum(s.status == 429 for s in mine),
+        }
+    print(
+        f"  {label:22s} noisy {row['noisy']['offered']:6.1f}/s offered, {row['noisy']['goodput']:6.1f}/s on time | "
+        f"quiet {row['quiet']['offered']:5.1f}/s offered, {row['quiet']['goodput']:5.1f}/s on time "
+        f"({row['quiet']['on_time']:.0%}), {row['quiet']['refused']} refused",
+        flush=True,
+    )
+    return row
+
+
+def tenant_tokens(url: str) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith("ferry_tenant_tokens_total{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1 : line.index("}")].split(","))
+            tenant, kind = labels["tenant"].strip('"'), labels["kind"].strip('"')
+            out.setdefault(tenant, {"input": 0.0, "output": 0.0})[kind] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+LONG_PROMPT = " ".join(PROMPTS) * 12  # about 500 tokens of the tiny model
+
+
+def run_weights(
+    url: str, label: str, clients: int, duration: float, weights: dict[str, float] = WEIGHTS, long: str = ""
+) -> dict:
+    """Backlogged tenants: each one's weighted service over the window against its share
+    (`long`: that tenant sends LONG_PROMPT, the others the short prompts)."""
+
+    async def client(http: httpx.AsyncClient, tenant: str, k: int, until: float) -> None:
+        i = 0
+        while time.perf_counter() < until:
+            prompt = LONG_PROMPT if tenant == long else PROMPTS[(k + i) % len(PROMPTS)]
+            body = {
+                "model": MODEL,
+                # Unique from its first words: the prefix cache would make a repeated long prompt cheap.
+                "messages": [{"role": "user", "content": f"({tenant} {k}.{i}) " + prompt}],
+                "max_tokens": 64,
+                "temperature": 0,
+                "ignore_eos": True,
+                "latency_budget_ms": 600_000,
+            }
+            i += 1
+            r = await http.post("/v1/chat/completions", json=body, headers={"X-Ferry-Tenant": tenant})
+            if r.status_code == 200:
+                requests[tenant] = requests.get(tenant, 0) + (lo <= time.perf_counter() <= hi)
+
+    requests: dict[str, int] = {}
+    lo = hi = 0.0
+
+    async def main() -> tuple[dict, dict]:
+        nonlocal lo, hi
+        limits = httpx.Limits(max_connections=clients * len(weights) + 4)
+        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+            start = time.perf_counter()
+            warm = duration / 3
+            until = start + warm + duration
+            lo, hi = start + warm, until
+            tasks = [asyncio.create_task(client(http, t, k, until)) for t in weights for k in range(clients)]
+            await asyncio.sleep(warm)
+            before = tenant_tokens(url)
+            await asyncio.sleep(duration)
+            after = tenant_tokens(url)
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return before, after
+
+    before, after = asyncio.run(main())
+    service = {}
+    for t in weights:
+        a, b = after.get(t, {"input": 0, "output": 0}), before.get(t, {"input": 0, "output": 0})
+        service[t] = (a["input"] - b["input"]) + 2 * (a["output"] - b["output"])
+    total, weight_sum = sum(service.values()), sum(weights.values())
+    shares = {t: service[t] / total if total else 0.0 for t in weights}
+    errors = {t: shares[t] / (weights[t] / weight_sum) - 1 for t in weights}
+    x = [service[t] / weights[t] for t in weights]
+    jain = sum(x) ** 2 / (len(x) * sum(v * v for v in x)) if any(x) else 0.0
+    print(
+        f"  {label:22s} shares "
+        + ", ".join(f"{t} {shares[t]:.3f} ({errors[t]:+.1%}, {requests.get(t, 0)} req)" for t in weights)
+        + f"  Jain {jain:.4f}  weighted tokens/s {total / duration:.0f}",
+        flush=True,
+    )
+    return {"label": label, "shares": shares, "errors": errors, "jain": jain, "tok_s": total / duration}
+
+
+def config_file() -> str:
+    path = Path(tempfile.mkdtemp(prefix="ferry-fair-")) / "ferry.yaml"
+    tenants = "".join(f"  - {{name: {t}, weight: {w}}}\n" for t, w in WEIGHTS.items())
+    path.write_text(f"models:\n  - {{name: {MODEL}, kind: chat, source: tiny}}\ntenants:\n{tenants}")
+    return str(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--cells", default="two,weights,lengths")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--duration", type=float, default=20.0)
+    p.add_argument("--slo-ms", type=float, default=500.0)
+    p.add_argument("--overload", type=float, default=2.0)
+    p.add_argument(
+        "--clients",
+        type=int,
+        default=16,
+        help="weights and lengths cells: closed-loop clients per tenant (more than its share of the slots: backlogged)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        default=16,
+        help="weights cell: sequences at once, fewer than the clients (tenants share the slots that free)",
+    )
+    a = p.parse_args()
+    cells = set(a.cells.split(","))
+    variants = (("fairness on", ()), ("fairness off", ("--fairness", "off")))
+    if "two" in cells:
+        print(f"Two tenants, noisy 10x quiet, {a.overload}x capacity, SLO {a.slo_ms:.0f} ms:")
+        quiet: dict[str, list[float]] = {}
+        for _ in range(a.repeats):
+            for label, flags in variants:
+                with GatewayProcess("--embedding-model", "none", *flags) as gw:
+                    cap = closed_loop_rate(gw.url)
+                    row = run_two(gw.url, f"{label} (cap {cap:.0f}/s)", a.overload * cap, a.duration, a.slo_ms)
+                quiet.setdefault(label, []).append(row["quiet"]["on_time"])
+        for label, shares in quiet.items():
+            print(f"  median quiet on time, {label}: {statistics.median(shares):.1%}  ({shares})")
+    if "weights" in cells:
+        print(f"Four backlogged tenants, weights 1:1:2:4, {a.clients} clients each:")
+        rows: dict[str, list[dict]] = {}
+        cfg = config_file()
+        for _ in range(a.repeats):
+            for label, flags in variants:
+                with GatewayProcess("--config", cfg, "--max-running", str(a.max_running), *flags) as gw:
+                    rows.setdefault(label, []).append(run_weights(gw.url, label, a.clients, a.duration))
+        report(rows)
+    if "lengths" in cells:
+        print(
+            f"Two backlogged tenants, equal weights, long (~500-token) against short prompts, {a.clients} clients each:"
+        )
+        rows = {}
+        for _ in range(a.repeats):
+            for label, flags in variants:
+                with GatewayProcess("--max-running", str(a.max_running), "--embedding-model", "none", *flags) as gw:
+                    run = run_weights(gw.url, label, a.clients, a.duration, {"long": 1.0, "short": 1.0}, long="long")
+                    rows.setdefault(label, []).append(run)
+        report(rows)
+
+
+def report(rows: dict[str, list[dict]]) -> None:
+    """Medians over the rounds: Jain's index, the worst tenant's share error, weighted tokens/s."""
+    for label, rs in rows.items():
+        worst = statistics.median(max(abs(e) for e in r["errors"].values()) for r in rs)
+        print(
+            f"  median, {label}: Jain {statistics.median(r['jain'] for r in rs):.4f}, worst share error "
+            f"{worst:.1%}, weighted tokens/s {statistics.median(r['tok_s'] for r in rs):.0f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
