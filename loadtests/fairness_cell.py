@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import tempfile
 import time
@@ -202,7 +203,15 @@ def main() -> None:
         default=16,
         help="weights cell: sequences at once, fewer than the clients (tenants share the slots that free)",
     )
+    p.add_argument(
+        "--chat-model",
+        default="tiny",
+        help="the two and lengths cells' chat model, as `ferry serve --chat-model` takes it (weights: always tiny)",
+    )
     a = p.parse_args()
+    if a.chat_model != "tiny":  # served under the name the cells send (GatewayProcess reads these)
+        os.environ["FERRY_CHAT_MODEL"] = a.chat_model
+        os.environ["FERRY_SERVED_MODEL_NAME"] = MODEL
     cells = set(a.cells.split(","))
     variants = (("fairness on", ()), ("fairness off", ("--fairness", "off")))
     if "two" in cells:
@@ -220,10 +229,13 @@ def main() -> None:
         print(f"Four backlogged tenants, weights 1:1:2:4, {a.clients} clients each:")
         rows: dict[str, list[dict]] = {}
         cfg = config_file()
+        # The config file names the models: no --chat-model beside it.
+        saved = {k: os.environ.pop(k) for k in ("FERRY_CHAT_MODEL", "FERRY_SERVED_MODEL_NAME") if k in os.environ}
         for _ in range(a.repeats):
             for label, flags in variants:
                 with GatewayProcess("--config", cfg, "--max-running", str(a.max_running), *flags) as gw:
                     rows.setdefault(label, []).append(run_weights(gw.url, label, a.clients, a.duration))
+        os.environ.update(saved)
         report(rows)
     if "lengths" in cells:
         print(
