@@ -24,6 +24,7 @@ import math
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from .errors import TenantQuota
 
@@ -220,6 +221,26 @@ class Tenants:
         service = self.service(now)
         ranked = sorted(self._tenants, key=lambda k: (-service.get(k, 0.0), -self._tenants[k].active, k))
         return ranked[:n]
+
+    def configure(self, enabled: bool, input_weight: float, output_weight: float) -> None:
+        """The batching settings' `fairness`, `fair_input_weight` and `fair_output_weight`."""
+        self.enabled, self.input_weight, self.output_weight = enabled, input_weight, output_weight
+
+    def report(self, now: float, depths: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+        """Each tenant's weight, counter, items active and queued (`depths`), tokens served
+        and weighted service in the last minute (the admin API's view)."""
+        service = self.service(now)
+        return {
+            name: {
+                "weight": t.policy.weight,
+                "counter": round(t.counter, 3),
+                "active": t.active,
+                "queued": depths.get(name, 0),
+                "tokens": dict(t.tokens),
+                "service_last_minute": round(service.get(name, 0.0), 3),
+            }
+            for name, t in self._tenants.items()
+        }
 
     def tokens(self, name: str) -> dict[str, int]:
         return dict(self._get(name).tokens)

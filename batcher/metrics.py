@@ -97,6 +97,29 @@ REJECTION_REASONS = ("queue_full", "deadline_infeasible", "invalid")
 ITEM_STATUSES = ("result", "error", "cancelled", "expired")
 
 
+class TenantLabels:
+    """The `tenant` label of a tenant's series: its name if the config file names it or it is
+    among the TENANT_LABELS busiest others (re-ranked every TENANT_RERANK s, per model), else
+    `other`."""
+
+    def __init__(self) -> None:
+        self.named: set[str] = set()
+        self._top: dict[str, set[str]] = {}
+        self._ranked: dict[str, float] = {}
+
+    def label(self, model: str, tenants: Tenants, name: str, now: float) -> str:
+        if name in self.named:
+            return name
+        top = self._top.setdefault(model, set())
+        if now - self._ranked.get(model, -TENANT_RERANK) >= TENANT_RERANK:
+            self._ranked[model] = now
+            top.clear()
+            top.update(n for n in tenants.busiest(TENANT_LABELS, now) if n not in self.named)
+        if name not in top and len(top) < TENANT_LABELS:
+            top.add(name)
+        return name if name in top else OTHER
+
+
 def _setting_help(k: Knob) -> str:
     unit = " in seconds" if k.unit == "ms" else ""
     absent = f"; absent when null ({k.null})" if k.nullable else ""
@@ -292,9 +315,7 @@ class Metrics:
             registry=r,
             multiprocess_mode=MAX,
         )
-        self.named_tenants: set[str] = set()  # the config file's tenants: always labelled by name
-        self._tenant_top: dict[str, set[str]] = {}
-        self._tenant_ranked: dict[str, float] = {}
+        self.tenant_labels = TenantLabels()
         self._tenant_depths: dict[str, set[str]] = {}
         # Knobs: a gauge per setting declared with gauge=True (batcher/settings.py).
         self.setting_gauges = {
@@ -351,17 +372,7 @@ class Metrics:
 
     # -- tenants -------------------------------------------------------------------
     def tenant_label(self, model: str, tenants: Tenants, name: str, now: float) -> str:
-        """`name`, or `other` beyond the tenants that keep a label of their own."""
-        if name in self.named_tenants:
-            return name
-        top = self._tenant_top.setdefault(model, set())
-        if now - self._tenant_ranked.get(model, -TENANT_RERANK) >= TENANT_RERANK:
-            self._tenant_ranked[model] = now
-            top.clear()
-            top.update(n for n in tenants.busiest(TENANT_LABELS, now) if n not in self.named_tenants)
-        if name not in top and len(top) < TENANT_LABELS:
-            top.add(name)
-        return name if name in top else OTHER
+        return self.tenant_labels.label(model, tenants, name, now)
 
     def tenant_served(
         self, model: str, tenants: Tenants, name: str, input_tokens: int, output_tokens: int, now: float

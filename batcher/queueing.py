@@ -51,7 +51,7 @@ class QueueingBatcher:
         # Fair shares between tenants (batcher/fairness.py): on by default; a batcher of its
         # own has one tenant, "default", until its callers name others.
         self.tenants = tenants if tenants is not None else Tenants()
-        self._apply_fairness(settings)
+        self.tenants.configure(settings.fairness == "on", settings.fair_input_weight, settings.fair_output_weight)
         self.queue = RequestQueue(aging=settings.aging_ms / 1000.0, tenants=self.tenants)
         self._wake = asyncio.Event()
         self.tracker = LoadTracker()
@@ -70,10 +70,6 @@ class QueueingBatcher:
     def settings(self) -> BatchingSettings:
         return self._settings
 
-    def _apply_fairness(self, s: BatchingSettings) -> None:
-        t = self.tenants
-        t.enabled, t.input_weight, t.output_weight = s.fairness == "on", s.fair_input_weight, s.fair_output_weight
-
     def set_tenants(self, policies: dict[str, TenantPolicy]) -> None:
         """New weights and quotas by tenant, live (the others get weight 1 and no quota)."""
         self.tenants.set_policies(policies)
@@ -81,21 +77,8 @@ class QueueingBatcher:
         self._wake.set()
 
     def tenant_report(self) -> dict[str, dict[str, Any]]:
-        """Each tenant's weight, counter, items active and queued, tokens served and weighted
-        service in the last minute (the admin API's view)."""
-        now, t = self.clock.now(), self.tenants
-        depths, service = self.queue.tenant_depths(), t.service(now)
-        return {
-            name: {
-                "weight": t.weight(name),
-                "counter": round(t.counter(name), 3),
-                "active": t.active(name),
-                "queued": depths.get(name, 0),
-                "tokens": t.tokens(name),
-                "service_last_minute": round(service.get(name, 0.0), 3),
-            }
-            for name in t.names
-        }
+        """Each tenant's weight, counter, items and service (the admin API's view)."""
+        return self.tenants.report(self.clock.now(), self.queue.tenant_depths())
 
     def update(self, **changes: Any) -> BatchingSettings:
         """Apply new knobs from the next decision on; queued work keeps its place. A
@@ -108,7 +91,7 @@ class QueueingBatcher:
         new = self._settings.updated(**changes)
         old, self._settings = self._settings, new
         self.queue.aging = new.aging_ms / 1000.0
-        self._apply_fairness(new)
+        self.tenants.configure(new.fairness == "on", new.fair_input_weight, new.fair_output_weight)
         self.tracker.forget_drain()
         self.metrics.publish_settings(self.model, new)
         self.metrics.config_changes.labels(self.model).inc()

@@ -103,9 +103,7 @@ class GenerationScheduler(QueueingBatcher):
         return items
 
     def expected_output(self, payload: Any) -> float:
-        """Tokens a prompt is expected to generate: its limit, or where answers end
-        (`Lengths.typical`), for the fair order's price."""
-        return self._slots.lengths.typical(int(getattr(payload.params, "max_tokens", 1) or 1))
+        return self._slots.expected_output(payload)
 
     def load(self, now: float) -> Load:
         """The tracker's snapshot plus what runs and the slots kept for interactive prompts
@@ -271,8 +269,7 @@ class GenerationScheduler(QueueingBatcher):
             if seq is not None:
                 self.metrics.engine_errors.labels(self.model, "prefill").inc()
                 self._finish(seq.item, Outcome.ERROR, EngineError(f"model execution failed for this prompt: {error}"))
-        finished = {}
-        now = self.clock.now()
+        finished, now = {}, self.clock.now()
         for out in result.outputs:
             if out.token_ids and (running := self._running.get(out.seq_id)) is not None:
                 self.serve_tokens(running.item.tenant, now, output_tokens=len(out.token_ids))

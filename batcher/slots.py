@@ -103,6 +103,11 @@ class Slots:
         if items[0].itl_target is not None:
             self._targeted.extend(items)
 
+    def expected_output(self, payload: Any) -> float:
+        """Tokens a prompt is expected to generate: its limit, or where answers end
+        (`Lengths.typical`), for the fair order's price."""
+        return self.lengths.typical(int(getattr(payload.params, "max_tokens", 1) or 1))
+
     def finished(self, tokens: int, limit: int) -> None:
         """A sequence of token limit `limit` finished having generated `tokens`."""
         self.lengths.add(tokens, limit)

@@ -143,7 +143,7 @@ def create_app(
     ferry = GatewayState(config, metrics or GatewayMetrics(), specs if specs is not None else default_specs(config))
     ferry.cores = cores
     ferry.tenancy = Tenancy.of(config)
-    ferry.metrics.named_tenants |= ferry.tenancy.named
+    ferry.metrics.tenant_labels.named.update(ferry.tenancy.named)
     jobs = ferry.jobs = BatchJobs(ferry)
 
     @contextlib.asynccontextmanager

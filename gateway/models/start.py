@@ -109,7 +109,7 @@ async def start_local(spec: ModelSpec, cfg: ServerConfig, metrics: Metrics) -> t
         batcher = await _generation_batcher(cast(GenerationEngine, engine), engine_thread, settings, cfg, metrics)
     tenancy = Tenancy.of(cfg)  # fair shares: the config file's weights and quotas (gateway/tenancy.py)
     batcher.set_tenants(tenancy.policies)
-    metrics.named_tenants |= tenancy.named
+    metrics.tenant_labels.named.update(tenancy.named)
     await batcher.start()
     # What start-up costs, step by step: an operator waiting on /readyz sees where it goes.
     log.info(

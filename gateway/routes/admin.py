@@ -185,6 +185,6 @@ async def patch_tenants(request: Request, ctx: Ctx) -> Response:
     for served in ferry.models.values():
         await _answered(served.batcher.update(tenants={n: dataclasses.asdict(p) for n, p in policies.items()}))
     ferry.tenancy = dataclasses.replace(ferry.tenancy, policies=policies)
-    ferry.metrics.named_tenants |= set(policies)
+    ferry.metrics.tenant_labels.named.update(policies)
     log.info("admin changed tenants: %s", {n: dataclasses.asdict(p) for n, p in policies.items()})
     return json_response(_tenants_view(ferry))
