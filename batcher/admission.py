@@ -183,6 +183,11 @@ def predicted_first_token(
     group = min(ahead + 1, s.max_batch_size)
     tokens = max(item.cost, 1)
     prefill = cost.predict(group, group * tokens)
+    if load.chunk_step and not (load.prefill_first and item.priority is Priority.INTERACTIVE):
+        # Its first chunk is computed beside the running rows' decode step (in its forward,
+        # where steps are packed: no fixed cost of a prefill forward of its own), and its
+        # first token comes when that whole iteration ends.
+        prefill += load.chunk_step - (cost.params.fixed if load.chunks_packed else 0.0)
     if load.prefill_chunk is not None and group * tokens > load.prefill_chunk:
         further = math.ceil(group * tokens / load.prefill_chunk) - 1
         prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))
@@ -216,11 +221,15 @@ def check(
     load: Load,
     siblings: int = 0,
     predict: Predictor = predicted_completion,
+    promised: float = INF,
 ) -> bool:
     """Raise QueueFull / DeadlineInfeasible, or return True when admitted best-effort.
 
     `siblings` counts the other items of the same request, admitted all or none: they are
-    queued ahead of the last one, which is the one checked.
+    queued ahead of the last one, which is the one checked. `promised`: the earliest
+    deadline of queued work the item would share its turn with or delay (a prompt joins
+    the same prefill iteration as those queued before it, and that iteration's end is
+    every one's first token): the item is admitted only if that still holds too.
     """
     if len(q) + siblings >= s.max_queue:
         # Time for the queue to drain by one batch is an honest lower bound to retry after.
@@ -229,12 +238,18 @@ def check(
     if item.deadline is None:
         return False
     done = predict(q, item, now, s, cost, load, siblings)
-    if done + s.margin <= item.deadline:
+    if done + s.margin <= min(item.deadline, promised):
         return False
     if s.on_infeasible == "serve":
         return True
     budget_ms = (item.deadline - item.arrival) * 1000.0
     eta = "not in the foreseeable future" if done == INF else f"in {(done - now) * 1000.0:.0f} ms"
+    if done + s.margin <= item.deadline:
+        raise DeadlineInfeasible(
+            f"admitting this request now would make a queued one miss its budget ({eta} to the first token"
+            f" of both, with {len(q)} items queued)",
+            retry_after=1,
+        )
     raise DeadlineInfeasible(
         f"latency budget of {budget_ms:.0f} ms cannot be met: predicted completion {eta} with {len(q)} items queued",
         retry_after=max(1, math.ceil(min(done - now, 60.0))),

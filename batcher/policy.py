@@ -250,14 +250,19 @@ def _by_first_token_deadline(
     decision: Decision, group: list[WorkItem], now: float, s: BatchingSettings, cost: CostModel, load: Load
 ) -> Decision:
     """Join early (`deadline`) when the group's prefill, allowing for the slowdown, would
-    otherwise miss the tightest first-token deadline in it."""
+    otherwise miss the tightest first-token deadline in it. While sequences run, a prompt
+    can join only at an iteration's end, and its prefill shares the next iteration with
+    their decode step (`load.chunk_step`): waiting for company costs a whole iteration, and
+    the first token comes after the decode step too."""
     if not isinstance(decision, WaitUntil) or not group:
         return decision
     tightest = min((i.deadline for i in group if i.deadline is not None), default=INF)
-    start_by = tightest - batch_cost(cost, group) * load.slowdown - s.margin
-    if now >= start_by:
+    step = load.chunk_step
+    # The last boundary it may join at: one iteration before it would have to start.
+    join_by = tightest - batch_cost(cost, group) * load.slowdown - 2 * step - s.margin
+    if now >= join_by:
         return Dispatch(len(group), DispatchReason.DEADLINE)
-    return WaitUntil(start_by if decision.t is None else min(decision.t, start_by))
+    return WaitUntil(join_by if decision.t is None else min(decision.t, join_by))
 
 
 def admit_fixed(q: RequestQueue, now: float, s: BatchingSettings, cost: CostModel, load: Load) -> Decision:

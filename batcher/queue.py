@@ -165,6 +165,20 @@ class RequestQueue:
         """Queued items (of one class, or of all) whose deadline is at or before t."""
         return sum(bisect_right(edf, (t, INF)) for p, edf in self._edf.items() if priority is None or p is priority)
 
+    def earliest_promise(self, priority: Priority) -> float:
+        """The earliest deadline promised to a queued item of `priority` or a class served
+        after it (best-effort items were promised nothing): a newcomer of that class shares
+        their turn or goes before them."""
+        earliest = INF
+        for p, edf in self._edf.items():
+            if p < priority:
+                continue
+            for deadline, item_id in edf:
+                if not self._all[item_id].best_effort:
+                    earliest = min(earliest, deadline)
+                    break
+        return earliest
+
     @property
     def min_deadline(self) -> float:
         heads = [edf[0][0] for edf in self._edf.values() if edf]

@@ -22,7 +22,7 @@ from .errors import Cancelled, DeadlineExceeded, EngineError, RequestTooLarge, S
 from .fairness import DEFAULT, TenantPolicy, Tenants
 from .load import Load, LoadTracker
 from .metrics import Metrics
-from .queue import RequestQueue
+from .queue import INF, RequestQueue
 from .settings import BatchingSettings
 from .types import Outcome, Priority, Stage, WorkItem
 
@@ -168,7 +168,15 @@ class QueueingBatcher:
         try:
             self.tenants.check_quota(tenant, len(items), now)
             best_effort = admission.check(
-                self.queue, items[-1], now, s, self.cost, self.load(now), siblings=len(items) - 1, predict=self.predict
+                self.queue,
+                items[-1],
+                now,
+                s,
+                self.cost,
+                self.load(now),
+                siblings=len(items) - 1,
+                predict=self.predict,
+                promised=self.promised(priority),
             )
             best_effort = self.check_itl(items[-1], len(items) - 1) or best_effort
         except Exception as exc:
@@ -190,6 +198,12 @@ class QueueingBatcher:
         self._publish_depth(priority)  # the other classes' depths did not change
         self._wake.set()
         return items
+
+    def promised(self, priority: Priority) -> float:
+        """The earliest deadline of queued work a newcomer of `priority` must not make late
+        (admission.check's `promised`): none here, a one-shot batch's prediction already
+        counts the work queued before it, and what it delays comes after its own deadline."""
+        return INF
 
     def expected_output(self, payload: Any) -> float:
         """Tokens an item is expected to generate after its input (fair order's price):

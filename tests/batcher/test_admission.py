@@ -227,17 +227,32 @@ def test_with_token_budgeted_steps_a_long_prompt_waits_a_decode_step_per_further
     s = batching(max_batch_size=4)
     prompt = item(NOW + 1.0, tokens=250)
     chunked = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02)
-    # 250 tokens in chunks of 100: two further chunks, each behind a decode step and with
-    # its own fixed cost (COST has no per-token term).
+    # 250 tokens in chunks of 100: the first beside the running rows' decode step, two
+    # further chunks, each behind a decode step and with its own fixed cost (COST has no
+    # per-token term).
     assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, chunked) == pytest.approx(
-        NOW + cost(1) + 2 * (0.02 + cost(1))
+        NOW + 0.02 + cost(1) + 2 * (0.02 + cost(1))
     )
     short = item(NOW + 1.0, tokens=80)
-    assert admission.predicted_first_token(queue(), short, NOW, s, COST, chunked) == pytest.approx(NOW + cost(1))
-    # Packed into the decode steps' forwards, the further chunks pay no forward of their own.
+    assert admission.predicted_first_token(queue(), short, NOW, s, COST, chunked) == pytest.approx(
+        NOW + 0.02 + cost(1)
+    )
+    # Packed into the decode steps' forwards, the chunks pay no forward of their own.
     packed = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, chunks_packed=True)
     assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, packed) == pytest.approx(
-        NOW + cost(1) + 2 * 0.02
+        NOW + 0.02 + cost(1) - COST.params.fixed + 2 * 0.02
+    )
+
+
+def test_a_prompt_in_the_lane_does_not_wait_for_the_running_rows_decode_step():
+    s = batching(max_batch_size=4)
+    lane = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, prefill_first=True)
+    interactive, batch_class = item(NOW + 1.0, tokens=80), item(NOW + 1.0, BATCH, tokens=80)
+    assert admission.predicted_first_token(queue(), interactive, NOW, s, COST, lane) == pytest.approx(NOW + cost(1))
+    # Batch-class prompts join the decode steps (and leave the slots kept for interactive ones).
+    kept = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, prefill_first=True, interactive_slots=0)
+    assert admission.predicted_first_token(queue(), batch_class, NOW, s, COST, kept) == pytest.approx(
+        NOW + 0.02 + cost(1)
     )
 
 

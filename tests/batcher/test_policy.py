@@ -262,6 +262,21 @@ def test_generation_deadline_joins_early_for_a_first_token_deadline():
     assert admit_fixed(q, start_by, s, COST, RUNNING) == WaitUntil(s.max_wait)  # fixed ignores deadlines
 
 
+def test_generation_deadline_counts_the_iteration_a_prompt_waits_and_shares():
+    """With running rows a prompt joins only at an iteration's end (every `chunk_step`), and
+    its prefill shares the next iteration with their decode step: it must join one
+    iteration before the prefill alone would say, its first token a decode step later."""
+    s = BatchingSettings(policy="deadline", max_batch_size=4, max_wait_ms=500, deadline_margin_ms=1)
+    first_token = 0.300
+    step = 0.100
+    q = _gen_queue([(0.0, first_token, Priority.INTERACTIVE, 30), (0.0, 10.0, Priority.INTERACTIVE, 30)])
+    stepping = replace(RUNNING, chunk_step=step)
+    join_by = first_token - cost(2) - 2 * step - s.margin  # the next chance to join would be too late
+    assert admit_deadline(q, 0.0, s, COST, stepping) == WaitUntil(pytest.approx(join_by))
+    assert admit_deadline(q, join_by, s, COST, stepping) == Dispatch(2, DispatchReason.DEADLINE)
+    assert admit_deadline(q, join_by - 0.01, s, COST, stepping) == WaitUntil(pytest.approx(join_by))
+
+
 def test_generation_adaptive_waits_only_while_company_is_coming():
     """Prefill's fixed cost is 10 ms: at 5 prompts/s nobody joins during it, so a prompt
     joins the running batch at the next iteration; at 400/s four arrive, worth waiting for."""

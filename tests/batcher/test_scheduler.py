@@ -213,6 +213,37 @@ def test_admission_refuses_at_once_when_no_slot_can_free_in_time():
     run(scenario())
 
 
+def test_a_newcomer_waits_only_for_what_the_iteration_in_flight_has_left():
+    """The next iteration boundary is the one the iteration in flight was predicted to end
+    at, not `now` plus a whole step: where in an iteration a request lands is known."""
+
+    async def scenario():
+        r = GenRig(per_row=0.004, max_wait_ms=0)
+        r.seed_decode_cost()
+        await r.sched.start()
+        for _ in range(4):
+            r.submit(50)
+        await r.clock.advance(0.03)  # prefilled, decoding: a step of 4 rows costs 26 ms
+        step = r.sched.decode_cost.predict(4)
+        ends = set()
+        for _ in range(10):  # 1 ms apart, within the few iterations that run meanwhile
+            now, iteration = r.clock.now(), r.sched.iterations
+            boundary = r.sched.busy_until(now)
+            assert now <= boundary <= now + step + 1e-9
+            if r.sched.iterations == iteration:
+                ends.add((iteration, round(boundary, 9)))
+            await r.clock.advance(0.001)
+        # Each iteration kept one end however late in it the question came.
+        assert len(ends) == len({i for i, _ in ends}) < 10
+        for item in list(r.sched._running.values()):
+            r.sched.cancel(item.item)
+        await r.clock.run_until_idle()
+        assert r.sched.busy_until(r.clock.now()) == r.clock.now()  # nothing in flight
+        await r.sched.stop()
+
+    run(scenario())
+
+
 def test_slots_of_answers_that_end_before_their_limit_are_predicted_to_free_then():
     """A real instruct model ends most answers long before max_tokens: once finished
     sequences show it, a slot is predicted to free where such answers end, not at the
