@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kv_events import BlockEvents
+
 DEFAULT_BLOCK = 16
 
 # Per attention layer: keys and values [kv_heads, tokens, head_dim].
@@ -38,6 +40,7 @@ class _Block:
     parent: bytes
     tokens: tuple[int, ...]
     kv: torch.Tensor  # [layers, 2 (keys, values), kv_heads, block, head_dim]
+    digest: bytes | None = None  # vLLM's hash of the prefix ending here (engine/kv_events.py), when published
 
     @property
     def nbytes(self) -> int:
@@ -70,7 +73,7 @@ class PrefixCache:
     to get the logits of the next.
     """
 
-    def __init__(self, max_bytes: int, block: int = DEFAULT_BLOCK) -> None:
+    def __init__(self, max_bytes: int, block: int = DEFAULT_BLOCK, events: BlockEvents | None = None) -> None:
         if block < 1:
             raise ValueError(f"prefix_block: a prefix cache block must be at least 1 token, got {block}")
         if max_bytes < 0:
@@ -78,6 +81,7 @@ class PrefixCache:
         self.block = block
         self.max_bytes = max_bytes
         self._blocks: OrderedDict[bytes, _Block] = OrderedDict()  # least recently used first
+        self.events = events  # every block stored, evicted or cleared, published (engine/kv_events.py)
         self.used_bytes = 0
         self.queries = 0
         self.hits = 0
@@ -170,29 +174,52 @@ class PrefixCache:
         while end < min(len(keys), have + fit) and keys[end] not in self._blocks:
             end += 1  # (a key present but unmatched is a hash collision: never mix the two)
         new: list[tuple[bytes, _Block]] = []
+        digests: list[bytes] = []
         if end > have:
             # One gather of the new span, then one copy per block, so that each block owns
             # its memory (a view would keep the whole span alive after the block is evicted).
             lo, hi = have * self.block, end * self.block
             span = torch.stack([torch.stack((k[:, lo:hi], v[:, lo:hi])) for k, v in kv])
+            digests = self._digests(prompt_ids, keys, have, end)
             for i, part in enumerate(span.split(self.block, dim=3), start=have):
                 tokens = tuple(prompt_ids[i * self.block : (i + 1) * self.block])
-                new.append((keys[i], _Block(keys[i - 1] if i else _ROOT, tokens, part.clone())))
+                digest = digests[i - have] if digests else None
+                new.append((keys[i], _Block(keys[i - 1] if i else _ROOT, tokens, part.clone(), digest)))
         self._touch(keys[:have])
         incoming = sum(entry.nbytes for _, entry in new)
         while self._blocks and self.used_bytes + incoming > self.max_bytes:
             _, victim = self._blocks.popitem(last=False)
             self.used_bytes -= victim.nbytes
+            if self.events is not None and victim.digest is not None:
+                self.events.removed(victim.digest)
         for key, entry in new:
             self._blocks[key] = entry
             self.used_bytes += entry.nbytes
         self._touch(keys[: have + len(new)])
+        if self.events is not None:
+            if new:
+                parent = self._blocks[keys[have - 1]].digest if have else None
+                self.events.stored(parent, digests, prompt_ids[have * self.block : end * self.block])
+            self.events.flush()
         return len(new)
 
     def clear(self) -> None:
         """Drop every entry (counters stay)."""
         self._blocks.clear()
         self.used_bytes = 0
+        if self.events is not None:
+            self.events.cleared()
+            self.events.flush()
+
+    def _digests(self, prompt_ids: Sequence[int], keys: list[bytes], have: int, end: int) -> list[bytes]:
+        """vLLM's hashes of blocks `have`..`end` of the prompt (none without events), chained
+        on the hash its cached prefix already has."""
+        if self.events is None or end <= have:
+            return []
+        parent = self._blocks[keys[have - 1]].digest if have else None
+        start = have if parent is not None or not have else 0  # a parent without one: hash from the first block
+        hashes = self.events.hasher.chain(prompt_ids[start * self.block :], self.block, end - start, parent)
+        return hashes[have - start :]
 
     def stats(self) -> dict[str, int]:
         return {

@@ -125,6 +125,16 @@ class ServerSettings(Knobs):
         "attention; others run them apart). `--no-packed-steps`: two forwards a step. Set at start "
         "(docs/scheduling.md)",
     )
+    kv_events_config: str | None = knob(
+        None,
+        "vLLM's `--kv-events-config` JSON (`enable_kv_cache_events`, `publisher`, `endpoint`, `topic`, "
+        "`replay_endpoint`, `buffer_steps`, `hwm`, `max_queue_size`), each field with vLLM's meaning: "
+        "each chat model's prefix cache publishes the blocks it stores, evicts and clears as vLLM's "
+        "KV cache events (ZMQ, msgpack), their hashes vLLM's `sha256_cbor` (seed: PYTHONHASHSEED), so "
+        "a router that follows vLLM's events (llm-d's precise prefix-cache scorer) follows Ferry's "
+        "(docs/deploy.md). Per chat model in `--config`. Set at start",
+        null="no events",
+    )
     prefix_cache_mb: int = knob(
         256,
         "memory each chat model's prefix cache may hold, beside its running sequences' KV; 0 turns "
@@ -225,6 +235,12 @@ class _ServerConfigMethods:
         except SettingsError as exc:
             flag = next((k.flag for k in OPTIONS.values() if k.name == exc.field), "--" + exc.field.replace("_", "-"))
             raise SystemExit(f"ferry: invalid {flag}: {exc.message}") from None
+        from engine.kv_events import parse_kv_events_config
+
+        try:
+            parse_kv_events_config(self.kv_events_config)
+        except ValueError as exc:
+            raise SystemExit(f"ferry: invalid --kv-events-config: {exc}") from None
         if self.config:
             self.validate_config()
             return

@@ -26,6 +26,9 @@ takes well under a minute of CPU.
 
     python -m loadtests.bench_replicas [--seeds 5] [--duration 120] [--load 0.7]
 
+`--events` runs instead the measured cell of real replicas routed by the KV cache events
+they publish, against round-robin (loadtests/replica_prefix_cell.py).
+
 Prints, per routing, the medians over the seeds of p99 end-to-end latency, p99 time to
 first token, goodput and each replica's share of the requests; then the ratios.
 """
@@ -312,7 +315,21 @@ def main() -> None:
     p.add_argument("--ttft-slo-ms", type=float, default=1000.0)
     p.add_argument("--tpot-slo-ms", type=float, default=100.0)
     p.add_argument("--scrape-ms", type=float, default=SCRAPE_INTERVAL_S * 1000)
+    real = p.add_argument_group(
+        "--events: real replicas routed by their KV cache events (loadtests/replica_prefix_cell.py)"
+    )
+    real.add_argument("--events", action="store_true", help="run the measured cell, not the simulation")
+    real.add_argument("--chat-model", default="default", help="what each replica's `--chat-model` takes")
+    real.add_argument("--repeats", type=int, default=3)
+    real.add_argument("--conversations", type=int, default=12)
+    real.add_argument("--turns", type=int, default=4)
+    real.add_argument("--max-tokens", type=int, default=16)
     a = p.parse_args()
+    if a.events:
+        from .replica_prefix_cell import run_replica_cell
+
+        run_replica_cell(a.chat_model, a.repeats, a.conversations, a.turns, a.max_tokens)
+        return
     make = three_replicas(a.slow)
     total = sum(replica_capacity(r) for r in make())
     rate = a.load * total

@@ -73,6 +73,7 @@ def entry_spec(e: Any, cfg: ServerConfig) -> ModelSpec:
         prefix_caching=e.prefix_caching,
         prefix_cache_mb=e.prefix_cache_mb,
         kv_cache_mb=e.kv_cache_mb,
+        kv_events_config=e.kv_events_config,
         options=e.options,
     )
 
@@ -93,13 +94,15 @@ def model_spec(
     prefix_caching: bool | None = None,
     prefix_cache_mb: int | None = None,
     kv_cache_mb: int | None = None,
+    kv_events_config: dict[str, Any] | str | None = None,
     options: dict[str, Any] | None = None,
 ) -> ModelSpec:
     """How to load one model of `kind` from `source` (`default`, a Hugging Face id or a local
     path), served as `name` (default: the engine's own: the built-in model's name, or `source`),
     on `device` / `dtype` (default: `--device` / `--dtype`); a chat model's prefix cache as
     `prefix_caching` / `prefix_cache_mb` say (default: `--prefix-caching` / `--prefix-cache-mb`),
-    its running sequences' KV within `kv_cache_mb` (default: `--kv-cache-mb`).
+    its running sequences' KV within `kv_cache_mb` (default: `--kv-cache-mb`), its prefix
+    cache's KV events as `kv_events_config` says (default: `--kv-events-config`).
     A custom model's source is its class (`package.module:ClassName`), made with `options`."""
     path = None if source == "default" else source
     device = device or cfg.device
@@ -146,6 +149,7 @@ def model_spec(
             "native_attention": cfg.native_attention,
             "kv_cache_bytes": (cfg.kv_cache_mb if kv_cache_mb is None else kv_cache_mb) * 1024 * 1024 or None,
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
+            "kv_events": cfg.kv_events_config if kv_events_config is None else kv_events_config,
         }
         if name is not None:
             options["name"] = name

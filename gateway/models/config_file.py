@@ -12,6 +12,8 @@
         prefix_caching: true      # optional, chat only (default: --prefix-caching)
         prefix_cache_mb: 256      # optional, chat only (default: --prefix-cache-mb)
         kv_cache_mb: 4096         # optional, chat only (default: --kv-cache-mb)
+        kv_events_config:         # optional, chat only (default: --kv-events-config): vLLM's JSON
+          {enable_kv_cache_events: true, endpoint: "tcp://*:5557", topic: "kv@10.0.0.7@minichat"}
         options: {labels: [a, b]} # optional, custom only: keyword arguments of the class
     tenants:                      # optional: fair shares between tenants (docs/scheduling.md)
       - name: team-a              # the tenant's name (metric label, admin API)
@@ -36,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from batcher.knobs import SettingsError
 from batcher.settings import BatchingSettings
+from engine.kv_events import parse_kv_events_config
 
 ConfigKind = Literal["embeddings", "chat", "custom"]
 DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
@@ -73,6 +76,11 @@ class ModelEntry(BaseModel):
     )
     kv_cache_mb: int | None = Field(
         None, ge=0, description="a chat model's running sequences' KV memory in MiB (0: no bound); null: the flag's"
+    )
+    kv_events_config: dict[str, Any] | str | None = Field(
+        None,
+        description="a chat model's KV cache events: vLLM's `--kv-events-config` (a mapping or its JSON); "
+        "null: the flag's",
     )
     options: dict[str, Any] | None = Field(
         None, description="a custom model's keyword arguments (its class is made with them)"
@@ -132,11 +140,15 @@ def load_file(path: str) -> ConfigFile:
             raise ConfigError(f"invalid {where}: model {entry.name!r}: field 'name': another model has this name")
         seen.add(entry.name)
         if entry.kind != "chat":
-            for field in ("prefix_caching", "prefix_cache_mb", "kv_cache_mb"):
+            for field in ("prefix_caching", "prefix_cache_mb", "kv_cache_mb", "kv_events_config"):
                 if getattr(entry, field) is not None:
                     raise ConfigError(
                         f"invalid {where}: model {entry.name!r}: field {field!r}: only chat models keep a KV cache"
                     )
+        try:
+            parse_kv_events_config(entry.kv_events_config)
+        except ValueError as exc:
+            raise ConfigError(f"invalid {where}: model {entry.name!r}: field {exc}") from None
         problem = _kind_problem(entry)
         if problem is not None:
             raise ConfigError(f"invalid {where}: model {entry.name!r}: {problem}")

@@ -234,9 +234,7 @@ def test_with_token_budgeted_steps_a_long_prompt_waits_a_decode_step_per_further
         NOW + 0.02 + cost(1) + 2 * (0.02 + cost(1))
     )
     short = item(NOW + 1.0, tokens=80)
-    assert admission.predicted_first_token(queue(), short, NOW, s, COST, chunked) == pytest.approx(
-        NOW + 0.02 + cost(1)
-    )
+    assert admission.predicted_first_token(queue(), short, NOW, s, COST, chunked) == pytest.approx(NOW + 0.02 + cost(1))
     # Packed into the decode steps' forwards, the chunks pay no forward of their own.
     packed = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, chunks_packed=True)
     assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, packed) == pytest.approx(

@@ -6,6 +6,7 @@ grace period past the drain, the engine-type label, the GPU overlay, the config 
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from engine.kv_events import DEFAULT_SEED, binds, parse_kv_events_config
+from engine.prefix_cache import DEFAULT_BLOCK
 from gateway.config import OPTIONS, from_args
 from gateway.models.config_file import load_config
 
@@ -107,7 +110,13 @@ def test_grace_period_outlasts_the_prestop_hook_and_the_drain(target):
 @pytest.mark.parametrize("target", TARGETS)
 def test_environment_names_are_ferry_knobs_and_secrets_come_from_a_secret(target):
     variables = env(render(target))
+    # Kubernetes expands $(NAME) in a value from the variables before it: the pod's own facts
+    # (downward API) that a knob's value names may be there beside the knobs.
+    referenced = {n for e in variables.values() for n in re.findall(r"\$\((\w+)\)", e.get("value", ""))}
     for name, e in variables.items():
+        if name in referenced and name not in KNOB_BY_ENV:
+            assert "fieldRef" in e["valueFrom"], f"{name}: a helper variable comes from the downward API"
+            continue
         assert name in KNOB_BY_ENV, f"{name} is not the environment name of any `ferry serve` knob"
         if "value" in e:
             KNOB_BY_ENV[name].parse(e["value"])  # a value the server accepts
@@ -115,6 +124,26 @@ def test_environment_names_are_ferry_knobs_and_secrets_come_from_a_secret(target
         ref = variables[OPTIONS[knob].env]["valueFrom"]["secretKeyRef"]
         assert ref["name"] == "ferry-secrets"
     assert not any(d["kind"] == "Secret" for d in render(target)), "credentials must not be shipped"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_replicas_publish_kv_events_where_the_pickers_scorer_listens(target):
+    """Each replica connects to the picker's collector with the topic llm-d parses
+    (kv@<pod ip>@<model>), the model its config serves; the scorer hashes blocks of Ferry's
+    size with vLLM's default seed, which Ferry uses while PYTHONHASHSEED is unset."""
+    docs = render(target)
+    variables = env(docs)
+    config = parse_kv_events_config(variables["FERRY_KV_EVENTS_CONFIG"]["value"].replace("$(POD_IP)", "10.1.2.3"))
+    assert config is not None and config.enabled and not binds(config.endpoint)
+    chat = [m["name"] for m in yaml.safe_load(config_file(docs)[1])["models"] if m["kind"] == "chat"]
+    assert config.topic == f"kv@10.1.2.3@{chat[0]}" and len(chat) == 1
+    assert variables["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert "PYTHONHASHSEED" not in variables
+    scorer = next(p for p in epp_config(docs)["plugins"] if p["type"] == "precise-prefix-cache-scorer")["parameters"]
+    assert scorer["tokenProcessorConfig"] == {"blockSize": DEFAULT_BLOCK, "hashSeed": DEFAULT_SEED}
+    assert scorer["kvEventsConfig"]["zmqEndpoint"].endswith(":" + config.endpoint.rsplit(":", 1)[1])
+    assert config.topic.startswith(scorer["kvEventsConfig"]["topicFilter"])
+    assert scorer["indexerConfig"]["tokenizersPoolConfig"]["modelName"] == chat[0]
 
 
 @pytest.mark.parametrize("target", TARGETS)

@@ -104,6 +104,9 @@ def sample(k: Knob) -> tuple[str, Any]:
     if k.option == "config":  # read at start: a file that is there and valid
         path = str(settings_docs.ROOT / "docs/examples/ferry.yaml")
         return path, path
+    if k.option == "kv_events_config":  # read at start: vLLM's JSON
+        text = '{"enable_kv_cache_events": false}'
+        return text, text
     return "somewhere-else", "somewhere-else"
 
 
@@ -193,6 +196,10 @@ def test_bad_settings_name_their_flag_in_the_messages_operators_know(clean_env, 
     assert fail("--max-body-bytes", "0") == "ferry: invalid --max-body-bytes: must be at least 1"
     assert fail("--drain-timeout", "0") == "ferry: invalid --drain-timeout: must be a number of seconds above 0"
     assert fail("--port", "70000").startswith("ferry: invalid --port")
+    assert fail("--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "kafka"}').startswith(
+        "ferry: invalid --kv-events-config: kv_events_config: publisher"
+    )
+    assert fail("--kv-events-config", "{not json").startswith("ferry: invalid --kv-events-config")
     assert (
         fail("--embedding-model", "none", "--chat-model", "none")
         == "ferry: nothing to serve: both --embedding-model and --chat-model are 'none'"

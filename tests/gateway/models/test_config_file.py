@@ -99,6 +99,16 @@ def test_the_shipped_example_is_valid():
         ("models:\n  - {name: a, kind: chat, prefix_cache_mb: -1}\n", "model 'a'", "field 'prefix_cache_mb'"),
         ("models:\n  - {name: a, kind: chat, kv_cache_mb: -1}\n", "model 'a'", "field 'kv_cache_mb'"),
         ("models:\n  - {name: a, kind: chat, prefix_caching: 'no'}\n", "model 'a'", "field 'prefix_caching'"),
+        (
+            "models:\n  - {name: a, kind: embeddings, kv_events_config: {enable_kv_cache_events: true}}\n",
+            "model 'a'",
+            "field 'kv_events_config': only chat models keep a KV cache",
+        ),
+        (
+            "models:\n  - {name: a, kind: chat, kv_events_config: {enable_kv_cache_events: true, hwm: -1}}\n",
+            "model 'a'",
+            "field kv_events_config: hwm",
+        ),
         ("models: []\n", "", "field 'models'"),
         ("model:\n  - {name: a, kind: chat}\n", "", "field 'model': unknown field"),
     ],
