@@ -16,7 +16,6 @@ stretch (a busy neighbour on a shared CPU): interactive deadlines are checked ag
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -28,7 +27,6 @@ MAX_SLOWDOWN = 1.5  # bounded: a pessimism that shrinks batches must not feed on
 # observed against, so a stretched promise does not feed on itself, and a cap it binds at
 # is a promise broken after admission (504) instead of a refusal at once (429).
 MAX_PROMISE_SLOWDOWN = 4.0
-CALIBRATION_HORIZON_S = 10.0  # first-token promises follow the last 10 s (Calibration)
 # The bad batch one in a hundred: what batches that share an interactive request's wait
 # (the batch running when it arrives, the batch-class items riding in its own batch) are
 # sized against. Never what a request is promised (that would refuse work the engine serves).
@@ -165,38 +163,21 @@ class Calibration:
     Its cap was MAX_SLOWDOWN (1.5) until chat at twice its capacity beside interactive
     prompts (bench_latency's chat priority cells) was seen at that cap, the ratio's p90
     about 2.0: up to a quarter of the admitted batch-class requests then expired before
-    their first token (docs/benchmarks-history.md, "First-token promises that hold at overload").
+    their first token (docs/benchmarks-history.md, "First-token promises that hold at overload")."""
 
-    The window is also bounded in time (`horizon` seconds, where the caller says when it
-    observes; the newest `keep` ratios whatever their age): a count alone let the ratios of
-    a lighter load outvote a heavier one's for seconds after the load stepped up (the real
-    model at 8 then 16 requests/s: about one admitted request in ten late, all within 6 s of
-    the step, docs/benchmarks.md "Admission on real step costs")."""
-
-    def __init__(
-        self,
-        window: int = 256,
-        refresh_every: int = 4,
-        floor: float = 0.02,
-        horizon: float = CALIBRATION_HORIZON_S,
-        keep: int = 16,
-    ) -> None:
-        self._ratios: deque[tuple[float, float]] = deque(maxlen=window)  # (when, observed / predicted)
+    def __init__(self, window: int = 256, refresh_every: int = 8, floor: float = 0.02) -> None:
+        self._ratios: deque[float] = deque(maxlen=window)
         self._every, self._since, self._floor = refresh_every, 0, floor
-        self._horizon, self._keep = horizon, keep
         self.factor = 1.0
 
-    def observe(self, predicted: float, observed: float, now: float | None = None) -> None:
+    def observe(self, predicted: float, observed: float) -> None:
         if predicted < self._floor:
             return
-        self._ratios.append((now if now is not None else math.inf, observed / predicted))
+        self._ratios.append(observed / predicted)
         self._since += 1
         if self._since >= self._every:
             self._since = 0
-            if now is not None:
-                while len(self._ratios) > self._keep and self._ratios[0][0] < now - self._horizon:
-                    self._ratios.popleft()
-            q = float(np.quantile(np.asarray([r for _, r in self._ratios]), SLOWDOWN_QUANTILE))
+            q = float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE))
             self.factor = min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
 
 

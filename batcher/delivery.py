@@ -65,7 +65,7 @@ class Delivery:
             if seq.tokens == 0:
                 self._ttft.observe(now - item.arrival)
                 if self._first_tokens and item.predicted_wait is not None:
-                    self._first_tokens[item.priority].observe(item.predicted_wait, now - item.arrival, now)
+                    self._first_tokens[item.priority].observe(item.predicted_wait, now - item.arrival)
                     item.predicted_wait = None  # judged once (an expiry later is no first token's)
                 if ttft_budget:
                     self._record_slo(item, True)  # the budget covered the first token

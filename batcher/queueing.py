@@ -245,10 +245,9 @@ class QueueingBatcher:
             # promise is judged by; left out, the latest promises at overload would not count.
             # News only where it already exceeds the prediction (a best-effort item, predicted
             # past its budget, expires sooner than predicted, which says nothing of either).
-            now = self.clock.now()
-            waited = now - item.arrival
+            waited = self.clock.now() - item.arrival
             if waited >= item.predicted_wait:
-                self.first_tokens[item.priority].observe(item.predicted_wait, waited, now)
+                self.first_tokens[item.priority].observe(item.predicted_wait, waited)
         return True
 
     def _record_slo(self, item: WorkItem, served: bool) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -159,26 +157,3 @@ def test_a_calibration_is_the_90th_percentile_of_observed_over_predicted_bounded
     for _ in range(50):  # a 5 ms prediction that took 15: fixed costs the deadline margin covers
         deaf.observe(0.005, 0.015)
     assert deaf.factor == 1.0
-
-
-def test_a_calibration_follows_a_step_in_load_within_its_horizon():
-    """Promises kept at a lighter load do not outvote a heavier one's for long: ratios older
-    than the horizon leave the window (the newest `keep` stay whatever their age)."""
-    c = Calibration(refresh_every=1, horizon=10.0, keep=4)
-    for i in range(200):  # 20 s of on-time first tokens, 10 a second
-        c.observe(0.100, 0.100, now=i * 0.1)
-    assert c.factor == 1.0
-    for i in range(15):  # then 1.5 s of 1.3x late ones: 15 against 100 still in the horizon
-        c.observe(0.100, 0.130, now=20.0 + i * 0.1)
-    assert c.factor == pytest.approx(1.3)
-    counted = Calibration(refresh_every=1, horizon=math.inf)  # by count alone: 15 of 215 ratios
-    for i in range(200):
-        counted.observe(0.100, 0.100, now=i * 0.1)
-    for i in range(15):
-        counted.observe(0.100, 0.130, now=20.0 + i * 0.1)
-    assert counted.factor < 1.3
-    quiet = Calibration(refresh_every=1, horizon=10.0, keep=4)
-    for i in range(6):  # a minute apart: the newest four stay, however old
-        quiet.observe(0.100, 0.200 if i >= 2 else 0.100, now=60.0 * i)
-    assert quiet.factor == pytest.approx(2.0)
-

@@ -288,7 +288,7 @@ def test_first_tokens_later_than_promised_make_admission_promise_later():
         r.sched.prefill_cost = r.sched.cost = CostModel(LinearCost(0.025, 0.0, 0.0), refit_every=10**9)
         await r.sched.start()
         budget = 0.045  # the 25 ms prediction and the 10 ms margin fit; 1.6x of it does not
-        for _ in range(4):  # one at a time (the factor is refreshed every 4th), each first token 15 ms late
+        for _ in range(8):  # one at a time, each admitted and on time, each first token 15 ms later than promised
             item = r.submit(1, budget=budget)
             assert item.predicted_wait == pytest.approx(0.025)
             await r.clock.run_until_idle()
@@ -314,7 +314,7 @@ def test_a_request_that_expires_before_its_first_token_calibrates_the_promise_to
         r = GenRig(per_row=0.030, max_wait_ms=0, budget_scope="total")
         r.sched.prefill_cost = r.sched.cost = CostModel(LinearCost(0.025, 0.0, 0.0), refit_every=10**9)
         await r.sched.start()
-        for _ in range(4):  # the factor is refreshed every 4th judged request
+        for _ in range(8):
             item = r.submit(2, budget=0.036)
             await r.clock.run_until_idle()
             assert item.outcome is Outcome.EXPIRED
