@@ -90,7 +90,7 @@ wrk:
 # of the rest of Ferry's run-time imports (at the versions in .venv) and the MiniLM tokenizer,
 # in .gpu-check/ (ignored by git; about 6 MiB, kept under the 60 MiB a device run may carry).
 GPU_CHECK_DIR := .gpu-check
-GPU_CHECK_PKGS := starlette uvicorn httptools orjson pydantic pyzmq msgspec httpx python-multipart jinja2
+GPU_CHECK_PKGS := starlette uvicorn httptools orjson pydantic pyzmq msgspec cbor2 httpx python-multipart jinja2
 gpu-wheels: setup
 	rm -rf $(GPU_CHECK_DIR) && mkdir -p $(GPU_CHECK_DIR)/wheels $(GPU_CHECK_DIR)/minilm-tokenizer
 	$(PY) -c "import importlib.metadata as m, sys; print('\n'.join(f'{p}=={m.version(p)}' for p in sys.argv[1:]))" \

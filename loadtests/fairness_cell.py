@@ -177,10 +177,12 @@ def run_weights(
     return {"label": label, "shares": shares, "errors": errors, "jain": jain, "tok_s": total / duration}
 
 
-def config_file() -> str:
+def config_file(chat_model: str = "tiny") -> str:
+    """The weights cell's config: the tenants and their weights, and the chat model (served
+    under the name the cells send, whatever it is)."""
     path = Path(tempfile.mkdtemp(prefix="ferry-fair-")) / "ferry.yaml"
     tenants = "".join(f"  - {{name: {t}, weight: {w}}}\n" for t, w in WEIGHTS.items())
-    path.write_text(f"models:\n  - {{name: {MODEL}, kind: chat, source: tiny}}\ntenants:\n{tenants}")
+    path.write_text(f"models:\n  - {{name: {MODEL}, kind: chat, source: {chat_model}}}\ntenants:\n{tenants}")
     return str(path)
 
 
@@ -206,7 +208,7 @@ def main() -> None:
     p.add_argument(
         "--chat-model",
         default="tiny",
-        help="the two and lengths cells' chat model, as `ferry serve --chat-model` takes it (weights: always tiny)",
+        help="the chat model, as `ferry serve --chat-model` takes it (`default`: SmolLM2-135M-Instruct)",
     )
     a = p.parse_args()
     if a.chat_model != "tiny":  # served under the name the cells send (GatewayProcess reads these)
@@ -228,7 +230,7 @@ def main() -> None:
     if "weights" in cells:
         print(f"Four backlogged tenants, weights 1:1:2:4, {a.clients} clients each:")
         rows: dict[str, list[dict]] = {}
-        cfg = config_file()
+        cfg = config_file(a.chat_model)
         # The config file names the models: no --chat-model beside it.
         saved = {k: os.environ.pop(k) for k in ("FERRY_CHAT_MODEL", "FERRY_SERVED_MODEL_NAME") if k in os.environ}
         for _ in range(a.repeats):
