@@ -188,8 +188,10 @@ def predicted_first_token(
         # where steps are packed: no fixed cost of a prefill forward of its own), and its
         # first token comes when that whole iteration ends.
         prefill += load.chunk_step - (cost.params.fixed if load.chunks_packed else 0.0)
-    if load.prefill_chunk is not None and group * tokens > load.prefill_chunk:
-        further = math.ceil(group * tokens / load.prefill_chunk) - 1
+    # Chunks go to the prompts the engine took first: its group's tokens come after theirs.
+    chunked = load.prefill_backlog + group * tokens
+    if load.prefill_chunk is not None and chunked > load.prefill_chunk:
+        further = math.ceil(chunked / load.prefill_chunk) - 1
         prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))
     return max(slots[0], now) + prefill
 

@@ -165,18 +165,26 @@ class RequestQueue:
         """Queued items (of one class, or of all) whose deadline is at or before t."""
         return sum(bisect_right(edf, (t, INF)) for p, edf in self._edf.items() if priority is None or p is priority)
 
-    def earliest_promise(self, priority: Priority) -> float:
+    def earliest_promise(self, priority: Priority, tenant: str = "") -> float:
         """The earliest deadline promised to a queued item of `priority` or a class served
         after it (best-effort items were promised nothing): a newcomer of that class shares
-        their turn or goes before them."""
+        their turn or goes before them. With fair shares, only the promises of its own tenant
+        and of tenants served less (by their counters; one back from idle is lifted to the
+        busiest's level, a tie): a tenant over its share does not keep one within it out."""
+        tenants = self.tenants if self.fair else None
+        mine = tenants.arriving_counter(tenant) if tenants is not None else 0.0
         earliest = INF
         for p, edf in self._edf.items():
             if p < priority:
                 continue
             for deadline, item_id in edf:
-                if not self._all[item_id].best_effort:
-                    earliest = min(earliest, deadline)
-                    break
+                item = self._all[item_id]
+                if item.best_effort:
+                    continue
+                if tenants is not None and item.tenant != tenant and tenants.counter(item.tenant) >= mine:
+                    continue
+                earliest = min(earliest, deadline)
+                break
         return earliest
 
     @property

@@ -176,7 +176,7 @@ class QueueingBatcher:
                 self.load(now),
                 siblings=len(items) - 1,
                 predict=self.predict,
-                promised=self.promised(priority),
+                promised=self.promised(priority, tenant),
             )
             best_effort = self.check_itl(items[-1], len(items) - 1) or best_effort
         except Exception as exc:
@@ -199,7 +199,7 @@ class QueueingBatcher:
         self._wake.set()
         return items
 
-    def promised(self, priority: Priority) -> float:
+    def promised(self, priority: Priority, tenant: str = "") -> float:
         """The earliest deadline of queued work a newcomer of `priority` must not make late
         (admission.check's `promised`): none here, a one-shot batch's prediction already
         counts the work queued before it, and what it delays comes after its own deadline."""

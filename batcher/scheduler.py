@@ -112,13 +112,15 @@ class GenerationScheduler(QueueingBatcher):
     def expected_output(self, payload: Any) -> float:
         return self._slots.expected_output(payload)
 
-    def promised(self, priority: Priority) -> float:
+    def promised(self, priority: Priority, tenant: str = "") -> float:
         """Prompts queued before a newcomer join the same prefill iteration, and its tokens
         make that iteration longer: each one's first token comes when it ends. A newcomer is
         admitted only if the earliest of their deadlines still holds (measured on the real
         model at twice its capacity: about one admitted request in four was late without it,
-        all in the seconds a burst of arrivals lengthened the iteration they had been promised)."""
-        return self.queue.earliest_promise(priority)
+        all in the seconds a burst of arrivals lengthened the iteration they had been promised).
+        With fair shares, a tenant over its share does not keep one within it out
+        (`RequestQueue.earliest_promise`)."""
+        return self.queue.earliest_promise(priority, tenant)
 
     def load(self, now: float) -> Load:
         """The tracker's snapshot plus what runs and the slots kept for interactive prompts
@@ -135,8 +137,22 @@ class GenerationScheduler(QueueingBatcher):
         # The step a newcomer's prefill shares: the running rows and the queue joining with it.
         joining = min(running + len(self.queue) + 1, self._slots.limit(s, self.decode_cost))
         step = self.decode_cost.predict(joining) if running else 0.0
-        extra = {"prefill_chunk": chunk, "chunk_step": step, "chunks_packed": packed}
+        extra = {
+            "prefill_chunk": chunk,
+            "chunk_step": step,
+            "chunks_packed": packed,
+            "prefill_backlog": self._prefill_backlog(chunk),
+        }
         return self._slots.load(base, now, s, self.queue, self.decode_cost, **extra)
+
+    def _prefill_backlog(self, chunk: int | None) -> int:
+        """Prompt tokens the engine will still have to prefill when the iteration in flight
+        ends (it computes up to `chunk` of them): the engine's count, read from the event
+        loop (an estimate), where the engine keeps one."""
+        backlog = int(getattr(self.engine, "prefill_backlog", 0))
+        if self._iteration_ends is not None and chunk is not None:
+            backlog -= chunk
+        return max(backlog, 0)
 
     def check_itl(self, item: WorkItem, siblings: int) -> bool:
         """A request's inter-token target against the predicted decode step at the

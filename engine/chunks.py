@@ -106,6 +106,12 @@ class PendingPrefills(Generic[Row]):
         return list(self._pending.values())
 
     @property
+    def backlog(self) -> int:
+        """Prompt tokens the pending prompts have still to compute (what a prefix cache will
+        serve of a prompt not started yet counted too: an upper bound)."""
+        return sum(len(p.prompt) - p.done for p in tuple(self._pending.values()))
+
+    @property
     def kv_tokens(self) -> int:
         """Prompt tokens whose KV the pending prompts hold."""
         # A snapshot: the event loop reads this (a gauge) while the worker thread changes the set.

@@ -357,6 +357,10 @@ class FakeChunkingEngine(FakeGenerationEngine):
     def prefilling(self) -> int:
         return len(self._waiting)
 
+    @property
+    def prefill_backlog(self) -> int:
+        return sum(len(r.prompt_ids) - fed for r, fed in self._waiting.values())
+
     def enqueue(self, requests) -> list:
         self.calls.append(("enqueue", [r.seq_id for r in requests]))
         outputs = []

@@ -195,6 +195,11 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         return len(self._pending)
 
     @property
+    def prefill_backlog(self) -> int:
+        """Prompt tokens taken and not yet prefilled (read by admission from the event loop)."""
+        return self._pending.backlog
+
+    @property
     def running_ids(self) -> list[int]:
         return [seq.seq_id for seq in self._batch.seqs] + self._pending.ids
 

@@ -242,6 +242,19 @@ def test_with_token_budgeted_steps_a_long_prompt_waits_a_decode_step_per_further
     )
 
 
+def test_a_prompt_waits_for_the_chunks_of_the_prompts_the_engine_is_still_prefilling():
+    s = batching(max_batch_size=4)
+    short = item(NOW + 1.0, tokens=80)
+    # 150 tokens of earlier prompts still to prefill come first: 230 tokens in chunks of
+    # 100, the short prompt's last ones in the third iteration.
+    behind = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, prefill_backlog=150)
+    assert admission.predicted_first_token(queue(), short, NOW, s, COST, behind) == pytest.approx(
+        NOW + 0.02 + cost(1) + 2 * (0.02 + cost(1))
+    )
+    clear = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, prefill_backlog=20)
+    assert admission.predicted_first_token(queue(), short, NOW, s, COST, clear) == pytest.approx(NOW + 0.02 + cost(1))
+
+
 def test_a_prompt_in_the_lane_does_not_wait_for_the_running_rows_decode_step():
     s = batching(max_batch_size=4)
     lane = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, prefill_first=True)

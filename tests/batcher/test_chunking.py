@@ -72,6 +72,30 @@ def test_a_long_prompt_is_prefilled_a_budget_at_a_time_while_the_streams_decode(
     run(scenario())
 
 
+def test_admission_sees_the_prompt_tokens_the_engine_is_still_prefilling():
+    """A newcomer's first chunk comes after the engine's backlog, less the chunk the
+    iteration in flight is computing."""
+
+    async def scenario():
+        r = ChunkRig(max_batch_tokens=40, max_running=8, max_batch_size=8)
+        await r.sched.start()
+        streams = [r.submit(3, 40) for _ in range(3)]
+        await r.clock.advance(0.05)
+        r.submit(300, 2)
+        while not (r.engine.prefill_backlog and r.sched._iteration_ends is not None):
+            await r.clock.advance(0.001)  # taken by the engine, an iteration in flight
+        backlog = r.engine.prefill_backlog
+        load = r.sched.load(r.clock.now())
+        assert 0 < load.prefill_backlog == backlog - load.prefill_chunk
+        for s in streams:
+            r.sched.cancel(s)
+        await r.clock.run_until_idle()
+        assert r.sched.load(r.clock.now()).prefill_backlog == 0 == r.engine.prefill_backlog
+        await r.sched.stop()
+
+    run(scenario())
+
+
 def test_an_interactive_prompts_chunk_goes_ahead_of_a_batch_class_one():
     async def scenario():
         r = ChunkRig(max_batch_tokens=64, max_running=8, max_batch_size=8, interactive_lane=False)

@@ -137,6 +137,27 @@ def test_a_new_items_place_counts_the_items_its_tenants_counter_lets_ahead():
     assert q.count_before(item("noisy", deadline=99.0)) == 20
 
 
+def test_a_tenant_over_its_share_does_not_keep_one_within_it_out_by_its_promises():
+    """Admission protects the promises of queued prompts a newcomer would join or go before
+    (`earliest_promise`); with fair shares only those of its own tenant and of tenants
+    served less than it."""
+    tenants = Tenants()
+    noisy = [item("noisy", deadline=1.0 + k) for k in range(3)]
+    quiet = item("quiet", deadline=5.0)
+    q = fair_queue(*noisy, quiet, tenants=tenants)
+    tenants.arrive("noisy", 3)
+    tenants.arrive("quiet", 1)
+    tenants.charge("noisy", 0.0, input_tokens=300)
+    tenants.charge("quiet", 0.0, input_tokens=20)
+    assert q.earliest_promise(INTERACTIVE, "quiet") == 5.0  # noisy's earlier deadlines do not count
+    assert q.earliest_promise(INTERACTIVE, "noisy") == 1.0  # its own, and quiet's, do
+    # Back from idle, lifted to the least served active tenant's level (quiet's): a tie,
+    # which keeps neither out.
+    assert q.earliest_promise(INTERACTIVE, "other") == float("inf")
+    off = fair_queue(*noisy, quiet, tenants=Tenants(enabled=False))
+    assert off.earliest_promise(INTERACTIVE, "quiet") == 1.0
+
+
 # -- batchers ------------------------------------------------------------------------------
 def test_a_micro_batcher_serves_a_quiet_tenant_ahead_of_a_flood_and_charges_what_it_ran():
     async def scenario():
