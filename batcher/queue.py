@@ -171,7 +171,7 @@ class RequestQueue:
         their turn or goes before them. With fair shares, only the promises of its own tenant
         and of tenants served less (by their counters; one back from idle is lifted to the
         busiest's level, a tie): a tenant over its share does not keep one within it out."""
-        tenants = self.tenants if self.fair else None
+        tenants = self.tenants if self._fair_with(tenant) else None  # the newcomer's tenant counts
         mine = tenants.arriving_counter(tenant) if tenants is not None else 0.0
         earliest = INF
         for p, edf in self._edf.items():

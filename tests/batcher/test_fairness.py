@@ -156,6 +156,13 @@ def test_a_tenant_over_its_share_does_not_keep_one_within_it_out_by_its_promises
     assert q.earliest_promise(INTERACTIVE, "other") == float("inf")
     off = fair_queue(*noisy, quiet, tenants=Tenants(enabled=False))
     assert off.earliest_promise(INTERACTIVE, "quiet") == 1.0
+    # The first of a new tenant, while another's alone are queued: fair already.
+    alone = Tenants()
+    only_noisy = fair_queue(*noisy, tenants=alone)
+    alone.arrive("noisy", 3)
+    alone.charge("noisy", 0.0, input_tokens=300)
+    assert only_noisy.earliest_promise(INTERACTIVE, "quiet") == float("inf")
+    assert only_noisy.earliest_promise(INTERACTIVE, "noisy") == 1.0
 
 
 # -- batchers ------------------------------------------------------------------------------
