@@ -31,7 +31,7 @@ from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
 from .grammar import GrammarCache
 from .kv import RunningBatch
-from .kv_events import BlockEvents, KVEventsConfig, block_events, parse_kv_events_config
+from .kv_events import KVEventsConfig, cache_events
 from .onednn import PLAIN_BELOW, fuse_projections, prepack_linears, prepack_output_head
 from .packed import install
 from .packed_steps import PackedSteps
@@ -129,9 +129,8 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         `prefix_block`-token blocks of prompts is kept (up to `prefix_cache_bytes`; 0 is
         off) and reused by later prompts that start with the same tokens. The running
         rows' KV buffers take at most `kv_cache_bytes` (None: no bound): past it, running
-        sequences are preempted (engine/preemption.py). `kv_events` (vLLM's
-        `--kv-events-config`): the prefix cache's blocks published as vLLM's KV cache
-        events (engine/kv_events.py)."""
+        sequences are preempted (engine/preemption.py). `kv_events`: vLLM's
+        `--kv-events-config`, the prefix cache's blocks published (engine/kv_events.py)."""
         # Before the model loads, so a bad setting fails at once, naming itself; a cache
         # that can hold nothing would only cost look-ups.
         prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_caching and prefix_cache_bytes else None
@@ -164,7 +163,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         if not uniform and prefix_cache is not None:
             log.warning("prefix caching off for %s: its attention layers differ in KV shape", self.name)
             prefix_cache = None
-        self.kv_events = _kv_events(kv_events, prefix_cache, self.device, self.name)
+        self.kv_events = cache_events(kv_events, prefix_cache, self.device.type == "cuda", self.name)
         # Packed steps keep a chunk's KV in one buffer across layers, as the prefix cache
         # does, and need the model's attention to be SDPA (engine/packed.py).
         self.packs_steps = packed_steps and uniform and install(self.model) and self._forward.packed_works(self.device)
@@ -195,8 +194,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         return len(self._pending)
 
     @property
-    def prefill_backlog(self) -> int:
-        """Prompt tokens taken and not yet prefilled (read by admission from the event loop)."""
+    def prefill_backlog(self) -> int:  # prompt tokens taken, not yet prefilled (admission reads it)
         return self._pending.backlog
 
     @property
@@ -401,21 +399,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
 
     def _new_sequence(self, request: SequenceRequest) -> RunningSequence:
         return RunningSequence.of(request, self._detok, self.grammars)
-
-
-def _kv_events(
-    config: KVEventsConfig | dict[str, Any] | str | None, cache: PrefixCache | None, device: torch.device, name: str
-) -> BlockEvents | None:
-    """The prefix cache's block events, published where `config` enables them (the medium
-    named as vLLM names its: GPU for a CUDA device's cache, else CPU)."""
-    parsed = config if isinstance(config, KVEventsConfig) else parse_kv_events_config(config)
-    if parsed is None or not parsed.enabled:
-        return None
-    if cache is None:
-        log.warning("KV cache events of %s: none to publish, its prefix cache is off", name)
-        return None
-    cache.events = block_events(parsed, cache.block, "GPU" if device.type == "cuda" else "CPU")
-    return cache.events
 
 
 def _log_loaded(engine: HFGenerationEngine, prefix_cache: PrefixCache | None) -> None:

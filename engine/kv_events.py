@@ -328,3 +328,19 @@ def block_events(config: KVEventsConfig | None, block: int, medium: str) -> Bloc
     if config is None or not config.enabled:
         return None
     return BlockEvents(ZmqEventPublisher(config), block, medium)
+
+
+def cache_events(
+    config: KVEventsConfig | dict[str, Any] | str | None, cache: Any, on_gpu: bool, name: str
+) -> BlockEvents | None:
+    """The events of a chat engine's prefix cache (engine/prefix_cache.py), attached to it,
+    where `config` enables them (the medium named as vLLM names its: GPU for a CUDA
+    device's cache, else CPU)."""
+    parsed = config if isinstance(config, KVEventsConfig) else parse_kv_events_config(config)
+    if parsed is None or not parsed.enabled:
+        return None
+    if cache is None:
+        log.warning("KV cache events of %s: none to publish, its prefix cache is off", name)
+        return None
+    cache.events = block_events(parsed, cache.block, "GPU" if on_gpu else "CPU")
+    return cache.events
