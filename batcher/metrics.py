@@ -265,15 +265,18 @@ class Metrics:
         )
         self.kv_tokens = Gauge(
             "ferry_kv_cache_tokens",
-            "KV-cache token positions the running rows attend over (rows x longest row, padding included).",
+            "KV-cache token positions the running rows hold (`--kv-layout blocks`: their blocks, each row's "
+            "tokens rounded up to a 16-token block; `rectangle`: rows x longest row, padding included), "
+            "shared prefixes held once and prompts prefilling.",
             ["model"],
             registry=r,
             multiprocess_mode=SUM,
         )
         self.kv_usage = Gauge(
             "ferry_kv_cache_usage_ratio",
-            "Share (0-1) of the KV-cache memory in use: the running rows x longest row over the "
-            "--kv-cache-mb budget in tokens (no budget: cache tokens over max_running x the model's context); "
+            "Share (0-1) of the KV-cache memory in use: blocks in use over the pool's (`--kv-layout blocks`), "
+            "or the running rows x longest row over the --kv-cache-mb budget in tokens (`rectangle`); "
+            "no budget: cache tokens over max_running x the model's context; "
             "0 for embeddings models (no KV cache).",
             ["model"],
             registry=r,

@@ -20,6 +20,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from .base import PrefillStep
+from .blocks import PagedBatch
 from .kv import RunningBatch
 from .packed import PackedPlan, Segment
 from .prefill import Prefilled, Prefiller
@@ -215,7 +216,7 @@ class PendingPrefills(Generic[Row]):
 
     def pack(
         self,
-        batch: RunningBatch,
+        batch: RunningBatch | PagedBatch,
         last: list[tuple[int, int]],
         chunks: Sequence[Chunk[Row]],
         sharing: Sharing,
@@ -227,17 +228,23 @@ class PendingPrefills(Generic[Row]):
         tokens], its plan (the rows' shared prefixes `sharing`), and the indices of the tokens
         whose logits it needs (each row's, each completing chunk's last), on `device`. Opens
         the batch's next column for the rows."""
-        mask = batch.decode_mask() if last else None  # may grow or compact the buffers: read them after
-        slots = [(layer.keys, layer.values) for layer in batch.layers] if last else []
         segments = packed_segments(chunks, len(last), empty)
         ids, positions = [t for t, _ in last], [p for _, p in last]
         for c in chunks:
             ids += c.pending.prompt[c.start : c.end]
             positions += range(c.start, c.end)
         ends = [g.offset + g.tokens - 1 for g, c in zip(segments, chunks, strict=True) if c.completes]
-        decode_mask = None if mask is None else mask.bool()[:, None, None, :]
-        plan = PackedPlan(len(last), slots, batch.start, batch.end, decode_mask, segments, *sharing)
-        plan.row_mask = None if mask is None else mask.long()  # the kernel reads int64 (no copy when it is already)
+        if isinstance(batch, PagedBatch):  # the rows' KV in blocks (engine/blocks.py)
+            if last:
+                batch.decode_mask()
+            plan = PackedPlan(len(last), [], 0, 0, None, segments, *sharing)
+            plan.paged = batch if last else None
+        else:
+            mask = batch.decode_mask() if last else None  # may grow or compact the buffers: read them after
+            slots = [(layer.keys, layer.values) for layer in batch.layers] if last else []
+            decode_mask = None if mask is None else mask.bool()[:, None, None, :]
+            plan = PackedPlan(len(last), slots, batch.start, batch.end, decode_mask, segments, *sharing)
+            plan.row_mask = None if mask is None else mask.long()  # the kernel reads int64 (no copy when it is already)
         keep = list(range(len(last))) + ends
         # (int64 even when empty: no row decodes and no chunk completes its prompt)
         keep_ids = torch.tensor(keep, dtype=torch.long, device=device)

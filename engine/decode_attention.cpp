@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -94,13 +95,14 @@ inline void scores8(const float* q, const float* kb, int64_t ks2, const int64_t*
   }
 }
 
-// w[j] = exp(w[j] - max w); returns their sum.
-inline float softmax_numerators8(float* w, int64_t n) {
+// w[j] = exp(w[j] - max w); returns their sum, the max in *top_out.
+inline float softmax_numerators8(float* w, int64_t n, float* top_out) {
   __m256 top8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(w + j));
   float top = max8(top8);
   for (; j < n; ++j) top = std::max(top, w[j]);
+  *top_out = top;
   const __m256 t = _mm256_set1_ps(top);
   __m256 total8 = _mm256_setzero_ps();
   for (j = 0; j + 8 <= n; j += 8) {
@@ -144,7 +146,7 @@ inline void values8(const float* vb, int64_t vs2, const int64_t* cols, const flo
 
 // The plain loops: any head dimension, any CPU.
 void attend_plain(const float* qg, const float* kb, const float* vb, int64_t ks2, int64_t vs2, const int64_t* cols,
-                  int64_t n, int64_t group, int64_t dim, float sc, float* weights, float* og) {
+                  int64_t n, int64_t group, int64_t dim, float sc, float* weights, float* og, float* lse) {
   std::vector<float> total(group);
   for (int64_t j = 0; j < n; ++j) {
     const float* k = kb + cols[j] * ks2;
@@ -165,6 +167,7 @@ void attend_plain(const float* qg, const float* kb, const float* vb, int64_t ks2
       sum += w[j];
     }
     total[h] = sum;
+    if (lse != nullptr) lse[h] = top + std::log(sum);
   }
   std::fill(og, og + group * dim, 0.f);
   for (int64_t j = 0; j < n; ++j) {
@@ -180,6 +183,34 @@ void attend_plain(const float* qg, const float* kb, const float* vb, int64_t ks2
     float* o = og + h * dim;
     for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
   }
+}
+
+// One (row, KV head): the group of query heads qg [group, dim] against the n columns `cols`
+// of keys kb and values vb (a column's token at cols[j] * stride), into og [group, dim] and,
+// where lse is not null, each head's log-sum-exp (-inf where n is 0).
+inline void attend_task(const float* qg, const float* kb, const float* vb, int64_t ks2, int64_t vs2,
+                        const int64_t* cols, int64_t n, int64_t group, int64_t dim, float sc, float* weights, float* og,
+                        float* lse) {
+#ifdef FERRY_AVX2
+  if (dim % 8 == 0) {
+    for (int64_t h = 0; h < group; ++h) {
+      float* w = weights + h * n;
+      scores8(qg + h * dim, kb, ks2, cols, n, dim, sc, w);
+      float top = -std::numeric_limits<float>::infinity();
+      const float total = n > 0 ? softmax_numerators8(w, n, &top) : 0.f;
+      const float inv = total > 0.f ? 1.f / total : 0.f;
+      if (n > 0) {
+        values8(vb, vs2, cols, w, n, dim, inv, og + h * dim);
+      } else {
+        std::fill(og + h * dim, og + (h + 1) * dim, 0.f);
+      }
+      if (lse != nullptr) lse[h] = n > 0 ? top + std::log(total) : -std::numeric_limits<float>::infinity();
+    }
+    return;
+  }
+#endif
+  attend_plain(qg, kb, vb, ks2, vs2, cols, n, group, dim, sc, weights, og, lse);
+  if (lse != nullptr && n == 0) std::fill(lse, lse + group, -std::numeric_limits<float>::infinity());
 }
 
 // query [rows, heads, dim]; keys, values [>= rows, kv_heads, width, dim] with the last dim
@@ -214,9 +245,6 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
   const int64_t vs0 = values.stride(0), vs1 = values.stride(1), vs2 = values.stride(2);
   const int64_t ms0 = mask.stride(0);
   const float sc = static_cast<float>(scale);
-#ifdef FERRY_AVX2
-  const bool vector = dim % 8 == 0;
-#endif
 
   // One task per (row, KV head): its keys are read once for all the query heads they serve.
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
@@ -229,32 +257,101 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& keys, con
       for (int64_t c = 0; c < width; ++c) {
         if (m[c] != 0) cols[n++] = c;
       }
-      const float* kb = kp + r * ks0 + g * ks1;
-      const float* vb = vp + r * vs0 + g * vs1;
-      const float* qg = qp + (r * heads + g * group) * dim;
-      float* og = op + (r * heads + g * group) * dim;
-#ifdef FERRY_AVX2
-      if (vector) {
-        for (int64_t h = 0; h < group; ++h) {
-          float* w = weights.data() + h * n;
-          scores8(qg + h * dim, kb, ks2, cols.data(), n, dim, sc, w);
-          const float total = n > 0 ? softmax_numerators8(w, n) : 0.f;
-          const float inv = total > 0.f ? 1.f / total : 0.f;
-          values8(vb, vs2, cols.data(), w, n, dim, inv, og + h * dim);
-        }
-        continue;
-      }
-#endif
-      attend_plain(qg, kb, vb, ks2, vs2, cols.data(), n, group, dim, sc, weights.data(), og);
+      const int64_t first = (r * heads + g * group) * dim;
+      attend_task(qp + first, kp + r * ks0 + g * ks1, vp + r * vs0 + g * vs1, ks2, vs2, cols.data(), n, group, dim, sc,
+                  weights.data(), op + first, nullptr);
     }
   });
   return out;
+}
+
+// Decode attention over KV kept in blocks (engine/blocks.py): query [rows, heads, dim]; the
+// pools [slots, kv_heads, dim] (one layer's keys and values, a token's heads side by side,
+// the last dim contiguous); blocks [>= rows, max blocks] int64, row r's token j lying in pool
+// slot blocks[r][j / block] * block + j % block; lengths [>= rows] int64, the tokens each row
+// attends (its first ones). Returns (out [rows, heads, dim], log-sum-exp [rows, heads]), the
+// second so a caller can merge it with attention over other keys (a shared prefix).
+std::tuple<at::Tensor, at::Tensor> paged_decode_attention(const at::Tensor& query, const at::Tensor& key_pool,
+                                                          const at::Tensor& value_pool, const at::Tensor& blocks,
+                                                          const at::Tensor& lengths, int64_t block, double scale) {
+  TORCH_CHECK(query.dim() == 3 && key_pool.dim() == 3 && value_pool.dim() == 3 && blocks.dim() == 2 &&
+                  lengths.dim() == 1,
+              "paged_decode_attention: query [rows, heads, dim], pools [slots, kv_heads, dim], blocks [rows, n], "
+              "lengths [rows]");
+  TORCH_CHECK(query.device().is_cpu() && key_pool.device().is_cpu() && value_pool.device().is_cpu() &&
+                  blocks.device().is_cpu() && lengths.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key_pool.scalar_type() == at::kFloat &&
+                  value_pool.scalar_type() == at::kFloat && blocks.scalar_type() == at::kLong &&
+                  lengths.scalar_type() == at::kLong,
+              "paged_decode_attention: float32 query and pools; int64 blocks and lengths");
+  const int64_t rows = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t slots = key_pool.size(0), kv_heads = key_pool.size(1);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "paged_decode_attention: heads not a multiple of kv_heads");
+  TORCH_CHECK(key_pool.sizes() == value_pool.sizes() && key_pool.size(2) == dim && blocks.size(0) >= rows &&
+                  lengths.size(0) >= rows && block > 0,
+              "paged_decode_attention: shapes disagree");
+  TORCH_CHECK(key_pool.stride(2) == 1 && value_pool.stride(2) == 1 && blocks.stride(1) == 1,
+              "paged_decode_attention: the last dims must be contiguous");
+  const at::Tensor lens = lengths.contiguous();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  const int64_t* bp = blocks.data_ptr<int64_t>();
+  const int64_t bs0 = blocks.stride(0), per_row = blocks.size(1);
+  int64_t width = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(lp[r] >= 0 && lp[r] <= per_row * block, "paged_decode_attention: a row's length exceeds its blocks");
+    width = std::max(width, lp[r]);
+  }
+  const int64_t group = heads / kv_heads;
+  const at::Tensor q = query.contiguous();
+  at::Tensor out = at::empty({rows, heads, dim}, query.options());
+  at::Tensor lse = at::empty({rows, heads}, query.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = key_pool.data_ptr<float>();
+  const float* vp = value_pool.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  float* lsep = lse.data_ptr<float>();
+  const int64_t ks0 = key_pool.stride(0), ks1 = key_pool.stride(1);
+  const int64_t vs0 = value_pool.stride(0), vs1 = value_pool.stride(1);
+  const float sc = static_cast<float>(scale);
+  bool in_pool = true;
+  for (int64_t r = 0; r < rows && in_pool; ++r) {
+    for (int64_t b = 0; b * block < lp[r]; ++b) {
+      const int64_t id = bp[r * bs0 + b];
+      if (id < 0 || (id + 1) * block > slots) {
+        in_pool = false;
+        break;
+      }
+    }
+  }
+  TORCH_CHECK(in_pool, "paged_decode_attention: a block id lies outside the pools");
+
+  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<int64_t> cols(width);
+    std::vector<float> weights(width * group);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / kv_heads, g = task % kv_heads;
+      const int64_t n = lp[r];
+      const int64_t* row_blocks = bp + r * bs0;
+      for (int64_t j = 0; j < n; ++j) cols[j] = row_blocks[j / block] * block + j % block;
+      const int64_t first = (r * heads + g * group) * dim;
+      attend_task(qp + first, kp + g * ks1, vp + g * vs1, ks0, vs0, cols.data(), n, group, dim, sc, weights.data(),
+                  op + first, lsep + r * heads + g * group);
+    }
+  });
+  return {out, lse};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(ferry, m) {
   m.def("decode_attention(Tensor query, Tensor keys, Tensor values, Tensor mask, float scale) -> Tensor");
+  m.def(
+      "paged_decode_attention(Tensor query, Tensor key_pool, Tensor value_pool, Tensor blocks, Tensor lengths, "
+      "int block, float scale) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(ferry, CPU, m) { m.impl("decode_attention", decode_attention); }
+TORCH_LIBRARY_IMPL(ferry, CPU, m) {
+  m.impl("decode_attention", decode_attention);
+  m.impl("paged_decode_attention", paged_decode_attention);
+}

@@ -44,6 +44,13 @@ SOURCE = Path(__file__).with_name("decode_attention.cpp")
 # query [rows, heads, dim], keys and values [rows, kv_heads, width, dim] (the last dim
 # contiguous), mask [rows, width] int64 (nonzero = attend), scale -> [rows, heads, dim]
 DecodeAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# query [rows, heads, dim], key and value pools [slots, kv_heads, dim], blocks [rows, n] and
+# lengths [rows] int64, block size, scale -> (out [rows, heads, dim], log-sum-exp [rows, heads]):
+# each row attends its first `lengths` tokens, token j in slot blocks[r, j // block] * block + j % block
+PagedAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
 def _build_flags() -> tuple[str, list[str]]:
@@ -114,6 +121,25 @@ def _build() -> DecodeAttention | None:
     return kernel
 
 
+@functools.cache
+def paged_attention_kernel() -> PagedAttention | None:
+    """The kernel's form for KV kept in blocks (engine/blocks.py), from the same library,
+    checked against `paged_reference`; None (logged) where the library is not there or the
+    check fails."""
+    if decode_attention_kernel() is None:
+        return None
+    kernel: PagedAttention = torch.ops.ferry.paged_decode_attention
+    try:
+        ok = matches_paged_reference(kernel)
+    except RuntimeError as exc:
+        log.warning("paged decode attention kernel unavailable (%s); attention over blocks gathered", exc)
+        return None
+    if not ok:
+        log.warning("paged decode attention kernel disagrees with SDPA on this host; attention over blocks gathered")
+        return None
+    return kernel
+
+
 class KernelError(RuntimeError):
     """The kernel raised inside a forward (engine/packed.py)."""
 
@@ -163,3 +189,49 @@ def matches_sdpa(kernel: DecodeAttention) -> bool:
     with torch.inference_mode():
         got, want = kernel(query, keys, values, mask, scale), reference(query, keys, values, mask, scale)
     return bool(torch.allclose(got, want, atol=1e-5, rtol=1e-4))
+
+
+def paged_reference(
+    query: torch.Tensor,
+    key_pool: torch.Tensor,
+    value_pool: torch.Tensor,
+    blocks: torch.Tensor,
+    lengths: torch.Tensor,
+    block: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the paged kernel computes, in plain products: ([rows, heads, dim], [rows, heads])."""
+    rows, heads, _ = query.shape
+    outs, lses = [], []
+    for r in range(rows):
+        n = int(lengths[r])
+        j = torch.arange(n)
+        slots = blocks[r, j // block] * block + j % block
+        k = key_pool.index_select(0, slots).transpose(0, 1)  # [kv_heads, n, dim]
+        v = value_pool.index_select(0, slots).transpose(0, 1)
+        group = heads // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+        scores = torch.einsum("hd,hnd->hn", query[r].float(), k.float()) * scale
+        lse = torch.logsumexp(scores, -1)
+        outs.append(torch.einsum("hn,hnd->hd", torch.exp(scores - lse[:, None]), v.float()))
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def matches_paged_reference(kernel: PagedAttention) -> bool:
+    """The paged kernel against `paged_reference` on rows of different lengths (one of a
+    single token, one ending mid-block) over blocks scattered through a pool, grouped-query heads."""
+    gen = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, block = 4, 2, 16, 4
+    lengths = torch.tensor([1, 7, 12, 9])
+    pool_blocks = 16
+    order = torch.randperm(pool_blocks, generator=gen)
+    blocks = order[: 4 * 3].reshape(4, 3)
+    key_pool = torch.randn(pool_blocks * block, kv_heads, dim, generator=gen)
+    value_pool = torch.randn(pool_blocks * block, kv_heads, dim, generator=gen)
+    query = torch.randn(4, heads, dim, generator=gen)
+    scale = dim**-0.5
+    with torch.inference_mode():
+        got = kernel(query, key_pool, value_pool, blocks, lengths, block, scale)
+        want = paged_reference(query, key_pool, value_pool, blocks, lengths, block, scale)
+    return all(bool(torch.allclose(g, w, atol=1e-5, rtol=1e-4)) for g, w in zip(got, want, strict=True))

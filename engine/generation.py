@@ -23,9 +23,10 @@ from typing import Any
 import torch
 
 from .base import PrefillStep, SequenceRequest, StepOutput
+from .blocks import PagedBatch
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, PendingPrefills
-from .decode_attention import kernel_after, kernel_for
+from .decode_attention import KernelError, kernel_after, kernel_for, paged_attention_kernel
 from .detokenize import FINISH_LENGTH
 from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
@@ -44,6 +45,7 @@ from .sharing import PrefixSharing
 log = logging.getLogger("ferry.engine")
 
 DEFAULT_PREFIX_CACHE_BYTES = 256 * 1024 * 1024
+KV_LAYOUTS = ("blocks", "rectangle")  # the running rows' KV: engine/blocks.py, engine/kv.py
 DEFAULT_KV_CACHE_BYTES = 4096 * 1024 * 1024  # the running rows' KV, as vLLM's CPU backend's default
 MIN_KV_TOKENS = 1024  # fewer cannot hold the warm-up's rows (batcher/iteration.py) beside anything else
 
@@ -70,7 +72,7 @@ class KVMemory:
     """An engine's KV memory as the scheduler reads it: the running rows (`_batch`), the
     prompts prefilling (`_pending`), the budget in cells and the preemptions."""
 
-    _batch: RunningBatch[RunningSequence]
+    _batch: RunningBatch[RunningSequence] | PagedBatch[RunningSequence]
     _pending: PendingPrefills[RunningSequence]
     _preemption: Preemption
     _sharing: PrefixSharing
@@ -81,12 +83,13 @@ class KVMemory:
         """Token slots the running rows attend over (rows x length, padding included), the
         shared prefixes held for them once (engine/sharing.py), and the prompt tokens
         prefilling sequences hold."""
-        return self._batch.rows * self._batch.width + self._sharing.tokens + self._pending.kv_tokens
+        return self._batch.used_cells + self._sharing.tokens + self._pending.kv_tokens
 
     @property
     def kv_usage(self) -> float | None:
-        """The running rows' share of the KV budget (None without one)."""
-        return self._batch.rows * self._batch.width / self.kv_budget if self.kv_budget else None
+        """The running rows' share of the KV budget (None without one): cells of the
+        rectangle, or blocks in use over the pool's (engine/blocks.py)."""
+        return self._batch.usage
 
     def reserve(self, rows: int) -> None:
         """Buffers for `rows` running rows now (the warm-up's: traffic then never waits for them to grow)."""
@@ -123,6 +126,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         native_attention: bool = True,
         fused_projections: bool = True,
         kv_events: KVEventsConfig | dict[str, Any] | str | None = None,
+        kv_layout: str = "blocks",
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
@@ -130,7 +134,12 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         off) and reused by later prompts that start with the same tokens. The running
         rows' KV buffers take at most `kv_cache_bytes` (None: no bound): past it, running
         sequences are preempted (engine/preemption.py). `kv_events`: vLLM's
-        `--kv-events-config`, the prefix cache's blocks published (engine/kv_events.py)."""
+        `--kv-events-config`, the prefix cache's blocks published (engine/kv_events.py).
+        `kv_layout`: "blocks" keeps each running row's KV in blocks of one pool
+        (engine/blocks.py; where steps are packed), "rectangle" in rows x the longest row
+        (engine/kv.py)."""
+        if kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
         # Before the model loads, so a bad setting fails at once, naming itself; a cache
         # that can hold nothing would only cost look-ups.
         prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_caching and prefix_cache_bytes else None
@@ -159,7 +168,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         uniform, token_bytes, self._empty_kv = self._forward.check_cache_layout(self.device)
         # Cells (rows x columns) the running rows' KV may take; the context capped to fit it.
         self.kv_budget, self.max_context = _kv_budget(kv_cache_bytes, token_bytes, self.max_context, self.name)
-        self._batch = self._new_batch()
         if not uniform and prefix_cache is not None:
             log.warning("prefix caching off for %s: its attention layers differ in KV shape", self.name)
             prefix_cache = None
@@ -170,6 +178,10 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         # Decode steps' attention through engine/decode_attention.py's kernel (packed steps
         # only); None keeps SDPA.
         self._decode_kernel = kernel_for(self.model, native_attention and self.packs_steps)
+        # Running rows' KV in blocks where steps are packed (only packed forwards read blocks).
+        self.kv_layout = kv_layout if self.packs_steps else "rectangle"
+        self._paged_kernel = paged_attention_kernel() if self._decode_kernel is not None else None
+        self._batch = self._new_batch()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._sharing = PrefixSharing()  # prefixes running rows share, held once (engine/sharing.py)
         self._pending: PendingPrefills[RunningSequence] = PendingPrefills(self._prefiller, self._sharing)
@@ -326,17 +338,22 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         # Packed where rows share a prefix (their slots do not hold it: only the packed
         # attention reads it), or where the decode attention kernel runs (only a packed
         # forward's attention knows the rows apart); else one plain forward.
-        sharing = self._sharing.plan(batch.seqs, batch.end, self.device) if self.packs_steps else ([], None)
-        if sharing[0] or (packed and self.packs_steps and self._decode_kernel is not None):
+        sharing = self._sharing.plan(batch.seqs, _column(batch), self.device) if self.packs_steps else ([], None)
+        if sharing[0] or batch.paged or (packed and self.packs_steps and self._decode_kernel is not None):
             try:
                 logits = self._packed_forward([], sharing)
             except Exception as exc:  # nothing advanced: run it plain, where that can be
-                if sharing[0]:
+                if batch.paged and self._paged_kernel is not None and isinstance(exc, KernelError):
+                    log.error("paged decode attention kernel failed for %s; rows gathered from now on", self.name)
+                    self._paged_kernel = None
+                    return self._decode_step(packed)
+                if sharing[0] or batch.paged:  # (only a packed forward reads them)
                     raise
                 log.exception("packed decode step of %s failed; running it plain", self.name)
                 self._decode_kernel = kernel_after(exc, self._decode_kernel, self.name)
             else:
                 return self._packed_outputs([], logits, PrefillStep())
+        assert isinstance(batch, RunningBatch)
         input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)
         positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
         logits, _ = self._forward(input_ids, positions, mask, batch.cache)
@@ -394,7 +411,9 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
             self._batch.admit(layers, mask, seqs, alive)
         return outputs
 
-    def _new_batch(self) -> RunningBatch[RunningSequence]:
+    def _new_batch(self) -> RunningBatch[RunningSequence] | PagedBatch[RunningSequence]:
+        if self.kv_layout == "blocks":
+            return PagedBatch(self.max_running, self.kv_budget)
         return RunningBatch(self.max_running, self.kv_budget)
 
     def _new_sequence(self, request: SequenceRequest) -> RunningSequence:
@@ -489,3 +508,9 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def _column(batch: RunningBatch[RunningSequence] | PagedBatch[RunningSequence]) -> int:
+    """The running rows' write column (engine/sharing.py's own starts count back from it);
+    rows in blocks have none (their own parts are their blocks)."""
+    return 0 if isinstance(batch, PagedBatch) else batch.end

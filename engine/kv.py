@@ -72,6 +72,8 @@ class RunningBatch(Generic[Row]):
     amortised, nothing is copied per step.
     """
 
+    paged = False  # (engine/blocks.py's PagedBatch keeps rows in blocks)
+
     def __init__(self, slots: int, budget: int | None = None) -> None:
         self.slots = slots  # the most rows it may hold
         self.budget = budget  # the most cells (rows x columns) its buffers may take; None: no bound
@@ -103,6 +105,28 @@ class RunningBatch(Generic[Row]):
     def fits(self, rows: int, columns: int) -> bool:
         """Whether `rows` rows of `columns` cached columns each fit the budget."""
         return self.budget is None or rows * columns <= self.budget
+
+    @property
+    def used_cells(self) -> int:
+        """Token cells the rows attend over: rows x the batch's width, padding included."""
+        return self.rows * self.width
+
+    @property
+    def usage(self) -> float | None:
+        """The rows' share of the budget (None without one)."""
+        return self.used_cells / self.budget if self.budget else None
+
+    def step_fits(self) -> bool:
+        """Whether the next decode column fits."""
+        return self.fits(self.rows, self.width + 1)
+
+    def joining_fits(self, kept: Sequence[int] | None, joining: Sequence[int]) -> bool:
+        """Whether rows holding `kept` columns each (None: the rows as they are), after this
+        step's column, and rows joining with `joining` columns each fit, with room for the
+        next column: rows are right-aligned, so every row is as wide as the widest."""
+        rows = (self.rows if kept is None else len(kept)) + len(joining)
+        width = self.width if kept is None else max(kept, default=0)
+        return self.fits(rows, max([width + 1, *joining]) + 1)
 
     def reserve(self, rows: int) -> None:
         """Grow the buffers to hold `rows` rows now, as many as the budget allows at their

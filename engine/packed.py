@@ -20,12 +20,15 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .decode_attention import DecodeAttention, KernelError
+from .decode_attention import DecodeAttention, KernelError, PagedAttention
+
+if TYPE_CHECKING:
+    from .blocks import PagedBatch
 
 log = logging.getLogger("ferry.engine")
 IMPLEMENTATION = "ferry"  # the attention implementation name models are switched to
@@ -84,9 +87,15 @@ class PackedPlan:
     row_mask: torch.Tensor | None = None
     held_chunks: list[HeldChunks] | None = None  # built by the first layer (`held_chunks`)
     own_bias: torch.Tensor | None = None  # the decode rows' own parts' mask, built by the first layer
+    # The decode rows' KV in blocks (engine/blocks.py) instead of `slots`: written through
+    # it, read through each row's block table (`paged_rows_attention`).
+    paged: PagedBatch | None = None
+    paged_kernel: PagedAttention | None = None
 
     @property
     def layers(self) -> int:
+        if self.paged is not None and self.paged.pool is not None:
+            return int(self.paged.pool.shape[0])
         return len(self.slots) if self.slots else int(self.segments[0].kv.shape[0])
 
     def chunk_mask(self, s: Segment, device: torch.device) -> torch.Tensor:
@@ -234,7 +243,10 @@ class PackedLayer(DynamicLayer):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
         plan, i = self.plan, self.index
-        if plan.rows:
+        if plan.rows and plan.paged is not None:
+            rows = plan.rows  # [1, kv_heads, rows, head_dim] -> [rows, kv_heads, head_dim] into their slots
+            plan.paged.write(i, key_states[0, :, :rows].transpose(0, 1), value_states[0, :, :rows].transpose(0, 1))
+        elif plan.rows:
             keys, values = plan.slots[i]
             # [1, kv_heads, rows, head_dim] -> the rows' column of the slot buffers
             keys[: plan.rows, :, plan.column] = key_states[0, :, : plan.rows].transpose(0, 1)
@@ -268,7 +280,10 @@ def packed_attention(
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     plan, i = ferry_plan, cast(int, module.layer_idx)
     parts = []
-    if plan.rows and plan.shared:
+    if plan.rows and plan.paged is not None:
+        scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
+        parts.append(paged_rows_attention(query[0, :, : plan.rows].transpose(0, 1), plan, i, scaling)[None])
+    elif plan.rows and plan.shared:
         scaling = kwargs.get("scaling") or query.shape[-1] ** -0.5
         parts.append(shared_prefix_attention(query[0, :, : plan.rows].transpose(0, 1), plan, i, scaling)[None])
     elif plan.rows and plan.kernel is not None and plan.row_mask is not None and query.dtype == torch.float32:
@@ -326,6 +341,43 @@ def shared_prefix_attention(query: torch.Tensor, plan: PackedPlan, layer: int, s
         allowed = (cols[None, :] >= plan.own_start[:, None]) & plan.decode_mask[:, 0, 0, lo - plan.lo :]
         plan.own_bias = _bias(allowed, query.dtype)[:, None, None, :]
     out, lse = attend(q, keys[:rows, :, lo:hi], values[:rows, :, lo:hi], plan.own_bias, scaling)
+    return _with_shared(q, out, lse, plan, layer, scaling).reshape(rows, heads, dim).to(query.dtype)
+
+
+def paged_rows_attention(query: torch.Tensor, plan: PackedPlan, layer: int, scaling: float) -> torch.Tensor:
+    """Decode attention [rows, heads, head_dim] of one query per row over the rows' KV in
+    blocks (`plan.paged`): the paged kernel where the engine has it (each row's tokens read
+    where they lie), else the rows gathered into a rectangle for SDPA; merged with the
+    prefixes groups of rows share (`shared_prefix_attention`'s way) where they do."""
+    paged = plan.paged
+    assert paged is not None and paged.pool is not None
+    rows, heads, dim = query.shape
+    kv_heads = int(paged.pool.shape[3])
+    group = heads // kv_heads
+    q = query.reshape(rows, kv_heads, group, dim)
+    if plan.paged_kernel is not None and query.dtype == torch.float32 and query.device.type == "cpu":
+        table, lengths = paged.table()
+        pool = paged.pool[layer]
+        try:
+            out, lse = plan.paged_kernel(query, pool[0], pool[1], table, lengths, paged.block, scaling)
+        except RuntimeError as exc:
+            raise KernelError(str(exc)) from exc
+        out, lse = out.reshape(rows, kv_heads, group, dim), lse.reshape(rows, kv_heads, group)
+    else:
+        keys, values, allowed = paged.gather(layer)
+        out, lse = attend(q, keys, values, _bias(allowed, query.dtype)[:, None, None, :], scaling)
+    if plan.shared:
+        out = _with_shared(q, out, lse, plan, layer, scaling)
+    return out.reshape(rows, heads, dim).to(query.dtype)
+
+
+def _with_shared(
+    q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, plan: PackedPlan, layer: int, scaling: float
+) -> torch.Tensor:
+    """The rows' attention over their own parts (`out`, `lse`: [rows, kv_heads, group, ...])
+    merged, group by group, with their queries `q` [rows, kv_heads, group, head_dim] against
+    the prefix the group holds once."""
+    _, kv_heads, group, dim = q.shape
     for g in plan.shared:
         n = len(g.rows)
         # [kv_heads, n x group, dim] against [kv_heads, tokens, dim]: one product per KV head.
@@ -336,7 +388,7 @@ def shared_prefix_attention(query: torch.Tensor, plan: PackedPlan, layer: int, s
         lse_g = lse_g.reshape(kv_heads, n, group).transpose(0, 1)
         merged = merge(out_g, lse_g, out.index_select(0, g.rows), lse.index_select(0, g.rows))
         out.index_copy_(0, g.rows, merged)
-    return out.reshape(rows, heads, dim).to(query.dtype)
+    return out
 
 
 def install(model: Any) -> bool:

@@ -9,8 +9,9 @@ import functools
 import torch
 
 from .base import PrefillStep, StepOutput, TokenLogprob
+from .blocks import PagedBatch
 from .chunks import Chunk, PendingPrefills
-from .decode_attention import DecodeAttention
+from .decode_attention import DecodeAttention, PagedAttention
 from .forward import CausalForward
 from .kv import RunningBatch
 from .sequence import NextTokens, RunningSequence
@@ -24,11 +25,12 @@ class PackedSteps:
     `HFGenerationEngine`, whose state it reads)."""
 
     device: torch.device
-    _batch: RunningBatch[RunningSequence]
+    _batch: RunningBatch[RunningSequence] | PagedBatch[RunningSequence]
     _pending: PendingPrefills[RunningSequence]
     _sharing: PrefixSharing
     _forward: CausalForward
     _decode_kernel: DecodeAttention | None
+    _paged_kernel: PagedAttention | None
     _empty_kv: torch.Tensor
     _next: NextTokens
     packs_steps: bool
@@ -47,10 +49,11 @@ class PackedSteps:
         batch = self._batch
         if batch.seqs:
             batch.decode_mask()  # may move the columns: the plan reads them after
-        sharing = sharing or self._sharing.plan(batch.seqs, batch.end, self.device)
+        column = 0 if isinstance(batch, PagedBatch) else batch.end  # (rows in blocks have no shared column)
+        sharing = sharing or self._sharing.plan(batch.seqs, column, self.device)
         last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
         input_ids, positions, plan, keep = self._pending.pack(batch, last, chunks, sharing, self.device, self._empty_kv)
-        plan.kernel = self._decode_kernel
+        plan.kernel, plan.paged_kernel = self._decode_kernel, self._paged_kernel
         logits = self._forward.packed(input_ids, positions, plan, keep)
         if batch.seqs:
             batch.advance()

@@ -28,11 +28,14 @@ from collections.abc import Sequence
 import torch
 
 from .base import PrefillStep
+from .blocks import PagedBatch
 from .chunks import Chunk, Pending, PendingPrefills
 from .kv import RunningBatch
 from .prefix_cache import PrefixCache
 from .sequence import RunningSequence
 from .sharing import PrefixSharing
+
+Rows = RunningBatch[RunningSequence] | PagedBatch[RunningSequence]  # the running rows, in either layout
 
 
 class Preemption:
@@ -45,9 +48,9 @@ class Preemption:
         self.sharing = sharing or PrefixSharing()  # the engine's: a prefix held once takes no row's columns
         self.count = 0  # sequences preempted so far (a counter: the metric reads it)
 
-    def room_for_step(self, batch: RunningBatch[RunningSequence]) -> None:
+    def room_for_step(self, batch: Rows) -> None:
         """Before a decode step: park rows, the most yielding first, until the next column fits."""
-        while batch.rows > 1 and not batch.fits(batch.rows, batch.width + 1):
+        while batch.rows > 1 and not batch.step_fits():
             victim = _victim(batch.seqs)
             assert victim is not None  # rows > 1
             self.park(batch, victim)
@@ -63,12 +66,12 @@ class Preemption:
         return [p.seq_id for p in waiting if p.resumed and p.seq.priority == urgent] + list(first)
 
     def plan(
-        self, batch: RunningBatch[RunningSequence], budget: int | None, first: Sequence[int], step: PrefillStep
+        self, batch: Rows, budget: int | None, first: Sequence[int], step: PrefillStep
     ) -> list[Chunk[RunningSequence]]:
         """`PendingPrefills.plan` of one step beside `batch`, in the room its KV budget leaves."""
         return self.pending.plan(budget, self.first(first), step, StepRoom(self, batch))
 
-    def park(self, batch: RunningBatch[RunningSequence], row: int) -> None:
+    def park(self, batch: Rows, row: int) -> None:
         """Preempt the sequence of row `row`: its full blocks to the prefix cache, its row
         out of the batch, the sequence back among the pending prompts, first."""
         seq = batch.seqs[row]
@@ -93,7 +96,7 @@ class StepRoom:
     that may not start or join holds back every later one of its number or higher (first
     come), so a long prompt is not overtaken for ever by short ones."""
 
-    def __init__(self, preemption: Preemption, batch: RunningBatch[RunningSequence]) -> None:
+    def __init__(self, preemption: Preemption, batch: Rows) -> None:
         self.preemption, self.batch = preemption, batch
         self.joining: list[int] = []  # lengths of the prompts joining in this step
         self.blocked: list[int] = []  # priority numbers of prompts that could not
@@ -109,7 +112,7 @@ class StepRoom:
         if not self.may_start(p):
             return False
         batch = self.batch
-        while not batch.fits(batch.rows + len(self.joining) + 1, self._columns(batch.width, p)):
+        while not batch.joining_fits(None, self._joining(p)):
             victim = _victim(batch.seqs, above=p.seq.priority)
             if victim is None:  # (the estimate in _could_fit was short: a row had padding)
                 self.blocked.append(p.seq.priority)
@@ -123,19 +126,17 @@ class StepRoom:
         return any(p.seq.priority >= b for b in self.blocked)
 
     def _could_fit(self, p: Pending[RunningSequence]) -> bool:
-        """Whether `p` would fit with every row of a higher number than its own parked: the
-        rows kept are as wide as the longest of them (rows are right-aligned)."""
+        """Whether `p` would fit with every row of a higher number than its own parked."""
         batch = self.batch
         kept = [s for s in batch.seqs if s.priority <= p.seq.priority]
-        width = batch.width if len(kept) == batch.rows else max((_held_columns(s) for s in kept), default=0)
-        return batch.fits(len(kept) + len(self.joining) + 1, self._columns(width, p))
+        columns = None if len(kept) == batch.rows else [_held_columns(s) for s in kept]
+        return batch.joining_fits(columns, self._joining(p))
 
-    def _columns(self, width: int, p: Pending[RunningSequence]) -> int:
-        """Columns after this step's decode column, with `p` and the prompts joining, and
-        room for the next one. A prompt that starts with a prefix held once (engine/sharing.py)
-        needs columns for the rest only."""
+    def _joining(self, p: Pending[RunningSequence]) -> list[int]:
+        """The columns of the prompts joining in this step, `p` last. A prompt that starts
+        with a prefix held once (engine/sharing.py) needs columns for the rest only."""
         held = self.preemption.sharing.held(p.seq.chain)
-        return max([width + 1, len(p.prompt) - (held.tokens if held else 0), *self.joining]) + 1
+        return [*self.joining, len(p.prompt) - (held.tokens if held else 0)]
 
 
 def _victim(seqs: Sequence[RunningSequence], above: int | None = None) -> int | None:

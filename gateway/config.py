@@ -144,7 +144,8 @@ class ServerSettings(Knobs):
     )
     kv_cache_mb: int = knob(
         4096,
-        "memory each chat model's running sequences' KV may take (rows x the longest row's tokens): "
+        "memory each chat model's running sequences' KV may take (`--kv-layout blocks`: their own "
+        "tokens in 16-token blocks; `rectangle`: rows x the longest row's tokens): "
         "the number running is bounded by it, not only by max_running; when it is full, running "
         "sequences are preempted, batch class first, and recomputed from the prefix cache when there "
         "is room (docs/scheduling.md). A model whose context does not fit has it capped to the budget. "
@@ -152,6 +153,15 @@ class ServerSettings(Knobs):
         "take memory beside it. 0: no bound. Set at start",
         unit="MiB",
         ge=0,
+    )
+    kv_layout: Literal["blocks", "rectangle"] = knob(
+        "blocks",
+        "how each chat model keeps its running sequences' KV: `blocks`, each sequence's tokens in "
+        "16-token blocks of one pool with a block table per sequence, read by the decode attention "
+        "kernel through the tables, so memory is the sum of the sequences' own tokens (vLLM's paged "
+        "attention); `rectangle`, rows x the longest row's tokens, right-aligned, so one long "
+        "conversation makes every row as wide (engine/kv.py). Models whose steps cannot be packed "
+        "keep the rectangle. Set at start (docs/scheduling.md)",
     )
     admin_token: str | None = knob(
         None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)", null="admin routes off"

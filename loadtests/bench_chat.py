@@ -35,6 +35,11 @@ prompts beside interactive arrivals, against Ferry with its KV memory unbounded 
 quarter of what the load needs (`--kv-cache-mb`; loadtests/memory_cell.py): batch tokens/s,
 interactive first-token latency, preemptions and the running rows' KV peak, side by side.
 
+The `kvblocks` cell (`--servers kvblocks`): 4 conversations of ~1,800 tokens among 60 of
+~150 in 2 GiB of KV (about twice what they hold), closed loop, against Ferry's KV in blocks,
+the rectangle (`--kv-layout rectangle`) and vLLM with the same space (loadtests/kv_blocks_cell.py):
+tokens/s and preemptions, `--repeats` rounds.
+
 The `goodput` cell (`--servers goodput --rates 48,64,96,128`): requests/s whose first token
 comes within `--slo-ms` (200), streaming 32 new tokens under open-loop Poisson arrivals,
 each request carrying the SLO as its `latency_budget_ms` (loadtests/goodput_cell.py): Ferry
@@ -305,9 +310,9 @@ def main() -> None:
         "--servers",
         default="continuous,static,transformers",
         help="comma-separated subset of "
-        "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,vllm",
+        "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,kvblocks,vllm",
     )
-    p.add_argument("--repeats", type=int, default=1, help="sampling and saturation cells: rounds of every variant")
+    p.add_argument("--repeats", type=int, default=1, help="sampling, saturation and kvblocks cells: rounds of every variant")
     p.add_argument(
         "--saturation-variants",
         default=SATURATION_VARIANTS,
@@ -406,6 +411,10 @@ def main() -> None:
         from .memory_cell import run_memory_cell
 
         run_memory_cell(a.duration)
+    if "kvblocks" in servers:
+        from .kv_blocks_cell import run_kv_blocks_cell
+
+        run_kv_blocks_cell(a.duration, a.vllm_python, a.repeats)
     if "vllm" in servers and a.vllm_python:
         from engine.tiny_chat import ensure_tiny_chat
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -30,12 +31,25 @@ PROMPTS = (  # short chat prompts, shared with bench_chat's other cells
 )
 
 
-async def _client(http: httpx.AsyncClient, model: str, k: int, max_tokens: int, until: float, out: list) -> None:
+def short_prompt(k: int, i: int) -> str:
+    """Client k's i-th prompt: the short ones in turn."""
+    return PROMPTS[(k + i) % len(PROMPTS)]
+
+
+async def _client(
+    http: httpx.AsyncClient,
+    model: str,
+    k: int,
+    max_tokens: int,
+    until: float,
+    out: list,
+    prompt: Callable[[int, int], str] = short_prompt,
+) -> None:
     i = 0
     while time.perf_counter() < until:
         body = {
             "model": model,
-            "messages": [{"role": "user", "content": PROMPTS[(k + i) % len(PROMPTS)]}],
+            "messages": [{"role": "user", "content": prompt(k, i)}],
             "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
@@ -61,9 +75,18 @@ async def _client(http: httpx.AsyncClient, model: str, k: int, max_tokens: int, 
         record[:4] = [status, done, done - t0, tokens]
 
 
-def run_saturation(label: str, url: str, model: str, clients: int, duration: float, max_tokens: int = 64) -> dict:
+def run_saturation(
+    label: str,
+    url: str,
+    model: str,
+    clients: int,
+    duration: float,
+    max_tokens: int = 64,
+    prompt: Callable[[int, int], str] = short_prompt,
+) -> dict:
     """Tokens/s streamed within `duration` s after a warm-up of a third of it (a request's
-    tokens are counted where they arrived, whether or not it ended in the window)."""
+    tokens are counted where they arrived, whether or not it ended in the window). Client
+    k's i-th request asks `prompt(k, i)`."""
 
     async def main() -> tuple[list, float, float]:
         out: list = []
@@ -72,7 +95,9 @@ def run_saturation(label: str, url: str, model: str, clients: int, duration: flo
             start = time.perf_counter()
             window = (start + duration / 3, start + duration / 3 + duration)
             until = window[1]
-            tasks = [asyncio.create_task(_client(http, model, k, max_tokens, until, out)) for k in range(clients)]
+            tasks = [
+                asyncio.create_task(_client(http, model, k, max_tokens, until, out, prompt)) for k in range(clients)
+            ]
             await asyncio.wait(tasks, timeout=until - time.perf_counter())
             for t in tasks:  # answers still streaming at the window's end: counted so far, then dropped
                 t.cancel()

@@ -147,6 +147,7 @@ def model_spec(
             "prepacked_linears": cfg.prepacked_linears,
             "fused_projections": cfg.fused_projections,
             "native_attention": cfg.native_attention,
+            "kv_layout": cfg.kv_layout,
             "kv_cache_bytes": (cfg.kv_cache_mb if kv_cache_mb is None else kv_cache_mb) * 1024 * 1024 or None,
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
             "kv_events": cfg.kv_events_config if kv_events_config is None else kv_events_config,

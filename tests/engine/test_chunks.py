@@ -178,10 +178,13 @@ def test_a_failed_decode_step_drops_the_prompts_prefilling_too(engine, monkeypat
     engine.enqueue([greedy(2, system_prompt(engine, "dropped", words=150))])
     engine.prefill(32)
 
-    def broken(*args):
-        raise RuntimeError("device lost")
+    class Broken:  # every forward, packed or not
+        def __call__(self, *args):
+            raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine, "_forward", broken)
+        packed = __call__
+
+    monkeypatch.setattr(engine, "_forward", Broken())
     with pytest.raises(RuntimeError):
         engine.step()
     assert engine.running == 0 and engine.kv_tokens == 0
@@ -262,10 +265,14 @@ def test_a_packed_step_is_one_forward_and_gives_the_tokens_of_two(pair, monkeypa
 def test_a_packed_forward_that_fails_runs_apart_and_fails_only_the_bad_prompt(pair, monkeypatch):
     on, off = pair
     good, bad = system_prompt(on, "packgood", words=40), system_prompt(on, "packbad", words=40)
-    extend = on._prefiller.extend
+    extend, packed = on._prefiller.extend, on._forward.packed
 
-    def failing_packed(*args):
-        raise RuntimeError("out of memory")
+    def failing_packed(input_ids, positions, plan, keep):
+        # Packed with chunks fails; the running rows alone still run (rows in blocks are read
+        # by packed forwards only, engine/blocks.py).
+        if plan.segments:
+            raise RuntimeError("out of memory")
+        return packed(input_ids, positions, plan, keep)
 
     def failing_extend(prompts, hits):
         if any(p[:20] == bad[:20] for p in prompts):

@@ -14,7 +14,18 @@ import pytest
 import torch
 
 import engine.decode_attention as decode_attention
-from engine.decode_attention import DecodeAttention, decode_attention_kernel, kernel_for, matches_sdpa, reference
+from engine.decode_attention import (
+    DecodeAttention,
+    decode_attention_kernel,
+    kernel_for,
+    matches_paged_reference,
+    matches_sdpa,
+    paged_attention_kernel,
+    paged_reference,
+    reference,
+)
+from engine.generation import HFGenerationEngine
+from tests.engine.conftest import BLOCK
 from tests.engine.test_prefill import Run, greedy, system_prompt
 
 
@@ -97,14 +108,55 @@ def test_a_kernel_that_disagrees_with_sdpa_is_refused():
     assert not matches_sdpa(off_by_a_little)
 
 
-def test_decode_through_the_kernel_gives_the_tokens_of_sdpa_decode(pair, kernel):
-    on, off = pair  # `off` runs plain SDPA decode steps
-    assert on._decode_kernel is kernel and off._decode_kernel is None
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (9, 3, 64), (6, 1, 12)])
+def test_paged_kernel_reads_each_row_through_its_blocks(kernel, heads, kv_heads, dim):
+    paged = paged_attention_kernel()
+    assert paged is not None
+    gen = torch.Generator().manual_seed(heads * dim)
+    block, pool_blocks = 16, 40
+    lengths = torch.tensor([1, 16, 17, 45, 3])
+    # Each row's blocks scattered through the pool; every slot no row reads is NaN, so a
+    # read past a row's tokens or outside its blocks shows.
+    blocks = torch.randperm(pool_blocks, generator=gen)[:15].reshape(5, 3)
+    key_pool = torch.full((pool_blocks * block, kv_heads, dim), float("nan"))
+    value_pool = torch.full((pool_blocks * block, kv_heads, dim), float("nan"))
+    for r, n in enumerate(lengths.tolist()):
+        j = torch.arange(n)
+        slots = blocks[r, j // block] * block + j % block
+        key_pool[slots] = torch.randn(n, kv_heads, dim, generator=gen)
+        value_pool[slots] = torch.randn(n, kv_heads, dim, generator=gen)
+    query = torch.randn(5, heads, dim, generator=gen)
+    with torch.inference_mode():
+        out, lse = paged(query, key_pool, value_pool, blocks, lengths, block, dim**-0.5)
+        want, want_lse = paged_reference(query, key_pool, value_pool, blocks, lengths, block, dim**-0.5)
+    assert torch.isfinite(out).all() and torch.allclose(out, want, atol=1e-5, rtol=1e-4)
+    assert torch.allclose(lse, want_lse, atol=1e-5, rtol=1e-4)
+
+
+def test_paged_kernel_refuses_a_block_outside_its_pool(kernel):
+    paged = paged_attention_kernel()
+    assert paged is not None
+    pool = torch.zeros(32, 1, 8)
+    with pytest.raises(RuntimeError, match="outside the pools"):
+        paged(torch.zeros(1, 1, 8), pool, pool, torch.tensor([[5]]), torch.tensor([4]), 16, 1.0)
+    assert matches_paged_reference(paged)
+    assert not matches_paged_reference(lambda *a: tuple(t + 1e-3 for t in paged_reference(*a)))
+
+
+@pytest.mark.parametrize("layout", ["blocks", "rectangle"])
+def test_decode_through_the_kernel_gives_the_tokens_of_sdpa_decode(pair, model_path, kernel, layout):
+    on, off = pair  # `off` runs plain SDPA decode steps over the rectangle
+    if layout == "rectangle":
+        on = HFGenerationEngine(str(model_path), max_running=16, prefix_block=BLOCK, kv_layout="rectangle")
+    assert on.kv_layout == layout and on._decode_kernel is kernel and off._decode_kernel is None
+    attribute = "_paged_kernel" if layout == "blocks" else "_decode_kernel"
+    used = getattr(on, attribute)
+    assert used is not None
     calls = []
 
     def counting(*args):
         calls.append(args[0].shape[0])
-        return kernel(*args)
+        return used(*args)
 
     # Prompts of different lengths that share no prefix (shared ones take engine/packed.py's
     # shared-prefix attention instead).
@@ -116,12 +168,12 @@ def test_decode_through_the_kernel_gives_the_tokens_of_sdpa_decode(pair, kernel)
         r.add(*(greedy(i + 1, p, max_tokens=8) for i, p in enumerate(prompts[2:], start=2)))
         r.drain()
 
-    on._decode_kernel = counting
+    setattr(on, attribute, counting)
     try:
         through_kernel = Run(on)
         script(through_kernel)
     finally:
-        on._decode_kernel = kernel
+        setattr(on, attribute, used)
     plain = Run(off)
     script(plain)
     assert through_kernel.tokens == plain.tokens
@@ -188,23 +240,30 @@ def test_one_library_per_cpu_capability(monkeypatch, capability, name, vectors):
     assert built == name and ("-mavx2" in flags) is vectors
 
 
-def test_a_kernel_that_raises_mid_traffic_is_dropped_for_sdpa(pair, kernel, caplog):
+@pytest.mark.parametrize(
+    ("layout", "said"), [("blocks", "rows gathered from now on"), ("rectangle", "SDPA from now on")]
+)
+def test_a_kernel_that_raises_mid_traffic_is_dropped_for_sdpa(pair, model_path, kernel, caplog, layout, said):
     on, off = pair
+    if layout == "rectangle":
+        on = HFGenerationEngine(str(model_path), max_running=16, prefix_block=BLOCK, kv_layout="rectangle")
+    attribute = "_paged_kernel" if layout == "blocks" else "_decode_kernel"
+    used = getattr(on, attribute)
 
     def broken(*args):
         raise RuntimeError("decode_attention: shapes disagree")
 
     prompts = [system_prompt(on, f"kernelfails{i}", words=9 * i + 3) for i in range(3)]
-    on._decode_kernel = broken
+    setattr(on, attribute, broken)
     try:
         with caplog.at_level(logging.ERROR, logger="ferry.engine"):
             failing = Run(on)
             failing.add(*(greedy(i + 1, p, max_tokens=6) for i, p in enumerate(prompts)))
             failing.drain()
-        assert on._decode_kernel is None  # dropped after the first failure, not retried every step
-        assert caplog.text.count("SDPA from now on") == 1
+        assert getattr(on, attribute) is None  # dropped after the first failure, not retried every step
+        assert caplog.text.count(said) == 1
     finally:
-        on._decode_kernel = kernel
+        setattr(on, attribute, used)
     plain = Run(off)
     plain.add(*(greedy(i + 1, p, max_tokens=6) for i, p in enumerate(prompts)))
     plain.drain()

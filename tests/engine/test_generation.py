@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.base import ChatTemplateError, SamplingParams, SequenceRequest, StepOutput
+from engine.blocks import blocks_for
 from engine.kv import RunningBatch
 from engine.sampling import SequenceSampler, make_generator, sample_next_tokens
 
@@ -63,6 +64,11 @@ def assert_no_padding_only_columns(engine) -> None:
     nobody needs any more is not attended to."""
     batch = engine._batch
     rows = engine.running
+    if batch.paged:  # in blocks: each row holds its own tokens' blocks, no more, the rest free
+        assert batch.used_blocks == sum(blocks_for(n) for n in batch.lengths)
+        assert batch.used_blocks + len(batch._free) == batch.pool_blocks
+        assert engine.kv_tokens == batch.used_blocks * batch.block
+        return
     attended = batch.mask[:rows, batch.start : batch.end]
     width = int(attended.sum(dim=1).max())
     assert batch.width == width

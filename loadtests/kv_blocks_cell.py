@@ -1,0 +1,132 @@
+"""bench_chat's KV-blocks cell: a few long conversations among many short ones, in a KV
+space about twice what their tokens need, against Ferry's KV in blocks (`--kv-layout
+blocks`, the default), the rectangle it replaced (`--kv-layout rectangle`) and, with
+`--vllm-python`, vLLM with the same KV space.
+
+The load: `clients` closed-loop clients (64), `long` of them (4) with a conversation of
+~1,800 prompt tokens each, the rest with one of ~150; every request asks `max_tokens` (96)
+new tokens, greedy, `ignore_eos`, streamed; a client sends its conversation again as soon
+as its answer ends (the prefix cache serves the repeats on every server). Tokens/s are
+counted as they arrive inside the window (loadtests/saturation_cell.py), with the server's
+preemptions over the run (`ferry_preemptions_total`; vLLM's
+`vllm:num_preemptions_total`).
+
+The KV space: `--kv-cache-mb` for Ferry, `VLLM_CPU_KVCACHE_SPACE` (whole GiB) for vLLM, both
+`kv_gib` (2 GiB: on SmolLM2-135M-Instruct's 46,080 bytes a token in float32, 46,603 tokens,
+2.1x the 22,344 the 64 conversations and their answers hold at once). The rectangle keeps
+every row as wide as the longest: with a long conversation running, 24 rows fit.
+
+    python -m loadtests.bench_chat --servers kvblocks --chat-model default --duration 40 \\
+        --repeats 3 --vllm-python /tmp/vllm-venv/bin/python
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from .openloop import GatewayProcess
+from .prefix_cell import WORDS, peer_model_dir, vllm_server
+from .saturation_cell import run_saturation
+
+
+def _text(k: int, words: int) -> str:
+    """Conversation k's text of `words` words (its own: no two share a prefix past a few tokens)."""
+    return f"Conversation {k}. " + " ".join(
+        f"{WORDS[(i * (k + 3)) % len(WORDS)]}{(i * 31 + k) % 97}" for i in range(words)
+    )
+
+
+def conversations(model_dir: str, clients: int, long: int, long_tokens: int, short_tokens: int) -> list[str]:
+    """Each client's prompt, sized in the model's own chat template to about its tokens."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def tokens(text: str) -> int:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        return len(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+    def sized(k: int, target: int) -> str:
+        lo, hi = 1, target
+        while lo < hi:  # the most words whose prompt is within the target
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if tokens(_text(k, mid)) <= target else (lo, mid - 1)
+        return _text(k, lo)
+
+    return [sized(k, long_tokens if k < long else short_tokens) for k in range(clients)]
+
+
+def _metric(url: str, names: tuple[str, ...]) -> float:
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in names)
+
+
+PREEMPTIONS = ("ferry_preemptions_total", "vllm:num_preemptions_total")
+
+
+def _measure(
+    label: str, url: str, prompt: Callable[[int, int], str], clients: int, duration: float, max_tokens: int
+) -> dict:
+    before = _metric(url, PREEMPTIONS)
+    row = run_saturation(label, url, "ferry-tiny-chat", clients, duration, max_tokens, prompt)
+    row["preemptions"] = _metric(url, PREEMPTIONS) - before
+    print(f"  {'':28s} preemptions {row['preemptions']:.0f}", flush=True)
+    return row
+
+
+def run_kv_blocks_cell(
+    duration: float,
+    vllm_python: str | None,
+    repeats: int = 1,
+    clients: int = 64,
+    long: int = 4,
+    kv_gib: int = 2,
+    max_tokens: int = 96,
+) -> list[dict]:
+    from engine.tiny_chat import ensure_tiny_chat
+
+    model_dir = peer_model_dir(ensure_tiny_chat())
+    prompts = conversations(model_dir, clients, long, 1800, 150)
+
+    def prompt(k: int, i: int) -> str:
+        return prompts[k]
+
+    print(
+        f"KV in blocks vs the rectangle ({long} conversations of ~1,800 tokens among {clients - long} of ~150, "
+        f"{max_tokens} new tokens each, closed loop, {kv_gib} GiB of KV):"
+    )
+    rows = []
+    for round_ in range(repeats):
+        for layout in ("blocks", "rectangle"):
+            flags = ["--embedding-model", "none", "--kv-layout", layout, "--kv-cache-mb", str(kv_gib * 1024)]
+            with GatewayProcess(*flags, "--max-running", str(clients)) as gw:
+                rows.append(
+                    {**_measure(f"ferry {layout}", gw.url, prompt, clients, duration, max_tokens), "round": round_}
+                )
+        if vllm_python:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+            proc, url = vllm_server(vllm_python, model_dir, "--max-num-seqs", str(clients))
+            try:
+                rows.append({**_measure("vllm", url, prompt, clients, duration, max_tokens), "round": round_})
+            finally:
+                proc.terminate()
+                proc.wait(60)
+    print(f"Medians over {repeats} round(s):")
+    base = {r["round"]: r for r in rows if r["label"] == "ferry blocks"}
+    for label in dict.fromkeys(r["label"] for r in rows):
+        mine = {r["round"]: r for r in rows if r["label"] == label}
+        line = (
+            f"  {label:20s} {statistics.median(r['tok_s'] for r in mine.values()):8.1f} tok/s, "
+            f"preemptions {statistics.median(r['preemptions'] for r in mine.values()):.0f}"
+        )
+        if label != "ferry blocks":
+            ratios = [base[k]["tok_s"] / mine[k]["tok_s"] for k in mine if mine[k]["tok_s"]]
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            line += f"  blocks / {label}: {statistics.median(ratios):.2f}x (rounds: {each})"
+        print(line, flush=True)
+    return rows
