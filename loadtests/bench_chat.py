@@ -312,7 +312,9 @@ def main() -> None:
         help="comma-separated subset of "
         "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,kvblocks,vllm",
     )
-    p.add_argument("--repeats", type=int, default=1, help="sampling, saturation and kvblocks cells: rounds of every variant")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="sampling, saturation and kvblocks cells: rounds of every variant"
+    )
     p.add_argument(
         "--saturation-variants",
         default=SATURATION_VARIANTS,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import Counter
 from collections.abc import Callable
 
 import httpx
@@ -124,9 +125,10 @@ def run_saturation(
         "ok": len(ok),
         "sent": len(inside),
     }
+    refused = Counter(o[0] for o in inside if o[0] != 200)
     print(
         f"  {label:28s} {clients:4d} clients: {row['tok_s']:8.1f} tok/s  p50 {row['p50_ms']:8.1f} ms"
-        f"  ok {row['ok']}/{row['sent']}",
+        f"  ok {row['ok']}/{row['sent']}" + (f" (others by status: {dict(refused)})" if refused else ""),
         flush=True,
     )
     return row
