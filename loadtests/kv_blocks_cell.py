@@ -7,7 +7,9 @@ The load: `clients` closed-loop clients (64), `long` of them (4) with a conversa
 ~1,800 prompt tokens each, the rest with one of ~150; every request asks `max_tokens` (96)
 new tokens, greedy, `ignore_eos`, streamed; a client sends its conversation again as soon
 as its answer ends (the prefix cache serves the repeats on every server), with a 600 s
-budget at Ferry (vLLM has none: this measures the KV space, not admission). Tokens/s are
+budget at Ferry (vLLM has none: this measures the KV space, not admission) and a prefix
+cache that holds every conversation (1 GiB beside the KV space; vLLM's cache is its KV
+space), after a 90 s warm-up (the first prefill of every conversation). Tokens/s are
 counted as they arrive inside the window (loadtests/saturation_cell.py), with the server's
 preemptions over the run (`ferry_preemptions_total`; vLLM's
 `vllm:num_preemptions_total`).
@@ -72,13 +74,20 @@ PREEMPTIONS = ("ferry_preemptions_total", "vllm:num_preemptions_total")
 # Ferry's budget for these requests: none that matters (vLLM has no deadlines): what is
 # measured is how many conversations the KV space runs at once, not admission.
 NO_DEADLINE_MS = 600_000
+# The first prefill of every conversation (~16,000 prompt tokens, ~45 s on 2 vCPUs) is over
+# before the window opens: it measures the conversations running, their repeats served
+# from the prefix cache.
+WARMUP_S = 90.0
+# Ferry's prefix cache holds every conversation (16,200 tokens, 746 MB on SmolLM2), beside
+# the KV space; vLLM's lies inside its KV space (its blocks are its cache).
+PREFIX_CACHE_MB = 1024
 
 
 def _measure(
     label: str, url: str, prompt: Callable[[int, int], str], clients: int, duration: float, max_tokens: int
 ) -> dict:
     before = _metric(url, PREEMPTIONS)
-    row = run_saturation(label, url, "ferry-tiny-chat", clients, duration, max_tokens, prompt)
+    row = run_saturation(label, url, "ferry-tiny-chat", clients, duration, max_tokens, prompt, WARMUP_S)
     row["preemptions"] = _metric(url, PREEMPTIONS) - before
     print(f"  {'':28s} preemptions {row['preemptions']:.0f}", flush=True)
     return row
@@ -109,7 +118,7 @@ def run_kv_blocks_cell(
     for round_ in range(repeats):
         for layout in ("blocks", "rectangle"):
             flags = ["--embedding-model", "none", "--kv-layout", layout, "--kv-cache-mb", str(kv_gib * 1024)]
-            flags += ["--default-budget-ms", str(NO_DEADLINE_MS)]
+            flags += ["--default-budget-ms", str(NO_DEADLINE_MS), "--prefix-cache-mb", str(PREFIX_CACHE_MB)]
             with GatewayProcess(*flags, "--max-running", str(clients)) as gw:
                 rows.append(
                     {**_measure(f"ferry {layout}", gw.url, prompt, clients, duration, max_tokens), "round": round_}

@@ -84,17 +84,19 @@ def run_saturation(
     duration: float,
     max_tokens: int = 64,
     prompt: Callable[[int, int], str] = short_prompt,
+    warmup: float | None = None,
 ) -> dict:
-    """Tokens/s streamed within `duration` s after a warm-up of a third of it (a request's
-    tokens are counted where they arrived, whether or not it ended in the window). Client
-    k's i-th request asks `prompt(k, i)`."""
+    """Tokens/s streamed within `duration` s after a warm-up (`warmup` s, default a third of
+    the window; a request's tokens are counted where they arrived, whether or not it ended
+    in the window). Client k's i-th request asks `prompt(k, i)`."""
+    warmup = duration / 3 if warmup is None else warmup
 
     async def main() -> tuple[list, float, float]:
         out: list = []
         limits = httpx.Limits(max_connections=clients + 4)
         async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
             start = time.perf_counter()
-            window = (start + duration / 3, start + duration / 3 + duration)
+            window = (start + warmup, start + warmup + duration)
             until = window[1]
             tasks = [
                 asyncio.create_task(_client(http, model, k, max_tokens, until, out, prompt)) for k in range(clients)
