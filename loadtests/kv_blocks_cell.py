@@ -14,10 +14,11 @@ counted as they arrive inside the window (loadtests/saturation_cell.py), with th
 preemptions over the run (`ferry_preemptions_total`; vLLM's
 `vllm:num_preemptions_total`).
 
-The KV space: `--kv-cache-mb` for Ferry, `VLLM_CPU_KVCACHE_SPACE` (whole GiB) for vLLM, both
-`kv_gib` (2 GiB: on SmolLM2-135M-Instruct's 46,080 bytes a token in float32, 46,603 tokens,
-2.1x the 22,344 the 64 conversations and their answers hold at once). The rectangle keeps
-every row as wide as the longest: with a long conversation running, 24 rows fit.
+The KV space: twice the conversations' summed prompt tokens (4 x 1,800 + 60 x 150 = 16,200),
+`--kv-cache-mb 1424` for Ferry (SmolLM2-135M-Instruct keeps 46,080 bytes a token in float32:
+32,400 tokens; the 64 conversations and their answers hold 22,344 at once); vLLM takes whole
+GiB only (`VLLM_CPU_KVCACHE_SPACE`): 2 GiB, more than Ferry's. The rectangle keeps every row
+as wide as the longest: with a long conversation running, 17 rows fit.
 
     python -m loadtests.bench_chat --servers kvblocks --chat-model default --duration 40 \\
         --repeats 3 --vllm-python /tmp/vllm-venv/bin/python
@@ -99,7 +100,7 @@ def run_kv_blocks_cell(
     repeats: int = 1,
     clients: int = 64,
     long: int = 4,
-    kv_gib: int = 2,
+    kv_mb: int = 1424,
     max_tokens: int = 96,
 ) -> list[dict]:
     from engine.tiny_chat import ensure_tiny_chat
@@ -110,21 +111,22 @@ def run_kv_blocks_cell(
     def prompt(k: int, i: int) -> str:
         return prompts[k]
 
+    vllm_gib = -(-kv_mb // 1024)  # vLLM's KV space in whole GiB, at least Ferry's
     print(
         f"KV in blocks vs the rectangle ({long} conversations of ~1,800 tokens among {clients - long} of ~150, "
-        f"{max_tokens} new tokens each, closed loop, {kv_gib} GiB of KV):"
+        f"{max_tokens} new tokens each, closed loop, {kv_mb} MiB of KV, vLLM {vllm_gib} GiB):"
     )
     rows = []
     for round_ in range(repeats):
         for layout in ("blocks", "rectangle"):
-            flags = ["--embedding-model", "none", "--kv-layout", layout, "--kv-cache-mb", str(kv_gib * 1024)]
+            flags = ["--embedding-model", "none", "--kv-layout", layout, "--kv-cache-mb", str(kv_mb)]
             flags += ["--default-budget-ms", str(NO_DEADLINE_MS), "--prefix-cache-mb", str(PREFIX_CACHE_MB)]
             with GatewayProcess(*flags, "--max-running", str(clients)) as gw:
                 rows.append(
                     {**_measure(f"ferry {layout}", gw.url, prompt, clients, duration, max_tokens), "round": round_}
                 )
         if vllm_python:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_gib)
             proc, url = vllm_server(vllm_python, model_dir, "--max-num-seqs", str(clients))
             try:
                 rows.append({**_measure("vllm", url, prompt, clients, duration, max_tokens), "round": round_})
