@@ -10,27 +10,27 @@ or at once when nothing is running. Static mode (the comparison baseline) admits
 group only when the previous one has completely finished.
 
 The loop is here; its parts are their own modules: the running set (batcher/running.py),
-the slots admission reads (batcher/slots.py), the engine's side of an iteration
-(batcher/iteration.py) and the delivery of tokens to their items (batcher/delivery.py).
+the slots admission reads (batcher/slots.py), what admission predicts of the scheduler
+(batcher/gen_load.py), the engine's side of an iteration (batcher/iteration.py) and the
+delivery of tokens to their items (batcher/delivery.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import admission
 from .cost import Calibration, CostModel, LinearCost
 from .delivery import Delivery
-from .errors import DeadlineExceeded, DeadlineInfeasible, EngineError, ShuttingDown
+from .errors import DeadlineExceeded, EngineError, ShuttingDown
+from .gen_load import GenerationLoad
 from .iteration import WARMUP_PROMPT, Chunking, IterationResult, chunk_budget, packs, profile, run_iteration
-from .load import Load
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
 from .protocols import ChunkingEngine, EngineCaller, MakeRequest, PrefillRequest, SteppingEngine
-from .queueing import QueueingBatcher, seconds_until
+from .queueing import seconds_until
 from .running import RunningSet, _Seq
 from .settings import BatchingSettings
 from .slots import Slots
@@ -39,7 +39,7 @@ from .types import DispatchReason, Outcome, Priority, WorkItem
 log = logging.getLogger("ferry.batcher")
 
 
-class GenerationScheduler(QueueingBatcher):
+class GenerationScheduler(GenerationLoad):
     phase = "decode"
 
     def __init__(
@@ -88,17 +88,7 @@ class GenerationScheduler(QueueingBatcher):
     def busy(self) -> bool:
         return len(self.queue) > 0 or bool(self._running)
 
-    # -- load and admission ----------------------------------------------------------
-    def busy_until(self, now: float) -> float:
-        """The next iteration boundary: when a free slot can take a newcomer. The iteration
-        in flight ends when it was predicted to at its start (an overrun: now); between
-        iterations the boundary is now. Not `now` plus a whole step: a request lands
-        anywhere in an iteration, and a wait known to the millisecond keeps the error of
-        the first-token prediction to the cost models' (a whole step was ~300 ms of a 500 ms
-        budget on the real model, stretched by the calibration into refusals)."""
-        ends = self._iteration_ends
-        return now if ends is None else max(ends, now)
-
+    # -- load and admission (the predictions: batcher/gen_load.py) --------------------
     def submit_many(self, payloads: list[Any], **kw: Any) -> list[WorkItem]:
         cached = [self.engine.cached_prefix(p.prompt_ids) for p in payloads]
         costs = kw.get("costs") or [kw.pop("cost", 1)] * len(payloads)
@@ -108,78 +98,6 @@ class GenerationScheduler(QueueingBatcher):
             item.cached = k
         self._slots.submitted(items)
         return items
-
-    def expected_output(self, payload: Any) -> float:
-        return self._slots.expected_output(payload)
-
-    def promised(self, priority: Priority, tenant: str = "") -> float:
-        """Prompts queued before a newcomer join the same prefill iteration, and its tokens
-        make that iteration longer: each one's first token comes when it ends. A newcomer is
-        admitted only if the earliest of their deadlines still holds (measured on the real
-        model at twice its capacity: about one admitted request in four was late without it,
-        all in the seconds a burst of arrivals lengthened the iteration they had been promised).
-        With fair shares, a tenant over its share does not keep one within it out
-        (`RequestQueue.earliest_promise`)."""
-        return self.queue.earliest_promise(priority, tenant)
-
-    def load(self, now: float) -> Load:
-        """The tracker's snapshot plus what runs and the slots kept for interactive prompts
-        (`Slots.load`)."""
-        s = self.settings
-        base = self.tracker.snapshot(now, self.queue, s, self.prefill_cost, self.busy_until(now), shape=False)
-        # The lane's prefill-alone iterations stay on with chunks: measured, turning them off
-        # cost interactive first tokens (on time 86-93% where 98% with them, bench_latency's
-        # chat priority cells, docs/benchmarks-history.md "Token-budgeted steps").
-        running = len(self._running)
-        if not self._chunked or (not running and s.max_batch_tokens is None):
-            return self._slots.load(base, now, s, self.queue, self.decode_cost)
-        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine))
-        # The step a newcomer's prefill shares: the running rows and the queue joining with it.
-        joining = min(running + len(self.queue) + 1, self._slots.limit(s, self.decode_cost))
-        step = self.decode_cost.predict(joining) if running else 0.0
-        extra = {
-            "prefill_chunk": chunk,
-            "chunk_step": step,
-            "chunks_packed": packed,
-            "prefill_backlog": self._prefill_backlog(chunk),
-        }
-        return self._slots.load(base, now, s, self.queue, self.decode_cost, **extra)
-
-    def _prefill_backlog(self, chunk: int | None) -> int:
-        """Prompt tokens the engine will still have to prefill when the iteration in flight
-        ends (it computes up to `chunk` of them): the engine's count, read from the event
-        loop (an estimate), where the engine keeps one."""
-        backlog = int(getattr(self.engine, "prefill_backlog", 0))
-        if self._iteration_ends is not None and chunk is not None:
-            backlog -= chunk
-        return max(backlog, 0)
-
-    def check_itl(self, item: WorkItem, siblings: int) -> bool:
-        """A request's inter-token target against the predicted decode step at the
-        occupancy it would join: the running sequences and the queue ahead (at most every
-        slot the targets allow), itself and its siblings included. Refused at once
-        (`429 deadline_infeasible`) when that step is slower than the target; admitted, its
-        target then bounds the running batch while it runs (`Slots.limit`)."""
-        target = item.itl_target
-        if target is None:
-            return False
-        slots = self._slots.limit(self.settings, self.decode_cost)
-        occupancy = max(1, min(slots, len(self._running) + len(self.queue) + siblings + 1))
-        step = self.decode_cost.predict(occupancy)
-        if step <= target:
-            return False
-        if self.settings.on_infeasible == "serve":
-            return True
-        alone = self.decode_cost.predict(1)
-        if alone > target:
-            why = f"a decode step of this model alone is predicted at {alone * 1000.0:.1f} ms"
-            retry = 60  # not a matter of load: this replica cannot meet it
-        else:
-            why = f"a decode step is predicted at {step * 1000.0:.1f} ms with {occupancy} sequences"
-            retry = max(1, math.ceil(self.load(self.clock.now()).sequence_seconds))  # a typical sequence ends
-        raise DeadlineInfeasible(
-            f"inter-token target of {target * 1000.0:.0f} ms cannot be met: {why}", retry_after=retry
-        )
 
     def _admission(self, now: float) -> tuple[list[WorkItem], float | None]:
         """Items to admit now (in queue order) and, if none, when to look again. Admitted
@@ -263,18 +181,6 @@ class GenerationScheduler(QueueingBatcher):
         result.record(requests, self.metrics, self.model, self.cost_models)
         finished = self._postprocess(result)
         return lambda: self._delivery.deliver_all(result.outputs, finished, now, self.settings.budget_scope == "ttft")
-
-    def _predicted_iteration(self, requests: list[PrefillRequest], decoding: int) -> float:
-        """What the iteration starting now is predicted to take: its decode step, and the
-        prefill of the prompts joining (whole, or the chunk budget's worth)."""
-        step = self.decode_cost.predict(decoding)
-        tokens = sum(len(r.prompt_ids) for r in requests)
-        if not tokens:
-            return step
-        chunk = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packs(self.engine))
-        if self._chunked and chunk is not None:
-            tokens = min(tokens, chunk)
-        return step + self.prefill_cost.predict(len(requests), tokens)
 
     def _schedule(self, admitted: list[WorkItem], decode: bool) -> tuple[list[PrefillRequest], list[int], list[int]]:
         """The admitted prompts join the running set. What the engine is handed: their
