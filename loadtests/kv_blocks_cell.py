@@ -9,8 +9,10 @@ new tokens, greedy, `ignore_eos`, streamed; a client sends its conversation agai
 as its answer ends (the prefix cache serves the repeats on every server), with a 600 s
 budget at Ferry (vLLM has none: this measures the KV space, not admission) and a prefix
 cache that holds every conversation (1 GiB beside the KV space; vLLM's cache is its KV
-space), after a 90 s warm-up (the first prefill of every conversation). Tokens/s are
-counted as they arrive inside the window (loadtests/saturation_cell.py), with the server's
+space); every conversation is prefilled once before the clients start, unmeasured, and the
+window opens 45 s after they do. Tokens/s are
+counted as they arrive inside the window (loadtests/saturation_cell.py), in all and for the
+long conversations apart (a layout that starves them shows), with the server's
 preemptions over the run (`ferry_preemptions_total`; vLLM's
 `vllm:num_preemptions_total`).
 
@@ -26,9 +28,10 @@ as wide as the longest: with a long conversation running, 17 rows fit.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import statistics
-from collections.abc import Callable
+from typing import Any, cast
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -54,7 +57,7 @@ def conversations(model_dir: str, clients: int, long: int, long_tokens: int, sho
     def tokens(text: str) -> int:
         messages = [{"role": "user", "content": text}]
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        return len(encoded["input_ids"])
+        return len(cast(Any, encoded)["input_ids"])  # a BatchEncoding (typed as its other forms)
 
     def sized(k: int, target: int) -> str:
         lo, hi = 1, target
@@ -75,22 +78,51 @@ PREEMPTIONS = ("ferry_preemptions_total", "vllm:num_preemptions_total")
 # Ferry's budget for these requests: none that matters (vLLM has no deadlines): what is
 # measured is how many conversations the KV space runs at once, not admission.
 NO_DEADLINE_MS = 600_000
-# The first prefill of every conversation (~16,000 prompt tokens, ~45 s on 2 vCPUs) is over
-# before the window opens: it measures the conversations running, their repeats served
-# from the prefix cache.
-WARMUP_S = 90.0
+# After every conversation's first prefill (`_prime`: ~16,000 prompt tokens, ~45 s on 2
+# vCPUs), a warm-up longer than one answer (96 tokens at 64 rows) before the window opens.
+WARMUP_S = 45.0
 # Ferry's prefix cache holds every conversation (16,200 tokens, 746 MB on SmolLM2), beside
 # the KV space; vLLM's lies inside its KV space (its blocks are its cache).
 PREFIX_CACHE_MB = 1024
 
 
-def _measure(
-    label: str, url: str, prompt: Callable[[int, int], str], clients: int, duration: float, max_tokens: int
-) -> dict:
+def _prime(url: str, prompts: list[str]) -> None:
+    """Every conversation prefilled once (one new token each, all at once), unmeasured: the
+    window then sees the conversations running, their repeats served from the prefix cache."""
+
+    async def one(http: httpx.AsyncClient, text: str) -> None:
+        body = {"model": "ferry-tiny-chat", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        (await http.post("/v1/chat/completions", json=body)).raise_for_status()
+
+    async def main() -> None:
+        limits = httpx.Limits(max_connections=len(prompts))
+        async with httpx.AsyncClient(base_url=url, timeout=900, limits=limits) as http:
+            await asyncio.gather(*(one(http, text) for text in prompts))
+
+    asyncio.run(main())
+
+
+def _measure(label: str, url: str, prompts: list[str], long: int, duration: float, max_tokens: int) -> dict:
+    _prime(url, prompts)
     before = _metric(url, PREEMPTIONS)
-    row = run_saturation(label, url, "ferry-tiny-chat", clients, duration, max_tokens, prompt, WARMUP_S)
+    row = run_saturation(
+        label,
+        url,
+        "ferry-tiny-chat",
+        len(prompts),
+        duration,
+        max_tokens,
+        lambda k, i: prompts[k],
+        WARMUP_S,
+        lambda k: "long" if k < long else "short",
+    )
     row["preemptions"] = _metric(url, PREEMPTIONS) - before
-    print(f"  {'':28s} preemptions {row['preemptions']:.0f}", flush=True)
+    by = row["tok_s_by"]
+    print(
+        f"  {'':28s} long conversations {by.get('long', 0.0):.1f} tok/s, short {by.get('short', 0.0):.1f} tok/s, "
+        f"preemptions {row['preemptions']:.0f}",
+        flush=True,
+    )
     return row
 
 
@@ -108,9 +140,6 @@ def run_kv_blocks_cell(
     model_dir = peer_model_dir(ensure_tiny_chat())
     prompts = conversations(model_dir, clients, long, 1800, 150)
 
-    def prompt(k: int, i: int) -> str:
-        return prompts[k]
-
     vllm_gib = -(-kv_mb // 1024)  # vLLM's KV space in whole GiB, at least Ferry's
     print(
         f"KV in blocks vs the rectangle ({long} conversations of ~1,800 tokens among {clients - long} of ~150, "
@@ -123,13 +152,13 @@ def run_kv_blocks_cell(
             flags += ["--default-budget-ms", str(NO_DEADLINE_MS), "--prefix-cache-mb", str(PREFIX_CACHE_MB)]
             with GatewayProcess(*flags, "--max-running", str(clients)) as gw:
                 rows.append(
-                    {**_measure(f"ferry {layout}", gw.url, prompt, clients, duration, max_tokens), "round": round_}
+                    {**_measure(f"ferry {layout}", gw.url, prompts, long, duration, max_tokens), "round": round_}
                 )
         if vllm_python:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(vllm_gib)
             proc, url = vllm_server(vllm_python, model_dir, "--max-num-seqs", str(clients))
             try:
-                rows.append({**_measure("vllm", url, prompt, clients, duration, max_tokens), "round": round_})
+                rows.append({**_measure("vllm", url, prompts, long, duration, max_tokens), "round": round_})
             finally:
                 proc.terminate()
                 proc.wait(60)
@@ -137,8 +166,10 @@ def run_kv_blocks_cell(
     base = {r["round"]: r for r in rows if r["label"] == "ferry blocks"}
     for label in dict.fromkeys(r["label"] for r in rows):
         mine = {r["round"]: r for r in rows if r["label"] == label}
+        long_s = statistics.median(r["tok_s_by"].get("long", 0.0) for r in mine.values())
         line = (
-            f"  {label:20s} {statistics.median(r['tok_s'] for r in mine.values()):8.1f} tok/s, "
+            f"  {label:20s} {statistics.median(r['tok_s'] for r in mine.values()):8.1f} tok/s "
+            f"(long conversations {long_s:.1f}), "
             f"preemptions {statistics.median(r['preemptions'] for r in mine.values()):.0f}"
         )
         if label != "ferry blocks":

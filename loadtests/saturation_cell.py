@@ -60,7 +60,7 @@ async def _client(
         i += 1
         t0 = time.perf_counter()
         arrivals: list[float] = []  # when each chunk carrying text came
-        record = [0, 0.0, 0.0, 0, arrivals]  # status, end, latency, tokens, arrivals (filled in as it goes)
+        record = [0, 0.0, 0.0, 0, arrivals, k]  # status, end, latency, tokens, arrivals (filled in as it goes), client
         out.append(record)
         tokens = 0
         async with http.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -85,10 +85,12 @@ def run_saturation(
     max_tokens: int = 64,
     prompt: Callable[[int, int], str] = short_prompt,
     warmup: float | None = None,
+    group: Callable[[int], str] | None = None,
 ) -> dict:
     """Tokens/s streamed within `duration` s after a warm-up (`warmup` s, default a third of
     the window; a request's tokens are counted where they arrived, whether or not it ended
-    in the window). Client k's i-th request asks `prompt(k, i)`."""
+    in the window). Client k's i-th request asks `prompt(k, i)`; with `group`, the tokens/s
+    of each group of clients too (`tok_s_by`)."""
     warmup = duration / 3 if warmup is None else warmup
 
     async def main() -> tuple[list, float, float]:
@@ -114,15 +116,16 @@ def run_saturation(
     # window's end, the mean of the finished ones.
     finished = [(o[3], len(o[4])) for o in out if o[0] == 200 and o[4]]
     per_chunk = sum(t for t, _ in finished) / max(1, sum(n for _, n in finished))
-    streamed = 0.0
-    for status, _, _, tokens, arrivals in out:
+    streamed: Counter[str] = Counter()
+    for status, _, _, tokens, arrivals, k in out:
         if status in (0, 200) and arrivals:
             weight = tokens / len(arrivals) if status == 200 else per_chunk
-            streamed += weight * sum(lo <= t <= hi for t in arrivals)
+            streamed[group(k) if group else ""] += weight * sum(lo <= t <= hi for t in arrivals)
     row = {
         "label": label,
         "clients": clients,
-        "tok_s": streamed / (hi - lo),
+        "tok_s": sum(streamed.values()) / (hi - lo),
+        "tok_s_by": {g: n / (hi - lo) for g, n in streamed.items()},
         "p50_ms": percentile([o[2] * 1000 for o in ok], 50),
         "ok": len(ok),
         "sent": len(inside),
