@@ -285,10 +285,10 @@ def run_prefix_cells(common: list[str], vllm_python: str | None, repeats: int, v
             with GatewayProcess(*common, *flags) as gw:
                 cells.append({**run_cell(label, gw.url, "ferry-tiny-chat"), "round": round_})
         if vllm_python:
-            for label, extra in (
-                ("vllm, prefix caching", ()),
-                ("vllm, no prefix caching", ("--no-enable-prefix-caching",)),
-            ):
+            peers: list[tuple[str, tuple[str, ...]]] = [("vllm, prefix caching", ())]
+            if round_ == 0:  # a reference point, once (it takes the longest)
+                peers.append(("vllm, no prefix caching", ("--no-enable-prefix-caching",)))
+            for label, extra in peers:
                 proc, url = vllm_server(vllm_python, ensure_tiny_chat(), *extra)
                 try:
                     cells.append({**run_cell(label, url, "ferry-tiny-chat"), "round": round_})
