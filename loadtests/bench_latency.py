@@ -23,7 +23,7 @@
 pools of mixed lengths instead of short sentences of nearly one length.
 
     python -m loadtests.bench_latency [--cells latency,burst,priority,chat-priority] [--duration 6] [--out f.json]
-        [--priority-modes lane,reserve,throughput] [--lengths longtail]
+        [--priority-modes lane,reserve,throughput] [--lengths longtail] [--chat-budgets-ms 500,5000]
 """
 
 from __future__ import annotations
@@ -312,6 +312,12 @@ def main() -> None:
     p.add_argument(
         "--lengths", choices=("longtail", "bimodal"), help="embeddings cells: inputs of mixed lengths, not sentences"
     )
+    p.add_argument(
+        "--chat-budgets-ms",
+        default="",
+        help="chat-priority cell: interactive,batch first-token budgets (default the embeddings cells' "
+        "100,1000); e.g. 500,5000 for a real model (FERRY_CHAT_MODEL=default)",
+    )
     a = p.parse_args()
     if a.lengths:
         use_lengths(a.lengths)
@@ -330,6 +336,10 @@ def main() -> None:
             if "latency" in cells:
                 out["results"] = run_latency(gw.url, cap, a)
     if "chat-priority" in cells:
+        if a.chat_budgets_ms:
+            global INTERACTIVE_MS, BATCH_MS  # (the cells read them as module settings)
+            INTERACTIVE_MS, BATCH_MS = (float(x) for x in a.chat_budgets_ms.split(","))
+            print(f"chat budgets: interactive {INTERACTIVE_MS:g} ms, batch {BATCH_MS:g} ms (first token)")
         with GatewayProcess("--embedding-model", "none", "--admin-token", TOKEN, *a.ferry_args.split()) as gw:
             cap = chat_capacity(gw.url, a.duration)
             out["chat_capacity"] = cap

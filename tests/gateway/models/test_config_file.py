@@ -217,6 +217,28 @@ models:
     }
 
 
+def test_kv_layout_reaches_every_chat_engine(tmp_path, monkeypatch):
+    import engine.generation
+
+    monkeypatch.delenv("FERRY_FAKE_ENGINES", raising=False)
+    made: dict[str, dict] = {}
+
+    class Recorder:
+        def __init__(self, path: str, **options):
+            made[path] = options
+
+    monkeypatch.setattr(engine.generation, "HFGenerationEngine", Recorder)
+    text = "models:\n  - {name: a, kind: chat, source: /m/a}\n  - {name: b, kind: chat, source: /m/b}\n"
+    for flags, want in (([], "blocks"), (["--kv-layout", "rectangle"], "rectangle")):
+        made.clear()
+        _, cfg = from_args(["serve", "--config", write(tmp_path, text), *flags])
+        for spec in default_specs(cfg):
+            spec.load()
+        assert {o["kv_layout"] for o in made.values()} == {want} and len(made) == 2
+    with pytest.raises(SystemExit):
+        from_args(["serve", "--kv-layout", "paged"])
+
+
 CONFIG = """
 models:
   - {name: embed-x, kind: embeddings, batching: {max_batch_size: 3}}
