@@ -126,7 +126,7 @@ class PagedBatch(Generic[Row]):
         return self._fits_blocks(blocks)
 
     def reserve(self, rows: int) -> None:
-        """Nothing to do: the pool is allocated whole at the first admission."""
+        """Nothing to do: the pool is allocated at the first admission and grows with the rows."""
 
     # -- rows in and out --------------------------------------------------------------
 
