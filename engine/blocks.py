@@ -76,6 +76,8 @@ class PagedBatch(Generic[Row]):
         """Blocks the pool has now (it doubles up to the budget)."""
         return self.pool.shape[2] // self.block if self.pool is not None else 0
 
+    column = 0  # no shared write column: a row's own part is its blocks (engine/sharing.py)
+
     @property
     def width(self) -> int:
         """The most tokens one row holds."""

@@ -26,7 +26,7 @@ from .base import PrefillStep, SequenceRequest, StepOutput
 from .blocks import PagedBatch
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, PendingPrefills
-from .decode_attention import KernelError, kernel_after, kernel_for, paged_attention_kernel
+from .decode_attention import kernel_after, kernel_for, paged_attention_kernel
 from .detokenize import FINISH_LENGTH
 from .device import configure_threads, resolve_device, resolve_dtype
 from .forward import CausalForward
@@ -328,38 +328,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         for group, done in self._pending.run_isolated(chunks, result):
             self._first_tokens(group, done, result)
 
-    def _decode_step(self, packed: bool = True) -> list[StepOutput]:
-        """One token of every row: packed where rows share a prefix (engine/packed.py)."""
-        batch = self._batch
-        self._preemption.room_for_step(batch)
-        if not batch.seqs:
-            return []
-        mask = batch.decode_mask()  # may move the columns: all below reads them after
-        # Packed where rows share a prefix (their slots do not hold it: only the packed
-        # attention reads it), or where the decode attention kernel runs (only a packed
-        # forward's attention knows the rows apart); else one plain forward.
-        sharing = self._sharing.plan(batch.seqs, _column(batch), self.device) if self.packs_steps else ([], None)
-        if sharing[0] or batch.paged or (packed and self.packs_steps and self._decode_kernel is not None):
-            try:
-                logits = self._packed_forward([], sharing)
-            except Exception as exc:  # nothing advanced: run it plain, where that can be
-                if batch.paged and self._paged_kernel is not None and isinstance(exc, KernelError):
-                    log.error("paged decode attention kernel failed for %s; rows gathered from now on", self.name)
-                    self._paged_kernel = None
-                    return self._decode_step(packed)
-                if sharing[0] or batch.paged:  # (only a packed forward reads them)
-                    raise
-                log.exception("packed decode step of %s failed; running it plain", self.name)
-                self._decode_kernel = kernel_after(exc, self._decode_kernel, self.name)
-            else:
-                return self._packed_outputs([], logits, PrefillStep())
-        assert isinstance(batch, RunningBatch)
-        input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)
-        positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
-        logits, _ = self._forward(input_ids, positions, mask, batch.cache)
-        batch.advance()
-        return self._decoded(self._next.sample(logits, batch.seqs))
-
     @torch.inference_mode()
     def remove(self, seq_ids: Sequence[int]) -> None:
         drop = set(seq_ids)
@@ -508,9 +476,3 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
-
-
-def _column(batch: RunningBatch[RunningSequence] | PagedBatch[RunningSequence]) -> int:
-    """The running rows' write column (engine/sharing.py's own starts count back from it);
-    rows in blocks have none (their own parts are their blocks)."""
-    return 0 if isinstance(batch, PagedBatch) else batch.end

@@ -107,6 +107,11 @@ class RunningBatch(Generic[Row]):
         return self.budget is None or rows * columns <= self.budget
 
     @property
+    def column(self) -> int:
+        """The rows' shared write column (engine/sharing.py counts their own starts back from it)."""
+        return self.end
+
+    @property
     def used_cells(self) -> int:
         """Token cells the rows attend over: rows x the batch's width, padding included."""
         return self.rows * self.width

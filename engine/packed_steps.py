@@ -1,30 +1,37 @@
-"""The packed step of the generation engine (engine/generation.py): one forward over the
-decode rows' next tokens and the prompt chunks of a step (engine/packed.py), and what it
-yields: the rows' tokens, and each finished prompt's first token as it joins them."""
+"""The steps of the generation engine (engine/generation.py): a decode step (packed where
+it can be), one forward over the decode rows' next tokens and the prompt chunks of a step
+(engine/packed.py), and what they yield: the rows' tokens, and each finished prompt's first
+token as it joins them."""
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from .base import PrefillStep, StepOutput, TokenLogprob
 from .blocks import PagedBatch
 from .chunks import Chunk, PendingPrefills
-from .decode_attention import DecodeAttention, PagedAttention
+from .decode_attention import DecodeAttention, KernelError, PagedAttention, kernel_after
 from .forward import CausalForward
 from .kv import RunningBatch
+from .preemption import Preemption
 from .sequence import NextTokens, RunningSequence
 from .sharing import PrefixSharing, Sharing
+
+log = logging.getLogger("ferry.engine")
 
 Chunks = list[Chunk[RunningSequence]]
 
 
 class PackedSteps:
-    """The engine's packed forwards and the accounting of their tokens (a mixin of
+    """The engine's steps and the accounting of their tokens (a mixin of
     `HFGenerationEngine`, whose state it reads)."""
 
+    name: str
     device: torch.device
+    _preemption: Preemption
     _batch: RunningBatch[RunningSequence] | PagedBatch[RunningSequence]
     _pending: PendingPrefills[RunningSequence]
     _sharing: PrefixSharing
@@ -43,14 +50,45 @@ class PackedSteps:
             self._batch.drop(finished)
         return outputs
 
+    def _decode_step(self, packed: bool = True) -> list[StepOutput]:
+        """One token of every row: packed where rows share a prefix (engine/packed.py)."""
+        batch = self._batch
+        self._preemption.room_for_step(batch)
+        if not batch.seqs:
+            return []
+        mask = batch.decode_mask()  # may move the columns: all below reads them after
+        # Packed where rows share a prefix (their slots do not hold it: only the packed
+        # attention reads it), or where the decode attention kernel runs (only a packed
+        # forward's attention knows the rows apart); else one plain forward.
+        sharing = self._sharing.plan(batch.seqs, batch.column, self.device) if self.packs_steps else ([], None)
+        if sharing[0] or batch.paged or (packed and self.packs_steps and self._decode_kernel is not None):
+            try:
+                logits = self._packed_forward([], sharing)
+            except Exception as exc:  # nothing advanced: run it plain, where that can be
+                if batch.paged and self._paged_kernel is not None and isinstance(exc, KernelError):
+                    log.error("paged decode attention kernel failed for %s; rows gathered from now on", self.name)
+                    self._paged_kernel = None
+                    return self._decode_step(packed)
+                if sharing[0] or batch.paged:  # (only a packed forward reads them)
+                    raise
+                log.exception("packed decode step of %s failed; running it plain", self.name)
+                self._decode_kernel = kernel_after(exc, self._decode_kernel, self.name)
+            else:
+                return self._packed_outputs([], logits, PrefillStep())
+        assert isinstance(batch, RunningBatch)
+        input_ids = torch.tensor([[s.last_token] for s in batch.seqs], device=self.device)
+        positions = torch.tensor([[s.total_tokens - 1] for s in batch.seqs], device=self.device)
+        logits, _ = self._forward(input_ids, positions, mask, batch.cache)
+        batch.advance()
+        return self._decoded(self._next.sample(logits, batch.seqs))
+
     def _packed_forward(self, chunks: Chunks, sharing: Sharing | None = None) -> torch.Tensor:
         """One forward over one token of every running row and every chunk: the logits of
         the rows, then of each chunk that ends its prompt; the batch advanced if it succeeds."""
         batch = self._batch
         if batch.seqs:
             batch.decode_mask()  # may move the columns: the plan reads them after
-        column = 0 if isinstance(batch, PagedBatch) else batch.end  # (rows in blocks have no shared column)
-        sharing = sharing or self._sharing.plan(batch.seqs, column, self.device)
+        sharing = sharing or self._sharing.plan(batch.seqs, batch.column, self.device)
         last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
         input_ids, positions, plan, keep = self._pending.pack(batch, last, chunks, sharing, self.device, self._empty_kv)
         plan.kernel, plan.paged_kernel = self._decode_kernel, self._paged_kernel

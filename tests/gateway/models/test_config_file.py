@@ -185,19 +185,25 @@ def test_the_name_reaches_the_engine(tmp_path):
     assert engine.prefix_cache_stats()["max_bytes"] == 64 * 1024 * 1024  # --prefix-cache-mb reaches it too
 
 
-def test_a_chat_model_s_prefix_cache_is_its_entry_s_or_the_flags(tmp_path, monkeypatch):
-    """--prefix-caching, --prefix-cache-mb and --kv-cache-mb, over which a chat model's own
-    entry wins."""
+@pytest.fixture
+def made(monkeypatch) -> dict[str, dict]:
+    """The options each chat engine is built with, by path (the engines themselves not built)."""
     import engine.generation
 
     monkeypatch.delenv("FERRY_FAKE_ENGINES", raising=False)
-    made: dict[str, dict] = {}
+    options_by_path: dict[str, dict] = {}
 
     class Recorder:
         def __init__(self, path: str, **options):
-            made[path] = options
+            options_by_path[path] = options
 
     monkeypatch.setattr(engine.generation, "HFGenerationEngine", Recorder)
+    return options_by_path
+
+
+def test_a_chat_model_s_prefix_cache_is_its_entry_s_or_the_flags(tmp_path, made):
+    """--prefix-caching, --prefix-cache-mb and --kv-cache-mb, over which a chat model's own
+    entry wins."""
     text = """
 models:
   - {name: own, kind: chat, source: /m/own, prefix_caching: true, prefix_cache_mb: 32, kv_cache_mb: 64}
@@ -217,17 +223,7 @@ models:
     }
 
 
-def test_kv_layout_reaches_every_chat_engine(tmp_path, monkeypatch):
-    import engine.generation
-
-    monkeypatch.delenv("FERRY_FAKE_ENGINES", raising=False)
-    made: dict[str, dict] = {}
-
-    class Recorder:
-        def __init__(self, path: str, **options):
-            made[path] = options
-
-    monkeypatch.setattr(engine.generation, "HFGenerationEngine", Recorder)
+def test_kv_layout_reaches_every_chat_engine(tmp_path, made):
     text = "models:\n  - {name: a, kind: chat, source: /m/a}\n  - {name: b, kind: chat, source: /m/b}\n"
     for flags, want in (([], "blocks"), (["--kv-layout", "rectangle"], "rectangle")):
         made.clear()
