@@ -150,6 +150,13 @@ def create_app(
     async def lifespan(app: Starlette):
         loader = asyncio.create_task(ferry.load())
         jobs.start(loader)  # resumes unfinished batch jobs once the models are loaded
+        if cores is not None:
+            # A front end of several shares its listening socket with the others, and the
+            # kernel hands a connection to whichever process accepts first; uvicorn accepts
+            # once this startup returns. Attaching (a chat model's tokenizer: seconds) first
+            # keeps a replacement front end from answering 503 not_ready beside a sibling that
+            # serves. A single server accepts at once: /healthz answers while models load.
+            await asyncio.wait([loader])
         try:
             yield
         finally:

@@ -11,7 +11,9 @@ with the settings it last acknowledged, bounded; a core that cannot load its mod
 gateway/cores/launch.py). Each front end runs the gateway app under uvicorn on the one
 listening socket, handed to it as uvicorn's own
 multi-worker mode does (the kernel gives each connection to one of them), with a
-CoreClient to every core (gateway/server.py, `serve_front_end`).
+CoreClient to every core (gateway/server.py, `serve_front_end`); a front end accepts only once
+attached to every core (gateway/app.py's lifespan), so a replacement never answers 503
+not_ready beside a sibling that serves.
 
 Control: one pipe per front end. The supervisor tells every front end, in order,
 `("lost", index, reason, clean, restarting)` as soon as it sees a core exit (its process

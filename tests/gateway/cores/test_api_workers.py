@@ -408,3 +408,43 @@ def test_when_the_job_worker_dies_another_front_end_finishes_its_job_recording_e
         ran = collections.Counter(computed(log))
         assert set(ran) == {spelled(t) for t in texts}  # a line running at the kill may have run twice
         stops_cleanly(gw)
+
+
+def test_a_front_end_of_several_accepts_only_once_attached_and_a_single_server_at_once(monkeypatch, tmp_path):
+    """Front ends share one listening socket and the kernel hands a connection to whichever
+    accepts first (uvicorn accepts once the lifespan's startup returns): a replacement front
+    end still attaching (a chat tokenizer: seconds) must not take connections it would answer
+    503 not_ready while its sibling serves. A single server accepts at once (/healthz, /readyz
+    say it loads)."""
+    from gateway.app import create_app
+    from gateway.config import ServerConfig
+    from gateway.state import GatewayState
+
+    async def started(cores: list[dict] | None) -> list[str]:
+        attached = asyncio.Event()
+        said: list[str] = []
+
+        async def load(self: GatewayState) -> None:
+            await attached.wait()
+            said.append("attached")
+            self.ready = True
+
+        monkeypatch.setattr(GatewayState, "load", load)
+        app = create_app(ServerConfig(warmup=False, engine_cores=False, data_dir=str(tmp_path)), cores=cores)
+
+        async def startup() -> None:
+            async with app.router.lifespan_context(app):
+                said.append("accepting")
+                assert app.ferry.ready == (cores is not None)
+                attached.set()
+                await asyncio.sleep(0)
+
+        entering = asyncio.create_task(startup())
+        for _ in range(20):  # the event loop turns: a startup that does not wait is through by now
+            await asyncio.sleep(0)
+        attached.set()
+        await entering
+        return said
+
+    assert asyncio.run(started(cores=[])) == ["attached", "accepting"]
+    assert asyncio.run(started(cores=None))[0] == "accepting"
