@@ -24,6 +24,13 @@ from .types import Priority, WorkItem
 # The 99th percentile of a Poisson count with mean m is about m + 2.33 sqrt(m).
 POISSON_Z99 = 2.33
 SLOT_RATE_MEMORY = 30.0  # seconds over which the interactive slots' rate fades (_slot_rate)
+# While interactive prompts arrive, batch-class prompts join only while the decode step fits
+# this share of the reserve (LoadTracker.reserve: the tightest interactive budget less the
+# prompt's own prefill and margins); the rest is the prefill group's or chunk's beside it.
+# An interactive prompt that arrives just as a step starts waits for it: on the real model 128
+# batch-class rows made a step as long as a 500 ms budget, and past capacity 41-50% of the
+# interactive first tokens came late.
+DECODE_SHARE = 0.75
 LENGTHS_SEEN = 8  # finished sequences before their lengths replace the token limits in predictions
 
 
@@ -140,11 +147,16 @@ class Slots:
         targets = [i.itl_target for i in self._targeted if i.itl_target is not None]
         if s.max_itl_ms is not None:
             targets.append(s.max_itl_ms / 1000.0)
-        if targets:
-            limit = min(targets)
-            while cap > 1 and decode.predict(cap) > limit:
-                cap -= 1
-        return cap
+        return self.rows_within(min(targets), cap, decode) if targets else cap
+
+    @staticmethod
+    def rows_within(seconds: float, slots: int, decode: CostModel) -> int:
+        """The most rows (at least one, at most `slots`) whose decode step is predicted
+        within `seconds`."""
+        rows = slots
+        while rows > 1 and decode.predict(rows) > seconds:
+            rows -= 1
+        return rows
 
     def free(self, s: BatchingSettings, decode: CostModel) -> int:
         """Slots free now (none in static mode while a group runs)."""
@@ -168,7 +180,9 @@ class Slots:
         after batch-class work filled every slot would wait for a whole sequence to end.
 
         The reserve bounds a whole iteration, which an interactive prompt may arrive just
-        after: the decode step now takes its share, a prefill group the rest. With the
+        after: the decode step now takes its share, a prefill group the rest, and
+        batch-class prompts join only while the decode step fits `DECODE_SHARE` of it (its
+        rows beyond are kept for interactive prompts: `interactive_slots`). With the
         interactive lane, interactive prompts then go first in a prefill of their own
         (`prefill_first`) while batch-class work runs or waits: their first token no
         longer waits for a decode step of everyone's, at most one such iteration between
@@ -180,9 +194,15 @@ class Slots:
         frees = tuple(sorted([now + lengths.steps_left(q.limit, q.tokens) * step for q in self._running.values()]))
         held = lengths.typical(self._typical_steps) * step
         reserved = 0
+        free = self.free(s, decode)
         if s.interactive_first:  # one slot even before the first interactive arrival is seen
             in_use = self._slot_rate(now, base.interactive_rate) * lengths.typical(self._interactive_steps) * step
             reserved = min(slots - 1, math.ceil(in_use + POISSON_Z99 * math.sqrt(in_use)) + 1)
+            if base.reserve is not None and s.mode == "continuous":
+                # Batch-class rows only while the decode step fits its share of the reserve:
+                # the interactive prompts' own slots stay free beyond it.
+                batch_rows = self.rows_within(DECODE_SHARE * base.reserve, slots, decode)
+                reserved = max(reserved, free - max(batch_rows - len(self._running), 0))
         reserve = base.reserve
         if reserve is not None and self._running:
             reserve = max(reserve - decode.predict(len(self._running)), 0.0)
@@ -196,7 +216,7 @@ class Slots:
         return replace(
             base,
             reserve=reserve,
-            free_slots=self.free(s, decode),
+            free_slots=free,
             interactive_slots=reserved,
             slots_free_at=frees,
             sequence_seconds=held,

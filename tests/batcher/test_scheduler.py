@@ -54,6 +54,13 @@ class GenRig:
         """Active rows per iteration: decoded plus newly admitted."""
         return [len(decoded) + len(admitted) for _, decoded, admitted in self.sched.trace]
 
+    async def cancel_all(self, jobs) -> None:
+        """Cancel `jobs` and run until idle: each heard its cancellation."""
+        for job in jobs:
+            self.sched.cancel(job)
+        await self.clock.run_until_idle()
+        assert all(job.future.exception() is not None for job in jobs)  # cancelled, each heard it
+
     def admitted_at(self, item) -> int:
         return next(i for i, _, admitted in self.sched.trace if item.id in admitted)
 
@@ -421,10 +428,7 @@ def test_batch_class_work_alone_leaves_one_slot_for_the_first_interactive_prompt
         except DeadlineInfeasible:
             late = None  # no slot frees in time: every one holds a 50-token sequence
         await r.clock.advance(0.1)
-        for job in jobs:
-            r.sched.cancel(job)
-        await r.clock.run_until_idle()
-        assert all(job.future.exception() is not None for job in jobs)  # cancelled, each heard it
+        await r.cancel_all(jobs)
         await r.sched.stop()
         if late is None:
             return running, None
@@ -464,10 +468,7 @@ def test_slots_kept_for_interactive_prompts_outlast_a_lull_in_their_arrivals(mon
             burst = [r.submit(5, budget=0.1) for _ in range(3)]
         finally:
             await r.clock.advance(0.1)
-            for job in jobs:
-                r.sched.cancel(job)
-            await r.clock.run_until_idle()
-            assert all(job.future.exception() is not None for job in jobs)  # cancelled, each heard it
+            await r.cancel_all(jobs)
             assert all(c.future.result().completion_tokens == 5 for c in chats)
             await r.sched.stop()
         assert all(b.future.result().completion_tokens == 5 for b in burst)
@@ -498,10 +499,7 @@ async def _first_token_beside_batch_class_work(lane: bool):
     ttft = firsts[0] - late.arrival
     i = r.admitted_at(late)
     its = {n: (decoded, admitted) for n, decoded, admitted in r.sched.trace}
-    for job in jobs:
-        r.sched.cancel(job)
-    await r.clock.run_until_idle()
-    assert all(job.future.exception() is not None for job in jobs)  # cancelled, each heard it
+    await r.cancel_all(jobs)
     await r.sched.stop()
     lane_batches = r.registry.get_sample_value("ferry_batches_total", {"model": "g", "reason": "lane"})
     return ttft, its[i], its[i + 1], lane_batches
@@ -522,6 +520,61 @@ def test_an_interactive_prompt_is_prefilled_alone_ahead_of_batch_class_decoding(
     assert len(decoded) == 40 and len(admitted) == 1  # without the lane it shares a step of all 40
     assert not lane_batches
     assert ttft < ttft_off
+
+
+async def _interactive_beside_many_batch_rows(interactive: bool) -> tuple[int, float | None, int]:
+    """80 batch-class sequences offered to 64 slots whose decode step costs 10 + 4 ms a row
+    (266 ms full); interactive prompts with a 200 ms budget arriving every 100 ms (none where
+    `interactive` is False). The rows that run, the first token of an interactive prompt
+    that arrives once they do, after its arrival (None: refused), and how many of the
+    interactive prompts before it were refused."""
+    from batcher.types import Priority
+
+    r = GenRig(max_running=64, max_batch_size=64, max_wait_ms=0, per_row=0.004, touched=True, aging_ms=60_000)
+    r.seed_decode_cost()
+    await r.sched.start()
+    chats, jobs, refused = [], [], 0
+    for i in range(10):
+        try:
+            chats += [r.submit(2, budget=0.2)] if interactive else []
+        except DeadlineInfeasible:
+            refused += 1
+        if i == 0:
+            jobs = [r.submit(400, priority=Priority.BATCH) for _ in range(80)]  # no deadline
+        await r.clock.advance(0.1)
+    running = r.sched.running
+    firsts: list[float] = []
+    try:
+        late = r.submit(4, budget=0.2, on_delta=lambda d: firsts.append(r.clock.now()) if not firsts else None)
+    except DeadlineInfeasible:
+        late = None
+    await r.clock.advance(0.5)
+    await r.cancel_all(jobs)
+    assert all(c.future.result().completion_tokens == 2 for c in chats)
+    await r.sched.stop()
+    if late is None:
+        return running, None, refused
+    assert late.future.result().completion_tokens == 4
+    return running, firsts[0] - late.arrival, refused
+
+
+def test_batch_class_rows_are_capped_to_a_decode_step_within_the_interactive_budgets(monkeypatch):
+    """While interactive prompts arrive, batch-class prompts join only while the decode step
+    fits a share of the interactive reserve (batcher/slots.py, DECODE_SHARE): an interactive
+    prompt that arrives just as a step starts waits for it, and a step of 64 rows (266 ms)
+    alone is longer than its 200 ms budget. Without interactive traffic they fill the slots
+    (one kept for the first interactive prompt); with no cap the newcomer is refused or late."""
+    import batcher.slots
+
+    full, _, _ = run(_interactive_beside_many_batch_rows(False))
+    assert full == 63
+    capped, first_token, refused = run(_interactive_beside_many_batch_rows(True))
+    assert capped < 40  # at most (0.75 x 200 ms - 10 ms) / 4 ms rows, less the margins
+    assert first_token is not None and first_token <= 0.2 and refused == 0
+    monkeypatch.setattr(batcher.slots, "DECODE_SHARE", 100.0)
+    uncapped, first_token, refused = run(_interactive_beside_many_batch_rows(True))
+    assert uncapped > capped
+    assert refused > 0 or first_token is None or first_token > 0.2
 
 
 def test_prefill_alone_never_twice_in_a_row_and_not_for_interactive_traffic_alone():
