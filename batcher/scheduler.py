@@ -159,9 +159,10 @@ class GenerationScheduler(GenerationLoad):
         `decode=False`: the admitted prompts' prefill alone, the running sequences wait."""
         requests, removals, decoding = self._schedule(admitted, decode)
         started = self.clock.now()
-        self._iteration_ends = started + self._predicted_iteration(requests, len(decoding))
+        chunking = self._chunking(decode)
+        self._iteration_ends = started + self._predicted_iteration(requests, len(decoding), chunking)
         try:
-            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding), self._chunking(decode))
+            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding), chunking)
         finally:
             if pending is not None:  # the last step's finished items live only in it
                 pending()
@@ -206,7 +207,11 @@ class GenerationScheduler(GenerationLoad):
         decoding = self.engine.running - getattr(self.engine, "prefilling", 0)
         first = [s.item.id for s in self._running.values() if not s.tokens and s.item.priority is Priority.INTERACTIVE]
         packed = decode and packs(self.engine)
-        return Chunking(chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packed), first)
+        # Beside a decode step, within the interactive reserve's rest (none for the lane's
+        # prefill alone: that is the interactive prompts' own).
+        room = self.load(self.clock.now()).reserve if decode else None
+        budget = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packed, room)
+        return Chunking(budget, first)
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt
