@@ -12,7 +12,7 @@ from typing import Any
 
 from .cost import CostModel
 from .errors import DeadlineInfeasible
-from .iteration import Chunking, chunk_budget, packs
+from .iteration import chunk_budget, packs
 from .load import Load
 from .protocols import PrefillRequest, SteppingEngine
 from .queueing import QueueingBatcher
@@ -66,8 +66,7 @@ class GenerationLoad(QueueingBatcher):
         running = len(self._running)
         if not self._chunked or (not running and s.max_batch_tokens is None):
             return self._slots.load(base, now, s, self.queue, self.decode_cost)
-        room = None if base.reserve is None else max(base.reserve - self.decode_cost.predict(running), 0.0)
-        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine), room)
+        chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine))
         # The step a newcomer's prefill shares: the running rows and the queue joining with it.
         joining = min(running + len(self.queue) + 1, self._slots.limit(s, self.decode_cost))
         step = self.decode_cost.predict(joining) if running else 0.0
@@ -115,13 +114,14 @@ class GenerationLoad(QueueingBatcher):
             f"inter-token target of {target * 1000.0:.0f} ms cannot be met: {why}", retry_after=retry
         )
 
-    def _predicted_iteration(self, requests: list[PrefillRequest], decoding: int, chunking: Chunking | None) -> float:
+    def _predicted_iteration(self, requests: list[PrefillRequest], decoding: int) -> float:
         """What the iteration starting now is predicted to take: its decode step, and the
-        prefill of the prompts joining (whole, or `chunking`'s budget's worth)."""
+        prefill of the prompts joining (whole, or the chunk budget's worth)."""
         step = self.decode_cost.predict(decoding)
         tokens = sum(len(r.prompt_ids) for r in requests)
         if not tokens:
             return step
-        if chunking is not None and chunking.budget is not None:
-            tokens = min(tokens, chunking.budget)
+        chunk = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packs(self.engine))
+        if self._chunked and chunk is not None:
+            tokens = min(tokens, chunk)
         return step + self.prefill_cost.predict(len(requests), tokens)

@@ -120,12 +120,7 @@ _PACKING: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
 
 
 def chunk_budget(
-    s: BatchingSettings,
-    decoding: int,
-    prefill: CostModel,
-    decode: CostModel,
-    packed: bool = False,
-    room: float | None = None,
+    s: BatchingSettings, decoding: int, prefill: CostModel, decode: CostModel, packed: bool = False
 ) -> int | None:
     """Prompt tokens an iteration's prefill may compute beside `decoding` decode rows:
     `max_batch_tokens` less the decode rows, or (unset) what the prefill cost model says
@@ -136,20 +131,13 @@ def chunk_budget(
     `packed`: the chunks ride in the decode step's own forward (engine/packed.py), so they
     cost their tokens only, not the fixed cost of a forward of their own (the prefill
     model's `fixed`, a read of every weight: ~14 ms of the built-in model's ~15 ms decode
-    step, which left a chunk the floor alone and let one short prompt join per step).
-
-    `room`: while interactive prompts arrive, the seconds the iteration has beside its decode
-    step before it would make one arriving at its start miss its budget (the interactive
-    reserve less the step: `Slots.load`); the chunk fits in it too. A chunk of batch-class
-    prompts as long as the decode step had doubled the iteration an interactive prompt waits for."""
+    step, which left a chunk the floor alone and let one short prompt join per step)."""
     if s.max_batch_tokens is not None:
         return max(MIN_CHUNK, s.max_batch_tokens - decoding)
     if not decoding:
         return None
     step = decode.predict(decoding)
     allowance = step if s.max_itl_ms is None else min(step, s.max_itl_ms / 1000.0 - step)
-    if room is not None:
-        allowance = min(allowance, room)
     per_token = prefill.params.per_token
     if per_token <= 0:
         return None

@@ -159,10 +159,9 @@ class GenerationScheduler(GenerationLoad):
         `decode=False`: the admitted prompts' prefill alone, the running sequences wait."""
         requests, removals, decoding = self._schedule(admitted, decode)
         started = self.clock.now()
-        chunking = self._chunking(decode)
-        self._iteration_ends = started + self._predicted_iteration(requests, len(decoding), chunking)
+        self._iteration_ends = started + self._predicted_iteration(requests, len(decoding))
         try:
-            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding), chunking)
+            call = self._start(run_iteration, self.engine, removals, requests, bool(decoding), self._chunking(decode))
         finally:
             if pending is not None:  # the last step's finished items live only in it
                 pending()
@@ -207,11 +206,7 @@ class GenerationScheduler(GenerationLoad):
         decoding = self.engine.running - getattr(self.engine, "prefilling", 0)
         first = [s.item.id for s in self._running.values() if not s.tokens and s.item.priority is Priority.INTERACTIVE]
         packed = decode and packs(self.engine)
-        # Beside a decode step, within the interactive reserve's rest (none for the lane's
-        # prefill alone: that is the interactive prompts' own).
-        room = self.load(self.clock.now()).reserve if decode else None
-        budget = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packed, room)
-        return Chunking(budget, first)
+        return Chunking(chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packed), first)
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt

@@ -153,10 +153,6 @@ def test_the_budget_is_max_batch_tokens_less_the_decode_rows_or_what_fits_the_de
     # Packed into the decode step's forward, a chunk costs its tokens only: 20 ms, 200 tokens.
     assert chunk_budget(auto, 10, prefill, decode, packed=True) == 200
     assert chunk_budget(fixed, 10, prefill, decode, packed=True) == 90  # a set budget is the budget
-    # While interactive prompts arrive, within the reserve's rest beside the step: 6 ms, 60 tokens.
-    assert chunk_budget(auto, 10, prefill, decode, packed=True, room=0.006) == 60
-    assert chunk_budget(auto, 10, prefill, decode, packed=True, room=0.0) == MIN_CHUNK  # prompts still progress
-    assert chunk_budget(auto, 10, prefill, decode, packed=True, room=1.0) == 200  # the step's own bound holds
 
 
 def test_a_packing_engine_gets_chunks_as_large_as_its_decode_step_without_a_forward_of_their_own():
@@ -174,14 +170,6 @@ def test_a_packing_engine_gets_chunks_as_large_as_its_decode_step_without_a_forw
         assert r.sched._chunking(decode=True).budget == 200  # 20 ms of tokens at 0.1 ms
         assert r.sched._chunking(decode=False).budget == MIN_CHUNK  # a forward of its own: 20 - 20 ms
         assert r.sched.load(r.clock.now()).prefill_chunk == 200  # admission predicts the same chunks
-        # An interactive prompt arriving: chunks beside the step fit the reserve's rest, and
-        # admission predicts those chunks too; its own prefill alone keeps the whole budget.
-        r.submit(3, 10, budget=0.08)
-        room = r.sched.load(r.clock.now()).reserve
-        assert room is not None and room < 0.020
-        assert r.sched._chunking(decode=True).budget == max(MIN_CHUNK, int(room / 0.0001)) < 200
-        assert r.sched.load(r.clock.now()).prefill_chunk == r.sched._chunking(decode=True).budget
-        assert r.sched._chunking(decode=False).budget == MIN_CHUNK
         for s in streams:
             r.sched.cancel(s)
         await r.sched.stop()
