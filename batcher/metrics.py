@@ -126,6 +126,44 @@ def _setting_help(k: Knob) -> str:
     return f"Current {k.name}{unit}{absent}."
 
 
+# A chat engine's own counts, per model: read from the engine after each iteration.
+ENGINE_COUNTERS = (
+    (
+        "ferry_prefix_cache_queries_total",
+        "Prompt tokens of prefilled sequences looked up in the prefix cache (every prompt token).",
+    ),
+    (
+        "ferry_prefix_cache_hits_total",
+        "Prompt tokens of prefilled sequences whose KV the prefix cache served (not computed again).",
+    ),
+    (
+        "ferry_preemptions_total",
+        (
+            "Running sequences preempted because the KV cache was full (kv_cache_mb): recomputed, "
+            "mostly from the prefix cache, when there is room; batch-class sequences yield first."
+        ),
+    ),
+    (
+        "ferry_spec_draft_tokens_total",
+        (
+            "Draft tokens verified by speculative decoding (--speculation): proposed for running "
+            "sequences and checked in their step's forward."
+        ),
+    ),
+    (
+        "ferry_spec_accepted_tokens_total",
+        "Draft tokens that verification took (the model's own choice): tokens gained over one a step.",
+    ),
+    (
+        "ferry_spec_steps_total",
+        (
+            "Engine steps that verified drafts (against the decode steps, "
+            'ferry_batch_size_items_count{phase="decode"}: the share of steps that speculated).'
+        ),
+    ),
+)
+
+
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = registry if registry is not None else CollectorRegistry(auto_describe=True)
@@ -233,25 +271,14 @@ class Metrics:
             "ferry_generated_tokens_total", "Completion tokens generated.", ["model"], registry=r
         )
         self.prompt_tokens = Counter("ferry_prompt_tokens_total", "Prompt tokens processed.", ["model"], registry=r)
-        self.prefix_cache_queries = Counter(
-            "ferry_prefix_cache_queries_total",
-            "Prompt tokens of prefilled sequences looked up in the prefix cache (every prompt token).",
-            ["model"],
-            registry=r,
-        )
-        self.prefix_cache_hits = Counter(
-            "ferry_prefix_cache_hits_total",
-            "Prompt tokens of prefilled sequences whose KV the prefix cache served (not computed again).",
-            ["model"],
-            registry=r,
-        )
-        self.preemptions = Counter(
-            "ferry_preemptions_total",
-            "Running sequences preempted because the KV cache was full (kv_cache_mb): recomputed, "
-            "mostly from the prefix cache, when there is room; batch-class sequences yield first.",
-            ["model"],
-            registry=r,
-        )
+        (
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.preemptions,
+            self.spec_draft_tokens,
+            self.spec_accepted_tokens,
+            self.spec_steps,
+        ) = (Counter(name, doc, ["model"], registry=r) for name, doc in ENGINE_COUNTERS)
         self.running = Gauge(
             "ferry_running_sequences",
             "Requests being computed: a chat model's running sequences, an embeddings model's items "
@@ -423,3 +450,5 @@ class Metrics:
         self.prefix_cache_queries.labels(model)
         self.prefix_cache_hits.labels(model)
         self.preemptions.labels(model)
+        for counter in (self.spec_draft_tokens, self.spec_accepted_tokens, self.spec_steps):
+            counter.labels(model)

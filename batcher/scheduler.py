@@ -72,6 +72,7 @@ class GenerationScheduler(GenerationLoad):
         self.iterations = 0
         self._iteration_ends: float | None = None  # when the iteration in flight is predicted to end
         self._preempted = 0  # the engine's preemption count at the last gauge update
+        self._speculated: tuple[int, int, int] = (0, 0, 0)  # its speculation counts then (drafted, taken, steps)
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
         self._keep_trace = 1024
 
@@ -284,6 +285,11 @@ class GenerationScheduler(GenerationLoad):
         m.set_first_token_slowdown(self.model, {p: c.factor for p, c in self.first_tokens.items()})
         last, self._preempted = self._preempted, getattr(self.engine, "preemptions", 0)
         m.preemptions.labels(self.model).inc(max(0, self._preempted - last))
+        counts, self._speculated = self._speculated, getattr(self.engine, "speculated", (0, 0, 0))
+        for counter, now, before in zip(
+            (m.spec_draft_tokens, m.spec_accepted_tokens, m.spec_steps), self._speculated, counts, strict=True
+        ):
+            counter.labels(self.model).inc(max(0, now - before))
 
     def kv_usage(self) -> float:
         """The share of the KV cache this model may use that is in use, 0 to 1 (`Slots.kv_usage`)."""
@@ -294,6 +300,7 @@ class GenerationScheduler(GenerationLoad):
         prompt = self.engine.encode_prompt(WARMUP_PROMPT)
         obs = await self.engine_thread(profile, self.engine, self._make_request, prompt)
         self._preempted = getattr(self.engine, "preemptions", 0)  # the warm-up's are not traffic's
+        self._speculated = getattr(self.engine, "speculated", (0, 0, 0))
         if (reserve := getattr(self.engine, "reserve", None)) is not None:  # KV rows for every slot, now
             await self.engine_thread(reserve, self._slots.engine_slots(self.settings))
         self.prefill_cost.seed([(n, tokens, secs) for phase, n, tokens, secs in obs if phase == "prefill"])

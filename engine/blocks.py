@@ -11,7 +11,7 @@ block each), and `--kv-cache-mb` bounds exactly that (vLLM's paged attention).
 
 A decode step writes each row's new token into its slot (`write`) and the attention reads
 each row's tokens through its table: engine/decode_attention.cpp's paged kernel on the CPU
-(no copy), else the rows gathered into a rectangle for SDPA (`gather`). Rows stay dense
+(no copy), else the rows gathered into a rectangle for SDPA (`gathered`). Rows stay dense
 (row i is `seqs[i]`); a leaving row's place is taken by the last one, which moves its
 table, not its KV. Only packed forwards read blocks (engine/packed.py): an engine that
 cannot pack its steps keeps the rectangle.
@@ -64,6 +64,12 @@ class PagedBatch(Generic[Row]):
         self._lengths = torch.zeros(0, dtype=torch.long)  # `lengths` as a tensor, [>= rows]
         self.write_slots: torch.Tensor | None = None  # the pool slot of each row's token this step
         self._attending: torch.Tensor | None = None  # tokens each row attends this step
+        # A step with drafts (engine/speculation.py): the row of each of its queries, the
+        # row's last token then its drafts ("virtual rows" sharing the row's table); None
+        # when every row feeds one token.
+        self._virtual: torch.Tensor | None = None
+        self._query_table: torch.Tensor | None = None  # the block table of each query, with drafts
+        self._extra: list[int] | None = None  # the drafts each row feeds this step
 
     # -- what the engine reads ---------------------------------------------------------
 
@@ -105,19 +111,32 @@ class PagedBatch(Generic[Row]):
         return self.used_blocks / max(1, self._limit)
 
     def table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block ids [rows, most blocks a row has], tokens each row attends [rows]) for this
-        step: its own tokens and the one `decode_mask` opened."""
+        """(block ids [queries, most blocks a row has], tokens each query attends [queries])
+        for this step: a row's own tokens and the one `decode_mask` opened, or with drafts,
+        each of the row's queries up to itself."""
         assert self._attending is not None, "decode_mask opens the step"
+        if self._query_table is not None:
+            return self._query_table, self._attending
         return self._table[: self.rows], self._attending
+
+    def query_rows(self) -> torch.Tensor:
+        """The row of each query this step (with drafts, a row's several in a run)."""
+        assert self._attending is not None, "decode_mask opens the step"
+        if self._virtual is not None:
+            return self._virtual
+        return torch.arange(self.rows, device=self._table.device)
 
     # -- room -------------------------------------------------------------------------
 
     def _fits_blocks(self, blocks: int) -> bool:
         return self.budget is None or blocks <= self.budget // self.block
 
-    def step_fits(self) -> bool:
-        """Whether every row's next token fits."""
-        return self._fits_blocks(sum(blocks_for(n + 1, self.block) for n in self.lengths))
+    def step_fits(self, extra: Sequence[int] | None = None, joining: Sequence[int] = ()) -> bool:
+        """Whether every row's next token fits, and `extra` drafted tokens each, all taken,
+        beside rows joining with `joining` tokens each and room for their next."""
+        extra = extra or [0] * self.rows
+        rows = sum(blocks_for(n + 1 + e, self.block) for n, e in zip(self.lengths, extra, strict=True))
+        return self._fits_blocks(rows + sum(blocks_for(n + 1, self.block) for n in joining))
 
     def joining_fits(self, kept: Sequence[int] | None, joining: Sequence[int]) -> bool:
         """Whether rows holding `kept` tokens each (None: the rows as they are) after this
@@ -176,7 +195,7 @@ class PagedBatch(Generic[Row]):
             self._table[hole] = self._table[mover]
             self._lengths[hole] = self._lengths[mover]
         del self.seqs[keep:], self._tables[keep:], self.lengths[keep:]
-        self.write_slots = self._attending = None
+        self._close()
 
     def row_kv(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Row `row`'s keys and values per layer, [kv_heads, its tokens, head_dim]."""
@@ -190,53 +209,67 @@ class PagedBatch(Generic[Row]):
 
     # -- a step ---------------------------------------------------------------------
 
-    def decode_mask(self) -> torch.Tensor:
-        """Open every row's next token: a block for the rows whose blocks are full, and the
-        slots the step writes (`write_slots`); the tokens each row attends. Idempotent
-        until `advance`."""
+    def decode_mask(self, extra: Sequence[int] | None = None) -> torch.Tensor:
+        """Open every row's next token, and `extra` drafted tokens after it per row (None:
+        none): blocks for the rows whose blocks they fill, and the slots the step writes
+        (`write_slots`); the tokens each query attends. Idempotent until `advance`."""
         rows = self.rows
-        needing = [r for r in range(rows) if self.lengths[r] == len(self._tables[r]) * self.block]
-        if needing:
-            self._take(len(needing))
-            for r in needing:
-                self._append_block(r, self._free.pop())
+        extra = list(extra) if extra is not None and any(extra) else None
+        feeds = [1 + e for e in extra] if extra is not None else [1] * rows
+        wanted = [
+            blocks_for(n + f, self.block) - len(t) for n, f, t in zip(self.lengths, feeds, self._tables, strict=True)
+        ]
+        for r, w in enumerate(wanted):
+            for _ in range(-w):  # blocks a step that failed had opened for its drafts
+                self._free.append(self._tables[r].pop())
+        if (more := sum(w for w in wanted if w > 0)) > 0:
+            self._take(more)
+            for r, w in enumerate(wanted):
+                for _ in range(w):
+                    self._append_block(r, self._free.pop())
         lengths = self._lengths[:rows]
-        index = torch.arange(rows, device=lengths.device)
-        self.write_slots = self._table[index, lengths // self.block] * self.block + lengths % self.block
-        self._attending = lengths + 1
+        if extra is None:
+            index = torch.arange(rows, device=lengths.device)
+            positions = lengths
+            self._virtual = self._query_table = None
+        else:
+            counts = torch.tensor(feeds, dtype=torch.long, device=lengths.device)
+            index = torch.repeat_interleave(torch.arange(rows, device=lengths.device), counts)
+            starts = torch.cumsum(counts, 0) - counts
+            offsets = torch.arange(len(index), device=lengths.device) - starts.repeat_interleave(counts)
+            positions = lengths.index_select(0, index) + offsets
+            self._virtual = index
+            self._query_table = self._table.index_select(0, index)  # read by every layer
+        self._extra = extra
+        self.write_slots = self._table[index, positions // self.block] * self.block + positions % self.block
+        self._attending = positions + 1
         return self._attending
 
-    def advance(self) -> None:
-        """The forward wrote every row's token at its slot."""
-        self.lengths = [n + 1 for n in self.lengths]
-        self._lengths[: self.rows] += 1
-        self.write_slots = self._attending = None
+    def advance(self, accepted: Sequence[int] | None = None) -> None:
+        """The forward wrote every row's token at its slot, and its drafts after it: row r
+        keeps the first `accepted[r]` of those (None: none), and the blocks past them are freed."""
+        if accepted is None or self._extra is None:
+            self.lengths = [n + 1 for n in self.lengths]
+            self._lengths[: self.rows] += 1
+        else:
+            for r, (taken, drafted) in enumerate(zip(accepted, self._extra, strict=True)):
+                assert 0 <= taken <= drafted, "a row keeps at most the drafts it fed"
+                n = self.lengths[r] = self.lengths[r] + 1 + taken
+                table = self._tables[r]
+                while len(table) > blocks_for(n, self.block):
+                    self._free.append(table.pop())
+            self._lengths[: self.rows] = torch.tensor(self.lengths, dtype=torch.long)
+        self._close()
+
+    def _close(self) -> None:
+        self.write_slots = self._attending = self._virtual = self._query_table = None
+        self._extra = None
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """This step's token of every row into its slot: `keys`, `values` [rows, kv_heads, head_dim]."""
         assert self.pool is not None and self.write_slots is not None, "decode_mask opens the step"
         self.pool[layer, 0].index_copy_(0, self.write_slots, keys)
         self.pool[layer, 1].index_copy_(0, self.write_slots, values)
-
-    def gather(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The rows' tokens of this step as a rectangle, for attention without the paged
-        kernel: keys and values [rows, kv_heads, width, head_dim], each row's tokens first,
-        and [rows, width] True where a column is one of the row's tokens."""
-        assert self.pool is not None
-        table, lengths = self.table()
-        width = int(lengths.max())
-        j = torch.arange(width, device=table.device)
-        allowed = j[None, :] < lengths[:, None]
-        blocks = table.gather(1, (j // self.block).clamp(max=table.shape[1] - 1).expand(self.rows, -1))
-        slots = torch.where(allowed, blocks * self.block + j % self.block, 0).flatten()
-        shape = (self.rows, width, *self.pool.shape[3:])
-        keys = self.pool[layer, 0].index_select(0, slots).view(shape).transpose(1, 2)
-        values = self.pool[layer, 1].index_select(0, slots).view(shape).transpose(1, 2)
-        # Columns past a row's tokens read slot 0 (anything): zeroed, so a masked weight of 0
-        # never meets a non-finite value.
-        keys = keys.masked_fill(~allowed[:, None, :, None], 0.0)
-        values = values.masked_fill(~allowed[:, None, :, None], 0.0)
-        return keys, values, allowed
 
     # -- blocks -----------------------------------------------------------------------
 
@@ -290,7 +323,7 @@ class PagedBatch(Generic[Row]):
                 self._append_block(r, self._free.pop())
             self._lengths[r] = n
             slots.append(self._slots(r, 0, n))
-        self.write_slots = self._attending = None
+        self._close()
         return torch.cat(slots)
 
     def _append_block(self, row: int, block: int) -> None:
@@ -301,21 +334,47 @@ class PagedBatch(Generic[Row]):
 
     def _room(self, rows: int, blocks: int, device: torch.device) -> None:
         """The table tensors hold `rows` rows of `blocks` blocks (doubling)."""
-        have_rows, have_blocks = self._table.shape
-        if rows <= have_rows and blocks <= have_blocks and self._table.device == device:
-            return
-        new_rows, new_blocks = max(rows, 2 * have_rows, 8), max(blocks, 2 * have_blocks, 8)
-        if rows <= have_rows:
-            new_rows = have_rows
-        if blocks <= have_blocks:
-            new_blocks = have_blocks
-        table = torch.zeros((new_rows, new_blocks), dtype=torch.long, device=device)
-        table[:have_rows, :have_blocks] = self._table
-        lengths = torch.zeros(new_rows, dtype=torch.long, device=device)
-        lengths[:have_rows] = self._lengths
-        self._table, self._lengths = table, lengths
+        self._table, self._lengths = _grown(self._table, self._lengths, rows, blocks, device)
 
     def _slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Pool slots of row `row`'s tokens [start, end)."""
         j = torch.arange(start, end, device=self._table.device)
         return self._table[row, j // self.block] * self.block + j % self.block
+
+
+def gathered(batch: PagedBatch, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' tokens of `batch`'s step as a rectangle, for attention without the paged
+    kernel: keys and values [rows, kv_heads, width, head_dim], each row's tokens first,
+    and [rows, width] True where a column is one of the row's tokens."""
+    assert batch.pool is not None
+    table, lengths = batch.table()
+    width, queries = int(lengths.max()), int(table.shape[0])
+    j = torch.arange(width, device=table.device)
+    allowed = j[None, :] < lengths[:, None]
+    blocks = table.gather(1, (j // batch.block).clamp(max=table.shape[1] - 1).expand(queries, -1))
+    slots = torch.where(allowed, blocks * batch.block + j % batch.block, 0).flatten()
+    shape = (queries, width, *batch.pool.shape[3:])
+    keys = batch.pool[layer, 0].index_select(0, slots).view(shape).transpose(1, 2)
+    values = batch.pool[layer, 1].index_select(0, slots).view(shape).transpose(1, 2)
+    # Columns past a row's tokens read slot 0 (anything): zeroed, so a masked weight of 0
+    # never meets a non-finite value.
+    keys = keys.masked_fill(~allowed[:, None, :, None], 0.0)
+    values = values.masked_fill(~allowed[:, None, :, None], 0.0)
+    return keys, values, allowed
+
+
+def _grown(
+    table: torch.Tensor, lengths: torch.Tensor, rows: int, blocks: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block table and its lengths holding `rows` rows of `blocks` blocks (each at least
+    doubled where it grows), what they held kept: the same tensors where they already do."""
+    have_rows, have_blocks = table.shape
+    if rows <= have_rows and blocks <= have_blocks and table.device == device:
+        return table, lengths
+    new_rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows, 8)
+    new_blocks = have_blocks if blocks <= have_blocks else max(blocks, 2 * have_blocks, 8)
+    grown = torch.zeros((new_rows, new_blocks), dtype=torch.long, device=device)
+    grown[:have_rows, :have_blocks] = table
+    longer = torch.zeros(new_rows, dtype=torch.long, device=device)
+    longer[:have_rows] = lengths
+    return grown, longer

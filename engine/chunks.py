@@ -235,7 +235,7 @@ class PendingPrefills(Generic[Row]):
             positions += range(c.start, c.end)
         ends = [g.offset + g.tokens - 1 for g, c in zip(segments, chunks, strict=True) if c.completes]
         if isinstance(batch, PagedBatch):  # the rows' KV in blocks (engine/blocks.py)
-            if last:
+            if last and batch.write_slots is None:  # (opened already where rows feed drafts)
                 batch.decode_mask()
             plan = PackedPlan(len(last), [], 0, 0, None, segments, *sharing)
             plan.paged = batch if last else None

@@ -41,6 +41,7 @@ from .prefill import Prefilled, Prefiller
 from .prefix_cache import DEFAULT_BLOCK, PrefixCache
 from .sequence import NextTokens, RunningSequence
 from .sharing import PrefixSharing
+from .speculation import SpeculationConfig, Speculator
 
 log = logging.getLogger("ferry.engine")
 
@@ -127,6 +128,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         fused_projections: bool = True,
         kv_events: KVEventsConfig | dict[str, Any] | str | None = None,
         kv_layout: str = "blocks",
+        speculation: SpeculationConfig | None = None,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
@@ -137,7 +139,8 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         `--kv-events-config`, the prefix cache's blocks published (engine/kv_events.py).
         `kv_layout`: "blocks" keeps each running row's KV in blocks of one pool
         (engine/blocks.py; where steps are packed), "rectangle" in rows x the longest row
-        (engine/kv.py)."""
+        (engine/kv.py). `speculation`: drafts verified in the steps (engine/speculation.py;
+        with blocks only)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
         # Before the model loads, so a bad setting fails at once, naming itself; a cache
@@ -181,6 +184,8 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         # Running rows' KV in blocks where steps are packed (only packed forwards read blocks).
         self.kv_layout = kv_layout if self.packs_steps else "rectangle"
         self._paged_kernel = paged_attention_kernel() if self._decode_kernel is not None else None
+        self._speculator = _speculator(speculation, self.kv_layout, self.name)
+        self._step_drafts = None
         self._batch = self._new_batch()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._sharing = PrefixSharing()  # prefixes running rows share, held once (engine/sharing.py)
@@ -476,3 +481,14 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def _speculator(config: SpeculationConfig | None, kv_layout: str, name: str) -> Speculator | None:
+    """Speculation where asked for; drafts are verified through blocks only (a rectangle
+    row has one column a step)."""
+    if config is None or not config.on:
+        return None
+    if kv_layout != "blocks":
+        log.warning("speculation off for %s: it needs --kv-layout blocks and packed steps", name)
+        return None
+    return Speculator(config)

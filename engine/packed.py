@@ -20,15 +20,13 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .blocks import PagedBatch, gathered
 from .decode_attention import DecodeAttention, KernelError, PagedAttention
-
-if TYPE_CHECKING:
-    from .blocks import PagedBatch
 
 log = logging.getLogger("ferry.engine")
 IMPLEMENTATION = "ferry"  # the attention implementation name models are switched to
@@ -364,7 +362,7 @@ def paged_rows_attention(query: torch.Tensor, plan: PackedPlan, layer: int, scal
             raise KernelError(str(exc)) from exc
         out, lse = out.reshape(rows, kv_heads, group, dim), lse.reshape(rows, kv_heads, group)
     else:
-        keys, values, allowed = paged.gather(layer)
+        keys, values, allowed = gathered(paged, layer)
         out, lse = attend(q, keys, values, _bias(allowed, query.dtype)[:, None, None, :], scaling)
     if plan.shared:
         out = _with_shared(q, out, lse, plan, layer, scaling)

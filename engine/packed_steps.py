@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -19,6 +20,7 @@ from .kv import RunningBatch
 from .preemption import Preemption
 from .sequence import NextTokens, RunningSequence
 from .sharing import PrefixSharing, Sharing
+from .speculation import Speculator, virtual_groups
 
 log = logging.getLogger("ferry.engine")
 
@@ -40,15 +42,50 @@ class PackedSteps:
     _paged_kernel: PagedAttention | None
     _empty_kv: torch.Tensor
     _next: NextTokens
+    _speculator: Speculator | None
+    _step_drafts: list[list[int]] | None  # the drafts the last packed forward fed (engine/speculation.py)
+    max_context: int
     packs_steps: bool
+
+    @property
+    def speculated(self) -> tuple[int, int, int]:
+        """(draft tokens verified, of those taken, steps that verified any) so far."""
+        spec = self._speculator
+        return (0, 0, 0) if spec is None else (spec.drafted, spec.accepted, spec.steps)
 
     def _decoded(self, tokens: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
         """The running rows' new tokens accounted; the rows that finish leave."""
         outputs = [self._next.advance(seq, *token) for seq, token in zip(self._batch.seqs, tokens, strict=True)]
+        return self._leave_finished(outputs)
+
+    def _leave_finished(self, outputs: list[StepOutput]) -> list[StepOutput]:
         finished = {i for i, out in enumerate(outputs) if out.finish_reason}
         if finished:
             self._batch.drop(finished)
         return outputs
+
+    def _decoded_runs(self, runs: list[list[int]], firsts: list[tuple[int, TokenLogprob | None]]) -> list[StepOutput]:
+        """The running rows' new tokens, several a row where drafts were taken (each run
+        starts with the row's sampled token, `firsts`, its log probability kept): accounted
+        one by one up to the one that finishes the row (the rest dropped, as tokens never
+        produced), one output a row; the rows that finish leave."""
+        outputs = []
+        for seq, run, first in zip(self._batch.seqs, runs, firsts, strict=True):
+            steps = [self._next.advance(seq, *first)]
+            for token in run[1:]:
+                if steps[-1].finish_reason:
+                    break
+                steps.append(self._next.advance(seq, token))
+            out = steps[0]
+            if len(steps) > 1:
+                out = StepOutput(
+                    seq.seq_id,
+                    [t for o in steps for t in o.token_ids],
+                    "".join(o.text for o in steps),
+                    steps[-1].finish_reason,
+                )
+            outputs.append(out)
+        return self._leave_finished(outputs)
 
     def _decode_step(self, packed: bool = True) -> list[StepOutput]:
         """One token of every row: packed where rows share a prefix (engine/packed.py)."""
@@ -83,19 +120,50 @@ class PackedSteps:
         return self._decoded(self._next.sample(logits, batch.seqs))
 
     def _packed_forward(self, chunks: Chunks, sharing: Sharing | None = None) -> torch.Tensor:
-        """One forward over one token of every running row and every chunk: the logits of
-        the rows, then of each chunk that ends its prompt; the batch advanced if it succeeds."""
+        """One forward over one token of every running row (and its drafts, where it
+        speculates: engine/speculation.py) and every chunk: the logits of the rows' queries,
+        then of each chunk that ends its prompt. The batch is advanced if it succeeds, or
+        with drafts, by `_packed_outputs` once they are verified (`_step_drafts`)."""
         batch = self._batch
+        drafts = None
         if batch.seqs:
-            batch.decode_mask()  # may move the columns: the plan reads them after
+            drafts = self._plan_drafts(chunks)
+            if drafts is not None:
+                assert isinstance(batch, PagedBatch)
+                batch.decode_mask([len(d) for d in drafts])
+            else:
+                batch.decode_mask()  # may move the columns: the plan reads them after
         sharing = sharing or self._sharing.plan(batch.seqs, batch.column, self.device)
-        last = [(s.last_token, s.total_tokens - 1) for s in batch.seqs]
+        last = []
+        for s, d in zip(batch.seqs, drafts or [[]] * batch.rows, strict=True):
+            last.append((s.last_token, s.total_tokens - 1))
+            last += [(t, s.total_tokens + j) for j, t in enumerate(d)]
+        if drafts is not None and sharing[0]:
+            assert isinstance(batch, PagedBatch)
+            sharing = (virtual_groups(sharing[0], batch.query_rows()), sharing[1])
         input_ids, positions, plan, keep = self._pending.pack(batch, last, chunks, sharing, self.device, self._empty_kv)
         plan.kernel, plan.paged_kernel = self._decode_kernel, self._paged_kernel
+        began = time.perf_counter()
         logits = self._forward.packed(input_ids, positions, plan, keep)
-        if batch.seqs:
+        if self._speculator is not None:
+            self._speculator.pricing.observe(int(input_ids.shape[1]), time.perf_counter() - began)
+        self._step_drafts = drafts
+        if batch.seqs and drafts is None:
             batch.advance()
         return logits
+
+    def _plan_drafts(self, chunks: Chunks) -> list[list[int]] | None:
+        """The rows' drafts this step (None: none), where the engine speculates and they fit."""
+        batch = self._batch
+        if self._speculator is None or not isinstance(batch, PagedBatch):
+            return None
+        drafts = self._speculator.plan(batch.seqs, sum(c.tokens for c in chunks), self.max_context)
+        # Room for every draft taken and for the prompts joining after them (their room was
+        # planned on the rows' next token alone).
+        joining = [len(c.pending.prompt) for c in chunks if c.completes]
+        if drafts is None or not batch.step_fits([len(d) for d in drafts], joining):
+            return None
+        return drafts
 
     def _packed_outputs(self, chunks: Chunks, logits: torch.Tensor, result: PrefillStep) -> list[StepOutput]:
         """The rows' tokens, then each finished prompt's first token (joining the rows)."""
@@ -103,9 +171,24 @@ class PackedSteps:
         completing = [c for c in chunks if c.completes]
         rows = batch.rows
         joining = [c.pending.seq for c in completing]
-        tokens = self._next.sample(logits, batch.seqs + joining)
+        drafts, self._step_drafts = self._step_drafts, None
+        if drafts is None:
+            tokens = self._next.sample(logits, batch.seqs + joining)
+        else:  # each row's first query, then the chunks'
+            queries = sum(1 + len(d) for d in drafts)
+            starts = [0]
+            for d in drafts[:-1]:
+                starts.append(starts[-1] + 1 + len(d))
+            index = torch.tensor(starts + list(range(queries, int(logits.shape[0]))), device=logits.device)
+            tokens = self._next.sample(logits.index_select(0, index), batch.seqs + joining)
         self._pending.packed_done(chunks, result)
-        decoded = self._decoded(tokens[:rows])
+        if drafts is None:
+            decoded = self._decoded(tokens[:rows])
+        else:
+            assert self._speculator is not None and isinstance(batch, PagedBatch)
+            runs = self._speculator.verify(logits[:queries], [t for t, _ in tokens[:rows]], drafts, batch.seqs)
+            batch.advance([len(r) - 1 for r in runs])
+            decoded = self._decoded_runs(runs, tokens[:rows])
         others = [*batch.seqs, *(p.seq for p in self._pending.waiting()), *joining]
         for c, token in zip(completing, tokens[rows:], strict=True):
             out = self._next.first(c.pending.seq, *token, failed=result.failed)

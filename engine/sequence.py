@@ -20,6 +20,7 @@ from .prefix_cache import chain_keys
 from .prompt_logprobs import prompt_logprobs
 from .sampling import SequenceSampler, sample_next_tokens, token_logprobs
 from .sharing import SHARE_BLOCK, HeldPrefix
+from .speculation import RowRate
 
 log = logging.getLogger("ferry.engine")
 
@@ -116,6 +117,7 @@ class RunningSequence:
     chain: list[bytes] = field(default_factory=list)  # its prompt's block keys, for shared-prefix attention
     shared: HeldPrefix | None = None  # the prefix its running row references, not in its slot (engine/sharing.py)
     priority: int = 0  # lower runs first: when KV memory runs out, the highest yields first
+    spec: RowRate = field(default_factory=RowRate)  # its drafts verified and taken (engine/speculation.py)
 
     @classmethod
     def of(cls, request: SequenceRequest, detok: Any, grammars: GrammarCache) -> RunningSequence:

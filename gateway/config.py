@@ -163,6 +163,25 @@ class ServerSettings(Knobs):
         "conversation makes every row as wide (engine/kv.py). Models whose steps cannot be packed "
         "keep the rectangle. Set at start (docs/scheduling.md)",
     )
+    speculation: Literal["off", "ngram"] = knob(
+        "off",
+        "speculative decoding for each chat model: `ngram` drafts a running sequence's next tokens "
+        "from where its last tokens occurred before in its own prompt and output (vLLM's `ngram`, "
+        "prompt lookup), verifies them in the step's forward and keeps those the model would have "
+        "chosen: greedy sequences give exactly their tokens; each step the forward's measured cost "
+        "decides which drafts pay (none at saturation). Sampled sequences and those with logit "
+        "rules, structured output or log probabilities do not draft. Needs --kv-layout blocks. "
+        "Per chat model in `--config`. Set at start (docs/scheduling.md)",
+    )
+    speculative_tokens: int = knob(
+        4, "most draft tokens a sequence verifies a step (--speculation; vLLM's num_speculative_tokens)", ge=1, le=16
+    )
+    prompt_lookup_max: int = knob(
+        4, "longest suffix of a sequence's tokens looked up for a draft (--speculation ngram)", ge=1, le=32
+    )
+    prompt_lookup_min: int = knob(
+        2, "shortest suffix looked up for a draft (--speculation ngram); at most --prompt-lookup-max", ge=1, le=32
+    )
     admin_token: str | None = knob(
         None, "bearer token for `GET/PATCH /admin/models/{model}/batching` (live tuning)", null="admin routes off"
     )
@@ -251,6 +270,8 @@ class _ServerConfigMethods:
             parse_kv_events_config(self.kv_events_config)
         except ValueError as exc:
             raise SystemExit(f"ferry: invalid --kv-events-config: {exc}") from None
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise SystemExit("ferry: invalid --prompt-lookup-min: it is more than --prompt-lookup-max")
         if self.config:
             self.validate_config()
             return

@@ -41,6 +41,11 @@ The `kvblocks` cell (`--servers kvblocks`): 4 conversations of ~1,800 tokens amo
 the rectangle (`--kv-layout rectangle`) and vLLM with the same space (loadtests/kv_blocks_cell.py):
 tokens/s and preemptions, `--repeats` rounds.
 
+The `spec` cell (`--servers spec`): `--speculation ngram` against off, one stream at a time on
+copy-heavy and free-form prompts (tokens/s, inter-token time) and at 64 closed-loop clients
+(tokens/s); vLLM with its `ngram` speculative config where its CPU build runs it
+(loadtests/spec_cell.py), `--repeats` rounds.
+
 The `goodput` cell (`--servers goodput --rates 48,64,96,128`): requests/s whose first token
 comes within `--slo-ms` (200), streaming 32 new tokens under open-loop Poisson arrivals,
 each request carrying the SLO as its `latency_budget_ms` (loadtests/goodput_cell.py): Ferry
@@ -360,13 +365,13 @@ def main() -> None:
         "--servers",
         default="continuous,static,transformers",
         help="comma-separated subset of "
-        "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,kvblocks,vllm",
+        "continuous,static,transformers,structured,sampling,prefix,itl,saturation,goodput,memory,kvblocks,spec,vllm",
     )
     p.add_argument(
         "--repeats",
         type=int,
         default=1,
-        help="sampling, prefix, saturation and kvblocks cells: rounds of every variant",
+        help="sampling, prefix, saturation, kvblocks and spec cells: rounds of every variant",
     )
     p.add_argument(
         "--saturation-variants",
@@ -451,6 +456,10 @@ def main() -> None:
         from .kv_blocks_cell import run_kv_blocks_cell
 
         run_kv_blocks_cell(a.duration, a.vllm_python, a.repeats)
+    if "spec" in servers:
+        from .spec_cell import run_spec_cell
+
+        run_spec_cell(a.duration, a.vllm_python, a.repeats)
     if "vllm" in servers and a.vllm_python:
         from engine.tiny_chat import ensure_tiny_chat
 

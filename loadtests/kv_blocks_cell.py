@@ -69,7 +69,8 @@ def conversations(model_dir: str, clients: int, long: int, long_tokens: int, sho
     return [sized(k, long_tokens if k < long else short_tokens) for k in range(clients)]
 
 
-def _metric(url: str, names: tuple[str, ...]) -> float:
+def metric_sum(url: str, names: tuple[str, ...]) -> float:
+    """The sum of the samples named `names` in one /metrics scrape of `url`."""
     text = httpx.get(url + "/metrics", timeout=30).text
     return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name in names)
 
@@ -104,7 +105,7 @@ def _prime(url: str, prompts: list[str]) -> None:
 
 def _measure(label: str, url: str, prompts: list[str], long: int, duration: float, max_tokens: int) -> dict:
     _prime(url, prompts)
-    before = _metric(url, PREEMPTIONS)
+    before = metric_sum(url, PREEMPTIONS)
     row = run_saturation(
         label,
         url,
@@ -116,7 +117,7 @@ def _measure(label: str, url: str, prompts: list[str], long: int, duration: floa
         WARMUP_S,
         lambda k: "long" if k < long else "short",
     )
-    row["preemptions"] = _metric(url, PREEMPTIONS) - before
+    row["preemptions"] = metric_sum(url, PREEMPTIONS) - before
     by = row["tok_s_by"]
     print(
         f"  {'':28s} long conversations {by.get('long', 0.0):.1f} tok/s, short {by.get('short', 0.0):.1f} tok/s, "

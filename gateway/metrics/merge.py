@@ -52,6 +52,14 @@ VLLM_COUNTERS: dict[str, tuple[str, str]] = {
         "ferry_preemptions",
         "Running sequences preempted for KV-cache memory (ferry_preemptions_total).",
     ),
+    "vllm:spec_decode_num_draft_tokens": (
+        "ferry_spec_draft_tokens",
+        "Draft tokens verified by speculative decoding (ferry_spec_draft_tokens_total).",
+    ),
+    "vllm:spec_decode_num_accepted_tokens": (
+        "ferry_spec_accepted_tokens",
+        "Draft tokens verification took (ferry_spec_accepted_tokens_total).",
+    ),
 }
 
 

@@ -74,6 +74,7 @@ def entry_spec(e: Any, cfg: ServerConfig) -> ModelSpec:
         prefix_cache_mb=e.prefix_cache_mb,
         kv_cache_mb=e.kv_cache_mb,
         kv_events_config=e.kv_events_config,
+        speculation=e.speculation_overrides(),
         options=e.options,
     )
 
@@ -95,6 +96,7 @@ def model_spec(
     prefix_cache_mb: int | None = None,
     kv_cache_mb: int | None = None,
     kv_events_config: dict[str, Any] | str | None = None,
+    speculation: dict[str, Any] | None = None,
     options: dict[str, Any] | None = None,
 ) -> ModelSpec:
     """How to load one model of `kind` from `source` (`default`, a Hugging Face id or a local
@@ -102,7 +104,8 @@ def model_spec(
     on `device` / `dtype` (default: `--device` / `--dtype`); a chat model's prefix cache as
     `prefix_caching` / `prefix_cache_mb` say (default: `--prefix-caching` / `--prefix-cache-mb`),
     its running sequences' KV within `kv_cache_mb` (default: `--kv-cache-mb`), its prefix
-    cache's KV events as `kv_events_config` says (default: `--kv-events-config`).
+    cache's KV events as `kv_events_config` says (default: `--kv-events-config`), its
+    speculative decoding as the flags say, overridden by `speculation` (by knob name).
     A custom model's source is its class (`package.module:ClassName`), made with `options`."""
     path = None if source == "default" else source
     device = device or cfg.device
@@ -151,6 +154,7 @@ def model_spec(
             "kv_cache_bytes": (cfg.kv_cache_mb if kv_cache_mb is None else kv_cache_mb) * 1024 * 1024 or None,
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
             "kv_events": cfg.kv_events_config if kv_events_config is None else kv_events_config,
+            "speculation": speculation_config(cfg, speculation),
         }
         if name is not None:
             options["name"] = name
@@ -171,6 +175,19 @@ def model_spec(
 
     described = {TINY_CHAT: "ferry-tiny-chat (random weights)", "default": DEFAULT_CHAT_DESCRIBED}.get(source, source)
     return ModelSpec(CHAT, load_chat, dict(settings or {}), chat_front, described, name)
+
+
+def speculation_config(cfg: ServerConfig, overrides: dict[str, Any] | None = None) -> Any:
+    """A chat model's engine/speculation.py `SpeculationConfig`: the flags, then its own."""
+    from engine.speculation import SpeculationConfig
+
+    knobs = {
+        k: getattr(cfg, k) for k in ("speculation", "speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
+    }
+    knobs.update(overrides or {})
+    return SpeculationConfig(
+        knobs["speculation"], knobs["speculative_tokens"], knobs["prompt_lookup_max"], knobs["prompt_lookup_min"]
+    )
 
 
 TINY_CHAT = "tiny"  # --chat-model tiny: ferry-tiny-chat, the random model that tests the machinery

@@ -14,6 +14,10 @@
         kv_cache_mb: 4096         # optional, chat only (default: --kv-cache-mb)
         kv_events_config:         # optional, chat only (default: --kv-events-config): vLLM's JSON
           {enable_kv_cache_events: true, endpoint: "tcp://*:5557", topic: "kv@10.0.0.7@minichat"}
+        speculation: ngram        # optional, chat only (default: --speculation): off | ngram
+        speculative_tokens: 4     # optional, chat only (default: --speculative-tokens)
+        prompt_lookup_max: 4      # optional, chat only (default: --prompt-lookup-max)
+        prompt_lookup_min: 2      # optional, chat only (default: --prompt-lookup-min)
         options: {labels: [a, b]} # optional, custom only: keyword arguments of the class
     tenants:                      # optional: fair shares between tenants (docs/scheduling.md)
       - name: team-a              # the tenant's name (metric label, admin API)
@@ -82,9 +86,28 @@ class ModelEntry(BaseModel):
         description="a chat model's KV cache events: vLLM's `--kv-events-config` (a mapping or its JSON); "
         "null: the flag's",
     )
+    speculation: Literal["off", "ngram"] | None = Field(
+        None, description="a chat model's speculative decoding (`--speculation`); null: the flag's"
+    )
+    speculative_tokens: int | None = Field(
+        None, ge=1, le=16, description="a chat model's most draft tokens a step; null: the flag's"
+    )
+    prompt_lookup_max: int | None = Field(
+        None, ge=1, le=32, description="a chat model's longest suffix looked up for a draft; null: the flag's"
+    )
+    prompt_lookup_min: int | None = Field(
+        None, ge=1, le=32, description="a chat model's shortest suffix looked up for a draft; null: the flag's"
+    )
     options: dict[str, Any] | None = Field(
         None, description="a custom model's keyword arguments (its class is made with them)"
     )
+
+    def speculation_overrides(self) -> dict[str, Any]:
+        """Its speculation fields that are set, by knob name."""
+        return {f: getattr(self, f) for f in SPECULATION_FIELDS if getattr(self, f) is not None}
+
+
+SPECULATION_FIELDS = ("speculation", "speculative_tokens", "prompt_lookup_max", "prompt_lookup_min")
 
 
 TENANT_NAME = r"^[A-Za-z0-9][A-Za-z0-9._:@+-]{0,63}$"
@@ -145,6 +168,16 @@ def load_file(path: str) -> ConfigFile:
                     raise ConfigError(
                         f"invalid {where}: model {entry.name!r}: field {field!r}: only chat models keep a KV cache"
                     )
+            for field in SPECULATION_FIELDS:
+                if getattr(entry, field) is not None:
+                    raise ConfigError(
+                        f"invalid {where}: model {entry.name!r}: field {field!r}: only chat models speculate"
+                    )
+        low, high = entry.prompt_lookup_min, entry.prompt_lookup_max
+        if low is not None and high is not None and low > high:
+            raise ConfigError(
+                f"invalid {where}: model {entry.name!r}: field 'prompt_lookup_min': more than prompt_lookup_max"
+            )
         try:
             parse_kv_events_config(entry.kv_events_config)
         except ValueError as exc:

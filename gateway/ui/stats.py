@@ -227,6 +227,15 @@ def model_stats(view: _View, last: _View, info: ModelInfo, seconds: float | None
             "usage": view.current("ferry_kv_cache_usage_ratio"),
             "preemptions": view.delta("ferry_preemptions_total"),
         }
+        # Speculation in the window: the drafts verified that were taken, and the share of
+        # decode steps that verified any (none where --speculation is off).
+        drafted = view.delta("ferry_spec_draft_tokens_total")
+        steps = view.delta("ferry_batch_size_items_count", phase="decode")
+        out["speculation"] = {
+            "drafted": drafted,
+            "acceptance": view.delta("ferry_spec_accepted_tokens_total") / drafted if drafted else None,
+            "steps_share": view.delta("ferry_spec_steps_total") / steps if steps else None,
+        }
     return out
 
 

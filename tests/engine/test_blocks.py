@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.blocks import PagedBatch, blocks_for
+from engine.blocks import PagedBatch, blocks_for, gathered
 from engine.generation import HFGenerationEngine
 from engine.kv import KVFull, RunningBatch
 from tests.engine.test_preemption import Bounded, budget, request, unbounded
@@ -55,7 +55,7 @@ def test_rows_read_back_their_own_tokens_through_their_tables():
     assert keys[1, :, 0].tolist() == [*map(float, range(17)), -1.0]
     # The rectangle gathered for attention without the kernel: each row's tokens first.
     batch.decode_mask()
-    rect_keys, _, allowed = batch.gather(0)
+    rect_keys, _, allowed = gathered(batch, 0)
     assert allowed.sum(dim=1).tolist() == [19, 7]
     assert rect_keys[1, 0, :6, 0].tolist() == [100.0, 101.0, 102.0, 103.0, 104.0, -1.0]
     assert torch.isfinite(rect_keys).all()

@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.app import create_app
 from gateway.config import ServerConfig
@@ -35,6 +36,11 @@ QUESTIONS = [
     "Name three colours of the rainbow.",
     "How many legs does a spider have?",
     "Say hello in Spanish.",
+]
+# Answers that copy from the prompt: where prompt-lookup drafts are right (--speculation).
+COPYING = [
+    "Repeat exactly, word for word: the boat leaves at nine, the boat returns at five, the boat leaves at nine.",
+    "Write this list again in the same order: apples, bread, milk, eggs, cheese, rice, tomatoes, onions.",
 ]
 MAX_TOKENS = 24
 
@@ -60,7 +66,7 @@ def reference(model_dir: str) -> dict[str, str]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     answers = {}
     with torch.inference_mode():
-        for q in QUESTIONS:
+        for q in QUESTIONS + COPYING:
             ids = tokenizer.apply_chat_template(conversation(q), add_generation_prompt=True, return_tensors="pt")
             ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
             out = model.generate(
@@ -102,6 +108,28 @@ def test_greedy_answers_are_transformers_own_alone_and_among_32_concurrent(tmp_p
         assert [c["choices"][0]["message"]["content"] for c in crowd] == [reference[q] for q in QUESTIONS * 4]
         # The system prompt came from the prefix cache for all but the first prompts.
         assert sum(c["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 for c in crowd) >= 24
+
+
+def test_greedy_answers_hold_with_speculation_and_drafts_copied_from_the_prompt_are_taken(tmp_path, reference):
+    """`--speculation ngram`: each answer alone and all of them together are transformers'
+    own, and where the answer copies from its prompt, drafts were verified and taken."""
+    questions = QUESTIONS + COPYING
+    with serve(tmp_path, speculation="ngram") as server:
+        alone = [asyncio.run(ask_all(server.url, [q]))[0] for q in questions]
+        assert [a["choices"][0]["message"]["content"] for a in alone] == [reference[q] for q in questions]
+        crowd = asyncio.run(ask_all(server.url, questions * 2))
+        assert [c["choices"][0]["message"]["content"] for c in crowd] == [reference[q] for q in questions * 2]
+        counts = {
+            name: sum(
+                s.value
+                for f in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=30).text)
+                for s in f.samples
+                if s.name == name
+            )
+            for name in ("ferry_spec_draft_tokens_total", "ferry_spec_accepted_tokens_total", "ferry_spec_steps_total")
+        }
+    assert counts["ferry_spec_accepted_tokens_total"] > 0 and counts["ferry_spec_steps_total"] > 0
+    assert counts["ferry_spec_draft_tokens_total"] >= counts["ferry_spec_accepted_tokens_total"]
 
 
 def test_greedy_answers_hold_when_sequences_are_preempted_for_kv_memory(model_dir, reference):

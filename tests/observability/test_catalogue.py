@@ -137,7 +137,17 @@ def test_dashboard_has_variables_rows_and_setting_change_annotations():
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     assert variables["model"]["includeAll"] and variables["model"]["multi"]
     rows = [p["title"] for p in d["panels"] if p["type"] == "row"]
-    assert rows == ["Traffic", "Latency vs SLO", "Batching", "Queue", "Generation", "Knobs", "Batch jobs", "Tenants"]
+    assert rows == [
+        "Traffic",
+        "Latency vs SLO",
+        "Batching",
+        "Queue",
+        "Generation",
+        "Knobs",
+        "Batch jobs",
+        "Tenants",
+        "Speculation",
+    ]
     notes = [a for a in d["annotations"]["list"] if a.get("expr")]
     assert any("ferry_config_changes_total" in a["expr"] for a in notes)
     for p in all_panels(d):

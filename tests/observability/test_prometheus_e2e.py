@@ -82,12 +82,18 @@ class GatedChat(FakeGenerationEngine):
         super().__init__(fail_prompts={FAIL_TOKEN})
         self.gate, self.blocked = threading.Event(), threading.Event()
         self.gate.set()
+        # (draft tokens, taken, steps) as an engine with --speculation reports them: two
+        # drafted and one taken a row a step, so the speculation panels have data.
+        self.speculated = (0, 0, 0)
 
     def step(self):
         if not self.gate.is_set():
             self.blocked.set()
             self.gate.wait(60)
-        return super().step()
+        outputs = super().step()
+        drafted, taken, steps = self.speculated
+        self.speculated = (drafted + 2 * len(outputs), taken + len(outputs), steps + bool(outputs))
+        return outputs
 
 
 def free_port() -> int:

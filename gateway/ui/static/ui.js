@@ -332,6 +332,9 @@
       ].concat(model.kv ? [
         ["KV in use", model.kv.usage === null || model.kv.usage === undefined ? "–" : fmt(100 * model.kv.usage, 1) + " %"],
         ["preemptions", fmt(model.kv.preemptions, 0)],
+      ] : []).concat(model.speculation && model.speculation.drafted > 0 ? [
+        ["drafts taken", fmt(100 * model.speculation.acceptance, 1) + " %"],
+        ["steps that drafted", model.speculation.steps_share === null ? "–" : fmt(100 * model.speculation.steps_share, 1) + " %"],
       ] : []));
     }
     if (model.tenants) {

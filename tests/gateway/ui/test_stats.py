@@ -237,6 +237,25 @@ def test_the_prefix_cache_hit_rate_and_preemptions_are_over_the_window_for_chat_
     assert c["prefix_cache"] == {"queries": 200, "hits": 150, "hit_rate": 0.75}
     assert c["kv"] == {"usage": 0.5, "preemptions": 3}  # the KV budget's use now, preemptions in the window
     assert "prefix_cache" not in e and "kv" not in e
+    assert c["speculation"] == {"drafted": 0, "acceptance": None, "steps_share": None}  # --speculation off
+
+
+def test_speculation_is_the_drafts_taken_and_the_steps_that_drafted_over_the_window():
+    metrics = Metrics(CollectorRegistry())
+    metrics.init_prefix_cache("c")
+    chat = ModelInfo("c", "chat", BatchingSettings().to_dict(), None)
+    clock = FakeClock()
+    ring = StatsRing(clock=clock.now)
+    metrics.spec_draft_tokens.labels("c").inc(500)  # before the window
+    ring.stats(metrics.registry.collect(), [chat])
+    asyncio.run(clock.advance(1.0))
+    metrics.spec_draft_tokens.labels("c").inc(40)
+    metrics.spec_accepted_tokens.labels("c").inc(30)
+    metrics.spec_steps.labels("c").inc(10)
+    for _ in range(40):
+        metrics.batch_size.labels("c", "decode").observe(1)
+    (c,) = ring.stats(metrics.registry.collect(), [chat])["models"]
+    assert c["speculation"] == {"drafted": 40, "acceptance": 0.75, "steps_share": 0.25}
 
 
 def test_batch_tokens_and_padding_are_over_the_window_per_phase():
