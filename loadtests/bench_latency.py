@@ -259,6 +259,20 @@ PRIORITY_MODES: dict[str, dict[str, bool]] = {
 }
 
 
+def first_token_slowdown(url: str) -> dict[str, float]:
+    """`ferry_first_token_slowdown` by class: how much admission stretches its first-token
+    predictions (the 90th percentile of observed over predicted lately)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {
+        s.labels["class"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "ferry_first_token_slowdown"
+    }
+
+
 def run_priority(
     url: str, cap: float, duration: float, chat: bool = False, modes: tuple[str, ...] = ("lane", "reserve")
 ) -> list[dict]:
@@ -294,6 +308,11 @@ def run_priority(
                 f" (429 {b['rejected']}, 504 {b['expired']})",
                 flush=True,
             )
+            if chat:  # what admission's first-token promises allowed for, per class, at the cell's end
+                slow = first_token_slowdown(url)
+                row["first_token_slowdown"] = slow
+                shown = ", ".join(f"{k} {v:.2f}" for k, v in slow.items())
+                print(f"  {'':42s}first-token slowdown {shown}", flush=True)
     if chat:
         configure(url, CHAT_MODEL, **PRIORITY_MODES["lane"])  # the defaults again
     else:
