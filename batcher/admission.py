@@ -209,7 +209,7 @@ def calibrated(predict: Predictor, calibrations: Mapping[Priority, Calibration])
         if done == INF:
             return done
         item.predicted_wait = max(done - now, 0.0)
-        return now + item.predicted_wait * calibrations[item.priority].factor
+        return now + item.predicted_wait * calibrations[item.priority].factor_for(item.predicted_wait)
 
     return stretched
 

@@ -27,6 +27,9 @@ MAX_SLOWDOWN = 1.5  # bounded: a pessimism that shrinks batches must not feed on
 # observed against, so a stretched promise does not feed on itself, and a cap it binds at
 # is a promise broken after admission (504) instead of a refusal at once (429).
 MAX_PROMISE_SLOWDOWN = 4.0
+# Calibration.factor_for: predictions within this factor of each other are alike, and this
+# many alike ones stand on their own.
+LIKE, LIKE_SEEN = 2.0, 24
 # The bad batch one in a hundred: what batches that share an interactive request's wait
 # (the batch running when it arrives, the batch-class items riding in its own batch) are
 # sized against. Never what a request is promised (that would refuse work the engine serves).
@@ -167,18 +170,37 @@ class Calibration:
 
     def __init__(self, window: int = 256, refresh_every: int = 8, floor: float = 0.02) -> None:
         self._ratios: deque[float] = deque(maxlen=window)
+        self._predicted: deque[float] = deque(maxlen=window)
         self._every, self._since, self._floor = refresh_every, 0, floor
         self.factor = 1.0
+        self._seen = (np.zeros(0), np.zeros(0))  # (predicted, ratio) as of the last refresh
 
     def observe(self, predicted: float, observed: float) -> None:
         if predicted < self._floor:
             return
         self._ratios.append(observed / predicted)
+        self._predicted.append(predicted)
         self._since += 1
         if self._since >= self._every:
             self._since = 0
-            q = float(np.quantile(np.asarray(self._ratios), SLOWDOWN_QUANTILE))
+            ratios = np.asarray(self._ratios)
+            q = float(np.quantile(ratios, SLOWDOWN_QUANTILE))
             self.factor = min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
+            self._seen = (np.asarray(self._predicted), ratios)
+
+    def factor_for(self, predicted: float) -> float:
+        """The factor for a prediction of `predicted` seconds: the SLOWDOWN_QUANTILE of
+        observed / predicted over the predictions within a factor LIKE of it, where at least
+        LIKE_SEEN were seen; else `factor`, over all. Part of a first token's error is fixed
+        (a request's own handling, the engine thread's hand-off): short predictions miss by a
+        larger ratio than long ones, and one factor over all stretched the long ones by the
+        short ones' ratio, refusing interactive prompts their first tokens would have met."""
+        seen, ratios = self._seen
+        like = (seen >= predicted / LIKE) & (seen <= predicted * LIKE)
+        if int(like.sum()) < LIKE_SEEN:
+            return self.factor
+        q = float(np.quantile(ratios[like], SLOWDOWN_QUANTILE))
+        return min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
 
 
 def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:

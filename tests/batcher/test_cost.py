@@ -157,3 +157,19 @@ def test_a_calibration_is_the_90th_percentile_of_observed_over_predicted_bounded
     for _ in range(50):  # a 5 ms prediction that took 15: fixed costs the deadline margin covers
         deaf.observe(0.005, 0.015)
     assert deaf.factor == 1.0
+
+
+def test_a_prediction_is_stretched_by_what_predictions_like_it_missed_by():
+    """First tokens late by a fixed 100 ms beyond short (50 ms) and long (400 ms)
+    predictions: the short ones' ratio (3x) is their own; a long prediction is stretched by
+    the long ones' (1.25x), not by the 3x that one factor over all would give it. Too few
+    predictions alike: the factor over all."""
+    c = Calibration(refresh_every=1)
+    for i in range(200):
+        predicted = 0.05 if i % 2 else 0.4
+        c.observe(predicted, predicted + 0.1)
+    assert c.factor == pytest.approx(3.0)
+    assert c.factor_for(0.05) == pytest.approx(3.0)
+    assert c.factor_for(0.4) == pytest.approx(1.25)
+    assert c.factor_for(0.3) == pytest.approx(1.25)  # within a factor 2 of 0.4, not of 0.05
+    assert c.factor_for(5.0) == c.factor  # none alike: the factor over all
