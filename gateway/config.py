@@ -222,7 +222,9 @@ class ServerSettings(Knobs):
         "`ferry_running_sequences` and `ferry_kv_cache_usage_ratio`, for an endpoint picker left at its "
         "vLLM defaults, and the counters `vllm:prefix_cache_queries`, `vllm:prefix_cache_hits` and "
         "`vllm:num_preemptions` (`ferry_prefix_cache_queries_total`, `ferry_prefix_cache_hits_total`, "
-        "`ferry_preemptions_total`)",
+        "`ferry_preemptions_total`), `vllm:spec_decode_num_draft_tokens` and "
+        "`vllm:spec_decode_num_accepted_tokens` (`ferry_spec_draft_tokens_total`, "
+        "`ferry_spec_accepted_tokens_total`)",
     )
     api_workers: int = knob(
         1,

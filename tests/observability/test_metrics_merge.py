@@ -98,3 +98,23 @@ def test_vllm_compat_prefix_cache_counters_are_ferrys_by_model_name():
     }
     assert "# TYPE vllm:prefix_cache_hits_total counter" in text
     assert "vllm:prefix" not in merged_exposition(r, []).decode()
+
+
+def test_vllm_compat_speculation_counters_are_ferrys_by_model_name():
+    """`vllm:spec_decode_num_draft_tokens` and `..._num_accepted_tokens` as vLLM exports
+    them, with the values of Ferry's speculation counters, engine cores' included."""
+    r = CollectorRegistry()
+    core = CollectorRegistry()
+    Counter("ferry_spec_draft_tokens_total", "Drafted.", ["model"], registry=core).labels("b").inc(40)
+    Counter("ferry_spec_accepted_tokens_total", "Taken.", ["model"], registry=core).labels("b").inc(26)
+    text = merged_exposition(r, [generate_latest(core).decode()], compat="vllm").decode()
+    got = {
+        (s.name, s.labels.get("model_name")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith("vllm:spec")
+    }
+    assert got == {
+        ("vllm:spec_decode_num_draft_tokens_total", "b"): 40,
+        ("vllm:spec_decode_num_accepted_tokens_total", "b"): 26,
+    }
