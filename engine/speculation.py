@@ -24,9 +24,11 @@ row's forward is mostly the weights' fixed read and most drafts pay; at saturati
 token costs its own arithmetic and only near-certain drafts do, so speculation turns
 itself off where it cannot pay.
 
-Only rows whose tokens do not depend on how they are sampled step by step speculate:
-greedy rows without logit rules (penalties, bias, min_tokens), structured output or log
-probabilities; the others decode as before, beside them, in the same forward.
+Sampled rows speculate too (`Speculator.verify`): a draft is taken when the row's own
+draw at the position before it picks it, so their tokens keep their distribution (and a
+seeded row its tokens). Rows with logit rules (penalties, bias, min_tokens), structured
+output or log probabilities do not draft: they decode as before, beside the others, in the
+same forward.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import torch
 
 from .base import SamplingParams
 from .packed import SharedPrefix
-from .sampling import SequenceSampler, greedy_tokens
+from .sampling import SequenceSampler, greedy_tokens, sample_next_tokens
 
 SPECULATION_MODES = ("off", "ngram")
 DEFAULT_TOKENS = 4  # vLLM's num_speculative_tokens for its ngram examples
@@ -200,9 +202,9 @@ class Drafting(Protocol):  # engine/sequence.py's RunningSequence
 
 
 def speculates(seq: Drafting) -> bool:
-    """Whether a row's tokens may be drafted and verified (module docstring): greedy, and
-    nothing that changes its logits from one token to the next or asks for them."""
-    return seq.sampler.greedy and seq.rules is None and seq.matcher is None and not seq.params.logprobs
+    """Whether a row's tokens may be drafted and verified (module docstring): nothing that
+    changes its logits from one token to the next (logit rules, a grammar) or asks for them."""
+    return seq.rules is None and seq.matcher is None and not seq.params.logprobs
 
 
 class Speculator:
@@ -239,8 +241,15 @@ class Speculator:
     ) -> list[list[int]]:
         """Each row's tokens this step: `logits` [queries, vocab] of the rows' queries (a
         row's last token, then its drafts), `firsts` each row's token sampled from its first
-        query as every row's is. A row with drafts takes them up to the first the model would
-        not have chosen (its greedy token at the draft before), then the model's token there."""
+        query as every row's is. A row with drafts takes them up to the first its sampler
+        would not have chosen at the draft before, then its choice there.
+
+        A greedy row's choice is its greedy token. A sampled row samples its next query only
+        once the draft before it was taken (one draw of its generator a token, as one step at
+        a time): a draft is then taken with its probability under the row's sampler, and
+        where it is not, the token drawn is one of the others in proportion to theirs, which
+        is rejection sampling for a draft proposed with certainty. Its tokens keep their
+        distribution, and a seeded row gives the tokens it gives without speculation."""
         choices = greedy_tokens(logits).tolist() if any(drafts) else []
         runs: list[list[int]] = []
         at = 0
@@ -249,7 +258,10 @@ class Speculator:
             chosen = first
             while taken < len(draft) and draft[taken] == chosen:
                 taken += 1
-                chosen = choices[at + taken]
+                if seq.sampler.greedy:
+                    chosen = choices[at + taken]
+                else:
+                    chosen = sample_next_tokens(logits[at + taken : at + taken + 1], [seq.sampler])[0]
             runs.append([*draft[:taken], chosen])
             if draft:
                 seq.spec.drafted += len(draft)

@@ -168,10 +168,10 @@ class ServerSettings(Knobs):
         "speculative decoding for each chat model: `ngram` drafts a running sequence's next tokens "
         "from where its last tokens occurred before in its own prompt and output (vLLM's `ngram`, "
         "prompt lookup), verifies them in the step's forward and keeps those the model would have "
-        "chosen: greedy sequences give exactly their tokens; each step the forward's measured cost "
-        "decides which drafts pay (none at saturation). Sampled sequences and those with logit "
-        "rules, structured output or log probabilities do not draft. Needs --kv-layout blocks. "
-        "Per chat model in `--config`. Set at start (docs/scheduling.md)",
+        "chosen: greedy and seeded sequences give exactly their tokens, sampled ones keep their "
+        "distribution; each step the forward's measured cost decides which drafts pay (none at "
+        "saturation). Sequences with logit rules, structured output or log probabilities do not "
+        "draft. Needs --kv-layout blocks. Per chat model in `--config`. Set at start (docs/scheduling.md)",
     )
     speculative_tokens: int = knob(
         4, "most draft tokens a sequence verifies a step (--speculation; vLLM's num_speculative_tokens)", ge=1, le=16

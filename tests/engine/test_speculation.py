@@ -122,8 +122,9 @@ def test_greedy_rows_give_the_tokens_of_one_step_at_a_time_and_free_the_drafts_k
     some joining later, drafts that are right, cut or past the end, verified with the other
     rows in each packed forward: every row's tokens are those of the plain engine, every
     row holds blocks for its own tokens only after each step, and every block is back in
-    the pool at the end. A seeded sampled row and a row asking for log probabilities run
-    beside them, never drafting, unchanged."""
+    the pool at the end. A seeded sampled row drafts too and gives its tokens without
+    speculation (one draw a token, in order); a row asking for log probabilities runs beside
+    them, never drafting, unchanged."""
     _, plain = pair
     prompts = [system_prompt(plain, f"spec{i}", words=12 + 9 * i) for i in range(5)]
     shared = system_prompt(plain, "specshared", words=60)  # two rows holding one prefix once
@@ -138,7 +139,8 @@ def test_greedy_rows_give_the_tokens_of_one_step_at_a_time_and_free_the_drafts_k
     # Three at first, the rest three steps later (`run`): the two sharing a prompt join together.
     requests = greedy[:2] + others[:1] + greedy[5:] + greedy[2:5] + others[1:]
     want = run(plain, requests)
-    reference = {tuple(r.prompt_ids): want[r.seq_id] for r in greedy}
+    drafting = [*greedy[:5], others[0]]  # (the shared prompt's two rows: their prompts alike)
+    reference = {tuple(r.prompt_ids): want[r.seq_id] for r in drafting}
     spec = speculating._speculator
     assert spec is not None
     monkeypatch.setattr(spec.drafter, "draft", oracle(reference, int(speculating.model.config.vocab_size)))
@@ -160,3 +162,38 @@ def test_greedy_rows_give_the_tokens_of_one_step_at_a_time_and_free_the_drafts_k
     assert accepted > 0 and drafted > accepted  # drafts taken and drafts cut
     assert speculating._batch.used_blocks == 0
     assert max(held) > 0  # the shared prompt was held once while its rows drafted
+
+
+def test_a_sampled_rows_draft_is_taken_with_its_probability_and_the_rest_keep_theirs():
+    """Rejection sampling for a draft proposed with certainty, on a toy vocabulary: the
+    first token is the row's own draw; where it is the draft (token 1), the next is drawn
+    from the next query's distribution. 20,000 runs with a fixed seed: the tokens' shares
+    are the distributions' within 0.015."""
+    from engine.sampling import SequenceSampler, sample_next_tokens
+    from engine.speculation import Speculator
+
+    class Row:
+        params = SamplingParams(max_tokens=8, temperature=1.0)
+        rules = matcher = None
+
+        def __init__(self) -> None:
+            self.sampler = SequenceSampler.create(1.0, 1.0, seed=7)
+            self.spec = RowRate()
+
+    p0, p1 = torch.tensor([0.1, 0.5, 0.3, 0.1]), torch.tensor([0.6, 0.1, 0.1, 0.2])
+    logits = torch.stack([p0.log(), p1.log()])
+    spec, row = Speculator(SpeculationConfig("ngram")), Row()
+    firsts, seconds = torch.zeros(4), torch.zeros(4)
+    n = 20_000
+    for _ in range(n):
+        first = sample_next_tokens(logits[:1].clone(), [row.sampler])[0]
+        (run,) = spec.verify(logits, [first], [[1]], [row])
+        firsts[run[0]] += 1
+        if run[0] == 1:
+            assert len(run) == 2
+            seconds[run[1]] += 1
+        else:
+            assert run == [first]
+    assert torch.allclose(firsts / n, p0, atol=0.015)
+    assert torch.allclose(seconds / seconds.sum(), p1, atol=0.015)
+    assert spec.accepted == firsts[1] and spec.drafted == n
