@@ -17,6 +17,7 @@ only reads it) and is answered by `SettingsAnswer`; `MetricsRequest` is answered
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -38,6 +39,8 @@ from gateway.cores import wire
 
 from ..metrics.merge import metric_families
 from .outbox import Outbox
+
+TENANTS_FILE = "tenants.json"  # beside the settings file: the tenants' weights and quotas in force
 
 log = logging.getLogger("ferry.core")
 
@@ -258,16 +261,21 @@ class EngineCore:
         self._send(peer, wire.SettingsAnswer(m.seq, b.settings.to_dict(), costs))
 
     def record_settings(self) -> None:
-        """Write the batching settings to `settings_path`, for a restart to start from."""
+        """Write the batching settings to `settings_path`, and the tenants' weights and
+        quotas beside it (`tenants.json`), for a restart to start from."""
         path = self.settings_path
         if path is None:
             return
-        try:  # written whole, then renamed: a reader never sees half of it
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                json.dump(self.batcher.settings.model_dump(mode="json"), f)
-            os.replace(path + ".tmp", path)
-        except OSError as exc:
-            log.warning("cannot record the batching settings in %s: %s", path, exc)
+        tenants = getattr(self.batcher, "tenants", None)
+        policies = {} if tenants is None else {n: dataclasses.asdict(p) for n, p in tenants.policies.items()}
+        beside = os.path.join(os.path.dirname(path), TENANTS_FILE)
+        for where, what in ((path, self.batcher.settings.model_dump(mode="json")), (beside, policies)):
+            try:  # written whole, then renamed: a reader never sees half of it
+                with open(where + ".tmp", "w", encoding="utf-8") as f:
+                    json.dump(what, f)
+                os.replace(where + ".tmp", where)
+            except OSError as exc:
+                log.warning("cannot record the batching settings in %s: %s", where, exc)
 
     async def close(self) -> None:
         await asyncio.sleep(0)  # items failed just now send their results first (done-callbacks)

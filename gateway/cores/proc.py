@@ -31,7 +31,7 @@ from ..models.catalogue import ModelSpec, default_specs
 from ..models.diagnosis import failure_line
 from ..models.kinds import CHAT, CUSTOM
 from ..models.start import GIL_SWITCH_INTERVAL_S, ServedModel, start_local
-from .core import EngineCore
+from .core import TENANTS_FILE, EngineCore
 
 # How long a core whose server is gone may take to stop cleanly before it exits anyway.
 GONE_EXIT_S = 5.0
@@ -46,16 +46,30 @@ def settings_file(address: str) -> str:
     return os.path.join(os.path.dirname(address.removeprefix("ipc://")), "settings.json")
 
 
-def run_core(conn: Any, cfg: ServerConfig, index: int, address: str, settings: dict[str, Any] | None = None) -> None:
+def tenants_file(address: str) -> str:
+    """Where the core at `address` records its tenants' weights and quotas (an admin PATCH
+    of /admin/tenants changes them), beside its settings, for a restart to start from."""
+    return os.path.join(os.path.dirname(address.removeprefix("ipc://")), TENANTS_FILE)
+
+
+def run_core(
+    conn: Any,
+    cfg: ServerConfig,
+    index: int,
+    address: str,
+    settings: dict[str, Any] | None = None,
+    tenants: dict[str, Any] | None = None,
+) -> None:
     """The process target: load `default_specs(cfg)[index]`, report on `conn`, serve.
-    `settings`: the batching settings to start with (a restarted core's, as its model last had)."""
+    `settings`, `tenants`: the batching settings and tenant policies to start with (a
+    restarted core's, as its model last had them)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from ..logs import setup_logging
 
     setup_logging()
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the engine thread hands every batch back to this loop
     cfg = with_core_threads(cfg)
-    sys.exit(asyncio.run(_run(cfg, default_specs(cfg)[index], address, conn, settings)))
+    sys.exit(asyncio.run(_run(cfg, default_specs(cfg)[index], address, conn, settings, tenants)))
 
 
 def with_core_threads(cfg: ServerConfig) -> ServerConfig:
@@ -84,12 +98,21 @@ def facts(served: ServedModel[Any]) -> dict[str, Any]:
     }
 
 
-async def _run(cfg: ServerConfig, spec: ModelSpec, address: str, conn: Any, settings: dict[str, Any] | None) -> int:
+async def _run(
+    cfg: ServerConfig,
+    spec: ModelSpec,
+    address: str,
+    conn: Any,
+    settings: dict[str, Any] | None,
+    tenants: dict[str, Any] | None = None,
+) -> int:
     try:
         metrics = Metrics()
         served, batcher = await start_local(spec, cfg, metrics)
         if settings is not None and settings != batcher.settings.to_dict():
             batcher.update(**settings)
+        if tenants is not None:  # (an admin PATCH's, kept over the config file's)
+            batcher.update(tenants=tenants)
         grammars = getattr(served.engine, "grammars", None)
         path = settings_file(address) if address.startswith("ipc://") else None
         core = EngineCore(

@@ -11,7 +11,7 @@ A core that dies while the server is not draining or stopping (an exception, an 
 SIGKILL) is restarted by its `CoreRestarter` (docs/architecture.md, step 4): its requests in
 flight end at once with `503 model_unavailable`, the model answers 503 (with Retry-After)
 and /readyz is not ready until the new core, started with the model's current batching
-settings, reports ready. Restarts are bounded (gateway/cores/restarts.py: `MAX_RESTARTS`
+settings and tenant policies (an admin PATCH's included), reports ready. Restarts are bounded (gateway/cores/restarts.py: `MAX_RESTARTS`
 in `RESTART_WINDOW_S`, with backoff), and a core that cannot load its model on a restart
 is not tried again: either way the model stays unavailable and the log says why.
 """
@@ -38,7 +38,7 @@ from ..models.kinds import CHAT
 from ..models.start import ServedModel
 from .client import CoreClient
 from .launch import Child
-from .proc import run_core, settings_file
+from .proc import run_core, settings_file, tenants_file
 from .restarts import RestartWindow
 
 if TYPE_CHECKING:
@@ -67,14 +67,20 @@ class CoreProcess:
     """One engine core's process, seen from the server: started, awaited until it has loaded,
     watched, drained and stopped."""
 
-    def __init__(self, cfg: ServerConfig, index: int, settings: BatchingSettings | None = None):
+    def __init__(
+        self,
+        cfg: ServerConfig,
+        index: int,
+        settings: BatchingSettings | None = None,
+        tenants: dict[str, Any] | None = None,
+    ):
         # The socket lives in a directory of the server's own, removed when the core stops.
         self.dir = tempfile.mkdtemp(prefix="ferry-core-")
         self.address = f"ipc://{self.dir}/core"
         self.settings_file = settings_file(self.address)
         self.process = Child(
             run_core,
-            (cfg, index, self.address, None if settings is None else settings.to_dict()),
+            (cfg, index, self.address, None if settings is None else settings.to_dict(), tenants),
             name=f"ferry-core-{index}",
         )
         self.conn = self.process.conn  # the core's exit closes its end; ours closing ends the core
@@ -88,6 +94,16 @@ class CoreProcess:
                 return BatchingSettings(**json.load(f))
         except (OSError, ValueError, TypeError):
             return None
+
+    def recorded_tenants(self) -> dict[str, Any] | None:
+        """The tenants' weights and quotas the core last had (an admin PATCH's, whichever
+        front end sent it), or None if it recorded none."""
+        try:
+            with open(tenants_file(self.address), encoding="utf-8") as f:
+                found = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return found if isinstance(found, dict) else None
 
     async def ready(self) -> dict[str, Any]:
         """The core's report once it serves: its engine's facts and batching settings."""
@@ -231,8 +247,9 @@ class CoreRestarter:
             self.metrics.core_restarts.labels(observer.model).inc()
         old = self.core
         settings = old.recorded_settings() or observer.settings  # read before its directory goes
+        tenants = old.recorded_tenants()
         await old.stop()  # reaped already; this removes its socket's directory
-        core = self.core = CoreProcess(self.cfg, self.index, settings)
+        core = self.core = CoreProcess(self.cfg, self.index, settings, tenants)
         try:
             await core.ready()
         except CoreFailed as exc:

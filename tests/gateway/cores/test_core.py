@@ -192,6 +192,9 @@ def test_a_killed_core_fails_its_requests_at_once_and_is_restarted_with_its_sett
         core = core_of(gw)
         changes = {"max_queue": 77, "max_wait_ms": 7}
         assert httpx.patch(gw.url + ADMIN, headers=TOKEN, json=changes, timeout=30).status_code == 200
+        # A tenant given a quota of one token a minute: its second request is refused.
+        capped = {"tenants": [{"name": "capped", "tokens_per_minute": 1}]}
+        assert httpx.patch(gw.url + "/admin/tenants", headers=TOKEN, json=capped, timeout=30).status_code == 200
         assert restarts(gw, "fake-embed") == 0
 
         async def scenario() -> tuple[list[httpx.Response], httpx.Response, httpx.Response]:
@@ -230,6 +233,14 @@ def test_a_killed_core_fails_its_requests_at_once_and_is_restarted_with_its_sett
         np.testing.assert_allclose(after.json()["data"][0]["embedding"], fake_vector("after", 8), rtol=1e-6)
         settings = httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30).json()  # the new core's own
         assert {k: settings[k] for k in changes} == changes
+        # The new core kept the PATCHed quota too (its counts start afresh): one request, then 429.
+        as_capped = {"X-Ferry-Tenant": "capped"}
+        quota = [
+            httpx.post(gw.url + EMBED, json={"model": "fake-embed", "input": f"q {i}"}, headers=as_capped, timeout=30)
+            for i in range(2)
+        ]
+        assert quota[0].status_code == 200, quota[0].text
+        assert quota[1].status_code == 429 and quota[1].json()["error"]["code"] == "tenant_quota", quota[1].text
         assert restarts(gw, "fake-embed") == 1 and restarts(gw, "fake-chat") == 0
         assert replaced(gw, core)
         chat = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
