@@ -38,7 +38,7 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from batcher.knobs import SettingsError
 from batcher.settings import BatchingSettings
@@ -101,6 +101,12 @@ class ModelEntry(BaseModel):
     options: dict[str, Any] | None = Field(
         None, description="a custom model's keyword arguments (its class is made with them)"
     )
+
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` as false: it means `off` here."""
+        return "off" if value is False else value
 
     def speculation_overrides(self) -> dict[str, Any]:
         """Its speculation fields that are set, by knob name."""

@@ -109,6 +109,17 @@ def test_the_shipped_example_is_valid():
             "model 'a'",
             "field kv_events_config: hwm",
         ),
+        (
+            "models:\n  - {name: a, kind: embeddings, speculation: ngram}\n",
+            "model 'a'",
+            "field 'speculation': only chat models speculate",
+        ),
+        (
+            "models:\n  - {name: a, kind: chat, prompt_lookup_min: 5, prompt_lookup_max: 3}\n",
+            "model 'a'",
+            "field 'prompt_lookup_min': more than prompt_lookup_max",
+        ),
+        ("models:\n  - {name: a, kind: chat, speculation: medusa}\n", "model 'a'", "field 'speculation'"),
         ("models: []\n", "", "field 'models'"),
         ("model:\n  - {name: a, kind: chat}\n", "", "field 'model': unknown field"),
     ],
@@ -233,6 +244,26 @@ def test_kv_layout_reaches_every_chat_engine(tmp_path, made):
         assert {o["kv_layout"] for o in made.values()} == {want} and len(made) == 2
     with pytest.raises(SystemExit):
         from_args(["serve", "--kv-layout", "paged"])
+
+
+def test_speculation_is_a_chat_models_entry_s_or_the_flags(tmp_path, made):
+    from engine.speculation import SpeculationConfig
+
+    text = """
+models:
+  - {name: own, kind: chat, source: /m/own, speculation: off, prompt_lookup_max: 6}
+  - {name: flags, kind: chat, source: /m/flags}
+"""
+    args = ["--speculation", "ngram", "--speculative-tokens", "3"]
+    _, cfg = from_args(["serve", "--config", write(tmp_path, text), *args])
+    for spec in default_specs(cfg):
+        spec.load()
+    assert {path: o["speculation"] for path, o in made.items()} == {
+        "/m/own": SpeculationConfig("off", 3, 6, 2),
+        "/m/flags": SpeculationConfig("ngram", 3, 4, 2),
+    }
+    with pytest.raises(SystemExit):
+        from_args(["serve", "--speculation", "medusa"])
 
 
 CONFIG = """
