@@ -11,9 +11,10 @@ A core that dies while the server is not draining or stopping (an exception, an 
 SIGKILL) is restarted by its `CoreRestarter` (docs/architecture.md, step 4): its requests in
 flight end at once with `503 model_unavailable`, the model answers 503 (with Retry-After)
 and /readyz is not ready until the new core, started with the model's current batching
-settings and tenant policies (an admin PATCH's included), reports ready. Restarts are bounded (gateway/cores/restarts.py: `MAX_RESTARTS`
-in `RESTART_WINDOW_S`, with backoff), and a core that cannot load its model on a restart
-is not tried again: either way the model stays unavailable and the log says why.
+settings and tenant policies (an admin PATCH's included), reports ready. Restarts are
+bounded (gateway/cores/restarts.py: `MAX_RESTARTS` in `RESTART_WINDOW_S`, with backoff),
+and a core that cannot load its model on a restart is not tried again: either way the
+model stays unavailable and the log says why.
 """
 
 from __future__ import annotations
