@@ -129,7 +129,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         kv_events: KVEventsConfig | dict[str, Any] | str | None = None,
         kv_layout: str = "blocks",
         speculation: SpeculationConfig | None = None,
-        light_threads: int | None = None,
     ) -> None:
         """`device` and `dtype` accept "auto" (see engine.device); `max_context` defaults
         to the config's max_position_embeddings. With `prefix_caching`, the KV of full
@@ -141,15 +140,13 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         `kv_layout`: "blocks" keeps each running row's KV in blocks of one pool
         (engine/blocks.py; where steps are packed), "rectangle" in rows x the longest row
         (engine/kv.py). `speculation`: drafts verified in the steps (engine/speculation.py;
-        with blocks only). `light_threads`: torch threads while at most `LIGHT_ROWS`
-        sequences run or prefill (the front ends then idle), `torch_threads` beyond."""
+        with blocks only)."""
         if kv_layout not in KV_LAYOUTS:
             raise ValueError(f"kv_layout must be one of {', '.join(KV_LAYOUTS)}, got {kv_layout!r}")
         # Before the model loads, so a bad setting fails at once, naming itself; a cache
         # that can hold nothing would only cost look-ups.
         prefix_cache = PrefixCache(prefix_cache_bytes, prefix_block) if prefix_caching and prefix_cache_bytes else None
         configure_threads(torch_threads)
-        self._threads = (torch_threads or 1, light_threads or torch_threads or 1)  # (busy, light)
         self.name = name or model_name_or_path
         self.device = torch.device(resolve_device(device))
         self.max_running = max_running
@@ -187,7 +184,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         # Running rows' KV in blocks where steps are packed (only packed forwards read blocks).
         self.kv_layout = kv_layout if self.packs_steps else "rectangle"
         self._paged_kernel = paged_attention_kernel() if self._decode_kernel is not None else None
-        self._speculator = Speculator.where_asked(speculation, self.kv_layout, self.name)
+        self._speculator = _speculator(speculation, self.kv_layout, self.name)
         self._step_drafts = None
         self._batch = self._new_batch()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
@@ -267,7 +264,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         engine held has failed and has been dropped.
         """
         result = PrefillStep()
-        self._set_threads()
         with self._all_fail_on_error():
             chunks = self._preemption.plan(self._batch, budget, first, result)
             self._run_chunks(chunks, result)
@@ -282,7 +278,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         as they do. If this raises, every sequence the engine held has failed and is dropped."""
         if not self.packs_steps or not self._batch.seqs or not len(self._pending):
             return self.step(), self.prefill(budget, first)
-        self._set_threads()
         result = PrefillStep()
         with self._all_fail_on_error():
             self._preemption.room_for_step(self._batch)
@@ -308,7 +303,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         If this raises, every running sequence has failed and has been dropped (prefilling
         ones too): a forward that dies part-way leaves the per-layer caches at different lengths.
         """
-        self._set_threads()
         with self._all_fail_on_error():
             return self._decode_step()
 
@@ -487,3 +481,14 @@ def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return frozenset(ids)
+
+
+def _speculator(config: SpeculationConfig | None, kv_layout: str, name: str) -> Speculator | None:
+    """Speculation where asked for; drafts are verified through blocks only (a rectangle
+    row has one column a step)."""
+    if config is None or not config.on:
+        return None
+    if kv_layout != "blocks":
+        log.warning("speculation off for %s: it needs --kv-layout blocks and packed steps", name)
+        return None
+    return Speculator(config)

@@ -15,7 +15,6 @@ from .base import PrefillStep, StepOutput, TokenLogprob
 from .blocks import PagedBatch
 from .chunks import Chunk, PendingPrefills
 from .decode_attention import DecodeAttention, KernelError, PagedAttention, kernel_after
-from .device import configure_threads
 from .forward import CausalForward
 from .kv import RunningBatch
 from .preemption import Preemption
@@ -24,7 +23,6 @@ from .sharing import PrefixSharing, Sharing
 from .speculation import Speculator, virtual_groups
 
 log = logging.getLogger("ferry.engine")
-LIGHT_ROWS = 2  # sequences (running and prefilling) up to which an engine takes `light_threads`
 
 Chunks = list[Chunk[RunningSequence]]
 
@@ -48,15 +46,6 @@ class PackedSteps:
     _step_drafts: list[list[int]] | None  # the drafts the last packed forward fed (engine/speculation.py)
     max_context: int
     packs_steps: bool
-    _threads: tuple[int, int]  # torch threads (busy, light)
-
-    def _set_threads(self) -> None:
-        """Every core this engine may take while few sequences run (`light_threads`), its
-        own count beyond: one stream's step on the real model took 65 ms on one thread of 2
-        vCPUs and 41 on two, and the front ends have little to do for a few streams."""
-        busy, light = self._threads
-        if light != busy:
-            configure_threads(light if self._batch.rows + len(self._pending) <= LIGHT_ROWS else busy)
 
     @property
     def speculated(self) -> tuple[int, int, int]:

@@ -34,7 +34,6 @@ same forward.
 from __future__ import annotations
 
 import heapq
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -45,8 +44,6 @@ import torch
 from .base import SamplingParams
 from .packed import SharedPrefix
 from .sampling import SequenceSampler, greedy_tokens, sample_next_tokens
-
-log = logging.getLogger("ferry.engine")
 
 SPECULATION_MODES = ("off", "ngram")
 DEFAULT_TOKENS = 4  # vLLM's num_speculative_tokens for its ngram examples
@@ -213,17 +210,6 @@ def speculates(seq: Drafting) -> bool:
 class Speculator:
     """An engine's speculation: drafts for its rows, priced (`plan`); drafts taken or left
     after the forward (`verify`); the counts behind the metrics."""
-
-    @classmethod
-    def where_asked(cls, config: SpeculationConfig | None, kv_layout: str, name: str) -> Speculator | None:
-        """An engine's speculator where its config asks for one; drafts are verified
-        through blocks only (a rectangle row has one column a step)."""
-        if config is None or not config.on:
-            return None
-        if kv_layout != "blocks":
-            log.warning("speculation off for %s: it needs --kv-layout blocks and packed steps", name)
-            return None
-        return cls(config)
 
     def __init__(self, config: SpeculationConfig) -> None:
         self.config = config

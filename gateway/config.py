@@ -60,9 +60,7 @@ class ServerSettings(Knobs):
         "process may use (os.sched_getaffinity) less one per front end (`--api-workers`), at "
         "least 1: a front end busy with HTTP on an engine's core slows every thread of it "
         "(measured on 2 vCPUs: 1 thread beside the front end keeps 99% of interactive requests "
-        "on time where 2 kept 91%, docs/benchmarks.md), and a chat engine takes every core while "
-        "at most 2 sequences run or prefill (the front ends then idle: one stream's step 41 ms "
-        "against 65 on one thread of SmolLM2 on 2 vCPUs); in the server's own process "
+        "on time where 2 kept 91%, docs/benchmarks.md); in the server's own process "
         "(`--no-engine-cores`) 1 (there a second thread competes with the event loop)",
         null="auto",
         **AT_LEAST_ONE,

@@ -77,24 +77,10 @@ def with_core_threads(cfg: ServerConfig) -> ServerConfig:
     one for each front end, at least one. A front end parsing HTTP on a core one of the
     engine's threads spins on slows the whole forward (each op waits for its slowest
     thread): on 2 vCPUs, two threads beside a busy front end kept 91% of interactive
-    requests on time where one kept 99%, and served no more (docs/benchmarks.md). A chat
-    engine takes every core while few sequences run (`light_threads`)."""
-    global _LIGHT_THREADS
+    requests on time where one kept 99%, and served no more (docs/benchmarks.md)."""
     if cfg.torch_threads is not None:
         return cfg
-    cores = len(os.sched_getaffinity(0))
-    _LIGHT_THREADS = cores
-    return dataclasses.replace(cfg, torch_threads=max(1, cores - cfg.api_workers))
-
-
-_LIGHT_THREADS: int | None = None  # set in an engine core whose threads are auto
-
-
-def light_threads() -> int | None:
-    """Torch threads a chat engine may take while few sequences run, where this process is
-    an engine core with `--torch-threads` auto: every core it may use (the front ends then
-    have little to do); None elsewhere (the count is the user's, or the server's own)."""
-    return _LIGHT_THREADS
+    return dataclasses.replace(cfg, torch_threads=max(1, len(os.sched_getaffinity(0)) - cfg.api_workers))
 
 
 def facts(served: ServedModel[Any]) -> dict[str, Any]:

@@ -155,7 +155,6 @@ def model_spec(
             **prefix_cache_options(cfg, prefix_caching, prefix_cache_mb),
             "kv_events": cfg.kv_events_config if kv_events_config is None else kv_events_config,
             "speculation": speculation_config(cfg, speculation),
-            "light_threads": _light_threads(),
         }
         if name is not None:
             options["name"] = name
@@ -176,12 +175,6 @@ def model_spec(
 
     described = {TINY_CHAT: "ferry-tiny-chat (random weights)", "default": DEFAULT_CHAT_DESCRIBED}.get(source, source)
     return ModelSpec(CHAT, load_chat, dict(settings or {}), chat_front, described, name)
-
-
-def _light_threads() -> int | None:
-    from ..cores.proc import light_threads
-
-    return light_threads()
 
 
 def speculation_config(cfg: ServerConfig, overrides: dict[str, Any] | None = None) -> Any:

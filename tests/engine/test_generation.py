@@ -390,26 +390,3 @@ def test_churn_through_compaction_and_growth_keeps_every_row_exact(engine, promp
     for seq_id in finished:
         prompt, max_tokens = asked[seq_id]
         assert transcript.tokens[seq_id] == expected(prompt, max_tokens), seq_id
-
-
-def test_an_engine_takes_its_light_threads_while_few_sequences_run(tiny_chat_dir):
-    """`light_threads` (an engine core with --torch-threads auto: every core) while at most
-    LIGHT_ROWS sequences run or prefill, its own count beyond; the tokens are the same."""
-    import torch
-
-    from engine.generation import HFGenerationEngine
-    from engine.packed_steps import LIGHT_ROWS
-
-    before = torch.get_num_threads()
-    engine = HFGenerationEngine(str(tiny_chat_dir), max_running=8, torch_threads=1, light_threads=2)
-    try:
-        prompt = engine.encode_prompt("light threads")
-        seen = []
-        for n in (1, LIGHT_ROWS + 1):
-            engine.add([SequenceRequest(100 * n + i, prompt, SamplingParams(max_tokens=3, temperature=0)) for i in range(n)])
-            engine.step()
-            seen.append(torch.get_num_threads())
-            engine.remove(engine.running_ids)
-        assert seen == [2, 1]
-    finally:
-        torch.set_num_threads(before)
