@@ -455,8 +455,7 @@ def _load(path: str, device: torch.device, dtype: str | None, trust_remote_code:
     model = AutoModelForCausalLM.from_pretrained(
         path, dtype=resolve_dtype(dtype, device.type), trust_remote_code=trust_remote_code
     )
-    # transformers wraps `to` with functools.wraps(nn.Module.to), which types it as unbound.
-    model.to(device).eval()  # type: ignore[arg-type]
+    model.to(device).eval()
     return tokenizer, model
 
 

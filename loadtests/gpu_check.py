@@ -143,7 +143,7 @@ def _write_wordpiece_tokenizer(target: Path) -> None:
     try:  # transformers 5: the tokenizers-backed BertTokenizer takes the vocabulary itself
         tokenizer = transformers.BertTokenizer(vocab={t: i for i, t in enumerate(vocab)}, do_lower_case=True)
     except TypeError:  # transformers 4
-        fast = transformers.BertTokenizerFast  # type: ignore[attr-defined]  # absent from transformers 5
+        fast = transformers.BertTokenizerFast  # absent from transformers 5
         tokenizer = fast(vocab_file=str(target / "vocab.txt"), do_lower_case=True)
     tokenizer.save_pretrained(target)
 

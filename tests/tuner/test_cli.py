@@ -1,4 +1,5 @@
-"""`ferry tune` end to end on a 2 x 2 grid with short cells against a fake gateway, and its
+"""`ferry tune` end to end on a grid of two policies' settings (2 sizes x 1 wait: each cell
+starts a locust of its own, ~4 s) with short cells against a fake gateway, and its
 argument checks."""
 
 from __future__ import annotations
@@ -54,13 +55,13 @@ def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_pa
             "--sizes",
             "1,8",
             "--waits",
-            "0,5",
+            "5",
             "--policies",
             "fixed",
             "--rates",
             "30",
             "--cell-seconds",
-            "2",
+            "1",
             "--drain-seconds",
             "5",
             "--slo-ms",
@@ -74,13 +75,8 @@ def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_pa
 
     with open(out / "results.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == 4
-    assert {(r["max_batch_size"], r["max_wait_ms"]) for r in rows} == {
-        ("1", "0.0"),
-        ("1", "5.0"),
-        ("8", "0.0"),
-        ("8", "5.0"),
-    }
+    assert len(rows) == 2
+    assert {(r["max_batch_size"], r["max_wait_ms"]) for r in rows} == {("1", "5.0"), ("8", "5.0")}
     for r in rows:
         assert r["error"] == "", r
         assert int(r["sent"]) > 0 and r["p99_ms"] != ""
@@ -95,7 +91,7 @@ def test_tune_sweeps_a_grid_and_recommends_from_its_own_csv(fake_gateway, tmp_pa
         assert data.startswith(PNG_SIGNATURE) and len(data) > 1024, name
 
     meta = json.loads((out / "results.json").read_text())
-    assert len(meta["rows"]) == 4
+    assert len(meta["rows"]) == 2
     expected = independent_recommendation(rows, SLO_MS, meta["max_error_rate"], meta["tie_tolerance"])
     printed = re.search(
         r"Recommended for p99 <= ([\d.]+) ms: policy=(\w+) max_batch_size=(\d+) max_wait_ms=([\d.]+)", proc.stdout

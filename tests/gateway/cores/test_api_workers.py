@@ -316,7 +316,7 @@ def test_a_killed_core_ends_in_flight_requests_on_every_front_end_and_service_re
 
 def test_sigterm_drains_every_front_end_then_the_cores_and_loses_nothing(tmp_path):
     log = tmp_path / "computed.log"
-    with serve(delay=0.3, log=log) as gw:
+    with serve("--no-warmup", delay=0.3, log=log) as gw:  # (a warm-up: 4 s a start)
         fronts = front_ends(gw)
         family = [psutil.Process(gw.proc.pid), *psutil.Process(gw.proc.pid).children(recursive=True)]
 
@@ -392,7 +392,7 @@ def test_when_the_job_worker_dies_another_front_end_finishes_its_job_recording_e
     from tests.jobs.conftest import Api, embed_line
 
     log = tmp_path / "computed.log"
-    with serve("--data-dir", str(tmp_path / "data"), "--max-batch-size", "4", delay=0.2, log=log) as gw:
+    with serve("--data-dir", str(tmp_path / "data"), "--max-batch-size", "4", "--no-warmup", delay=0.2, log=log) as gw:
         texts = [f"line {i}" for i in range(40)]
         api = Api(gw.url)
         batch_id = api.create([embed_line(f"e{i}", t) for i, t in enumerate(texts)])["id"]

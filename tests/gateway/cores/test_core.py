@@ -119,7 +119,9 @@ def test_embeddings_through_a_core_are_those_of_the_in_process_path():
 def test_refusals_admin_and_disconnects_cross_the_process_boundary(tmp_path):
     log = tmp_path / "computed.log"
     # No interactive lane: the requests below must queue behind the one the engine computes.
-    with serve("--engine-cores", "--no-interactive-lane", delay=1.0, log=log) as gw:
+    # No warm-up: with every engine call a second long, profiling the engines would take
+    # 15 s of each start (admission's cost models start from their priors instead).
+    with serve("--engine-cores", "--no-interactive-lane", "--no-warmup", delay=1.0, log=log) as gw:
         admin = httpx.get(gw.url + ADMIN, headers=TOKEN, timeout=30)
         assert admin.status_code == 200 and admin.json()["max_queue"] == 1024
         assert set(admin.json()["cost_model"]["embed"]) == COST_REPORT_FIELDS
@@ -249,7 +251,7 @@ def test_a_killed_core_fails_its_requests_at_once_and_is_restarted_with_its_sett
 
 
 def test_sigterm_lets_the_core_finish_accepted_work(tmp_path):
-    with serve("--engine-cores", delay=0.5, log=tmp_path / "computed.log") as gw:
+    with serve("--engine-cores", "--no-warmup", delay=0.5, log=tmp_path / "computed.log") as gw:
 
         async def scenario() -> httpx.Response:
             async with httpx.AsyncClient(base_url=gw.url, timeout=30) as c:
@@ -619,7 +621,7 @@ def test_a_stop_string_found_in_the_front_end_stops_the_sequence_in_the_core(tmp
 
 def test_a_killed_chat_core_ends_its_streams_with_an_error_at_once_and_is_restarted(tmp_path):
     log = tmp_path / "computed.log"
-    with serve("--engine-cores", delay=0.5, log=log) as gw:
+    with serve("--engine-cores", "--no-warmup", delay=0.5, log=log) as gw:  # (a warm-up: 6 s a start)
         chat_core = core_of(gw, "chat")
         chunks = []
         body = chat_body("doomed", max_tokens=400, n=2, stream=True)  # 200 s unless the core dies
