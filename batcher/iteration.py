@@ -97,10 +97,12 @@ class IterationResult:
 class Chunking:
     """How an iteration prefills on an engine that takes prompts a chunk at a time
     (`ChunkingEngine`): at most `budget` prompt tokens (None: every waiting prompt whole),
-    the sequences `first` ahead of the rest."""
+    the sequences `first` ahead of the rest; `ceiling`: the seconds a step may take with
+    optional work (drafts: an engine's `step_ceiling`), None for no bound."""
 
     budget: int | None
     first: list[int] = field(default_factory=list)
+    ceiling: float | None = None
 
 
 def packs(engine: object) -> TypeGuard[PackingEngine]:
@@ -157,6 +159,8 @@ def run_iteration(
     decode step, a budgeted chunk of every waiting prompt (`ChunkingEngine.prefill`)."""
     if removals:
         engine.remove(removals)
+    if chunking is not None and hasattr(engine, "step_ceiling"):
+        engine.step_ceiling = chunking.ceiling
     if chunking is not None and isinstance(engine, ChunkingEngine):
         return _chunked_iteration(engine, requests, decode, chunking)
     t0 = time.perf_counter()

@@ -152,7 +152,9 @@ class PackingEngine(ChunkingEngine, Protocol):
     """A `ChunkingEngine` that can run a decode step and a budgeted prefill in one forward
     (packed steps): `step_with_prefill(budget, first)` is `step()` then `prefill(budget,
     first)`, their outputs, with the step's work shared; `packs_steps` False: it would run
-    them apart (the batcher then calls them apart, to time each)."""
+    them apart (the batcher then calls them apart, to time each). One that adds optional
+    work to a step (drafts to verify: speculation) may have a `step_ceiling` attribute: the
+    seconds the step may take, which the batcher sets before each iteration (`Chunking`)."""
 
     packs_steps: bool
 

@@ -206,8 +206,13 @@ class GenerationScheduler(GenerationLoad):
         # The worker is idle here (the last iteration was awaited): the engine's own counts hold.
         decoding = self.engine.running - getattr(self.engine, "prefilling", 0)
         first = [s.item.id for s in self._running.values() if not s.tokens and s.item.priority is Priority.INTERACTIVE]
+        s = self.settings
         packed = decode and packs(self.engine)
-        return Chunking(chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packed), first)
+        # What drafts may take a step to (engine/speculation.py): the rows' inter-token
+        # targets, and the decode step's share of the interactive reserve.
+        reserve = self.tracker.reserve(self.clock.now(), s, self.prefill_cost, 0.0)
+        ceiling = self._slots.step_ceiling(s, reserve)
+        return Chunking(chunk_budget(s, decoding, self.prefill_cost, self.decode_cost, packed), first, ceiling)
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt

@@ -140,14 +140,29 @@ class Slots:
         keeps a decode step under max_itl_ms and under the inter-token target of every
         queued or running sequence that has one."""
         cap = self.engine_slots(s)
-        # Queued ones too: the batch shrinks to what their targets allow, so they can join
-        # (and a group admitted with one of them respects it from its first step).
+        target = self.itl_target(s)
+        return cap if target is None else self.rows_within(target, cap, decode)
+
+    def itl_target(self, s: BatchingSettings) -> float | None:
+        """The tightest inter-token target in seconds: max_itl_ms and every queued or running
+        sequence's own (queued ones too: the batch shrinks to what their targets allow, so
+        they can join, and a group admitted with one of them respects it from its first
+        step). None: no target."""
         if self._targeted:
             self._targeted = [i for i in self._targeted if not i.finished]
         targets = [i.itl_target for i in self._targeted if i.itl_target is not None]
         if s.max_itl_ms is not None:
             targets.append(s.max_itl_ms / 1000.0)
-        return self.rows_within(min(targets), cap, decode) if targets else cap
+        return min(targets, default=None)
+
+    def step_ceiling(self, s: BatchingSettings, reserve: float | None) -> float | None:
+        """The longest a decode step may take with optional work (an engine's drafts to
+        verify): within the tightest inter-token target, and while interactive prompts
+        arrive, within the share of the reserve a decode step may take (`DECODE_SHARE`: an
+        interactive prompt may arrive just as the step starts and waits it out). None: no
+        bound."""
+        bounds = [b for b in (self.itl_target(s), None if reserve is None else DECODE_SHARE * reserve) if b is not None]
+        return min(bounds, default=None)
 
     @staticmethod
     def rows_within(seconds: float, slots: int, decode: CostModel) -> int:

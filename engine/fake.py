@@ -411,12 +411,20 @@ class FakeChunkingEngine(FakeGenerationEngine):
 class FakePackingEngine(FakeChunkingEngine):
     """A FakeChunkingEngine that also runs a decode step and a budgeted prefill as one call,
     as engine/packed.py does (a `PackingEngine`): `step_with_prefill` records ("packed",
-    ids decoding) and then the step's and the prefill's own calls."""
+    ids decoding) and then the step's and the prefill's own calls. `ceilings`: the
+    `step_ceiling` the scheduler had set at each packed call (a speculating engine's bound
+    on its drafts)."""
 
     packs_steps = True
 
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.step_ceiling: float | None = None
+        self.ceilings: list[float | None] = []
+
     def step_with_prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> tuple[list, PrefillStep]:
         self.calls.append(("packed", list(self._seqs)))
+        self.ceilings.append(self.step_ceiling)
         return self.step(), self.prefill(budget, first)
 
 

@@ -186,6 +186,10 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         self._paged_kernel = paged_attention_kernel() if self._decode_kernel is not None else None
         self._speculator = _speculator(speculation, self.kv_layout, self.name)
         self._step_drafts = None
+        # The longest a step with drafts may take (Pricing.choose), set by the scheduler before
+        # each iteration: its rows' inter-token targets and what an interactive prompt may
+        # wait out (batcher/scheduler.py `_chunking`). None: no bound.
+        self.step_ceiling: float | None = None
         self._batch = self._new_batch()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._sharing = PrefixSharing()  # prefixes running rows share, held once (engine/sharing.py)

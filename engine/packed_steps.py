@@ -44,6 +44,7 @@ class PackedSteps:
     _next: NextTokens
     _speculator: Speculator | None
     _step_drafts: list[list[int]] | None  # the drafts the last packed forward fed (engine/speculation.py)
+    step_ceiling: float | None  # seconds drafts may take a step to, the scheduler's (None: no bound)
     max_context: int
     packs_steps: bool
 
@@ -157,7 +158,7 @@ class PackedSteps:
         batch = self._batch
         if self._speculator is None or not isinstance(batch, PagedBatch):
             return None
-        drafts = self._speculator.plan(batch.seqs, sum(c.tokens for c in chunks), self.max_context)
+        drafts = self._speculator.plan(batch.seqs, sum(c.tokens for c in chunks), self.max_context, self.step_ceiling)
         # Room for every draft taken and for the prompts joining after them (their room was
         # planned on the rows' next token alone).
         joining = [len(c.pending.prompt) for c in chunks if c.completes]

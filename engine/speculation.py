@@ -141,23 +141,32 @@ class Pricing:
         per_token = max((self._xy / self._n - mx * my) / var, 0.0)
         return max(my - per_token * mx, 0.0), per_token
 
-    def pays(self, base_tokens: int, rows: int, rate: float) -> bool:
+    def pays(self, base_tokens: int, rows: int, rate: float, ceiling: float | None = None) -> bool:
         """Whether a first draft token of acceptance `rate` would pay (`choose`'s test): when
-        not even the best row's would, no row need be drafted at all."""
+        not even the best row's would, or it would take the step past `ceiling`, no row need
+        be drafted at all."""
         params = self.params
         if params is None:
             return True
         fixed, per_token = params
-        return rate * (fixed + per_token * base_tokens) > per_token * max(rows, 1)
+        time = fixed + per_token * base_tokens
+        if ceiling is not None and time + per_token > ceiling:
+            return False
+        return rate * time > per_token * max(rows, 1)
 
-    def choose(self, base_tokens: int, rows: int, offers: Sequence[tuple[float, int]]) -> list[int]:
+    def choose(
+        self, base_tokens: int, rows: int, offers: Sequence[tuple[float, int]], ceiling: float | None = None
+    ) -> list[int]:
         """How many of its draft tokens each row keeps: `offers` is (acceptance rate, tokens
         drafted) per row, `base_tokens` what the forward feeds without drafts (the rows' and
         the chunks' tokens), `rows` the tokens it yields so (one a row). Draft tokens are
         taken best first (a row's j-th is worth rate^j tokens) while each adds more expected
-        tokens than its cost would buy at the step's rate then (time per expected token).
-        Unknown costs (too few forwards of different sizes seen): every draft is taken,
-        which is how the sizes come to differ."""
+        tokens than its cost would buy at the step's rate then (time per expected token), and
+        while the forward stays within `ceiling` seconds (the step's budget: the tightest
+        inter-token target of the rows, the share of a step an interactive prompt may wait
+        out; None: none). A step already past it takes no draft: drafts make every row's
+        token and every waiting first token later. Unknown costs (too few forwards of
+        different sizes seen): every draft is taken, which is how the sizes come to differ."""
         keep = [0] * len(offers)
         params = self.params
         if params is None:
@@ -173,6 +182,8 @@ class Pricing:
             # Adding it shortens time per expected token iff gain / per_token > produced / time.
             if gain * time <= per_token * produced:
                 break
+            if ceiling is not None and time + per_token > ceiling:
+                break  # (every draft token costs the same: none after it fits either)
             keep[i] = j
             time += per_token
             produced += gain
@@ -219,10 +230,13 @@ class Speculator:
         self.accepted = 0  # of those, taken
         self.steps = 0  # forwards that verified any
 
-    def plan(self, seqs: Sequence[Drafting], chunk_tokens: int, max_context: int) -> list[list[int]] | None:
-        """Each row's drafts this step, priced (`Pricing.choose`); None where none pays."""
+    def plan(
+        self, seqs: Sequence[Drafting], chunk_tokens: int, max_context: int, ceiling: float | None = None
+    ) -> list[list[int]] | None:
+        """Each row's drafts this step, priced within `ceiling` seconds (`Pricing.choose`);
+        None where none pays."""
         best = max((s.spec.rate for s in seqs if speculates(s)), default=0.0)
-        if best <= 0.0 or not self.pricing.pays(len(seqs) + chunk_tokens, len(seqs), best):
+        if best <= 0.0 or not self.pricing.pays(len(seqs) + chunk_tokens, len(seqs), best, ceiling):
             return None  # (at saturation: the look-ups are not made either)
         drafts: list[list[int]] = []
         for seq in seqs:
@@ -230,9 +244,8 @@ class Speculator:
             drafts.append(self.drafter.draft(seq.prompt + seq.tokens, room) if room > 0 and speculates(seq) else [])
         if not any(drafts):
             return None
-        keep = self.pricing.choose(
-            len(seqs) + chunk_tokens, len(seqs), [(s.spec.rate, len(d)) for s, d in zip(seqs, drafts, strict=True)]
-        )
+        offers = [(s.spec.rate, len(d)) for s, d in zip(seqs, drafts, strict=True)]
+        keep = self.pricing.choose(len(seqs) + chunk_tokens, len(seqs), offers, ceiling)
         drafts = [d[:k] for d, k in zip(drafts, keep, strict=True)]
         return drafts if any(drafts) else None
 

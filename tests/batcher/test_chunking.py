@@ -226,3 +226,39 @@ def test_a_packing_engine_with_packing_off_is_called_apart_and_timed_apart():
         await r.sched.stop()
 
     run(scenario())
+
+
+def test_a_steps_ceiling_for_drafts_is_the_tightest_inter_token_target_and_the_interactive_reserve():
+    """What a speculating engine's drafts may take a step to (`step_ceiling`, set before each
+    iteration): nothing without targets; `max_itl_ms`, or a request's own tighter target;
+    and while interactive prompts arrive, the decode step's share of their reserve."""
+    from batcher.slots import DECODE_SHARE
+
+    async def scenario():
+        r = ChunkRig(packing=True, max_batch_tokens=40, max_running=8, max_batch_size=8)
+        await r.sched.start()
+
+        async def ceilings_with(*items) -> set[float | None]:
+            r.engine.ceilings.clear()
+            streams = [r.submit(3, 6, priority=Priority.BATCH) for _ in range(2)]
+            await r.clock.advance(0.02)
+            long = r.submit(200, 1, priority=Priority.BATCH)  # chunks beside the streams: packed calls
+            await r.clock.run_until_idle()
+            assert all(i.future.result().completion_tokens for i in [*streams, long, *items])
+            assert r.engine.ceilings
+            return set(r.engine.ceilings)
+
+        assert await ceilings_with() == {None}
+        r.sched.update(max_itl_ms=50)  # live, as PATCH /admin/models/{model}/batching does
+        assert await ceilings_with() == {0.05}
+        tight = r.submit(3, 40, itl_target=0.03, priority=Priority.BATCH)
+        assert await ceilings_with(tight) == {0.03}
+        r.sched.update(max_itl_ms=None)
+        chat = r.submit(3, 2, budget=0.4, priority=Priority.INTERACTIVE)
+        # The reserve: the budget less the margins and the prompt's own prefill (as its cost
+        # model learns, it moves a little).
+        got = await ceilings_with(chat)
+        assert all(c is not None and 0.0 < c <= DECODE_SHARE * 0.4 for c in got), got
+        await r.sched.stop()
+
+    run(scenario())

@@ -69,6 +69,17 @@ def test_draft_tokens_go_best_first_and_a_row_that_is_never_right_stops_drafting
     assert pricing.choose(1, 1, [(wrong.rate, 4)]) == [0]
 
 
+def test_drafts_stay_within_the_steps_ceiling():
+    """A row alone whose drafts would pay: only as many as keep the forward within the
+    ceiling (the rows' inter-token targets, the interactive reserve's share), and none where
+    the step without drafts is already past it, the look-ups not even made."""
+    pricing = fitted(0.050, 0.001)  # one row: 51 ms, each draft token 1 ms more
+    assert pricing.choose(1, 1, [(0.7, 4)], ceiling=None) == [4]
+    assert pricing.choose(1, 1, [(0.7, 4)], ceiling=0.0535) == [2]
+    assert pricing.choose(1, 1, [(0.7, 4)], ceiling=0.051) == [0]
+    assert pricing.pays(1, 1, 0.7, ceiling=0.0535) and not pricing.pays(1, 1, 0.7, ceiling=0.051)
+
+
 def test_unknown_costs_take_every_draft():
     pricing = Pricing()
     pricing.observe(5, 0.02)
