@@ -188,12 +188,30 @@ def predicted_first_token(
         # where steps are packed: no fixed cost of a prefill forward of its own), and its
         # first token comes when that whole iteration ends.
         prefill += load.chunk_step - (cost.params.fixed if load.chunks_packed else 0.0)
-    # Chunks go to the prompts the engine took first: its group's tokens come after theirs.
-    chunked = load.prefill_backlog + group * tokens
+    # Chunks go to the prompts ahead of it in the chunk order: its group's tokens come after theirs.
+    chunked = prefill_ahead(q, item, load) + group * tokens
     if load.prefill_chunk is not None and chunked > load.prefill_chunk:
         further = math.ceil(chunked / load.prefill_chunk) - 1
         prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))
     return max(slots[0], now) + prefill
+
+
+def prefill_ahead(q: RequestQueue, item: WorkItem, load: Load) -> int:
+    """Prompt tokens still to prefill whose chunks go before the item's (the scheduler's
+    chunk order, `GenerationScheduler.chunk_order`): those of the classes ahead of its own,
+    and in its class those of its own tenant and, with fair shares, of tenants whose counters
+    are not above its tenant's (without: all of its class)."""
+    if not load.prefilling:
+        return load.prefill_backlog
+    tenants = q.tenants if q.tenants is not None and q.tenants.enabled else None
+    mine = tenants.arriving_counter(item.tenant) if tenants is not None else 0.0
+
+    def before(priority: int, tenant: str) -> bool:
+        if priority != item.priority:
+            return priority < item.priority
+        return tenants is None or tenant == item.tenant or tenants.counter(tenant) <= mine
+
+    return sum(tokens for priority, tenant, tokens in load.prefilling if before(priority, tenant))
 
 
 def calibrated(predict: Predictor, calibrations: Mapping[Priority, Calibration]) -> Predictor:

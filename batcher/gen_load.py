@@ -74,18 +74,26 @@ class GenerationLoad(QueueingBatcher):
             "prefill_chunk": chunk,
             "chunk_step": step,
             "chunks_packed": packed,
-            "prefill_backlog": self._prefill_backlog(chunk),
         }
-        return self._slots.load(base, now, s, self.queue, self.decode_cost, **extra)
+        backlog, prefilling = self._prefill_backlog(chunk)
+        return self._slots.load(
+            base, now, s, self.queue, self.decode_cost, prefill_backlog=backlog, prefilling=prefilling, **extra
+        )
 
-    def _prefill_backlog(self, chunk: int | None) -> int:
+    def _prefill_backlog(self, chunk: int | None) -> tuple[int, tuple[tuple[int, str, int], ...]]:
         """Prompt tokens the engine will still have to prefill when the iteration in flight
         ends (it computes up to `chunk` of them): the engine's count, read from the event
-        loop (an estimate), where the engine keeps one."""
+        loop (an estimate), where the engine keeps one; and the prompts still prefilling as
+        (priority, tenant, tokens), the count shared out by their prompts' prices."""
         backlog = int(getattr(self.engine, "prefill_backlog", 0))
         if self._iteration_ends is not None and chunk is not None:
             backlog -= chunk
-        return max(backlog, 0)
+        backlog = max(backlog, 0)
+        waiting = [s.item for s in self._running.values() if not s.tokens]
+        total = sum(i.cost for i in waiting)
+        if not backlog or not total:
+            return backlog, ()
+        return backlog, tuple((int(i.priority), i.tenant, i.cost * backlog // total) for i in waiting)
 
     def check_itl(self, item: WorkItem, siblings: int) -> bool:
         """A request's inter-token target against the predicted decode step at the

@@ -81,6 +81,9 @@ class Load:
     # Prompt tokens the engine has taken and not yet prefilled when the iteration in flight
     # ends: the chunks of the next iterations go to them first.
     prefill_backlog: int = 0
+    # The prompts still prefilling, as (priority, tenant, their share of `prefill_backlog`):
+    # whose chunks go before a newcomer's (`admission.prefill_ahead`).
+    prefilling: tuple[tuple[int, str, int], ...] = ()
 
 
 IDLE = Load()

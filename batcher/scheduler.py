@@ -205,7 +205,7 @@ class GenerationScheduler(GenerationLoad):
             return None
         # The worker is idle here (the last iteration was awaited): the engine's own counts hold.
         decoding = self.engine.running - getattr(self.engine, "prefilling", 0)
-        first = [s.item.id for s in self._running.values() if not s.tokens and s.item.priority is Priority.INTERACTIVE]
+        first = self.chunk_order()
         s = self.settings
         packed = decode and packs(self.engine)
         # What drafts may take a step to (engine/speculation.py): the rows' inter-token
@@ -213,6 +213,18 @@ class GenerationScheduler(GenerationLoad):
         reserve = self.tracker.reserve(self.clock.now(), s, self.prefill_cost, 0.0)
         ceiling = self._slots.step_ceiling(s, reserve)
         return Chunking(chunk_budget(s, decoding, self.prefill_cost, self.decode_cost, packed), first, ceiling)
+
+    def chunk_order(self) -> list[int]:
+        """The prompts still prefilling in the order their chunks go: interactive ones
+        first; with fair shares, within each class the tenant with the smallest counter
+        first (each tenant's prompts in the order they joined), so a tenant over its share
+        cannot hold a quiet one's first token behind its long prompts. Admission predicts
+        by the same order (`admission.prefill_ahead`)."""
+        waiting = [s.item for s in self._running.values() if not s.tokens]
+        if not self.tenants.enabled:
+            return [i.id for i in waiting if i.priority is Priority.INTERACTIVE]
+        counters = {t: self.tenants.counter(t) for t in {i.tenant for i in waiting}}
+        return [i.id for i in sorted(waiting, key=lambda i: (i.priority, counters[i.tenant]))]
 
     def _postprocess(self, result: IterationResult) -> dict[int, _Seq]:
         """Failed prefills end their items; prefilled sequences learn how much of their prompt

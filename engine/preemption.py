@@ -56,14 +56,19 @@ class Preemption:
             self.park(batch, victim)
 
     def first(self, first: Sequence[int]) -> list[int]:
-        """The prompts to prefill first: resumed sequences of the most urgent class waiting,
-        then `first` (the caller's: new interactive prompts), so a preempted sequence is
-        never overtaken by new ones of its class."""
+        """The prompts to prefill first, class by class (the most urgent first): its resumed
+        sequences, then its prompts in `first` (the caller's order: interactive prompts, or
+        every prompt in tenants' fair order), so a preempted sequence is never overtaken by
+        new ones of its class."""
         waiting = self.pending.waiting()
         if not any(p.resumed for p in waiting):
             return list(first)
-        urgent = min(p.seq.priority for p in waiting)
-        return [p.seq_id for p in waiting if p.resumed and p.seq.priority == urgent] + list(first)
+        classes = {p.seq_id: p.seq.priority for p in waiting}
+        order: list[int] = []
+        for priority in sorted(set(classes.values())):
+            order += [p.seq_id for p in waiting if p.resumed and p.seq.priority == priority]
+            order += [i for i in first if classes.get(i) == priority]
+        return order + [i for i in first if i not in classes]
 
     def plan(
         self, batch: Rows, budget: int | None, first: Sequence[int], step: PrefillStep

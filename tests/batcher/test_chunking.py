@@ -262,3 +262,66 @@ def test_a_steps_ceiling_for_drafts_is_the_tightest_inter_token_target_and_the_i
         await r.sched.stop()
 
     run(scenario())
+
+
+async def _chunks_after_a_quiet_tenant_joins(fairness: str) -> tuple[list[list[int]], int, int]:
+    """A quiet tenant's stream running beside a noisy tenant's two long prompts being
+    prefilled 40 tokens a step, then a long prompt of the quiet one (its tenant active, not
+    lifted: counted 3 + 100 prompt tokens against the noisy one's 600): the prefill calls
+    from its joining on, and the two tenants' ids."""
+    r = ChunkRig(max_batch_tokens=40, max_running=8, max_batch_size=8, fairness=fairness)
+    await r.sched.start()
+    stream = r.submit(3, 60, tenant="quiet", priority=Priority.BATCH)
+    await r.clock.advance(0.015)
+    noisy = [r.submit(300, 2, tenant="noisy", priority=Priority.BATCH) for _ in range(2)]
+    await r.clock.advance(0.035)  # a few chunks of theirs
+    quiet = r.submit(100, 2, tenant="quiet", priority=Priority.BATCH)
+    await r.clock.run_until_idle()
+    assert all(i.future.result().completion_tokens == 2 for i in [*noisy, quiet])
+    assert stream.future.result().completion_tokens == 60
+    calls = r.engine.calls
+    joined = next(k for k, (kind, ids) in enumerate(calls) if kind == "enqueue" and quiet.id in ids)
+    await r.sched.stop()
+    return [ids for kind, ids in calls[joined:] if kind == "prefill"], quiet.id, noisy[0].id
+
+
+def test_with_fair_shares_a_quiet_tenants_chunks_go_before_a_noisy_tenants():
+    """The chunk order within a class follows the tenants' counters (the noisy tenant was
+    charged its prompts): the quiet tenant's prompt is prefilled first and whole in three
+    steps, the noisy one's wait; with `--fairness off` it waits behind them, in join order."""
+    fair, quiet, noisy = run(_chunks_after_a_quiet_tenant_joins("on"))
+    assert [ids[0] for ids in fair[:3]] == [quiet] * 3
+    assert noisy not in fair[0] and noisy not in fair[1]
+    unfair, quiet, noisy = run(_chunks_after_a_quiet_tenant_joins("off"))
+    assert unfair[0][0] == noisy and quiet not in unfair[0]
+
+
+def test_admission_counts_the_chunks_that_go_before_the_newcomers():
+    """`prefill_ahead`: interactive prompts' chunks go before a batch-class newcomer's, never
+    after an interactive one; with fair shares a tenant counted over the newcomer's tenant
+    waits behind it; without, its whole class counts."""
+    from batcher.admission import prefill_ahead
+    from batcher.fairness import Tenants
+    from batcher.load import Load
+    from batcher.queue import RequestQueue
+    from batcher.types import WorkItem
+
+    tenants = Tenants()
+    tenants.arrive("quiet", 1)  # both active; the noisy one served 500 tokens since
+    tenants.arrive("noisy", 1)
+    tenants.charge("noisy", 0.0, input_tokens=500)
+    q = RequestQueue(tenants=tenants)
+    load = Load(
+        prefill_backlog=700,
+        prefilling=((int(Priority.INTERACTIVE), "noisy", 100), (int(Priority.BATCH), "noisy", 600)),
+    )
+
+    def item(priority: Priority, tenant: str) -> WorkItem:
+        return WorkItem(payload=None, cost=50, arrival=0.0, deadline=10.0, priority=priority, tenant=tenant)
+
+    assert prefill_ahead(q, item(Priority.BATCH, "quiet"), load) == 100  # the noisy batch-class prompt waits
+    assert prefill_ahead(q, item(Priority.BATCH, "noisy"), load) == 700  # its own tenant's go first
+    assert prefill_ahead(q, item(Priority.INTERACTIVE, "quiet"), load) == 0
+    tenants.configure(False, 1.0, 2.0)  # --fairness off: the class in join order
+    assert prefill_ahead(q, item(Priority.BATCH, "quiet"), load) == 700
+    assert prefill_ahead(q, item(Priority.BATCH, "quiet"), Load(prefill_backlog=300)) == 300

@@ -274,9 +274,13 @@ def test_a_preempted_sequence_goes_ahead_of_new_prompts_of_its_class() -> None:
     preemption = Preemption(pending, None)
     pending.add(1, [5, 6], SimpleNamespace(priority=0))  # a new interactive prompt
     pending.add(2, [5, 6], SimpleNamespace(priority=1), resumed=True)
-    assert preemption.first([1]) == [1]  # a batch-class one resumed: after new interactive ones
+    assert preemption.first([1]) == [1, 2]  # a batch-class one resumed: after new interactive ones
     pending.add(3, [5, 6], SimpleNamespace(priority=0), resumed=True)
-    assert preemption.first([1]) == [3, 1]
+    assert preemption.first([1]) == [3, 1, 2]
+    # The caller's order for every class (tenants' fair order): each class's resumed ones
+    # ahead of its new ones, whatever order the caller gave those.
+    pending.add(4, [5, 6], SimpleNamespace(priority=1))
+    assert preemption.first([4, 1]) == [3, 1, 2, 4]
 
 
 def test_a_budget_below_the_context_caps_it_and_one_too_small_fails_at_load(tiny_chat_dir: Path) -> None:
