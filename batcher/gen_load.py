@@ -31,6 +31,7 @@ class GenerationLoad(QueueingBatcher):
     _slots: Slots
     _chunked: bool
     _iteration_ends: float | None  # when the iteration in flight is predicted to end
+    _tokens_a_step: float  # what the last decode step gave each row, on average
 
     def busy_until(self, now: float) -> float:
         """The next iteration boundary: when a free slot can take a newcomer. The iteration
@@ -124,8 +125,10 @@ class GenerationLoad(QueueingBatcher):
 
     def _predicted_iteration(self, requests: list[PrefillRequest], decoding: int) -> float:
         """What the iteration starting now is predicted to take: its decode step, and the
-        prefill of the prompts joining (whole, or the chunk budget's worth)."""
-        step = self.decode_cost.predict(decoding)
+        prefill of the prompts joining (whole, or the chunk budget's worth). The decode model
+        predicts a token's time: a step whose rows take drafts gives (and takes) more, as many
+        as the last one gave."""
+        step = self.decode_cost.predict(decoding) * self._tokens_a_step
         tokens = sum(len(r.prompt_ids) for r in requests)
         if not tokens:
             return step

@@ -51,6 +51,9 @@ class IterationResult:
     # The decode step and the prefill ran as one forward (a packed step): the worker could
     # not time them apart, and `decode_seconds` holds the shared time.
     packed: bool = False
+    # Tokens the decode step gave its rows: more than `decoded_rows` where drafts were taken
+    # (speculation, engine/speculation.py). 0: one a row.
+    decoded_tokens: int = 0
 
     def apportion(self, total: float, costs: dict[str, CostModel] | None = None) -> None:
         """Charge the iteration's clock time (thread hop included) to its two phases, in the
@@ -59,7 +62,9 @@ class IterationResult:
         measured = self.prefill_seconds + self.decode_seconds
         share = self.decode_seconds / measured if measured > 0 else (1.0 if self.decoded_rows else 0.0)
         if self.packed and costs is not None:
-            decode = costs["decode"].predict(self.decoded_rows)
+            # (The decode model's time a token: a step whose rows took drafts gave more.)
+            tokens = max(self.decoded_tokens, self.decoded_rows)
+            decode = costs["decode"].predict(self.decoded_rows) * tokens / max(self.decoded_rows, 1)
             prefill = costs["prefill"].predict(self.prefill.rows, self.prefill.computed.padded)
             shared = self.decode_seconds / measured if measured > 0 else 1.0
             share = shared * decode / (decode + prefill) if decode + prefill > 0 else shared
@@ -73,9 +78,11 @@ class IterationResult:
         if self.decoded_rows:
             m.batch_size.labels(model, "decode").observe(self.decoded_rows)
             m.batch_seconds.labels(model, "decode").observe(self.decode_seconds)
-            m.cost_error.labels(model, "decode").observe(
-                costs["decode"].observe(self.decoded_rows, 0, self.decode_seconds)
-            )
+            # The decode model predicts the time between a row's tokens (what admission, the
+            # slots and the inter-token targets read it as): a step that gave rows several
+            # tokens (drafts taken) counts as that many steps of one.
+            per_token = self.decode_seconds * self.decoded_rows / max(self.decoded_tokens, self.decoded_rows)
+            m.cost_error.labels(model, "decode").observe(costs["decode"].observe(self.decoded_rows, 0, per_token))
         work = self.prefill
         if work.rows:
             m.batch_size.labels(model, "prefill").observe(work.rows)
@@ -165,7 +172,7 @@ def run_iteration(
         return _chunked_iteration(engine, requests, decode, chunking)
     t0 = time.perf_counter()
     outputs = list(engine.step()) if decode and engine.running else []
-    rows = len(outputs)
+    rows, decoded_tokens = len(outputs), sum(len(o.token_ids) for o in outputs)
     t1 = time.perf_counter()
     cached: dict[int, int] = {}
     done, failed = _each_alone(engine.add, engine, requests)
@@ -181,7 +188,7 @@ def run_iteration(
         queried = sum(len(q.prompt_ids) for q in requests if q.seq_id in cached)
         tokens = TokenCount.of([len(q.prompt_ids) for q in requests])
         work = PrefillWork(len(requests), tokens, computed, queried, sum(cached.values()))
-    return IterationResult(outputs, failed, t2 - t1, t1 - t0, rows, cached, work)
+    return IterationResult(outputs, failed, t2 - t1, t1 - t0, rows, cached, work, decoded_tokens=decoded_tokens)
 
 
 EngineCall = Callable[[list[PrefillRequest]], Sequence[SequenceStep]]  # the engine's `add` or `enqueue`
@@ -232,7 +239,15 @@ def _chunked_iteration(
     work = PrefillWork(done.rows, tokens, tokens, done.queried_tokens, done.cached_tokens)
     prefill_seconds = (t1 - t0) + (t3 - t2) if requests or done.rows else 0.0
     return IterationResult(
-        decoded + outputs + list(done.outputs), failed, prefill_seconds, t2 - t1, len(decoded), cached, work, packed
+        decoded + outputs + list(done.outputs),
+        failed,
+        prefill_seconds,
+        t2 - t1,
+        len(decoded),
+        cached,
+        work,
+        packed,
+        sum(len(o.token_ids) for o in decoded),
     )
 
 

@@ -73,6 +73,7 @@ class GenerationScheduler(GenerationLoad):
         self._iteration_ends: float | None = None  # when the iteration in flight is predicted to end
         self._preempted = 0  # the engine's preemption count at the last gauge update
         self._speculated: tuple[int, int, int] = (0, 0, 0)  # its speculation counts then (drafted, taken, steps)
+        self._tokens_a_step = 1.0  # what the last decode step gave each row, on average (drafts taken: more)
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
         self._keep_trace = 1024
 
@@ -180,6 +181,8 @@ class GenerationScheduler(GenerationLoad):
         now, self._iteration_ends = self.clock.now(), None
         result.apportion(now - started, self.cost_models)
         result.record(requests, self.metrics, self.model, self.cost_models)
+        if result.decoded_rows:  # (the next step's interval from this one is that many tokens')
+            self._tokens_a_step = max(result.decoded_tokens, result.decoded_rows) / result.decoded_rows
         finished = self._postprocess(result)
         return lambda: self._delivery.deliver_all(result.outputs, finished, now, self.settings.budget_scope == "ttft")
 
@@ -192,7 +195,7 @@ class GenerationScheduler(GenerationLoad):
         decoding = self._running.decoding({r.seq_id for r in requests}) if decode else []
         self.iterations += 1
         if decoding:
-            self._slots.decode_step(self.clock.now())
+            self._slots.decode_step(self.clock.now(), self._tokens_a_step)
         self.trace.append((self.iterations, decoding, [r.seq_id for r in requests]))
         if len(self.trace) > self._keep_trace:
             del self.trace[: -self._keep_trace]

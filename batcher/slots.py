@@ -247,12 +247,14 @@ class Slots:
         self._slow_rate = max(rate, self._slow_rate * math.exp(-dt / SLOT_RATE_MEMORY))
         return self._slow_rate
 
-    def decode_step(self, now: float) -> None:
-        """A decode step starts now: the interval since the last one (back to back only)."""
+    def decode_step(self, now: float, tokens: float = 1.0) -> None:
+        """A decode step starts now: the interval since the last one (back to back only), a
+        token's: the last step gave its rows `tokens` each on average (more than one where
+        they took drafts)."""
         last, self._last_decode_at = self._last_decode_at, now
         if last is None:
             return
-        gap = now - last
+        gap = (now - last) / max(tokens, 1.0)
         self._token_interval += 0.1 * (gap - self._token_interval) if self._token_interval else gap
 
     def pause(self) -> None:

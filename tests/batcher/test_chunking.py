@@ -212,6 +212,27 @@ def test_a_packed_iterations_time_is_shared_out_as_the_cost_models_predict():
     assert abs(apart.decode_seconds - 0.060) < 1e-9 and abs(apart.prefill_seconds - 0.020) < 1e-9
 
 
+def test_a_step_whose_rows_took_drafts_teaches_the_decode_model_the_time_a_token():
+    """Speculation: a step of 10 rows that gave them 20 tokens (drafts taken) counts as two
+    steps of one token each, for the decode model's time between a row's tokens (admission,
+    the slots and the inter-token targets read it so); in a packed step its share of the
+    forward grows with the tokens it gave."""
+    from batcher.metrics import Metrics
+
+    costs = {"decode": fitted(0.010, 0.001, 0.0), "prefill": fitted(0.002, 0.0, 0.0001)}
+    seen: list[tuple[int, float]] = []
+    costs["decode"].observe = lambda n, tokens, seconds: seen.append((n, seconds)) or 0.0  # type: ignore[method-assign]
+    result = IterationResult([], {}, 0.0, 0.040, 10, decoded_tokens=20)
+    result.apportion(0.040, costs)
+    result.record([], Metrics(CollectorRegistry()), "g", costs)
+    assert seen == [(10, 0.020)]
+    work = PrefillWork(rows=1, tokens=TokenCount(80, 80), computed=TokenCount(80, 80))
+    # Predicted: decode 20 ms a token x 2, prefill 10 ms; measured 50 ms in all.
+    packed = IterationResult([], {}, 0.0, 0.030, 10, prefill=work, packed=True, decoded_tokens=20)
+    packed.apportion(0.050, costs)
+    assert abs(packed.decode_seconds - 0.040) < 1e-9 and abs(packed.prefill_seconds - 0.010) < 1e-9
+
+
 def test_a_packing_engine_with_packing_off_is_called_apart_and_timed_apart():
     async def scenario():
         r = ChunkRig(packing=True, max_batch_tokens=40, max_running=8, max_batch_size=8)

@@ -40,3 +40,20 @@ def test_a_spread_of_lengths_is_allowed_for_and_a_mix_weighs_the_limit():
     assert lengths.known and 0.5 < lengths.early_share < 1.0
     share = lengths.early_share
     assert lengths.typical(100.0) == pytest.approx(share * lengths.mean + (1 - share) * 100.0)
+
+
+def test_a_tokens_interval_is_the_steps_over_the_tokens_it_gave():
+    """Speculation: a step that gave its rows two tokens each (drafts taken) was two
+    tokens' time, not one's: the measured interval a running sequence waits per token
+    (`Slots.load` never predicts a token sooner) is half the gap between the steps."""
+    from batcher.running import RunningSet
+    from batcher.slots import Slots
+
+    slots = Slots(object(), RunningSet())
+    slots.decode_step(0.0)
+    slots.decode_step(0.100)
+    assert slots._token_interval == pytest.approx(0.100)
+    slots.pause()
+    slots.decode_step(1.0)
+    slots.decode_step(1.100, tokens=2.0)
+    assert slots._token_interval == pytest.approx(0.095)  # the moving average, 10% toward 0.05
