@@ -70,7 +70,8 @@ class GenerationLoad(QueueingBatcher):
         chunk = chunk_budget(s, running, self.prefill_cost, self.decode_cost, packed := packs(self.engine))
         # The step a newcomer's prefill shares: the running rows and the queue joining with it.
         joining = min(running + len(self.queue) + 1, self._slots.limit(s, self.decode_cost))
-        step = self.decode_cost.predict(joining) if running else 0.0
+        # (A token's time, as many as the last step gave a row: with drafts, steps are longer.)
+        step = self.decode_cost.predict(joining) * self._tokens_a_step if running else 0.0
         extra = {
             "prefill_chunk": chunk,
             "chunk_step": step,
