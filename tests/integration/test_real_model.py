@@ -42,7 +42,7 @@ COPYING = [
     "Repeat exactly, word for word: the boat leaves at nine, the boat returns at five, the boat leaves at nine.",
     "Write this list again in the same order: apples, bread, milk, eggs, cheese, rice, tomatoes, onions.",
 ]
-MAX_TOKENS = 24
+MAX_TOKENS = 16
 
 
 def conversation(question: str) -> list[dict[str, str]]:

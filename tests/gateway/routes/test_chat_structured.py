@@ -97,22 +97,24 @@ def client(server) -> openai.OpenAI:
 
 
 # -- answers that validate ---------------------------------------------------------------------------
-def test_a_hundred_seeds_all_validate(real_server):
-    # 100 prompts in 7 requests of up to 16, one seed each, every answer checked.
+# A hundred seeds are the engine's test (tests/engine/test_grammar.py); over HTTP, half as
+# many each way: the schema through the request, the stream and the response.
+def test_fifty_seeds_all_validate(real_server):
+    # 48 prompts in 3 requests of 16, one seed each, every answer checked.
     seen = set()
-    for first in range(0, 100, 16):
-        seeds = list(range(first, min(first + 16, 100)))
+    for first in range(0, 48, 16):
+        seeds = list(range(first, first + 16))
         r = chat(real_server, messages=[CONV] * len(seeds), seed=seeds, temperature=1.0, response_format=fmt(SHIP))
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
             assert choice["finish_reason"] == "stop", choice
             jsonschema.validate(json.loads(choice["message"]["content"]), SHIP)
             seen.add(choice["message"]["content"])
-    assert len(seen) > 50
+    assert len(seen) > 24
 
 
-def test_a_hundred_seeds_all_validate_streaming(real_server):
-    for first in range(0, 100, 25):
+def test_fifty_seeds_all_validate_streaming(real_server):
+    for first in range(100, 150, 25):
         seeds = list(range(first, first + 25))
         body = {"model": MODEL, "messages": [CONV] * 25, "seed": seeds, "temperature": 1.0, "stream": True}
         body.update(max_tokens=MAX_TOKENS, response_format=fmt(SHIP))
