@@ -14,7 +14,7 @@ setup: $(STAMP)
 # with $(PYTHON), installs the pinned torch first (that pin resolves to the CPU wheel shipped on
 # this disk; letting the resolver pick torch would pull a multi-GB CUDA build), then Ferry.
 $(STAMP): pyproject.toml deploy/install.sh
-	PYTHON=$(PYTHON) sh deploy/install.sh $(VENV) --extras test,load --editable
+	PYTHON=$(PYTHON) sh deploy/install.sh $(VENV) --extras test,load --editable --no-compile
 	touch $(STAMP)
 
 serve: setup
@@ -25,20 +25,17 @@ test: setup prometheus chromium nginx lint
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-kernels
 
-# The kernels' tests again as an AVX2-only host and a host without AVX would run them:
-# torch's dispatch pinned (ATEN_CPU_CAPABILITY, which the kernels' build flags and vector
-# width follow) and oneDNN held to the same instructions (ONEDNN_MAX_CPU_ISA), so a
-# developer on an AVX-512 host sees what the others would. Each capability builds its own
-# library once (~/.cache/torch_extensions).
-# Without AVX only the chat kernel's own numerics (its build's scalar path; the embeddings
-# kernel's is left to the AVX2 and AVX-512 passes, and so are the forwards through oneDNN and
-# packed steps: those are the two kinds of host served on, and make test stays in 15 minutes).
-KERNEL_TESTS := tests/engine/test_rows_attention.py tests/engine/test_decode_attention.py
+# The kernels' tests again as an AVX2-only host would run them: torch's dispatch pinned
+# (ATEN_CPU_CAPABILITY, which the kernels' build flags and vector width follow) and oneDNN
+# held to the same instructions (ONEDNN_MAX_CPU_ISA), so a developer on an AVX-512 host sees
+# what the other kind of host served on would: the two attention kernels and the packed
+# forwards that use them. The capability builds its own library once
+# (~/.cache/torch_extensions). Not here, for make test's 15 minutes: a host without AVX (the
+# kernels' scalar build: `ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41` with the same
+# files runs it) and oneDNN's own products under AVX2 (tests/engine/test_onednn.py).
+KERNEL_TESTS := tests/engine/test_rows_attention.py tests/engine/test_decode_attention.py tests/engine/test_packed.py
 test-kernels: setup
-	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(KERNEL_TESTS) \
-		tests/engine/test_onednn.py tests/engine/test_packed.py
-	ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41 HF_HUB_OFFLINE=1 $(PY) -m pytest -q \
-		tests/engine/test_decode_attention.py
+	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 
 lint: setup
 	$(PY) -m ruff check .
