@@ -28,12 +28,13 @@ test: setup prometheus chromium nginx lint
 # The kernels' tests again as an AVX2-only host would run them: torch's dispatch pinned
 # (ATEN_CPU_CAPABILITY, which the kernels' build flags and vector width follow) and oneDNN
 # held to the same instructions (ONEDNN_MAX_CPU_ISA), so a developer on an AVX-512 host sees
-# what the other kind of host served on would: the two attention kernels and the packed
-# forwards that use them. The capability builds its own library once
-# (~/.cache/torch_extensions). Not here, for make test's 15 minutes: a host without AVX (the
-# kernels' scalar build: `ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41` with the same
-# files runs it) and oneDNN's own products under AVX2 (tests/engine/test_onednn.py).
-KERNEL_TESTS := tests/engine/test_rows_attention.py tests/engine/test_decode_attention.py tests/engine/test_packed.py
+# what the other kind of host served on would: the two attention kernels' numerics. The
+# capability builds its own library once (~/.cache/torch_extensions). Not here, for make
+# test's 15 minutes: a host without AVX (the kernels' scalar build:
+# `ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41` with the same files runs it), and
+# under AVX2 the packed forwards and oneDNN's own products (tests/engine/test_packed.py,
+# tests/engine/test_onednn.py).
+KERNEL_TESTS := tests/engine/test_rows_attention.py tests/engine/test_decode_attention.py
 test-kernels: setup
 	ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(KERNEL_TESTS)
 

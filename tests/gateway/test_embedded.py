@@ -177,24 +177,6 @@ def test_a_model_that_fails_to_load_raises_and_cleans_up():
     assert new_threads(threads) == []
 
 
-@pytest.mark.model
-def test_embedded_with_the_real_default_models():
-    threads = threading.enumerate()
-    with Ferry(models=["embeddings", "chat"], max_batch_size=16, ready_timeout=300) as ferry:
-        smol = "HuggingFaceTB/SmolLM2-135M-Instruct"
-        assert set(ferry.models) == {"sentence-transformers/all-MiniLM-L6-v2", smol}
-        client = ferry.client()
-        vectors = client.embed("sentence-transformers/all-MiniLM-L6-v2", ["hello ferry", "goodbye ferry"], numpy=True)
-        assert vectors.shape == (2, 384)
-        question = [{"role": "user", "content": "What is the capital of France?"}]
-        a, b = client.chat(smol, [question, CONV], temperature=0.0, max_completion_tokens=[16, 1])
-        assert a.text == "The capital of France is Paris." and a.finish_reason == "stop"
-        assert b.text and b.finish_reason == "length"
-        port = ferry.port
-    assert new_threads(threads) == []
-    assert_port_free(port)
-
-
 def test_api_workers_start_and_stop_the_whole_set_of_processes(monkeypatch, tmp_path):
     import psutil
 
