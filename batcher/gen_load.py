@@ -91,7 +91,7 @@ class GenerationLoad(QueueingBatcher):
         if self._iteration_ends is not None and chunk is not None:
             backlog -= chunk
         backlog = max(backlog, 0)
-        waiting = [s.item for s in self._running.values() if not s.tokens]
+        waiting = self._running.prefilling()
         total = sum(i.cost for i in waiting)
         if not backlog or not total:
             return backlog, ()

@@ -55,6 +55,11 @@ class IterationResult:
     # (speculation, engine/speculation.py). 0: one a row.
     decoded_tokens: int = 0
 
+    @property
+    def tokens_a_row(self) -> float:
+        """What the decode step gave each row, on average: 1, more where drafts were taken."""
+        return max(self.decoded_tokens, self.decoded_rows) / self.decoded_rows if self.decoded_rows else 1.0
+
     def apportion(self, total: float, costs: dict[str, CostModel] | None = None) -> None:
         """Charge the iteration's clock time (thread hop included) to its two phases, in the
         proportion the worker thread measured, or, for a packed step, in the proportion the
@@ -63,8 +68,7 @@ class IterationResult:
         share = self.decode_seconds / measured if measured > 0 else (1.0 if self.decoded_rows else 0.0)
         if self.packed and costs is not None:
             # (The decode model's time a token: a step whose rows took drafts gave more.)
-            tokens = max(self.decoded_tokens, self.decoded_rows)
-            decode = costs["decode"].predict(self.decoded_rows) * tokens / max(self.decoded_rows, 1)
+            decode = costs["decode"].predict(self.decoded_rows) * self.tokens_a_row
             prefill = costs["prefill"].predict(self.prefill.rows, self.prefill.computed.padded)
             shared = self.decode_seconds / measured if measured > 0 else 1.0
             share = shared * decode / (decode + prefill) if decode + prefill > 0 else shared
@@ -81,7 +85,7 @@ class IterationResult:
             # The decode model predicts the time between a row's tokens (what admission, the
             # slots and the inter-token targets read it as): a step that gave rows several
             # tokens (drafts taken) counts as that many steps of one.
-            per_token = self.decode_seconds * self.decoded_rows / max(self.decoded_tokens, self.decoded_rows)
+            per_token = self.decode_seconds / self.tokens_a_row
             m.cost_error.labels(model, "decode").observe(costs["decode"].observe(self.decoded_rows, 0, per_token))
         work = self.prefill
         if work.rows:

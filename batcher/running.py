@@ -47,6 +47,11 @@ class RunningSet:
     def values(self) -> list[_Seq]:
         return list(self._seqs.values())
 
+    def prefilling(self) -> list[WorkItem]:
+        """The items whose sequences have no token yet (their prompts still prefilling), in
+        the order they joined."""
+        return [s.item for s in self._seqs.values() if not s.tokens]
+
     def get(self, seq_id: int) -> _Seq | None:
         return self._seqs.get(seq_id)
 

@@ -182,7 +182,7 @@ class GenerationScheduler(GenerationLoad):
         result.apportion(now - started, self.cost_models)
         result.record(requests, self.metrics, self.model, self.cost_models)
         if result.decoded_rows:  # (the next step's interval from this one is that many tokens')
-            self._tokens_a_step = max(result.decoded_tokens, result.decoded_rows) / result.decoded_rows
+            self._tokens_a_step = result.tokens_a_row
         finished = self._postprocess(result)
         return lambda: self._delivery.deliver_all(result.outputs, finished, now, self.settings.budget_scope == "ttft")
 
@@ -223,7 +223,7 @@ class GenerationScheduler(GenerationLoad):
         first (each tenant's prompts in the order they joined), so a tenant over its share
         cannot hold a quiet one's first token behind its long prompts. Admission predicts
         by the same order (`admission.prefill_ahead`)."""
-        waiting = [s.item for s in self._running.values() if not s.tokens]
+        waiting = self._running.prefilling()
         if not self.tenants.enabled:
             return [i.id for i in waiting if i.priority is Priority.INTERACTIVE]
         counters = {t: self.tenants.counter(t) for t in {i.tenant for i in waiting}}
