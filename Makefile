@@ -6,6 +6,13 @@ STAMP := $(VENV)/.ferry-installed
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
+# Python writes the bytecode of every module it imports under make: the dev venv is installed
+# without it (deploy/install.sh --no-compile, faster) and an environment that sets
+# PYTHONDONTWRITEBYTECODE (many CI images and container bases do) would otherwise make every
+# process make test starts (servers, engine cores) compile torch and transformers from
+# source again, ~4 s each. An empty value is unset to Python.
+export PYTHONDONTWRITEBYTECODE :=
+
 .PHONY: setup serve test test-kernels lint bench clean prometheus chromium nginx wrk gpu-wheels
 
 setup: $(STAMP)
@@ -20,9 +27,13 @@ $(STAMP): pyproject.toml deploy/install.sh
 serve: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/ferry serve --host $(HOST) --port $(PORT)
 
-# Lint and type checks first (configured in pyproject.toml): a new finding fails CI.
+# Lint and type checks first (configured in pyproject.toml): a new finding fails CI. The suite
+# runs on TEST_WORKERS pytest-xdist workers, a test file whole on one (its module fixtures load
+# once): most tests wait on servers and subprocesses, so two workers on two cores took 450 s
+# where one took 735. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 test: setup prometheus chromium nginx lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory test-kernels
 
 # The kernels' tests again as an AVX2-only host would run them: torch's dispatch pinned

@@ -10,7 +10,8 @@
 # torch comes from (the Dockerfile passes https://download.pytorch.org/whl/cpu or a CUDA one);
 # unset, it comes from pip's configured index (on the development machine, the CPU wheel on disk).
 # --no-compile leaves the packages' bytecode to be written as modules are first imported (make
-# test on a fresh clone: torch alone installs in 8 s instead of 23); the image keeps it compiled.
+# test on a fresh clone: torch alone installs in 8 s instead of 23; the Makefile lets Python write
+# it even where the environment sets PYTHONDONTWRITEBYTECODE); the image keeps it compiled.
 set -eu
 
 TORCH_VERSION=2.13.0
