@@ -133,6 +133,8 @@ def predicted_completion(
         # capacity they leave, a share of 1 - rho (priority queueing).
         rho = load.interactive_rate * per_batch / size_ahead
         wait = wait / (1.0 - rho) if rho < 0.95 else INF
+    if q.tenants is not None and q.tenants.enabled and (queued := wait - own) > 0:
+        wait = _with_cut_ins(q, item, now, queued, per_batch / (size_ahead * length)) + own
     if load.drain_rate is not None and not shaped:
         # Under sustained load the batches the policies really form (cut by the reserve and
         # by interactive deadlines) may be smaller than the cost model's: the measured drain
@@ -212,6 +214,19 @@ def prefill_ahead(q: RequestQueue, item: WorkItem, load: Load) -> int:
         return tenants is None or tenant == item.tenant or tenants.counter(tenant) <= mine
 
     return sum(tokens for priority, tenant, tokens in load.prefilling if before(priority, tenant))
+
+
+def _with_cut_ins(q: RequestQueue, item: WorkItem, now: float, queued: float, per_token: float) -> float:
+    """`queued` seconds of work ahead of `item`, and what arrivals of tenants below its
+    turn in the fair order will put ahead of it meanwhile (`Tenants.cut_ins`: each at its
+    recent rate, no more than its counter lets go first), at `per_token` seconds a token."""
+    assert q.tenants is not None
+    cuts = [(rate, room) for rate, room in q.tenants.cut_ins(item.tenant, q.fair_turn(item), now) if rate > 0]
+    if not cuts:
+        return queued
+    rho = per_token * sum(rate for rate, _ in cuts)
+    horizon = queued / (1.0 - rho) if rho < 1.0 else INF
+    return queued + per_token * sum(min(rate * horizon, room) for rate, room in cuts)
 
 
 def calibrated(predict: Predictor, calibrations: Mapping[Priority, Calibration]) -> Predictor:

@@ -152,6 +152,30 @@ class Tenants:
         floor = min((o.counter for o in self._tenants.values() if o.active > 0), default=self._last_idle)
         return max(t.counter, floor)
 
+    def cut_ins(self, name: str, turn: float, now: float) -> list[tuple[float, float]]:
+        """What other tenants' arrivals will put ahead of an item of `name` whose turn is
+        `turn` (`RequestQueue.fair_turn`) while it waits: for each other tenant served in the
+        window whose counter (lifted, for an idle one, as on its return) is below the turn,
+        (its input tokens a second lately, the most input tokens it can take before its
+        counter passes the turn). A quiet tenant's requests keep going ahead of a flood's
+        queued ones: admission counts them, or the flood's admitted work is served late."""
+        floor = min((t.counter for t in self._tenants.values() if t.active > 0), default=self._last_idle)
+        out = []
+        for other, t in self._tenants.items():
+            if other == name:
+                continue
+            self._trim(t, now)
+            if not t.served:
+                continue
+            counter = t.counter if t.active else max(t.counter, floor)
+            if counter >= turn:
+                continue
+            inputs = t.tokens_in_window  # (an embedding's tokens are all input; a prompt's mostly)
+            rate = inputs / max(now - t.served[0][0], 1.0)
+            room = (turn - counter) * t.policy.weight / self.input_weight if self.input_weight > 0 else math.inf
+            out.append((rate, room))
+        return out
+
     def left(self, name: str, items: int = 1) -> None:
         """Items of the tenant finished (any outcome)."""
         t = self._get(name)

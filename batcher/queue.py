@@ -100,16 +100,7 @@ class RequestQueue:
         assert self.tenants is not None
         tenants, key = self.tenants, _key(item)
         lanes = self._by_tenant[item.priority]
-        own = lanes.get(item.tenant, [])
-        # Its turn: its tenant's counter (lifted, if it returns from idle) plus the price of
-        # the tenant's items ahead of it.
-        turn = tenants.arriving_counter(item.tenant)
-        ahead = 0
-        for k in own:
-            if k >= key:
-                break
-            turn += tenants.price(item.tenant, self._all[k[1]].cost, self._all[k[1]].expected_output)
-            ahead += 1
+        turn, ahead = self._own_ahead(item)
         for tenant, keys in lanes.items():
             if tenant == item.tenant:
                 continue
@@ -120,6 +111,24 @@ class RequestQueue:
                 ahead += 1
                 c += tenants.price(tenant, self._all[k[1]].cost, self._all[k[1]].expected_output)
         return ahead
+
+    def fair_turn(self, item: WorkItem) -> float:
+        """The item's turn in its class's fair order (needs `tenants`): its tenant's counter
+        (lifted, if it returns from idle) plus the price of the tenant's items queued ahead
+        of it. Another tenant's items go first while that tenant's counter is below it."""
+        return self._own_ahead(item)[0]
+
+    def _own_ahead(self, item: WorkItem) -> tuple[float, int]:
+        """(`fair_turn`, the tenant's own items queued ahead of it)."""
+        assert self.tenants is not None
+        tenants, key = self.tenants, _key(item)
+        turn, ahead = tenants.arriving_counter(item.tenant), 0
+        for k in self._by_tenant[item.priority].get(item.tenant, []):
+            if k >= key:
+                break
+            turn += tenants.price(item.tenant, self._all[k[1]].cost, self._all[k[1]].expected_output)
+            ahead += 1
+        return turn, ahead
 
     def mean_cost(self, priority: Priority) -> float | None:
         """The mean cost (tokens) of the queued items of `priority` and the classes ahead of

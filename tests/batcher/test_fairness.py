@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 
+from batcher import admission
 from batcher.errors import DeadlineInfeasible
 from batcher.fairness import WINDOW, TenantPolicy, TenantQuota, Tenants
+from batcher.load import Load
 from batcher.queue import RequestQueue
+from batcher.settings import BatchingSettings
 from batcher.types import GenRequest, Priority, WorkItem
 from engine.base import SamplingParams
 
-from .conftest import exact_rig, run
+from .conftest import COST, cost, exact_rig, run
 from .test_scheduler import GenRig
 
 INTERACTIVE, BATCH = Priority.INTERACTIVE, Priority.BATCH
@@ -163,6 +166,40 @@ def test_a_tenant_over_its_share_does_not_keep_one_within_it_out_by_its_promises
     alone.charge("noisy", 0.0, input_tokens=300)
     assert only_noisy.earliest_promise(INTERACTIVE, "quiet") == float("inf")
     assert only_noisy.earliest_promise(INTERACTIVE, "noisy") == 1.0
+
+
+def test_a_floods_item_is_predicted_behind_what_a_quiet_tenants_arrivals_will_put_ahead_of_it():
+    """A quiet tenant's requests keep going ahead of a flood's queued ones (lifted to the
+    flood's counter on return): a flood item's predicted completion counts them, at the
+    quiet tenant's recent rate and no more than its counter lets go first, or admitted
+    flood work is served late. A quiet item's is not stretched by the flood's."""
+    s = BatchingSettings(policy="adaptive", max_batch_size=4, max_wait_ms=0, deadline_margin_ms=0)
+    tenants = Tenants()
+    q = fair_queue(*(item("noisy", cost=1) for _ in range(8)), tenants=tenants)
+    tenants.arrive("noisy", 8)
+    tenants.charge("noisy", 0.0, input_tokens=1000)
+    for t in range(10):  # 10 tokens a second for the last 10 s; idle between requests
+        tenants.charge("quiet", float(t), input_tokens=10)
+    now, load = 10.0, Load()
+    flood = item("noisy", deadline=99.0, cost=1)
+    turn = q.fair_turn(flood)
+    assert turn == pytest.approx(1008.0)  # noisy's counter and its eight queued items' prices
+    assert tenants.cut_ins("noisy", turn, now) == [(pytest.approx(10.0), pytest.approx(8.0))]
+    queued = 2 * cost(4)  # its eight ahead in two full batches, then its own of one
+    per_token = cost(4) / 4
+    horizon = queued / (1 - 10.0 * per_token)
+    expected = now + queued + per_token * min(10.0 * horizon, 8.0) + cost(1)
+    assert admission.predicted_completion(q, flood, now, s, COST, load) == pytest.approx(expected)
+    assert expected > now + queued + cost(1)
+    # The quiet tenant's next item: lifted to the flood's counter, only the flood's first
+    # item goes before it (the tie), and the flood's arrivals do not cut in.
+    assert tenants.cut_ins("quiet", q.fair_turn(item("quiet")), now) == []
+    assert admission.predicted_completion(q, item("quiet"), now, s, COST, load) == pytest.approx(now + cost(2))
+    # Fairness off: earliest deadline first, nobody cuts in.
+    tenants.enabled = False
+    assert admission.predicted_completion(q, flood, now, s, COST, load) == pytest.approx(now + queued + cost(1))
+    # A tenant served so much that it cannot pass the turn: a bounded cut-in.
+    assert tenants.cut_ins("noisy", 1000.5, now) == [(pytest.approx(10.0), pytest.approx(0.5))]
 
 
 # -- batchers ------------------------------------------------------------------------------
