@@ -7,7 +7,15 @@ carrying `--slo-ms` as its latency budget. Together they offer `--overload` x th
 (requests/s of 32 closed-loop clients, measured first on the same server), the noisy one
 10x the quiet one's rate. Per tenant: offered/s, goodput (first token within the SLO)/s,
 and the share of its offer served on time. The quiet tenant's demand is under its half
-share, so with fairness it should be served in full.
+share, so with fairness it should be served in full. With `--vllm-python`, each round offers
+the same rates (twice the capacity measured with fairness on) to vLLM on the same weights
+as well: it has no tenants, so the quiet tenant's share there is what first come, first
+served gives it.
+
+`embeddings`: the same two tenants on the embeddings model (all-MiniLM-L6-v2), one
+sentence a request with `--embed-slo-ms` as its budget, together `--overload` x the
+capacity (requests/s of 32 closed-loop clients, measured first): a request is on time when
+its answer comes within the budget.
 
 `lengths`: two backlogged tenants of equal weight, one sending ~500-token prompts, the other
 short ones: fair in weighted tokens, not in requests.
@@ -19,7 +27,7 @@ one's service in weighted tokens (`fair_input_weight` 1 x prompt + `fair_output_
 generated, from `ferry_tenant_tokens_total`) against its weighted share, and Jain's index
 on the service over the weights.
 
-    python -m loadtests.fairness_cell --cells two,weights --repeats 3
+    python -m loadtests.fairness_cell --cells two,weights,lengths,embeddings --repeats 3
 """
 
 from __future__ import annotations
@@ -32,13 +40,19 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiohttp
 import httpx
+import orjson
+
+from tuner.traffic import sentence
 
 from .goodput_cell import MAX_TOKENS, make_budget_send
 from .openloop import GatewayProcess, Sample, open_loop
+from .prefix_cell import vllm_server
 from .saturation_cell import PROMPTS
 
 MODEL = "ferry-tiny-chat"
+EMBED_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 WEIGHTS = {"w1a": 1.0, "w1b": 1.0, "w2": 2.0, "w4": 4.0}
 
 
@@ -71,32 +85,83 @@ def closed_loop_rate(url: str, clients: int = 32, seconds: float = 10.0) -> floa
     return asyncio.run(main()) / seconds
 
 
-def run_two(url: str, label: str, rate: float, duration: float, slo_ms: float) -> dict:
-    """The noisy tenant at 10/11 of `rate`, the quiet one at 1/11, together."""
+def closed_loop_embeddings(url: str, clients: int = 32, seconds: float = 8.0) -> float:
+    """Requests/s (one sentence each) that `clients` closed-loop clients get through
+    (aiohttp: short requests, the client's own CPU matters on two cores)."""
+
+    async def main() -> int:
+        done = 0
+        until = time.perf_counter() + seconds
+        async with aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(limit=clients)) as session:
+
+            async def client(k: int) -> None:
+                nonlocal done
+                i = k
+                while time.perf_counter() < until:
+                    body = orjson.dumps({"model": EMBED_MODEL, "input": sentence(i)})
+                    async with session.post("/v1/embeddings", data=body, headers=JSON) as r:
+                        await r.read()
+                        done += r.status == 200
+                    i += clients
+
+            await asyncio.gather(*(client(k) for k in range(clients)))
+        return done
+
+    return asyncio.run(main()) / seconds
+
+
+JSON = {"Content-Type": "application/json"}
+
+
+def make_embed_send(slo_ms: float, tenant: str):
+    """One sentence to embed with the SLO as its budget, as `tenant` (`X-Ferry-Tenant`)."""
+    headers = {**JSON, "X-Ferry-Tenant": tenant}
+
+    async def send(session, i: int) -> Sample:
+        body = orjson.dumps({"model": EMBED_MODEL, "input": sentence(i), "latency_budget_ms": slo_ms})
+        async with session.post("/v1/embeddings", data=body, headers=headers) as r:
+            await r.read()
+            return Sample(0.0, 0.0, r.status, tag=tenant)
+
+    return send
+
+
+def run_two(url: str, label: str, rate: float, duration: float, slo_ms: float, embeddings: bool = False) -> dict:
+    """The noisy tenant at 10/11 of `rate`, the quiet one at 1/11, together; chat requests
+    on time by their first token, embeddings by their answer."""
     noisy, quiet = rate * 10 / 11, rate / 11
+
+    def sender(tenant: str):
+        return make_embed_send(slo_ms, tenant) if embeddings else make_budget_send(MODEL, slo_ms, tenant)
 
     async def main() -> list[Sample]:
         a, b = await asyncio.gather(
-            open_loop(noisy, duration, make_budget_send(MODEL, slo_ms, "noisy"), url, seed=1),
-            open_loop(quiet, duration, make_budget_send(MODEL, slo_ms, "quiet"), url, seed=2),
+            open_loop(noisy, duration, sender("noisy"), url, seed=1),
+            open_loop(quiet, duration, sender("quiet"), url, seed=2),
         )
         return a + b
+
+    def on_time(s: Sample) -> bool:
+        done = s.latency if embeddings else s.ttft
+        return s.status == 200 and done is not None and done * 1000 <= slo_ms
 
     samples = asyncio.run(main())
     row: dict = {"label": label}
     for tenant in ("noisy", "quiet"):
         mine = [s for s in samples if s.tag == tenant]
-        good = [s for s in mine if s.status == 200 and s.ttft is not None and s.ttft * 1000 <= slo_ms]
+        good = [s for s in mine if on_time(s)]
         row[tenant] = {
             "offered": len(mine) / duration,
             "goodput": len(good) / duration,
             "on_time": len(good) / max(1, len(mine)),
             "refused": sum(s.status == 429 for s in mine),
+            "late": sum(s.status == 200 for s in mine) - len(good),  # served past the budget: wasted work
         }
+    n, q = row["noisy"], row["quiet"]
     print(
-        f"  {label:22s} noisy {row['noisy']['offered']:6.1f}/s offered, {row['noisy']['goodput']:6.1f}/s on time | "
-        f"quiet {row['quiet']['offered']:5.1f}/s offered, {row['quiet']['goodput']:5.1f}/s on time "
-        f"({row['quiet']['on_time']:.0%}), {row['quiet']['refused']} refused",
+        f"  {label:22s} noisy {n['offered']:6.1f}/s offered, {n['goodput']:6.1f}/s on time, "
+        f"{n['refused']} refused, {n['late']} late | quiet {q['offered']:5.1f}/s offered, {q['goodput']:5.1f}/s on "
+        f"time ({q['on_time']:.0%}), {q['refused']} refused, {q['late']} late",
         flush=True,
     )
     return row
@@ -192,6 +257,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--duration", type=float, default=20.0)
     p.add_argument("--slo-ms", type=float, default=500.0)
+    p.add_argument("--embed-slo-ms", type=float, default=100.0, help="embeddings cell: each request's budget")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="two cell: also offer each round's load to vLLM (this venv's python) on the same weights",
+    )
     p.add_argument("--overload", type=float, default=2.0)
     p.add_argument(
         "--clients",
@@ -220,10 +291,35 @@ def main() -> None:
         print(f"Two tenants, noisy 10x quiet, {a.overload}x capacity, SLO {a.slo_ms:.0f} ms:")
         quiet: dict[str, list[float]] = {}
         for _ in range(a.repeats):
+            rate = 0.0  # the load offered this round: twice the capacity measured with fairness on
             for label, flags in variants:
                 with GatewayProcess("--embedding-model", "none", *flags) as gw:
                     cap = closed_loop_rate(gw.url)
-                    row = run_two(gw.url, f"{label} (cap {cap:.0f}/s)", a.overload * cap, a.duration, a.slo_ms)
+                    rate = rate or a.overload * cap
+                    row = run_two(gw.url, f"{label} (cap {cap:.0f}/s)", rate, a.duration, a.slo_ms)
+                quiet.setdefault(label, []).append(row["quiet"]["on_time"])
+            if a.vllm_python:
+                from engine.tiny_chat import ensure_tiny_chat
+
+                proc, url = vllm_server(a.vllm_python, ensure_tiny_chat())
+                try:
+                    row = run_two(url, "vLLM (no tenants)", rate, a.duration, a.slo_ms)
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+                quiet.setdefault("vLLM", []).append(row["quiet"]["on_time"])
+        for label, shares in quiet.items():
+            print(f"  median quiet on time, {label}: {statistics.median(shares):.1%}  ({shares})")
+    if "embeddings" in cells:
+        print(f"Two tenants on embeddings, noisy 10x quiet, {a.overload}x capacity, budget {a.embed_slo_ms:.0f} ms:")
+        quiet = {}
+        for _ in range(a.repeats):
+            rate = 0.0
+            for label, flags in variants:
+                with GatewayProcess("--chat-model", "none", *flags) as gw:
+                    cap = closed_loop_embeddings(gw.url)
+                    rate = rate or a.overload * cap
+                    row = run_two(gw.url, f"{label} (cap {cap:.0f}/s)", rate, a.duration, a.embed_slo_ms, True)
                 quiet.setdefault(label, []).append(row["quiet"]["on_time"])
         for label, shares in quiet.items():
             print(f"  median quiet on time, {label}: {statistics.median(shares):.1%}  ({shares})")
