@@ -33,6 +33,8 @@ __all__ = ["DEFAULT", "WINDOW", "TenantPolicy", "TenantQuota", "Tenants"]
 WINDOW = 60.0  # seconds of service the quotas and the fairness index look back over
 MAX_TENANTS = 4096  # tenants kept; past it, those with nothing active nor served lately are forgotten
 DEFAULT = "default"  # the tenant of requests that name none
+CUT_IN_TENANTS = 32  # the busiest tenants admission counts the arrivals of (`Tenants.cut_ins`)
+CUT_IN_RERANK = 1.0  # seconds between re-rankings of them
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +77,8 @@ class Tenants:
         # arriving at an empty server is lifted to (the paper's rule for an empty queue).
         self._last_idle = 0.0
         self._active_tenants = 0  # tenants with items active
+        self._cut_in_names: list[str] = []  # the busiest tenants lately (`cut_ins`)
+        self._cut_in_ranked = -math.inf  # when they were ranked
 
     # -- who ----------------------------------------------------------------------
     def _get(self, name: str) -> _Tenant:
@@ -158,16 +162,28 @@ class Tenants:
         window whose counter (lifted, for an idle one, as on its return) is below the turn,
         (its input tokens a second lately, the most input tokens it can take before its
         counter passes the turn). A quiet tenant's requests keep going ahead of a flood's
-        queued ones: admission counts them, or the flood's admitted work is served late."""
-        floor = min((t.counter for t in self._tenants.values() if t.active > 0), default=self._last_idle)
+        queued ones: admission counts them, or the flood's admitted work is served late.
+        Only the `CUT_IN_TENANTS` served most lately are counted (ranked once a
+        `CUT_IN_RERANK`), so that each admission costs the same under thousands of tenant
+        names; the arrivals of the rest are not counted."""
+        if not now - CUT_IN_RERANK < self._cut_in_ranked <= now:
+            self._cut_in_names = self.busiest(CUT_IN_TENANTS, now)
+            self._cut_in_ranked = now
+        floor: float | None = None
         out = []
-        for other, t in self._tenants.items():
-            if other == name:
+        for other in self._cut_in_names:
+            t = self._tenants.get(other)  # (forgotten since it was ranked: None)
+            if t is None or other == name:
                 continue
             self._trim(t, now)
             if not t.served:
                 continue
-            counter = t.counter if t.active else max(t.counter, floor)
+            if t.active:
+                counter = t.counter
+            else:
+                if floor is None:
+                    floor = min((o.counter for o in self._tenants.values() if o.active > 0), default=self._last_idle)
+                counter = max(t.counter, floor)
             if counter >= turn:
                 continue
             inputs = t.tokens_in_window  # (an embedding's tokens are all input; a prompt's mostly)

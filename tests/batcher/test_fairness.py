@@ -8,7 +8,7 @@ import pytest
 
 from batcher import admission
 from batcher.errors import DeadlineInfeasible
-from batcher.fairness import WINDOW, TenantPolicy, TenantQuota, Tenants
+from batcher.fairness import CUT_IN_TENANTS, WINDOW, TenantPolicy, TenantQuota, Tenants
 from batcher.load import Load
 from batcher.queue import RequestQueue
 from batcher.settings import BatchingSettings
@@ -200,6 +200,18 @@ def test_a_floods_item_is_predicted_behind_what_a_quiet_tenants_arrivals_will_pu
     assert admission.predicted_completion(q, flood, now, s, COST, load) == pytest.approx(now + queued + cost(1))
     # A tenant served so much that it cannot pass the turn: a bounded cut-in.
     assert tenants.cut_ins("noisy", 1000.5, now) == [(pytest.approx(10.0), pytest.approx(0.5))]
+
+
+def test_cut_ins_count_only_the_busiest_tenants_so_admission_costs_the_same_under_many_names():
+    tenants = Tenants()
+    for k in range(CUT_IN_TENANTS + 40):
+        tenants.charge(f"t{k}", 0.0, input_tokens=k + 1)  # t{k} served k + 1 tokens
+    cuts = tenants.cut_ins("noisy", 1e9, 1.0)
+    assert len(cuts) == CUT_IN_TENANTS
+    assert min(rate for rate, _ in cuts) == pytest.approx(41.0)  # the busiest: t40 .. t71
+    tenants.charge("late", 1.5, input_tokens=10_000)
+    assert len(tenants.cut_ins("noisy", 1e9, 1.5)) == CUT_IN_TENANTS  # ranked a second at most ago: not yet
+    assert max(rate for rate, _ in tenants.cut_ins("noisy", 1e9, 2.0)) == pytest.approx(10_000 / 1.0)
 
 
 # -- batchers ------------------------------------------------------------------------------
