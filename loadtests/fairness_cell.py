@@ -21,11 +21,11 @@ its answer comes within the budget.
 short ones: fair in weighted tokens, not in requests.
 
 `weights`: four backlogged tenants with weights 1:1:2:4 (a config file names them), each
-with `--clients` closed-loop clients asking 64 tokens, `--max-running` fewer than all their
-clients (fairness decides who takes the slots that free); over a `--duration` window, each
-one's service in weighted tokens (`fair_input_weight` 1 x prompt + `fair_output_weight` 2 x
-generated, from `ferry_tenant_tokens_total`) against its weighted share, and Jain's index
-on the service over the weights.
+with `--clients` closed-loop clients asking `--answer-tokens` (64), `--max-running` fewer
+than all their clients (fairness decides who takes the slots that free); over a
+`--duration` window, each one's service in weighted tokens (`fair_input_weight` 1 x prompt
++ `fair_output_weight` 2 x generated, from `ferry_tenant_tokens_total`) against its
+weighted share, and Jain's index on the service over the weights.
 
     python -m loadtests.fairness_cell --cells two,weights,lengths,embeddings --repeats 3
 """
@@ -113,7 +113,7 @@ def closed_loop_embeddings(url: str, clients: int = 32, seconds: float = 8.0) ->
 JSON = {"Content-Type": "application/json"}
 
 
-def make_embed_send(slo_ms: float, tenant: str):
+def tenant_embed_send(slo_ms: float, tenant: str):
     """One sentence to embed with the SLO as its budget, as `tenant` (`X-Ferry-Tenant`)."""
     headers = {**JSON, "X-Ferry-Tenant": tenant}
 
@@ -132,7 +132,7 @@ def run_two(url: str, label: str, rate: float, duration: float, slo_ms: float, e
     noisy, quiet = rate * 10 / 11, rate / 11
 
     def sender(tenant: str):
-        return make_embed_send(slo_ms, tenant) if embeddings else make_budget_send(MODEL, slo_ms, tenant)
+        return tenant_embed_send(slo_ms, tenant) if embeddings else make_budget_send(MODEL, slo_ms, tenant)
 
     async def main() -> list[Sample]:
         a, b = await asyncio.gather(
@@ -181,7 +181,13 @@ LONG_PROMPT = " ".join(PROMPTS) * 12  # about 500 tokens of the tiny model
 
 
 def run_weights(
-    url: str, label: str, clients: int, duration: float, weights: dict[str, float] = WEIGHTS, long: str = ""
+    url: str,
+    label: str,
+    clients: int,
+    duration: float,
+    weights: dict[str, float] = WEIGHTS,
+    long: str = "",
+    answer_tokens: int = 64,
 ) -> dict:
     """Backlogged tenants: each one's weighted service over the window against its share
     (`long`: that tenant sends LONG_PROMPT, the others the short prompts)."""
@@ -194,7 +200,7 @@ def run_weights(
                 "model": MODEL,
                 # Unique from its first words: the prefix cache would make a repeated long prompt cheap.
                 "messages": [{"role": "user", "content": f"({tenant} {k}.{i}) " + prompt}],
-                "max_tokens": 64,
+                "max_tokens": answer_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
                 "latency_budget_ms": 600_000,
@@ -271,6 +277,12 @@ def main() -> None:
         help="weights and lengths cells: closed-loop clients per tenant (more than its share of the slots: backlogged)",
     )
     p.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=64,
+        help="weights cell: tokens each answer (how long a request holds its slot)",
+    )
+    p.add_argument(
         "--max-running",
         type=int,
         default=16,
@@ -332,7 +344,9 @@ def main() -> None:
         for _ in range(a.repeats):
             for label, flags in variants:
                 with GatewayProcess("--config", cfg, "--max-running", str(a.max_running), *flags) as gw:
-                    rows.setdefault(label, []).append(run_weights(gw.url, label, a.clients, a.duration))
+                    rows.setdefault(label, []).append(
+                        run_weights(gw.url, label, a.clients, a.duration, answer_tokens=a.answer_tokens)
+                    )
         os.environ.update(saved)
         report(rows)
     if "lengths" in cells:
