@@ -164,12 +164,16 @@ def run_iteration(
     requests: list[PrefillRequest],
     decode: bool,
     chunking: Chunking | None = None,
+    held: frozenset[int] = frozenset(),
 ) -> IterationResult:
     """Runs on the worker thread: everything the engine does in one iteration. With
     `chunking`, the new prompts are handed over first and the prefill comes after the
-    decode step, a budgeted chunk of every waiting prompt (`ChunkingEngine.prefill`)."""
+    decode step, a budgeted chunk of every waiting prompt (`ChunkingEngine.prefill`).
+    `held`: running sequences the decode step leaves out (an engine that `holds_rows`)."""
     if removals:
         engine.remove(removals)
+    if getattr(engine, "holds_rows", False):
+        engine.held = held  # type: ignore[attr-defined]
     if chunking is not None and hasattr(engine, "step_ceiling"):
         engine.step_ceiling = chunking.ceiling
     if chunking is not None and isinstance(engine, ChunkingEngine):

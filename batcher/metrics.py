@@ -345,6 +345,13 @@ class Metrics:
             registry=r,
             multiprocess_mode=MAX,
         )
+        self.tenant_held_rows = Counter(
+            "ferry_tenant_held_rows_total",
+            "Running rows left out of a decode step because their tenant was ahead of its fair share "
+            "(fair_hold_margin; KV in blocks): one per row per step, so that the others' steps came sooner.",
+            ["model"],
+            registry=r,
+        )
         self.tenant_labels = TenantLabels()
         self._tenant_depths: dict[str, set[str]] = {}
         # Knobs: a gauge per setting declared with gauge=True (batcher/settings.py).

@@ -76,7 +76,10 @@ class SteppingEngine(Protocol):
     """Runs a changing set of sequences one token at a time. Called from one worker thread.
 
     An engine with a fixed number of KV slots also has `max_running: int`; the scheduler
-    never runs more sequences than that (engines without it have no such limit).
+    never runs more sequences than that (engines without it have no such limit). One whose
+    `holds_rows` is true has a `held` attribute: the running sequences its next decode
+    step leaves out, their KV kept (the scheduler sets it before each iteration, to the
+    rows of tenants over their fair share; never every row).
     """
 
     @property

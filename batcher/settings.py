@@ -74,6 +74,15 @@ class BatchingSettings(Knobs):
     fair_output_weight: float = knob(
         2.0, "what one generated token adds to its tenant's counter", live=True, ge=0, le=1000
     )
+    fair_hold_margin: float = knob(
+        64.0,
+        "chat, KV in blocks: how far a tenant's counter may run ahead of the lowest among the tenants decoding "
+        "in its priority class before its rows sit out decode steps (their KV kept) while the step's time "
+        "follows its rows; 0: never",
+        live=True,
+        ge=0,
+        le=1_000_000,
+    )
     # On by default since admission counts on the measured drain (batcher/load.py): with it
     # off, interactive requests are refused under batch-class overload (docs/benchmarks.md).
     interactive_first: bool = knob(

@@ -70,6 +70,9 @@ class PagedBatch(Generic[Row]):
         self._virtual: torch.Tensor | None = None
         self._query_table: torch.Tensor | None = None  # the block table of each query, with drafts
         self._extra: list[int] | None = None  # the drafts each row feeds this step
+        # Rows held out of the steps for now (`hold`): their blocks stay taken, counted here.
+        self._held_rows = 0
+        self._held_blocks = 0
 
     # -- what the engine reads ---------------------------------------------------------
 
@@ -96,7 +99,8 @@ class PagedBatch(Generic[Row]):
 
     @property
     def used_blocks(self) -> int:
-        return sum(len(t) for t in self._tables)
+        """Blocks the rows take, those held out of the steps too."""
+        return sum(len(t) for t in self._tables) + self._held_blocks
 
     @property
     def used_cells(self) -> int:
@@ -129,7 +133,8 @@ class PagedBatch(Generic[Row]):
     # -- room -------------------------------------------------------------------------
 
     def _fits_blocks(self, blocks: int) -> bool:
-        return self.budget is None or blocks <= self.budget // self.block
+        """Whether the rows in the steps may take `blocks` beside those held out (`hold`)."""
+        return self.budget is None or blocks + self._held_blocks <= self.budget // self.block
 
     def step_fits(self, extra: Sequence[int] | None = None, joining: Sequence[int] = ()) -> bool:
         """Whether every row's next token fits, and `extra` drafted tokens each, all taken,
@@ -183,6 +188,37 @@ class PagedBatch(Generic[Row]):
         """Remove the rows at indices `leaving` (their blocks freed); later rows take their places."""
         for row in sorted(leaving, reverse=True):
             self._free.extend(reversed(self._tables[row]))
+        self._take_out(leaving)
+
+    def hold(self, rows: set[int]) -> list[tuple[Row, list[int], int]]:
+        """Take the rows at indices `rows` out of the steps with their KV kept: their blocks
+        stay taken (counted against the budget) until `restore` puts them back, in the
+        order returned. A row held misses the steps in between, nothing else (the fair
+        shares of batcher/scheduler.py hold the rows of a tenant over its share)."""
+        held = [(self.seqs[r], self._tables[r], self.lengths[r]) for r in sorted(rows)]
+        self._take_out(rows)
+        self._held_rows += len(held)
+        self._held_blocks += sum(len(table) for _, table, _ in held)
+        return held
+
+    def restore(self, held: list[tuple[Row, list[int], int]]) -> None:
+        """The rows `hold` took out, back after the rows in the batch (between steps)."""
+        for seq, table, n in held:
+            self._held_rows -= 1
+            self._held_blocks -= len(table)
+            row = self.rows
+            self.seqs.append(seq)
+            self._tables.append(table)
+            self.lengths.append(n)
+            self._room(self.rows, max(1, len(table)), self._table.device)
+            if table:
+                self._table[row, : len(table)] = torch.tensor(table, dtype=torch.long, device=self._table.device)
+            self._lengths[row] = n
+        self._close()
+
+    def _take_out(self, leaving: set[int]) -> None:
+        """The rows at indices `leaving` out of the batch (their blocks are the caller's);
+        later rows take their places."""
         keep = self.rows - len(leaving)
         holes = [i for i in sorted(leaving) if i < keep]
         movers = [i for i in range(keep, self.rows) if i not in leaving]
@@ -308,8 +344,8 @@ class PagedBatch(Generic[Row]):
 
     def _add_rows(self, seqs: list[Row], counts: list[int], device: torch.device) -> torch.Tensor:
         """New rows of `counts` tokens each, their blocks taken: the pool slots of their tokens, in order."""
-        if self.rows + len(seqs) > self.slots:
-            raise KVFull(f"{self.rows + len(seqs)} rows exceed the {self.slots} the batch may hold")
+        if self.rows + self._held_rows + len(seqs) > self.slots:
+            raise KVFull(f"{self.rows + self._held_rows + len(seqs)} rows exceed the {self.slots} the batch may hold")
         self._take(sum(blocks_for(n, self.block) for n in counts))
         first = self.rows
         for seq, n in zip(seqs, counts, strict=True):

@@ -219,6 +219,9 @@ class FakeGenerationEngine:
     such a prompt is in the group; `step_delay` makes each call block (wall clock).
     As the front end of a model in an engine core it is also the tokenizer (`decode`).
 
+    `held`: the sequences the next steps leave out (as a real engine's KV in blocks holds
+    them: they keep their place and emit nothing), never all of them.
+
     Its prefix cache is a count only: a prompt's `cached_tokens` are its leading whole
     blocks of `prefix_block` tokens (0: none) that an earlier `add` prefilled, never its
     last token, as engine/prefix_cache.py would serve them with room for everything.
@@ -238,6 +241,7 @@ class FakeGenerationEngine:
         self.fail_prompts = fail_prompts or set()
         self.prefix_block = prefix_block
         self.calls: list[tuple[str, list[int]]] = []
+        self.held: frozenset[int] = frozenset()
         self._seqs: dict[int, dict] = {}
         self._blocks: set[int] = set()  # chained keys of the prompt blocks prefilled so far
 
@@ -286,8 +290,10 @@ class FakeGenerationEngine:
             out.cached_tokens = n
         return outputs
 
+    holds_rows = True
+
     def step(self) -> list:
-        ids = list(self._seqs)
+        ids = [i for i in self._seqs if i not in self.held] or list(self._seqs)
         self.calls.append(("step", ids))
         self._sleep()
         return [self._emit(i) for i in ids]
@@ -423,7 +429,7 @@ class FakePackingEngine(FakeChunkingEngine):
         self.ceilings: list[float | None] = []
 
     def step_with_prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> tuple[list, PrefillStep]:
-        self.calls.append(("packed", list(self._seqs)))
+        self.calls.append(("packed", [i for i in self._seqs if i not in self.held] or list(self._seqs)))
         self.ceilings.append(self.step_ceiling)
         return self.step(), self.prefill(budget, first)
 

@@ -336,3 +336,59 @@ def test_backlogged_tenants_are_served_in_proportion_to_their_weights_and_equall
         assert served[tenant] / total == pytest.approx(share, rel=0.05)
     off = run(_backlogged("off"))
     assert max(off.values()) / min(off.values()) < 1.1
+
+
+async def _sharing_steps(margin: float, per_row: float = 0.01, **settings) -> tuple[float, float, int]:
+    """Tenant a runs six long answers, b two, equal weights, on 8 slots; steps cost 10 ms
+    and `per_row` a row (10 ms: a CPU's, the step's time follows its rows). What a had been served when
+    b's last answer came over b's, when that was against a's last, and the rows held."""
+    r = GenRig(
+        max_running=8,
+        max_batch_size=8,
+        max_wait_ms=0,
+        per_row=per_row,
+        touched=True,
+        fair_hold_margin=margin,
+        **settings,
+    )
+    r.seed_decode_cost()
+    s = r.sched
+    await s.start()
+    start = r.clock.now()
+    jobs = {t: [r.submit(100, tenant=t) for _ in range(n)] for t, n in (("a", 6), ("b", 2))}
+    done_at, a_at_b = {}, 0
+    while len(done_at) < 2:
+        await r.clock.advance(0.005)
+        for t, items in jobs.items():
+            if t not in done_at and all(i.future.done() for i in items):
+                done_at[t] = r.clock.now() - start
+                if t == "b":
+                    a_at_b = s.tenants.tokens("a")["output"]
+    await s.stop()
+    lengths = {t: {i.future.result().completion_tokens for i in items} for t, items in jobs.items()}
+    assert lengths == {"a": {100}, "b": {100}}  # every answer whole: a held row only waited
+    held = r.registry.get_sample_value("ferry_tenant_held_rows_total", {"model": "g"}) or 0
+    return a_at_b / 200, done_at["b"] / done_at["a"], int(held)
+
+
+def test_a_tenant_ahead_of_its_share_sits_out_steps_so_the_other_is_served_its_share_meanwhile():
+    # Slots alone cannot correct it: nothing frees until the answers end.
+    ratio_off, when_off, held_off = run(_sharing_steps(0))
+    assert held_off == 0 and ratio_off == pytest.approx(3.0, rel=0.02) and when_off == pytest.approx(1.0, abs=0.02)
+    # Holding a's rows while it is ahead by more than the margin: while both ran, a was
+    # served about what b was (b's 200 tokens, plus the margin and a step's worth), and b
+    # finished first; a's rows ran every step after.
+    ratio, when, held = run(_sharing_steps(16))
+    assert held > 0
+    assert ratio < 1.5 and when < 0.8
+
+
+def test_rows_are_not_held_where_it_gains_nobody_anything_or_could_cost_a_deadline():
+    # A step whose time does not follow its rows (a GPU's, bound by reading the weights):
+    # holding rows would only waste them.
+    assert run(_sharing_steps(16, per_row=0.0))[2] == 0
+    # Whole answers due by a deadline (9.5 s: 100 steps of 90 ms and a little): a row
+    # misses a step only while twice its steps left fit before it, and every answer comes
+    # whole (the helper checks: none expired).
+    free = run(_sharing_steps(16))[2]
+    assert run(_sharing_steps(16, budget_scope="total", default_budget_ms=9_500))[2] < free / 4

@@ -61,6 +61,25 @@ def test_rows_read_back_their_own_tokens_through_their_tables():
     assert torch.isfinite(rect_keys).all()
 
 
+def test_held_rows_keep_their_blocks_counted_and_come_back_with_their_tokens():
+    batch = PagedBatch(3, budget=6 * 16)
+    batch.join(kv_of(40, 0.0), "a")  # 3 blocks
+    batch.join(kv_of(5, 100.0), "b")  # 1 block
+    batch.join(kv_of(32, 200.0), "c")  # 2 full blocks: the pool's budget is taken
+    held = batch.hold({0})
+    assert batch.seqs == ["c", "b"] and batch.rows == 2  # the last row took the held one's place
+    assert batch.used_blocks == 6  # still taken, and counted against the budget
+    assert not batch.step_fits()  # c's next token wants a block, and a still holds its own
+    with pytest.raises(KVFull):
+        batch.join(kv_of(1, 300.0), "d")  # nor may a row take the held row's slot
+    batch.restore(held)
+    assert batch.seqs == ["c", "b", "a"] and batch.lengths == [32, 5, 40]
+    keys, _ = batch.row_kv(2)[1]
+    assert keys[0, :, 0].tolist() == [*map(float, range(40))]
+    batch.drop({0, 1})
+    assert batch.used_blocks == 3 and batch.step_fits()
+
+
 def test_a_leaving_rows_blocks_are_taken_again_and_the_last_row_takes_its_place():
     batch = PagedBatch(4, budget=64)  # four blocks of 16
     batch.join(kv_of(20, 0.0), "a")  # 2 blocks

@@ -128,6 +128,31 @@ def test_greedy_is_the_same_alone_batched_and_staggered(engine, prompts):
     assert staggered.tokens[2] == solo_b
 
 
+def test_held_rows_sit_out_steps_keep_their_kv_and_resume_with_the_same_tokens(engine, prompts):
+    a, b, long = prompts["a"], prompts["b"], prompts["long"]
+    solo = {i: run_alone(engine, p, max_tokens=12, temperature=0).tokens[1] for i, p in ((1, a), (2, b), (3, long))}
+    assert engine.holds_rows  # KV in blocks, the default where steps pack
+    t = Transcript()
+    t.take(engine.add([req(1, a, max_tokens=12, temperature=0), req(2, b, max_tokens=12, temperature=0)]))
+    try:
+        engine.held = frozenset({1})
+        for _ in range(3):
+            assert [o.seq_id for o in t.take(engine.step())] == [2]
+        # A prompt's chunks packed with the decode step of the rows not held.
+        engine.enqueue([req(3, long, max_tokens=12, temperature=0)])
+        decoded, prefilled = engine.step_with_prefill(budget=None)
+        t.take(decoded), t.take(prefilled.outputs)
+        assert [o.seq_id for o in decoded] == [2] and [o.seq_id for o in prefilled.outputs] == [3]
+        assert len(t.tokens[1]) == 1 and len(t.tokens[2]) == 5 and len(t.tokens[3]) == 1
+        engine.held = frozenset({1, 2, 3})  # never every row: a step of none is no step
+        assert sorted(o.seq_id for o in t.take(engine.step())) == [1, 2, 3]
+    finally:
+        engine.held = frozenset()
+    drain(engine, t)
+    assert dict(t.tokens) == solo
+    assert_no_padding_only_columns(engine)
+
+
 def test_seeded_sampling_is_the_same_alone_and_batched(engine, prompts):
     a = prompts["a"]
     solo = run_alone(engine, a, max_tokens=12, **SEEDED).tokens[1]

@@ -74,6 +74,7 @@ EXISTING_PATCH_FIELDS = {
     "fairness",
     "fair_input_weight",
     "fair_output_weight",
+    "fair_hold_margin",
     "group_by_length",
     "on_infeasible",
     "aging_ms",
