@@ -452,10 +452,11 @@ class Metrics:
             self.engine_errors.labels(model, phase)
 
     def init_prefix_cache(self, model: str) -> None:
-        """Create a generation model's prefix-cache counters at zero (an engine without a
+        """Create a generation model's engine counters at zero (an engine without a
         prefix cache keeps its hits at 0)."""
         self.prefix_cache_queries.labels(model)
         self.prefix_cache_hits.labels(model)
         self.preemptions.labels(model)
+        self.tenant_held_rows.labels(model)
         for counter in (self.spec_draft_tokens, self.spec_accepted_tokens, self.spec_steps):
             counter.labels(model)

@@ -26,6 +26,7 @@ from . import admission
 from .cost import Calibration, CostModel, LinearCost
 from .delivery import Delivery
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
+from .fair_steps import fair_holds
 from .gen_load import GenerationLoad
 from .iteration import WARMUP_PROMPT, Chunking, IterationResult, chunk_budget, packs, profile, run_iteration
 from .policy import GENERATION_POLICIES, Decision, Dispatch, WaitUntil, prompt_group
@@ -35,10 +36,6 @@ from .running import RunningSet, _Seq
 from .settings import BatchingSettings
 from .slots import Slots
 from .types import DispatchReason, Outcome, Priority, WorkItem
-
-# Fair shares hold rows out of a decode step only while the step keeps this share of the
-# tokens a second all its rows would give (`GenerationScheduler._fair_holds`).
-HOLD_EFFICIENCY = 0.9
 
 log = logging.getLogger("ferry.batcher")
 
@@ -197,12 +194,14 @@ class GenerationScheduler(GenerationLoad):
     ) -> tuple[list[PrefillRequest], list[int], list[int], frozenset[int]]:
         """The admitted prompts join the running set. What the engine is handed: their
         prefill requests, the ids to drop, the ids a decode step runs (none without one),
-        and the running ids it leaves out (`_fair_holds`)."""
+        and the running ids it leaves out (batcher/fair_steps.py)."""
         self._running.join(admitted)
         requests = [self._make_request(i.id, i.payload.prompt_ids, i.payload.params, int(i.priority)) for i in admitted]
         removals = self._running.take_removals()
         decoding = self._running.decoding({r.seq_id for r in requests}) if decode else []
-        held = self._fair_holds(decoding)
+        held = frozenset[int]()
+        if getattr(self.engine, "holds_rows", False):  # fair shares a step at a time
+            held = fair_holds(self._running, decoding, self.tenants, self.settings, self.decode_cost, self.clock.now())
         if held:
             decoding = [i for i in decoding if i not in held]
             self.metrics.tenant_held_rows.labels(self.model).inc(len(held))
@@ -214,66 +213,6 @@ class GenerationScheduler(GenerationLoad):
             del self.trace[: -self._keep_trace]
         self._publish_gen()
         return requests, removals, decoding, held
-
-    def _fair_holds(self, decoding: list[int]) -> frozenset[int]:
-        """Fair shares a step at a time. Admission in the tenants' fair order shares out the
-        slots as they free, but a sequence keeps its slot to its last token: with long
-        answers and slow steps the split corrects only as fast as slots turn over. So the
-        rows of a tenant whose counter ran more than `fair_hold_margin` ahead of the lowest
-        among the tenants decoding in its class sit out this decode step, their KV kept (an
-        engine that `holds_rows`): the step is shorter, and the others' tokens come sooner.
-        That gains the others something only where a step's time follows its rows (a CPU;
-        a GPU's small decode steps are bound by reading the weights), so rows are held, the
-        furthest ahead first, only while the step keeps `HOLD_EFFICIENCY` of the tokens a
-        second of all rows' (the decode cost model's). Never every row, never the rows of
-        the lowest tenant, and never a sequence whose whole-answer deadline (budget_scope
-        total) the missed step could put at risk."""
-        s = self.settings
-        if (
-            not self.tenants.enabled
-            or s.fair_hold_margin <= 0
-            or len(decoding) < 2
-            or not getattr(self.engine, "holds_rows", False)
-        ):
-            return frozenset()
-        classes: dict[Priority, dict[str, list[_Seq]]] = {}
-        for i in decoding:
-            seq = self._running.get(i)
-            if seq is not None and seq.tokens:  # (one with no token yet is still prefilling)
-                classes.setdefault(seq.item.priority, {}).setdefault(seq.item.tenant, []).append(seq)
-        ahead: list[tuple[float, _Seq]] = []
-        for tenants in classes.values():
-            if len(tenants) < 2:
-                continue
-            counters = {t: self.tenants.counter(t) for t in tenants}
-            floor = min(counters.values())
-            ahead += [
-                (counters[t] - floor, q)
-                for t, q_ in tenants.items()
-                for q in q_
-                if counters[t] - floor > s.fair_hold_margin
-            ]
-        if not ahead:
-            return frozenset()
-        n, now = len(decoding), self.clock.now()
-        step = self.decode_cost.predict(n)
-        full = n / max(step, 1e-9)
-        held: list[int] = []
-        for _, seq in sorted(ahead, key=lambda a: -a[0]):
-            k = n - len(held) - 1  # rows left in the step with this one held too
-            if k < 1 or k / max(self.decode_cost.predict(k), 1e-9) < HOLD_EFFICIENCY * full:
-                break
-            if self._may_hold(seq, now, step):
-                held.append(seq.item.id)
-        return frozenset(held)
-
-    def _may_hold(self, seq: _Seq, now: float, step: float) -> bool:
-        """Whether a sequence may miss a step: not where its whole answer must come by a
-        deadline it could then miss (twice its steps left, one more, at this step's time)."""
-        d = seq.item.deadline
-        if self.settings.budget_scope != "total" or d is None or seq.item.best_effort:
-            return True
-        return d - now > 2 * (seq.limit - seq.tokens + 1) * step
 
     def _chunking(self, decode: bool) -> Chunking | None:
         """This iteration's prefill budget, interactive chunks first (None: whole prompts as they join)."""

@@ -26,8 +26,9 @@ is written).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Generic, TypeVar
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -70,9 +71,7 @@ class PagedBatch(Generic[Row]):
         self._virtual: torch.Tensor | None = None
         self._query_table: torch.Tensor | None = None  # the block table of each query, with drafts
         self._extra: list[int] | None = None  # the drafts each row feeds this step
-        # Rows held out of the steps for now (`hold`): their blocks stay taken, counted here.
-        self._held_rows = 0
-        self._held_blocks = 0
+        self._held_rows = self._held_blocks = 0  # rows out of the steps for now (`holding`), their blocks taken
 
     # -- what the engine reads ---------------------------------------------------------
 
@@ -98,8 +97,7 @@ class PagedBatch(Generic[Row]):
         return self.used_cells
 
     @property
-    def used_blocks(self) -> int:
-        """Blocks the rows take, those held out of the steps too."""
+    def used_blocks(self) -> int:  # (of rows held out of the steps too)
         return sum(len(t) for t in self._tables) + self._held_blocks
 
     @property
@@ -132,8 +130,7 @@ class PagedBatch(Generic[Row]):
 
     # -- room -------------------------------------------------------------------------
 
-    def _fits_blocks(self, blocks: int) -> bool:
-        """Whether the rows in the steps may take `blocks` beside those held out (`hold`)."""
+    def _fits_blocks(self, blocks: int) -> bool:  # beside the blocks of rows held out
         return self.budget is None or blocks + self._held_blocks <= self.budget // self.block
 
     def step_fits(self, extra: Sequence[int] | None = None, joining: Sequence[int] = ()) -> bool:
@@ -184,41 +181,11 @@ class PagedBatch(Generic[Row]):
         assert self.pool is not None
         self.pool.index_copy_(2, dst, kv.transpose(2, 3))
 
-    def drop(self, leaving: set[int]) -> None:
-        """Remove the rows at indices `leaving` (their blocks freed); later rows take their places."""
-        for row in sorted(leaving, reverse=True):
-            self._free.extend(reversed(self._tables[row]))
-        self._take_out(leaving)
-
-    def hold(self, rows: set[int]) -> list[tuple[Row, list[int], int]]:
-        """Take the rows at indices `rows` out of the steps with their KV kept: their blocks
-        stay taken (counted against the budget) until `restore` puts them back, in the
-        order returned. A row held misses the steps in between, nothing else (the fair
-        shares of batcher/scheduler.py hold the rows of a tenant over its share)."""
-        held = [(self.seqs[r], self._tables[r], self.lengths[r]) for r in sorted(rows)]
-        self._take_out(rows)
-        self._held_rows += len(held)
-        self._held_blocks += sum(len(table) for _, table, _ in held)
-        return held
-
-    def restore(self, held: list[tuple[Row, list[int], int]]) -> None:
-        """The rows `hold` took out, back after the rows in the batch (between steps)."""
-        for seq, table, n in held:
-            self._held_rows -= 1
-            self._held_blocks -= len(table)
-            row = self.rows
-            self.seqs.append(seq)
-            self._tables.append(table)
-            self.lengths.append(n)
-            self._room(self.rows, max(1, len(table)), self._table.device)
-            if table:
-                self._table[row, : len(table)] = torch.tensor(table, dtype=torch.long, device=self._table.device)
-            self._lengths[row] = n
-        self._close()
-
-    def _take_out(self, leaving: set[int]) -> None:
-        """The rows at indices `leaving` out of the batch (their blocks are the caller's);
+    def drop(self, leaving: set[int], free: bool = True) -> None:
+        """Remove the rows at indices `leaving` (their blocks freed, else the caller's: `holding`);
         later rows take their places."""
+        for row in sorted(leaving, reverse=True) if free else ():
+            self._free.extend(reversed(self._tables[row]))
         keep = self.rows - len(leaving)
         holes = [i for i in sorted(leaving) if i < keep]
         movers = [i for i in range(keep, self.rows) if i not in leaving]
@@ -376,6 +343,38 @@ class PagedBatch(Generic[Row]):
         """Pool slots of row `row`'s tokens [start, end)."""
         j = torch.arange(start, end, device=self._table.device)
         return self._table[row, j // self.block] * self.block + j % self.block
+
+
+@contextlib.contextmanager
+def holding(batch: PagedBatch[Any] | Any, seq_ids: frozenset[int]) -> Iterator[None]:
+    """The rows of sequences `seq_ids` out of `batch`'s steps for one engine call, their KV
+    kept: their blocks stay taken (counted against the budget, and their slots) and they come
+    back after the rows in the batch, having missed the steps between, nothing else (fair
+    shares: batcher/fair_steps.py). Not all of the rows: a step of none is no step. A batch
+    that is not in blocks holds none."""
+    rows = {i for i, seq in enumerate(batch.seqs) if seq.seq_id in seq_ids} if seq_ids else set()
+    if not isinstance(batch, PagedBatch) or not rows or len(rows) == batch.rows:
+        yield
+        return
+    held = [(batch.seqs[r], batch._tables[r], batch.lengths[r]) for r in sorted(rows)]
+    batch.drop(rows, free=False)
+    batch._held_rows += len(held)
+    batch._held_blocks += sum(len(table) for _, table, _ in held)
+    try:
+        yield
+    finally:  # (after a failed call too: the engine then fails the batch, these rows with it)
+        for seq, table, n in held:
+            batch._held_rows -= 1
+            batch._held_blocks -= len(table)
+            row = batch.rows
+            batch.seqs.append(seq)
+            batch._tables.append(table)
+            batch.lengths.append(n)
+            batch._room(batch.rows, max(1, len(table)), batch._table.device)
+            if table:
+                batch._table[row, : len(table)] = torch.tensor(table, dtype=torch.long, device=batch._table.device)
+            batch._lengths[row] = n
+        batch._close()
 
 
 def gathered(batch: PagedBatch, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

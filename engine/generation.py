@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .base import PrefillStep, SequenceRequest, StepOutput
-from .blocks import PagedBatch
+from .blocks import PagedBatch, holding
 from .chat_tokenizer import encode_chat
 from .chunks import Chunk, PendingPrefills
 from .decode_attention import kernel_after, kernel_for, paged_attention_kernel
@@ -183,6 +183,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         self._decode_kernel = kernel_for(self.model, native_attention and self.packs_steps)
         # Running rows' KV in blocks where steps are packed (only packed forwards read blocks).
         self.kv_layout = kv_layout if self.packs_steps else "rectangle"
+        self.holds_rows = self.kv_layout == "blocks"  # `held` rows sit out steps (engine/blocks.py `holding`)
         self._paged_kernel = paged_attention_kernel() if self._decode_kernel is not None else None
         self._speculator = _speculator(speculation, self.kv_layout, self.name)
         self._step_drafts = None
@@ -190,11 +191,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         # each iteration: its rows' inter-token targets and what an interactive prompt may
         # wait out (batcher/scheduler.py `_chunking`). None: no bound.
         self.step_ceiling: float | None = None
-        # Sequences the next decode steps leave out, their KV kept (fair shares: the rows of
-        # a tenant over its share; batcher/scheduler.py `_fair_holds`), set by the scheduler
-        # before each iteration. Only KV in blocks can hold rows (`holds_rows`).
-        self.held: frozenset[int] = frozenset()
-        self._holding_now = False
+        self.held: frozenset[int] = frozenset()  # what steps leave out, KV kept (batcher/fair_steps.py)
         self._batch = self._new_batch()
         self._prefiller = Prefiller(self._forward, self.model.config, self.device, prefix_cache)
         self._sharing = PrefixSharing()  # prefixes running rows share, held once (engine/sharing.py)
@@ -218,11 +215,6 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
     @property
     def prefilling(self) -> int:
         return len(self._pending)
-
-    @property
-    def holds_rows(self) -> bool:
-        """Whether `held` rows sit out decode steps (KV in blocks: a held row keeps its blocks)."""
-        return isinstance(self._batch, PagedBatch)
 
     @property
     def prefill_backlog(self) -> int:  # prompt tokens taken, not yet prefilled (admission reads it)
@@ -293,7 +285,7 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         if not self.packs_steps or not self._batch.seqs or not len(self._pending):
             return self.step(), self.prefill(budget, first)
         result = PrefillStep()
-        with self._all_fail_on_error(), self._holding():
+        with self._all_fail_on_error(), holding(self._batch, self.held):
             self._preemption.room_for_step(self._batch)
             chunks = self._preemption.plan(self._batch, budget, first, result)
             if not chunks or not self._batch.seqs:  # (every row may have yielded to the chunks)
@@ -317,27 +309,8 @@ class HFGenerationEngine(ChatTokens, KVMemory, PackedSteps):
         If this raises, every running sequence has failed and has been dropped (prefilling
         ones too): a forward that dies part-way leaves the per-layer caches at different lengths.
         """
-        with self._all_fail_on_error(), self._holding():
+        with self._all_fail_on_error(), holding(self._batch, self.held):
             return self._decode_step()
-
-    @contextlib.contextmanager
-    def _holding(self) -> Iterator[None]:
-        """The `held` rows out of the batch for one call, their blocks kept, then back (not
-        all of them: a step of no rows is no step). An error that fails the batch fails them
-        with it (`_all_fail_on_error`: the scheduler fails every running sequence)."""
-        batch = self._batch
-        rows = {i for i, seq in enumerate(batch.seqs) if seq.seq_id in self.held} if self.held else set()
-        if self._holding_now or not rows or len(rows) == batch.rows or not isinstance(batch, PagedBatch):
-            yield
-            return
-        held = batch.hold(rows)
-        self._holding_now = True
-        try:
-            yield
-        finally:
-            self._holding_now = False
-            if self._batch is batch:  # (else the call failed and the batch with it)
-                batch.restore(held)
 
     @contextlib.contextmanager
     def _all_fail_on_error(self) -> Iterator[None]:

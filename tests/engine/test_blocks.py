@@ -5,10 +5,12 @@ preemption where the blocks run out."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
-from engine.blocks import PagedBatch, blocks_for, gathered
+from engine.blocks import PagedBatch, blocks_for, gathered, holding
 from engine.generation import HFGenerationEngine
 from engine.kv import KVFull, RunningBatch
 from tests.engine.test_preemption import Bounded, budget, request, unbounded
@@ -63,19 +65,19 @@ def test_rows_read_back_their_own_tokens_through_their_tables():
 
 def test_held_rows_keep_their_blocks_counted_and_come_back_with_their_tokens():
     batch = PagedBatch(3, budget=6 * 16)
-    batch.join(kv_of(40, 0.0), "a")  # 3 blocks
-    batch.join(kv_of(5, 100.0), "b")  # 1 block
-    batch.join(kv_of(32, 200.0), "c")  # 2 full blocks: the pool's budget is taken
-    held = batch.hold({0})
-    assert batch.seqs == ["c", "b"] and batch.rows == 2  # the last row took the held one's place
-    assert batch.used_blocks == 6  # still taken, and counted against the budget
-    assert not batch.step_fits()  # c's next token wants a block, and a still holds its own
-    with pytest.raises(KVFull):
-        batch.join(kv_of(1, 300.0), "d")  # nor may a row take the held row's slot
-    batch.restore(held)
-    assert batch.seqs == ["c", "b", "a"] and batch.lengths == [32, 5, 40]
+    for tokens, mark, seq_id in ((40, 0.0, 1), (5, 100.0, 2), (32, 200.0, 3)):  # 3 + 1 + 2 full blocks: all
+        batch.join(kv_of(tokens, mark), SimpleNamespace(seq_id=seq_id))
+    with holding(batch, frozenset({1})):
+        assert [s.seq_id for s in batch.seqs] == [3, 2] and batch.lengths == [32, 5]  # the last row took its place
+        assert batch.used_blocks == 6  # still taken, and counted against the budget
+        assert not batch.step_fits()  # 3's next token wants a block, and 1 still holds its own
+        with pytest.raises(KVFull):
+            batch.join(kv_of(1, 300.0), SimpleNamespace(seq_id=4))  # nor may a row take the held row's slot
+    assert [s.seq_id for s in batch.seqs] == [3, 2, 1] and batch.lengths == [32, 5, 40]
     keys, _ = batch.row_kv(2)[1]
     assert keys[0, :, 0].tolist() == [*map(float, range(40))]
+    with holding(batch, frozenset({1, 2, 3})):  # never every row: a step of none is no step
+        assert batch.rows == 3
     batch.drop({0, 1})
     assert batch.used_blocks == 3 and batch.step_fits()
 
