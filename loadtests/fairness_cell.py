@@ -21,7 +21,8 @@ its answer comes within the budget.
 short ones: fair in weighted tokens, not in requests.
 
 `weights`: four backlogged tenants with weights 1:1:2:4 (a config file names them), each
-with `--clients` closed-loop clients asking `--answer-tokens` (64), `--max-running` fewer
+with `--clients` closed-loop clients asking `--answer-tokens` (64; `LO-HI`: each request
+its own length in that range, drawn from its tenant, client and turn), `--max-running` fewer
 than all their clients (fairness decides who takes the slots that free); over a
 `--duration` window, each one's service in weighted tokens (`fair_input_weight` 1 x prompt
 + `fair_output_weight` 2 x generated, from `ferry_tenant_tokens_total`) against its
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -177,6 +179,12 @@ def tenant_tokens(url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def rows_held(url: str) -> float:
+    """ferry_tenant_held_rows_total, every model's: rows fair shares held out of decode steps."""
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith("ferry_tenant_held_rows_total{"))
+
+
 LONG_PROMPT = " ".join(PROMPTS) * 12  # about 500 tokens of the tiny model
 
 
@@ -187,7 +195,7 @@ def run_weights(
     duration: float,
     weights: dict[str, float] = WEIGHTS,
     long: str = "",
-    answer_tokens: int = 64,
+    answer_tokens: tuple[int, int] = (64, 64),
 ) -> dict:
     """Backlogged tenants: each one's weighted service over the window against its share
     (`long`: that tenant sends LONG_PROMPT, the others the short prompts)."""
@@ -200,7 +208,7 @@ def run_weights(
                 "model": MODEL,
                 # Unique from its first words: the prefix cache would make a repeated long prompt cheap.
                 "messages": [{"role": "user", "content": f"({tenant} {k}.{i}) " + prompt}],
-                "max_tokens": answer_tokens,
+                "max_tokens": random.Random(f"{tenant} {k} {i}").randint(*answer_tokens),
                 "temperature": 0,
                 "ignore_eos": True,
                 "latency_budget_ms": 600_000,
@@ -212,6 +220,7 @@ def run_weights(
 
     requests: dict[str, int] = {}
     lo = hi = 0.0
+    held = [0.0, 0.0]  # ferry_tenant_held_rows_total at the window's start and end
 
     async def main() -> tuple[dict, dict]:
         nonlocal lo, hi
@@ -223,9 +232,9 @@ def run_weights(
             lo, hi = start + warm, until
             tasks = [asyncio.create_task(client(http, t, k, until)) for t in weights for k in range(clients)]
             await asyncio.sleep(warm)
-            before = tenant_tokens(url)
+            before, held[0] = tenant_tokens(url), rows_held(url)
             await asyncio.sleep(duration)
-            after = tenant_tokens(url)
+            after, held[1] = tenant_tokens(url), rows_held(url)
             await asyncio.gather(*tasks, return_exceptions=True)
             return before, after
 
@@ -242,7 +251,7 @@ def run_weights(
     print(
         f"  {label:22s} shares "
         + ", ".join(f"{t} {shares[t]:.3f} ({errors[t]:+.1%}, {requests.get(t, 0)} req)" for t in weights)
-        + f"  Jain {jain:.4f}  weighted tokens/s {total / duration:.0f}",
+        + f"  Jain {jain:.4f}  weighted tokens/s {total / duration:.0f}  rows held {held[1] - held[0]:.0f}",
         flush=True,
     )
     return {"label": label, "shares": shares, "errors": errors, "jain": jain, "tok_s": total / duration}
@@ -278,9 +287,14 @@ def main() -> None:
     )
     p.add_argument(
         "--answer-tokens",
-        type=int,
-        default=64,
-        help="weights cell: tokens each answer (how long a request holds its slot)",
+        type=lambda v: tuple(int(x) for x in v.split("-")) if "-" in v else (int(v), int(v)),
+        default=(64, 64),
+        help="weights cell: tokens each answer (how long a request holds its slot); LO-HI: each its own in that range",
+    )
+    p.add_argument(
+        "--holds-variant",
+        action="store_true",
+        help="weights cell: also fairness on with `--fair-hold-margin 0` (no rows held out of steps), beside",
     )
     p.add_argument(
         "--max-running",
@@ -298,7 +312,7 @@ def main() -> None:
         os.environ["FERRY_CHAT_MODEL"] = a.chat_model
         os.environ["FERRY_SERVED_MODEL_NAME"] = MODEL
     cells = set(a.cells.split(","))
-    variants = (("fairness on", ()), ("fairness off", ("--fairness", "off")))
+    variants: tuple[tuple[str, tuple[str, ...]], ...] = (("fairness on", ()), ("fairness off", ("--fairness", "off")))
     if "two" in cells:
         print(f"Two tenants, noisy 10x quiet, {a.overload}x capacity, SLO {a.slo_ms:.0f} ms:")
         quiet: dict[str, list[float]] = {}
@@ -341,8 +355,9 @@ def main() -> None:
         cfg = config_file(a.chat_model)
         # The config file names the models: no --chat-model beside it.
         saved = {k: os.environ.pop(k) for k in ("FERRY_CHAT_MODEL", "FERRY_SERVED_MODEL_NAME") if k in os.environ}
+        weight_variants = variants + ((("no rows held", ("--fair-hold-margin", "0")),) if a.holds_variant else ())
         for _ in range(a.repeats):
-            for label, flags in variants:
+            for label, flags in weight_variants:
                 with GatewayProcess("--config", cfg, "--max-running", str(a.max_running), *flags) as gw:
                     rows.setdefault(label, []).append(
                         run_weights(gw.url, label, a.clients, a.duration, answer_tokens=a.answer_tokens)
