@@ -71,7 +71,7 @@ class PagedBatch(Generic[Row]):
         self._virtual: torch.Tensor | None = None
         self._query_table: torch.Tensor | None = None  # the block table of each query, with drafts
         self._extra: list[int] | None = None  # the drafts each row feeds this step
-        self._held_rows = self._held_blocks = 0  # rows out of the steps for now (`holding`), their blocks taken
+        self._held: list[list[int]] = []  # block tables of rows out of the steps for now (`holding`)
 
     # -- what the engine reads ---------------------------------------------------------
 
@@ -98,7 +98,7 @@ class PagedBatch(Generic[Row]):
 
     @property
     def used_blocks(self) -> int:  # (of rows held out of the steps too)
-        return sum(len(t) for t in self._tables) + self._held_blocks
+        return sum(map(len, self._tables)) + sum(map(len, self._held))
 
     @property
     def used_cells(self) -> int:
@@ -131,7 +131,7 @@ class PagedBatch(Generic[Row]):
     # -- room -------------------------------------------------------------------------
 
     def _fits_blocks(self, blocks: int) -> bool:  # beside the blocks of rows held out
-        return self.budget is None or blocks + self._held_blocks <= self.budget // self.block
+        return self.budget is None or blocks + sum(map(len, self._held)) <= self.budget // self.block
 
     def step_fits(self, extra: Sequence[int] | None = None, joining: Sequence[int] = ()) -> bool:
         """Whether every row's next token fits, and `extra` drafted tokens each, all taken,
@@ -311,8 +311,8 @@ class PagedBatch(Generic[Row]):
 
     def _add_rows(self, seqs: list[Row], counts: list[int], device: torch.device) -> torch.Tensor:
         """New rows of `counts` tokens each, their blocks taken: the pool slots of their tokens, in order."""
-        if self.rows + self._held_rows + len(seqs) > self.slots:
-            raise KVFull(f"{self.rows + self._held_rows + len(seqs)} rows exceed the {self.slots} the batch may hold")
+        if (rows := self.rows + len(self._held) + len(seqs)) > self.slots:
+            raise KVFull(f"{rows} rows exceed the {self.slots} the batch may hold")
         self._take(sum(blocks_for(n, self.block) for n in counts))
         first = self.rows
         for seq, n in zip(seqs, counts, strict=True):
@@ -358,21 +358,18 @@ def holding(batch: PagedBatch[Any] | Any, seq_ids: frozenset[int]) -> Iterator[N
         return
     held = [(batch.seqs[r], batch._tables[r], batch.lengths[r]) for r in sorted(rows)]
     batch.drop(rows, free=False)
-    batch._held_rows += len(held)
-    batch._held_blocks += sum(len(table) for _, table, _ in held)
+    batch._held = [table for _, table, _ in held]
     try:
         yield
     finally:  # (after a failed call too: the engine then fails the batch, these rows with it)
+        batch._held = []
         for seq, table, n in held:
-            batch._held_rows -= 1
-            batch._held_blocks -= len(table)
             row = batch.rows
             batch.seqs.append(seq)
-            batch._tables.append(table)
+            batch._tables.append([])
             batch.lengths.append(n)
-            batch._room(batch.rows, max(1, len(table)), batch._table.device)
-            if table:
-                batch._table[row, : len(table)] = torch.tensor(table, dtype=torch.long, device=batch._table.device)
+            for block in table:
+                batch._append_block(row, block)
             batch._lengths[row] = n
         batch._close()
 

@@ -292,8 +292,12 @@ class FakeGenerationEngine:
 
     holds_rows = True
 
+    def _stepping(self) -> list[int]:
+        """The sequences a step runs: all but those held (all, were every one held)."""
+        return [i for i in self._seqs if i not in self.held] or list(self._seqs)
+
     def step(self) -> list:
-        ids = [i for i in self._seqs if i not in self.held] or list(self._seqs)
+        ids = self._stepping()
         self.calls.append(("step", ids))
         self._sleep()
         return [self._emit(i) for i in ids]
@@ -429,7 +433,7 @@ class FakePackingEngine(FakeChunkingEngine):
         self.ceilings: list[float | None] = []
 
     def step_with_prefill(self, budget: int | None = None, first: Sequence[int] = ()) -> tuple[list, PrefillStep]:
-        self.calls.append(("packed", [i for i in self._seqs if i not in self.held] or list(self._seqs)))
+        self.calls.append(("packed", self._stepping()))
         self.ceilings.append(self.step_ceiling)
         return self.step(), self.prefill(budget, first)
 
