@@ -247,6 +247,12 @@ def calibrated(predict: Predictor, calibrations: Mapping[Priority, Calibration])
     return stretched
 
 
+def serves_infeasible(item: WorkItem, s: BatchingSettings) -> bool:
+    """Whether an item judged infeasible is served best-effort rather than refused: its
+    request's own `on_infeasible`, else the model's."""
+    return (item.on_infeasible or s.on_infeasible) == "serve"
+
+
 def check(
     q: RequestQueue,
     item: WorkItem,
@@ -275,7 +281,7 @@ def check(
     done = predict(q, item, now, s, cost, load, siblings)
     if done + s.margin <= min(item.deadline, promised):
         return False
-    if s.on_infeasible == "serve":
+    if serves_infeasible(item, s):
         return True
     budget_ms = (item.deadline - item.arrival) * 1000.0
     eta = "not in the foreseeable future" if done == INF else f"in {(done - now) * 1000.0:.0f} ms"

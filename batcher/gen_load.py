@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from .admission import serves_infeasible
 from .cost import CostModel
 from .errors import DeadlineInfeasible
 from .iteration import chunk_budget, packs
@@ -111,7 +112,7 @@ class GenerationLoad(QueueingBatcher):
         step = self.decode_cost.predict(occupancy)
         if step <= target:
             return False
-        if self.settings.on_infeasible == "serve":
+        if serves_infeasible(item, self.settings):
             return True
         alone = self.decode_cost.predict(1)
         if alone > target:

@@ -126,6 +126,7 @@ class QueueingBatcher:
         count_rejection: bool = True,
         itl_target: float | None = None,
         tenant: str = DEFAULT,
+        on_infeasible: str | None = None,
     ) -> list[WorkItem]:
         """Queue the items of one request, all or none, or raise at once
         (QueueFull, DeadlineInfeasible, TenantQuota, ShuttingDown).
@@ -134,6 +135,8 @@ class QueueingBatcher:
         `itl_target`: the request's inter-token target in seconds (generation; a one-shot
         model has no tokens after the first and ignores it).
         `tenant`: whose work it is (fair order within classes, quotas: batcher/fairness.py).
+        `on_infeasible`: the request's own "reject" or "serve" for a budget admission judges
+        it cannot meet (None: the model's setting).
         Item i gets prompt_index i. `count_rejection=False` is for callers that retry a
         refusal themselves (batch jobs): only their final outcome should count.
         """
@@ -162,6 +165,7 @@ class QueueingBatcher:
                 itl_target=itl_target,
                 tenant=tenant,
                 expected_output=self.expected_output(p),
+                on_infeasible=on_infeasible,
             )
             for i, p in enumerate(payloads)
         ]

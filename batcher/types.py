@@ -88,6 +88,9 @@ class WorkItem:
     dispatched_at: float | None = None
     batch_size: int = 0
     reason: DispatchReason | None = None
+    # What admission does when it judges the item infeasible: the request's own choice (its
+    # `on_infeasible` field or `X-Ferry-On-Infeasible` header), None: the model's setting.
+    on_infeasible: str | None = None
     # Best-effort service of an item admission judged infeasible (on_infeasible=serve).
     best_effort: bool = False
     # Generation: admission's uncalibrated prediction of seconds from arrival to the first

@@ -45,6 +45,7 @@ def only(allowed: Callable[[Any], bool], why: str) -> AfterValidator:
 
 Budget = Annotated[float, Field(gt=0, le=3_600_000, description="Latency budget in milliseconds.")]
 PriorityName = Literal["interactive", "batch"]
+OnInfeasible = Literal["reject", "serve"]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
@@ -64,6 +65,11 @@ class Scheduling(Strict):
         None, description="Overrides X-Ferry-Latency-Budget-Ms and the model default."
     )
     priority: PriorityName | None = Field(None, description="interactive (default) or batch.")
+    on_infeasible: OnInfeasible | None = Field(
+        None,
+        description="What admission does when the latency budget cannot be met: reject (429 at once) or serve "
+        "best-effort (X-Ferry-Best-Effort: true). Overrides X-Ferry-On-Infeasible and the model's setting.",
+    )
     user: str | None = Field(None, max_length=256)
 
 

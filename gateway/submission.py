@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 
 BUDGET_HEADER = "x-ferry-latency-budget-ms"
 PRIORITY_HEADER = "x-ferry-priority"
+ON_INFEASIBLE_HEADER = "x-ferry-on-infeasible"
+ON_INFEASIBLE = ("reject", "serve")
 # Per-request SLO headers of the Gateway API Inference Extension (llm-d), newest name first.
 TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")
@@ -92,6 +94,23 @@ def scheduling(request: Request, body: Any) -> tuple[float | None, Priority]:
     except ValueError as exc:
         raise APIError(422, str(exc), code="invalid_value", param="priority") from None
     return (None if budget_ms is None else budget_ms / 1000.0), priority
+
+
+def on_infeasible(request: Request, body: Any = None) -> str | None:
+    """The request's own choice for a budget admission judges it cannot meet ("reject" or
+    "serve"): the body's `on_infeasible`, else `X-Ferry-On-Infeasible`; None: the model's
+    `on_infeasible` setting."""
+    choice = getattr(body, "on_infeasible", None)
+    if choice is None and (raw := header(request, ON_INFEASIBLE_HEADER)) is not None:
+        choice = raw.strip().lower()
+        if choice not in ON_INFEASIBLE:
+            raise APIError(
+                422,
+                f"header X-Ferry-On-Infeasible must be reject or serve, got {raw!r}",
+                code="invalid_value",
+                param="X-Ferry-On-Infeasible",
+            )
+    return choice
 
 
 async def submit(batcher: ServedBatcher, payloads: list[Any], *, one_shot: bool = False, **kw: Any) -> list[WorkItem]:

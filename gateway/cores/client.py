@@ -169,6 +169,7 @@ class CoreClient:
         itl_target: float | None = None,
         one_shot: bool = False,
         tenant: str = DEFAULT,
+        on_infeasible: str | None = None,
     ) -> list[WorkItem]:
         """As QueueingBatcher.submit_many, once the core has answered. `one_shot`
         (work whose caller reads only the results): the items come back at once
@@ -194,6 +195,7 @@ class CoreClient:
                 on_delta=on_delta,
                 itl_target=itl_target,
                 tenant=tenant,
+                on_infeasible=on_infeasible,
                 future=loop.create_future(),
             )
             for i, p in enumerate(payloads)
@@ -221,6 +223,7 @@ class CoreClient:
             quiet,
             rows,
             tenant,
+            on_infeasible,
         )
         if quiet:
             self.table.track(req, items)

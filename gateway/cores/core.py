@@ -175,6 +175,7 @@ class EngineCore:
                 count_rejection=m.count_rejection,
                 itl_target=m.itl_target,
                 tenant=m.tenant,
+                on_infeasible=m.on_infeasible,
             )
         except Exception as exc:  # BatchingError or a bug: either way refused, at once
             self._send(peer, wire.refusal(m.req, exc))

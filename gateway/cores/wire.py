@@ -123,6 +123,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     quiet: bool = False
     rows: bool = False  # `payloads` are a custom model's rows (`rows`), not token ids
     tenant: str = "default"  # whose work (batcher/fairness.py)
+    on_infeasible: str | None = None  # the request's own "reject" / "serve"; None: the model's
 
 
 class Admitted(msgspec.Struct, tag="admitted", array_like=True):

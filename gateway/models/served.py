@@ -65,6 +65,7 @@ class ServedBatcher(Protocol):
         itl_target: float | None = None,
         one_shot: bool = False,
         tenant: str = DEFAULT,
+        on_infeasible: str | None = None,
     ) -> list[WorkItem]:
         """Queue one request's items, all or none, or raise a BatchingError at once.
         `one_shot`: the caller only waits for the results (embeddings), so a refusal may
@@ -136,6 +137,7 @@ class LocalBatcher:
         itl_target: float | None = None,
         one_shot: bool = False,
         tenant: str = DEFAULT,
+        on_infeasible: str | None = None,
     ) -> list[WorkItem]:
         return self.inner.submit_many(
             payloads,
@@ -148,6 +150,7 @@ class LocalBatcher:
             count_rejection=count_rejection,
             itl_target=itl_target,
             tenant=tenant,
+            on_infeasible=on_infeasible,
         )
 
     def cancel(self, item: WorkItem, *, by_client: bool = True) -> bool:

@@ -26,7 +26,7 @@ from ..models.start import ServedModel
 from ..request_body import parse
 from ..responses import json_bytes, json_response
 from ..state import gateway_state
-from ..submission import cancel_all, itl_target, scheduling, submit, timing_headers, wait_items
+from ..submission import cancel_all, itl_target, on_infeasible, scheduling, submit, timing_headers, wait_items
 from ..translate.chat import GenerationBody, GenerationWork, generation_work, template_messages
 from ..translate.stream import StreamChunks
 from ..translate.structured import compile_structures
@@ -64,6 +64,7 @@ async def _generate(request: Request, ctx: Ctx, served: ServedModel[GenerationEn
         "request_id": ctx.request_id,
         "itl_target": itl_target(request),
         "tenant": ferry.tenancy.tenant(request, body),
+        "on_infeasible": on_infeasible(request, body),
     }
     if body.stream:
         if ferry.streams >= ferry.config.max_streams:

@@ -10,7 +10,7 @@ from ..models.kinds import EMBEDDING
 from ..request_body import parse
 from ..responses import json_response
 from ..state import gateway_state
-from ..submission import itl_target, scheduling, submit, timing_headers, wait_items
+from ..submission import itl_target, on_infeasible, scheduling, submit, timing_headers, wait_items
 from ..translate.embeddings import embedding_work
 
 
@@ -34,6 +34,7 @@ async def create_embeddings(request: Request, ctx: Ctx):
         priority=priority,
         request_id=ctx.request_id,
         tenant=ferry.tenancy.tenant(request, body),
+        on_infeasible=on_infeasible(request, body),
     )
     results = await wait_items(request, served.batcher, items)
     ctx.extra.update(inputs=len(work.payloads), **_log_fields(items))

@@ -14,7 +14,7 @@ from ..models.kinds import CUSTOM
 from ..request_body import header, read_body
 from ..responses import json_response
 from ..state import gateway_state
-from ..submission import scheduling, submit, timing_headers, wait_items
+from ..submission import on_infeasible, scheduling, submit, timing_headers, wait_items
 from ..translate.oip import (
     HEADER_LENGTH,
     InferenceRequest,
@@ -99,6 +99,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
         priority=priority,
         request_id=ctx.request_id,
         tenant=ferry.tenancy.tenant(request),
+        on_infeasible=on_infeasible(request),
     )
     results = await wait_items(request, served.batcher, items)
     body, headers = encode_response(served.name, work, results)

@@ -356,6 +356,19 @@ def test_a_deadline_is_met_when_the_prediction_plus_the_margin_fits():
     )
 
 
+def test_a_requests_own_on_infeasible_overrides_the_models():
+    s = batching(deadline_margin_ms=10)
+    too_tight = item(NOW + cost(1))
+    too_tight.on_infeasible = "serve"
+    assert admission.check(queue(), too_tight, NOW, s, COST, IDLE) is True
+    too_tight.on_infeasible = "reject"
+    with pytest.raises(DeadlineInfeasible):
+        admission.check(queue(), too_tight, NOW, batching(deadline_margin_ms=10, on_infeasible="serve"), COST, IDLE)
+    feasible = item(NOW + 10.0)
+    feasible.on_infeasible = "serve"
+    assert admission.check(queue(), feasible, NOW, s, COST, IDLE) is False  # only what would be refused
+
+
 def test_work_whose_turn_never_comes_is_told_to_retry_in_a_minute():
     s = batching(max_batch_size=4)
     job = item(NOW + 10.0, BATCH)

@@ -76,6 +76,40 @@ def test_a_stream_served_best_effort_says_so_in_its_headers(fake_server_factory)
         assert r.status_code == 200 and "X-Ferry-Best-Effort" not in r.headers
 
 
+def test_a_request_chooses_to_be_served_late_rather_than_refused(fake_server_factory):
+    s = fake_server_factory(interactive_lane=False)  # the model refuses (on_infeasible=reject)
+    batcher = s.ferry.models["fake-embed"].batcher.inner
+    batcher.cost = CostModel(LinearCost(1.0, 0.0, 0.0))  # predicts 1 s per batch
+    tight = {**EMB, "latency_budget_ms": 100}
+    r = httpx.post(s.url + "/v1/embeddings", json=tight)
+    assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_infeasible"
+    r = httpx.post(s.url + "/v1/embeddings", json={**tight, "on_infeasible": "serve"})
+    assert r.status_code == 200 and r.headers["X-Ferry-Best-Effort"] == "true"
+    assert len(r.json()["data"][0]["embedding"]) > 0
+    r = httpx.post(s.url + "/v1/embeddings", json=tight, headers={"X-Ferry-On-Infeasible": "serve"})
+    assert r.status_code == 200 and r.headers["X-Ferry-Best-Effort"] == "true"
+    # The body wins over the header.
+    r = httpx.post(
+        s.url + "/v1/embeddings", json={**tight, "on_infeasible": "reject"}, headers={"X-Ferry-On-Infeasible": "serve"}
+    )
+    assert r.status_code == 429
+    r = httpx.post(s.url + "/v1/embeddings", json=tight, headers={"X-Ferry-On-Infeasible": "maybe"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "X-Ferry-On-Infeasible"
+    r = httpx.post(s.url + "/v1/embeddings", json={**tight, "on_infeasible": "maybe"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "on_infeasible"
+
+
+def test_a_chat_request_may_refuse_where_the_model_would_serve_best_effort(fake_server_factory):
+    s = fake_server_factory(on_infeasible="serve", interactive_lane=False)
+    scheduler = s.ferry.models["fake-chat"].batcher.inner
+    scheduler.prefill_cost = scheduler.cost = CostModel(LinearCost(1.0, 0.0, 0.0), refit_every=10**9)  # 1 s a prefill
+    body = {"model": "fake-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx.post(s.url + "/v1/chat/completions", json={**body, "latency_budget_ms": 100, "on_infeasible": "reject"})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "deadline_infeasible"
+    r = httpx.post(s.url + "/v1/chat/completions", json={**body, "latency_budget_ms": 100})
+    assert r.status_code == 200 and r.headers["X-Ferry-Best-Effort"] == "true"
+
+
 def test_deadline_passing_in_the_queue_gives_504(fake_server_factory):
     engine = FakeEmbeddingEngine(fixed=0.3)
     s = fake_server_factory(

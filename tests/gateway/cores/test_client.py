@@ -410,6 +410,9 @@ def test_an_inter_token_target_crosses_to_the_core_and_is_checked_there(tmp_path
             assert "inter-token" in refused.value.message and refused.value.retry_after >= 1
             (item,) = await remote.submit_many([prompt], itl_target=step * 2)
             assert (await item.result_future).completion_tokens == 2
+            # The request's own on_infeasible crosses too: served best-effort, and says so.
+            (item,) = await remote.submit_many([prompt], itl_target=step / 2, on_infeasible="serve")
+            assert item.best_effort and (await item.result_future).completion_tokens == 2
         finally:
             await remote.stop()
             serving.cancel()
