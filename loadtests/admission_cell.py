@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from collections.abc import Sequence
 
 import orjson
 
@@ -134,7 +135,7 @@ def run_admission(
     budget_ms: float,
     max_tokens: int,
     extra: list[str],
-    modes: list[str] = ("probe",),
+    modes: Sequence[str] = ("probe",),
     probe_share: float = 0.25,
 ):
     model = SERVED.get(chat_model, chat_model)
