@@ -187,9 +187,17 @@ def predicted_first_token(
     prefill = cost.predict(group, group * tokens)
     if load.chunk_step and not (load.prefill_first and item.priority is Priority.INTERACTIVE):
         # Its first chunk is computed beside the running rows' decode step (in its forward,
-        # where steps are packed: no fixed cost of a prefill forward of its own), and its
-        # first token comes when that whole iteration ends.
-        prefill += load.chunk_step - (cost.params.fixed if load.chunks_packed else 0.0)
+        # where steps are packed: its tokens at what they add to such a step, no fixed cost
+        # of a prefill forward of its own), and its first token comes when that whole
+        # iteration ends.
+        if load.chunks_packed:
+            own = prefill - cost.params.fixed
+            if load.packed_chunk is not None:
+                fixed, per_token = load.packed_chunk
+                own = fixed + per_token * group * tokens
+            prefill = own + load.chunk_step
+        else:
+            prefill += load.chunk_step
     # Chunks go to the prompts ahead of it in the chunk order: its group's tokens come after theirs.
     chunked = prefill_ahead(q, item, load) + group * tokens
     if load.prefill_chunk is not None and chunked > load.prefill_chunk:

@@ -203,6 +203,52 @@ class Calibration:
         return min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
 
 
+class PackedChunkCost:
+    """What prompt chunks add to a packed step (the decode rows and the chunks in one
+    forward, engine/packed.py), as `fixed + per_token x tokens`, measured: over the last
+    `window` packed steps that carried both, each step's time less the decode model's
+    prediction for its rows, against its chunk tokens. A line where the chunks' tokens
+    spread (least squares, non-negative); where they are all alike (short chat prompts), the
+    prefill model's per-token cost (at most what a chunk's tokens add, each) and the median
+    of what is left as the fixed part. None until `min_seen` were seen.
+
+    The prefill model cannot say it: its fit mixes prefills run alone, which pay a read of
+    every weight, with the chunks of packed steps, whose time it gets back only as the share
+    its own prediction claims of the step (`IterationResult.apportion`), so it keeps what it
+    believed. On the real model its price of a packed iteration's new prompts made the
+    iteration 1.4x what it took (0.285 against 0.199 s at the median), and every first token
+    promised behind it that much later; what the chunks add is mostly a fixed part (their
+    segment of the forward, their first token's logits and sampling, joining the rows)."""
+
+    def __init__(self, window: int = 64, min_seen: int = 8, refresh_every: int = 4) -> None:
+        self._seen: deque[tuple[float, float]] = deque(maxlen=window)  # (tokens, seconds added)
+        self._min_seen, self._every, self._since = min_seen, refresh_every, 0
+        self.params: tuple[float, float] | None = None  # (fixed, per_token)
+
+    def observe(self, seconds: float, decode: float, tokens: int, per_token: float) -> None:
+        """A packed step of `seconds` whose rows the decode model predicts at `decode`, with
+        `tokens` chunk tokens; `per_token`: the prefill model's, where the tokens do not spread."""
+        if tokens <= 0:
+            return
+        self._seen.append((float(tokens), max(seconds - decode, 0.0)))
+        self._since += 1
+        if len(self._seen) < self._min_seen or (self.params is not None and self._since < self._every):
+            return
+        self._since = 0
+        x, t = np.asarray(self._seen).T
+        if float(np.ptp(x)) >= 0.25 * float(x.max()) and len(x) >= 2 * self._min_seen:
+            self.params = _line(x, t)
+        else:  # (a per-token cost above what whole chunks add is not believed)
+            per_token = min(per_token, float(np.median(t / x)))
+            self.params = (max(float(np.median(t - per_token * x)), 0.0), per_token)
+
+    def predict(self, tokens: int) -> float | None:
+        if self.params is None:
+            return None
+        fixed, per_token = self.params
+        return fixed + per_token * tokens
+
+
 def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
     """Least-squares line with both coefficients kept non-negative."""
     slope, fixed = np.polyfit(x, t, 1)

@@ -11,11 +11,11 @@ import math
 from typing import Any
 
 from .admission import serves_infeasible
-from .cost import CostModel
+from .cost import CostModel, PackedChunkCost
 from .errors import DeadlineInfeasible
 from .iteration import chunk_budget, packs
 from .load import Load
-from .protocols import PrefillRequest, SteppingEngine
+from .protocols import SteppingEngine
 from .queueing import QueueingBatcher
 from .running import RunningSet
 from .slots import Slots
@@ -33,6 +33,7 @@ class GenerationLoad(QueueingBatcher):
     _chunked: bool
     _iteration_ends: float | None  # when the iteration in flight is predicted to end
     _tokens_a_step: float  # what the last decode step gave each row, on average
+    packed_chunk: PackedChunkCost  # what prompt chunks add to a packed step
 
     def busy_until(self, now: float) -> float:
         """The next iteration boundary: when a free slot can take a newcomer. The iteration
@@ -77,6 +78,7 @@ class GenerationLoad(QueueingBatcher):
             "prefill_chunk": chunk,
             "chunk_step": step,
             "chunks_packed": packed,
+            "packed_chunk": self.packed_chunk.params,
         }
         backlog, prefilling = self._prefill_backlog(chunk)
         return self._slots.load(
@@ -125,16 +127,24 @@ class GenerationLoad(QueueingBatcher):
             f"inter-token target of {target * 1000.0:.0f} ms cannot be met: {why}", retry_after=retry
         )
 
-    def _predicted_iteration(self, requests: list[PrefillRequest], decoding: int) -> float:
+    def _predicted_iteration(self, admitted: list[WorkItem], decoding: int) -> float:
         """What the iteration starting now is predicted to take: its decode step, and the
-        prefill of the prompts joining (whole, or the chunk budget's worth). The decode model
-        predicts a token's time: a step whose rows take drafts gives (and takes) more, as many
-        as the last one gave."""
+        prefill of the prompts joining (whole, or the chunk budget's worth), their tokens
+        as priced (what the prefix cache serves left out). The decode model predicts a
+        token's time: a step whose rows take drafts gives (and takes) more, as many as the
+        last one gave."""
         step = self.decode_cost.predict(decoding) * self._tokens_a_step
-        tokens = sum(len(r.prompt_ids) for r in requests)
+        tokens = sum(i.cost for i in admitted)
         if not tokens:
             return step
-        chunk = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packs(self.engine))
+        packed = packs(self.engine)
+        chunk = chunk_budget(self.settings, decoding, self.prefill_cost, self.decode_cost, packed)
         if self._chunked and chunk is not None:
             tokens = min(tokens, chunk)
-        return step + self.prefill_cost.predict(len(requests), tokens)
+        prefill = self.prefill_cost.predict(len(admitted), tokens)
+        if packed and decoding:
+            # The chunks ride in the decode step's forward: what they add to such a step
+            # (cost.PackedChunkCost), not a forward of their own.
+            added = self.packed_chunk.predict(tokens)
+            prefill = prefill - self.prefill_cost.params.fixed if added is None else added
+        return step + prefill

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import admission
-from .cost import Calibration, CostModel, LinearCost
+from .cost import Calibration, CostModel, LinearCost, PackedChunkCost
 from .delivery import Delivery
 from .errors import DeadlineExceeded, EngineError, ShuttingDown
 from .fair_steps import fair_holds
@@ -74,6 +74,7 @@ class GenerationScheduler(GenerationLoad):
         self._iteration_ends: float | None = None  # when the iteration in flight is predicted to end
         self._preempted = 0  # the engine's preemption count at the last gauge update
         self._speculated: tuple[int, int, int] = (0, 0, 0)  # its speculation counts then (drafted, taken, steps)
+        self.packed_chunk = PackedChunkCost()
         self._tokens_a_step = 1.0  # what the last decode step gave each row, on average (drafts taken: more)
         self.trace: list[tuple[int, list[int], list[int]]] = []  # (iteration, decoded ids, admitted ids)
         self._keep_trace = 1024
@@ -162,7 +163,7 @@ class GenerationScheduler(GenerationLoad):
         `decode=False`: the admitted prompts' prefill alone, the running sequences wait."""
         requests, removals, decoding, held = self._schedule(admitted, decode)
         started = self.clock.now()
-        self._iteration_ends = started + self._predicted_iteration(requests, len(decoding))
+        self._iteration_ends = started + self._predicted_iteration(admitted, len(decoding))
         try:
             call = self._start(
                 run_iteration, self.engine, removals, requests, bool(decoding), self._chunking(decode), held
@@ -182,7 +183,7 @@ class GenerationScheduler(GenerationLoad):
             self._fail_running(EngineError(f"model execution failed: {type(exc).__name__}: {exc}"))
             return None
         now, self._iteration_ends = self.clock.now(), None
-        result.apportion(now - started, self.cost_models)
+        result.apportion(now - started, self.cost_models, self.packed_chunk)
         result.record(requests, self.metrics, self.model, self.cost_models)
         if result.decoded_rows:  # (the next step's interval from this one is that many tokens')
             self._tokens_a_step = result.tokens_a_row

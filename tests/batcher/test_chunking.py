@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from batcher.clock import FakeClock
-from batcher.cost import CostModel, LinearCost
+from batcher.cost import CostModel, LinearCost, PackedChunkCost
 from batcher.errors import EngineError
 from batcher.iteration import MIN_CHUNK, IterationResult, PrefillWork, chunk_budget
 from batcher.metrics import Metrics
 from batcher.scheduler import GenerationScheduler
 from batcher.settings import BatchingSettings
-from batcher.types import GenRequest, Priority, TokenCount
+from batcher.types import GenRequest, Priority, TokenCount, WorkItem
 from engine.base import SamplingParams, sequence_request
 from engine.fake import FakeChunkingEngine, FakePackingEngine, SimulatedEngineThread
 
@@ -212,6 +213,33 @@ def test_a_packed_iterations_time_is_shared_out_as_the_cost_models_predict():
     assert abs(apart.decode_seconds - 0.060) < 1e-9 and abs(apart.prefill_seconds - 0.020) < 1e-9
 
 
+def test_a_packed_step_teaches_the_decode_model_its_time_less_what_its_chunks_add():
+    """The prefill model's prediction (2 + 80 x 0.1 = 10 ms) is not what the step's 80 chunk
+    tokens add (measured: 4 ms, and this step is measured too): the decode model is taught
+    the step less those 4 ms, and the phases' shares (the metrics) stay as the cost models
+    predict."""
+    from batcher.metrics import Metrics
+
+    costs = {"decode": fitted(0.010, 0.001, 0.0), "prefill": fitted(0.002, 0.0, 0.0001)}
+    seen: list[tuple[int, float]] = []
+    costs["decode"].observe = lambda n, tokens, seconds: seen.append((n, seconds)) or 0.0  # type: ignore[method-assign]
+    chunks = PackedChunkCost(min_seen=8, refresh_every=1)
+    for _ in range(8):  # packed steps 4 ms longer than their rows alone
+        chunks.observe(0.024, 0.020, 80, per_token=0.0001)
+    work = PrefillWork(rows=1, tokens=TokenCount(80, 80), computed=TokenCount(80, 80))
+    result = IterationResult([], {}, 0.0, 0.030, 10, prefill=work, packed=True)
+    result.apportion(0.045, costs, chunks)
+    assert abs(result.decode_seconds - 0.030) < 1e-9 and abs(result.prefill_seconds - 0.015) < 1e-9
+    result.record([], Metrics(CollectorRegistry()), "g", costs)
+    assert seen == [(10, pytest.approx(0.041))]
+    # Not known yet: the decode model's share, as before.
+    seen.clear()
+    before = IterationResult([], {}, 0.0, 0.030, 10, prefill=work, packed=True)
+    before.apportion(0.045, costs, PackedChunkCost())
+    before.record([], Metrics(CollectorRegistry()), "g", costs)
+    assert seen == [(10, pytest.approx(0.030))]
+
+
 def test_a_step_whose_rows_took_drafts_teaches_the_decode_model_the_time_a_token():
     """Speculation: a step of 10 rows that gave them 20 tokens (drafts taken) counts as two
     steps of one token each, for the decode model's time between a row's tokens (admission,
@@ -346,3 +374,47 @@ def test_admission_counts_the_chunks_that_go_before_the_newcomers():
     tenants.configure(False, 1.0, 2.0)  # --fairness off: the class in join order
     assert prefill_ahead(q, item(Priority.BATCH, "quiet"), load) == 700
     assert prefill_ahead(q, item(Priority.BATCH, "quiet"), Load(prefill_backlog=300)) == 300
+
+
+class ChunksAddCost:
+    """An engine thread whose iterations cost 10 ms and 2 ms a decoding row, and 6 ms more
+    where they carry prompt chunks (what a packed step's prefill adds), on the fake clock."""
+
+    def __init__(self, clock: FakeClock, engine: FakePackingEngine) -> None:
+        self.clock, self.engine = clock, engine
+
+    async def __call__(self, fn, *args):
+        before = len(self.engine.calls)
+        result = fn(*args)
+        calls = self.engine.calls[before:]
+        rows = max((len(ids) for kind, ids in calls if kind == "step"), default=0)
+        chunks = any(kind == "prefill" and ids for kind, ids in calls)
+        await self.clock.sleep(0.010 + 0.002 * rows + (0.006 if chunks else 0.0))
+        return result
+
+
+def test_an_iteration_that_takes_a_new_prompt_is_predicted_at_what_chunks_add_to_a_packed_step():
+    """A prompt joining a packed step adds what chunks were measured to add to such steps
+    (6 ms here), not a prefill forward of its own as the prefill model prices it (30 ms and
+    10 ms a token): the iteration in flight, which every newcomer's first token waits out,
+    is predicted to end when such iterations ended."""
+
+    async def scenario():
+        r = ChunkRig(packing=True, max_running=32, max_batch_size=8, max_wait_ms=0)
+        r.sched.engine_thread = ChunksAddCost(r.clock, r.engine)
+        await r.sched.start()
+        r.sched.decode_cost = CostModel(LinearCost(0.010, 0.002, 0.0), refit_every=10**9)
+        r.sched.prefill_cost = r.sched.cost = CostModel(LinearCost(0.030, 0.0, 0.010), refit_every=10**9)
+        for _ in range(4):
+            r.submit(3, 500)
+        await r.clock.advance(0.05)
+        for _ in range(12):  # one prompt joins each of the next iterations
+            r.submit(3, 500)
+            await r.clock.advance(0.03)
+        rows = len(r.sched._running)
+        joining = WorkItem(payload=None, arrival=r.clock.now(), cost=3)
+        assert r.sched.packed_chunk.predict(3) == pytest.approx(0.006, abs=1e-4)
+        assert r.sched._predicted_iteration([joining], rows) == pytest.approx(0.010 + 0.002 * rows + 0.006, abs=1e-4)
+        await r.sched.stop()
+
+    run(scenario())

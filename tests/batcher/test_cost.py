@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from batcher.cost import MAX_PROMISE_SLOWDOWN, MAX_SLOWDOWN, MAX_TAIL, Calibration, CostModel, LinearCost
+from batcher.cost import (
+    MAX_PROMISE_SLOWDOWN,
+    MAX_SLOWDOWN,
+    MAX_TAIL,
+    Calibration,
+    CostModel,
+    LinearCost,
+    PackedChunkCost,
+)
 
 
 def test_fits_fixed_plus_per_token_from_observed_batches():
@@ -173,3 +181,25 @@ def test_a_prediction_is_stretched_by_what_predictions_like_it_missed_by():
     assert c.factor_for(0.4) == pytest.approx(1.25)
     assert c.factor_for(0.3) == pytest.approx(1.25)  # within a factor 2 of 0.4, not of 0.05
     assert c.factor_for(5.0) == c.factor  # none alike: the factor over all
+
+
+def test_what_chunks_add_to_a_packed_step_is_measured_apart_from_the_prefill_model():
+    chunks = PackedChunkCost(min_seen=8, refresh_every=1)
+    assert chunks.predict(40) is None
+    # Short chat prompts, alike: each step 45 ms longer than its rows alone, 40-48 tokens each.
+    for i in range(8):
+        chunks.observe(0.120 + 0.045, 0.120, 40 + i, per_token=0.0005)
+    _fixed, per_token = chunks.params
+    assert per_token == 0.0005  # the tokens do not spread: the prefill model's per-token cost
+    assert chunks.predict(44) == pytest.approx(0.045, abs=0.003)  # the rest is a fixed part
+    # A prefill model that prices a token above what whole chunks add is not believed.
+    cheap = PackedChunkCost(min_seen=8, refresh_every=1)
+    for _ in range(8):
+        cheap.observe(0.104, 0.100, 3, per_token=0.010)
+    assert cheap.predict(3) == pytest.approx(0.004)
+    # Chunks that spread: a line through them.
+    spread = PackedChunkCost(min_seen=8, refresh_every=1)
+    for tokens in range(16, 512, 24):
+        spread.observe(0.100 + 0.020 + 0.001 * tokens, 0.100, tokens, per_token=0.005)
+    assert spread.params == pytest.approx((0.020, 0.001))
+    assert spread.predict(0) is not None and spread.predict(1000) == pytest.approx(1.020)
