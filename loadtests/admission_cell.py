@@ -101,7 +101,7 @@ def judge(samples: list[Sample], budget_ms: float, duration: float) -> dict:
     }
 
 
-def describe(mode: str, rate: float, row: dict) -> str:
+def verdict_line(mode: str, rate: float, row: dict) -> str:
     admits = (
         f"admitted {row['promised']:4d}, of which late {row['false_admits']:4d}"
         f" ({100.0 * row['false_admits'] / max(row['promised'], 1):.1f}% false admits)"
@@ -150,7 +150,7 @@ def run_admission(
                 samples = asyncio.run(open_loop(rate, duration, send, gw.url, seed=int(rate)))
                 row = {"mode": mode, "rate": rate, **judge(samples, budget_ms, duration)}
                 rows.append(row)
-                print(describe(mode, rate, row), flush=True)
+                print(verdict_line(mode, rate, row), flush=True)
     return rows
 
 

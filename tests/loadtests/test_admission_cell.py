@@ -3,7 +3,7 @@ budget is a false refusal; one admitted without the flag that missed it, a false
 
 from __future__ import annotations
 
-from loadtests.admission_cell import describe, is_probe, judge
+from loadtests.admission_cell import is_probe, judge, verdict_line
 from loadtests.openloop import Sample
 
 
@@ -58,7 +58,7 @@ def test_the_probe_mode_estimates_false_refusals_from_its_probes():
         3,
         1,
     )
-    line = describe("probe", 8.0, row)
+    line = verdict_line("probe", 8.0, row)
     assert (
         "probes   4, would refuse   2, of which met the budget   1 (25.0% of requests, 50% of refusals false)" in line
     )
