@@ -185,24 +185,25 @@ def predicted_first_token(
     group = min(ahead + 1, s.max_batch_size)
     tokens = max(item.cost, 1)
     prefill = cost.predict(group, group * tokens)
+    # Chunks go to the prompts ahead of it in the chunk order: its group's tokens come after theirs.
+    chunked = prefill_ahead(q, item, load) + group * tokens
+    further = 0
+    if load.prefill_chunk is not None and chunked > load.prefill_chunk:
+        further = math.ceil(chunked / load.prefill_chunk) - 1
     if load.chunk_step and not (load.prefill_first and item.priority is Priority.INTERACTIVE):
         # Its first chunk is computed beside the running rows' decode step (in its forward,
-        # where steps are packed: its tokens at what they add to such a step, no fixed cost
-        # of a prefill forward of its own), and its first token comes when that whole
-        # iteration ends.
+        # where steps are packed: what chunks add to such a step, measured, its fixed part
+        # once an iteration; no fixed cost of a prefill forward of its own), and its first
+        # token comes when that whole iteration ends.
         if load.chunks_packed:
             own = prefill - cost.params.fixed
             if load.packed_chunk is not None:
                 fixed, per_token = load.packed_chunk
-                own = fixed + per_token * group * tokens
+                own = (further + 1) * fixed + per_token * group * tokens
             prefill = own + load.chunk_step
         else:
             prefill += load.chunk_step
-    # Chunks go to the prompts ahead of it in the chunk order: its group's tokens come after theirs.
-    chunked = prefill_ahead(q, item, load) + group * tokens
-    if load.prefill_chunk is not None and chunked > load.prefill_chunk:
-        further = math.ceil(chunked / load.prefill_chunk) - 1
-        prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))
+    prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))
     return max(slots[0], now) + prefill
 
 

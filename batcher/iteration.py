@@ -54,8 +54,6 @@ class IterationResult:
     # Tokens the decode step gave its rows: more than `decoded_rows` where drafts were taken
     # (speculation, engine/speculation.py). 0: one a row.
     decoded_tokens: int = 0
-    # What the decode cost model is taught the rows' step took (`apportion`); None: `decode_seconds`.
-    decode_alone: float | None = None
 
     @property
     def tokens_a_row(self) -> float:
@@ -69,12 +67,10 @@ class IterationResult:
         proportion the worker thread measured, or, for a packed step, in the proportion the
         cost models predict for its two parts; the clock is the one the tests can drive.
 
-        A packed step that carried chunks is shown to `packed_chunk` (cost.PackedChunkCost),
-        and its rows alone are taught to the decode model as the step less what its chunks
-        add, where that is known: the share
-        the prefill model's prediction claims of the step is not what the chunks add, and it
-        taught the decode model steps 20% shorter than the decode steps alone took on the
-        real model."""
+        A packed step that carried chunks is shown to `packed_chunk` (cost.PackedChunkCost).
+        Its share of the step is still what the decode model learns: taught the step less what
+        its chunks add, the two fits would learn each other's errors back, and only steps
+        without chunks would pin them (under load nearly every step carries chunks)."""
         measured = self.prefill_seconds + self.decode_seconds
         share = self.decode_seconds / measured if measured > 0 else (1.0 if self.decoded_rows else 0.0)
         if self.packed and costs is not None:
@@ -91,9 +87,6 @@ class IterationResult:
             return
         rows_alone = costs["decode"].predict(self.decoded_rows) * self.tokens_a_row
         packed_chunk.observe(total, rows_alone, chunk, costs["prefill"].params.per_token)
-        added = packed_chunk.predict(chunk)
-        if added is not None and added < total:
-            self.decode_alone = total - added
 
     def record(self, requests: list[PrefillRequest], m: Metrics, model: str, costs: dict[str, CostModel]) -> None:
         """Each phase's batch metrics, and its measured time to its cost model; the new
@@ -104,7 +97,7 @@ class IterationResult:
             # The decode model predicts the time between a row's tokens (what admission, the
             # slots and the inter-token targets read it as): a step that gave rows several
             # tokens (drafts taken) counts as that many steps of one.
-            per_token = (self.decode_seconds if self.decode_alone is None else self.decode_alone) / self.tokens_a_row
+            per_token = self.decode_seconds / self.tokens_a_row
             m.cost_error.labels(model, "decode").observe(costs["decode"].observe(self.decoded_rows, 0, per_token))
         work = self.prefill
         if work.rows:

@@ -242,6 +242,21 @@ def test_with_token_budgeted_steps_a_long_prompt_waits_a_decode_step_per_further
     )
 
 
+def test_packed_chunks_are_priced_at_what_chunks_were_measured_to_add_a_fixed_part_each_iteration():
+    s = batching(max_batch_size=4)
+    prompt, short = item(NOW + 1.0, tokens=250), item(NOW + 1.0, tokens=80)
+    # Measured: chunks add 15 ms to a packed step and 0.1 ms a token, whatever the prefill
+    # model says a prefill forward of its own costs.
+    measured = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, chunks_packed=True, packed_chunk=(0.015, 0.0001))
+    assert admission.predicted_first_token(queue(), short, NOW, s, COST, measured) == pytest.approx(
+        NOW + 0.02 + 0.015 + 0.0001 * 80
+    )
+    # Three iterations carry the long prompt's chunks: the fixed part in each of them.
+    assert admission.predicted_first_token(queue(), prompt, NOW, s, COST, measured) == pytest.approx(
+        NOW + 3 * (0.02 + 0.015) + 0.0001 * 250
+    )
+
+
 def test_a_prompt_waits_for_the_chunks_of_the_prompts_the_engine_is_still_prefilling():
     s = batching(max_batch_size=4)
     short = item(NOW + 1.0, tokens=80)
