@@ -30,6 +30,9 @@ MAX_PROMISE_SLOWDOWN = 4.0
 # Calibration.factor_for: predictions within this factor of each other are alike, and this
 # many alike ones stand on their own.
 LIKE, LIKE_SEEN = 2.0, 24
+# ...and over the most recent this many judged too, the larger of the two: a promise tightens
+# as soon as a heavier load's first tokens come late, and relaxes only as the window forgets.
+RECENT = 64
 # The bad batch one in a hundred: what batches that share an interactive request's wait
 # (the batch running when it arrives, the batch-class items riding in its own batch) are
 # sized against. Never what a request is promised (that would refuse work the engine serves).
@@ -151,7 +154,10 @@ class CostModel:
 class Calibration:
     """How much later than predicted something comes lately: the SLOWDOWN_QUANTILE of
     observed / predicted over a sliding window, within [1, MAX_PROMISE_SLOWDOWN]; promises multiply
-    their predictions by `factor`, so one is what nine in ten deliver.
+    their predictions by `factor`, so one is what nine in ten deliver. The larger of that over
+    the window and over its last RECENT: after a load step the window's old ratios outvoted
+    the new ones for seconds, when admitted requests came late (measured on the real model
+    at 16 requests/s after 8: 7.1% of the admitted late, 4.5% with the recent ones counted).
 
     The generation scheduler calibrates its time-to-first-token prediction with it: that
     prediction is a sum of queueing (slots freeing, prompts ahead) and cost-model terms, and
@@ -185,6 +191,8 @@ class Calibration:
             self._since = 0
             ratios = np.asarray(self._ratios)
             q = float(np.quantile(ratios, SLOWDOWN_QUANTILE))
+            if len(ratios) > RECENT:
+                q = max(q, float(np.quantile(ratios[-RECENT:], SLOWDOWN_QUANTILE)))
             self.factor = min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
             self._seen = (np.asarray(self._predicted), ratios)
 
@@ -200,6 +208,9 @@ class Calibration:
         if int(like.sum()) < LIKE_SEEN:
             return self.factor
         q = float(np.quantile(ratios[like], SLOWDOWN_QUANTILE))
+        recent = like[-RECENT:]
+        if len(like) > RECENT and int(recent.sum()) >= LIKE_SEEN:
+            q = max(q, float(np.quantile(ratios[-RECENT:][recent], SLOWDOWN_QUANTILE)))
         return min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
 
 

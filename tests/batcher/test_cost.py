@@ -167,6 +167,24 @@ def test_a_calibration_is_the_90th_percentile_of_observed_over_predicted_bounded
     assert deaf.factor == 1.0
 
 
+def test_a_promise_tightens_as_soon_as_first_tokens_come_late_and_relaxes_as_the_window_forgets():
+    """A load step: 256 first tokens on time, then 8 twice as late as predicted. Over the
+    whole window they are 3%, under its 90th percentile; over the last 64 judged, 12.5%:
+    the promise stretches at once (the first seconds after a rate doubles are when admitted
+    requests came late). 64 on time later the recent ones are clean, and the window's 3%
+    no longer stretches it."""
+    c = Calibration(refresh_every=1)
+    for _ in range(256):
+        c.observe(0.100, 0.100)
+    for _ in range(8):
+        c.observe(0.100, 0.200)
+    assert c.factor == pytest.approx(2.0)
+    assert c.factor_for(0.1) == pytest.approx(2.0)
+    for _ in range(64):
+        c.observe(0.100, 0.100)
+    assert c.factor == 1.0 and c.factor_for(0.1) == 1.0
+
+
 def test_a_prediction_is_stretched_by_what_predictions_like_it_missed_by():
     """First tokens late by a fixed 100 ms beyond short (50 ms) and long (400 ms)
     predictions: the short ones' ratio (3x) is their own; a long prediction is stretched by
