@@ -98,7 +98,7 @@ class FerryClient(ClientBase):
         conversations: a conversation (list of {"role", "content"} dicts), a list of
         conversations, or strings (each a one-message user conversation). params: any
         field of /v1/chat/completions (temperature, top_p, max_completion_tokens or
-        max_tokens, stop, seed, n, latency_budget_ms, priority, user, ...), each a scalar
+        max_tokens, stop, seed, n, latency_budget_ms, priority, on_infeasible, user, ...), each a scalar
         for every prompt or a list with one value per prompt (`stop` per prompt is a list
         of lists: a list of strings applies to every prompt).
 
@@ -119,7 +119,7 @@ class FerryClient(ClientBase):
 
         Vectors are lists of floats; numpy=True gives float32 arrays instead (shape (dim,)
         for a str, (len(texts), dim) for a list), transferred as exact float32.
-        params: dimensions, latency_budget_ms, priority, user.
+        params: dimensions, latency_budget_ms, priority, on_infeasible, user.
         """
         return self._run(self._embed_call(model, texts, numpy, params))
 

@@ -99,7 +99,7 @@ async def infer(request: Request, ctx: Ctx) -> Response:
         priority=priority,
         request_id=ctx.request_id,
         tenant=ferry.tenancy.tenant(request),
-        on_infeasible=on_infeasible(request),
+        on_infeasible=on_infeasible(request, work),
     )
     results = await wait_items(request, served.batcher, items)
     body, headers = encode_response(served.name, work, results)

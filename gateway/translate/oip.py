@@ -66,8 +66,9 @@ class InferenceRequest(BaseModel):
     id: str | None = Field(None, description="echoed in the response")
     parameters: Parameters | None = Field(
         None,
-        description="Ferry's `latency_budget_ms` (number) and `priority` (interactive | batch), as the "
-        "X-Ferry-Latency-Budget-Ms and X-Ferry-Priority headers; `binary_data_output: true`: every output in binary",
+        description="Ferry's `latency_budget_ms` (number), `priority` (interactive | batch) and `on_infeasible` "
+        "(reject | serve), as the X-Ferry-Latency-Budget-Ms, X-Ferry-Priority and X-Ferry-On-Infeasible headers; "
+        "`binary_data_output: true`: every output in binary",
     )
     inputs: list[RequestInput] = Field(min_length=1)
     outputs: list[RequestOutput] | None = Field(None, description="the outputs to return (default: all)")
@@ -122,6 +123,7 @@ class Infer:
     outputs: list[tuple[Tensor, bool]]  # (declared output, in binary?)
     latency_budget_ms: float | None  # read by submission.scheduling, as a body's field
     priority: str | None
+    on_infeasible: str | None = None  # read by submission.on_infeasible, as a body's field
 
 
 @dataclass
@@ -230,7 +232,10 @@ def parse_infer(raw: bytes, header_length: str | None, model: Any, max_rows: int
         )
     if priority is not None and priority not in ("interactive", "batch"):
         raise bad(f"parameters.priority is 'interactive' or 'batch', got {priority!r}", "priority")
-    return Infer(req.id, rows, outputs, None if budget is None else float(budget), priority)
+    choice = params.get("on_infeasible")
+    if choice is not None and choice not in ("reject", "serve"):
+        raise bad(f"parameters.on_infeasible is 'reject' or 'serve', got {choice!r}", "on_infeasible")
+    return Infer(req.id, rows, outputs, None if budget is None else float(budget), priority, choice)
 
 
 def _split(raw: bytes, header_length: str | None) -> tuple[bytes, bytes]:

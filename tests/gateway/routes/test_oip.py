@@ -233,6 +233,14 @@ def test_a_model_slower_than_the_budget_gets_429s_at_once(fake_server_factory):
     assert ok.status_code == 200
     bad = c.post(INFER, json=body("x", parameters={"priority": "urgent"}))
     assert bad.status_code == 400 and "urgent" in bad.json()["error"]
+    # The request may choose to be served late rather than refused.
+    for late in (
+        c.post(INFER, json=body("late", parameters={"latency_budget_ms": 5, "on_infeasible": "serve"})),
+        c.post(INFER, json=body("late"), headers={"X-Ferry-Latency-Budget-Ms": "5", "X-Ferry-On-Infeasible": "serve"}),
+    ):
+        assert late.status_code == 200 and late.headers["X-Ferry-Best-Effort"] == "true", late.text
+    bad = c.post(INFER, json=body("x", parameters={"on_infeasible": "maybe"}))
+    assert bad.status_code == 400 and "maybe" in bad.json()["error"]
 
 
 class ThreadSafeFake(FakeCustomModel):
