@@ -196,11 +196,8 @@ def predicted_first_token(
         # once an iteration; no fixed cost of a prefill forward of its own), and its first
         # token comes when that whole iteration ends.
         if load.chunks_packed:
-            own = prefill - cost.params.fixed
-            if load.packed_chunk is not None:
-                fixed, per_token = load.packed_chunk
-                own = (further + 1) * fixed + per_token * group * tokens
-            prefill = own + load.chunk_step
+            added = load.packed_chunk.predict(group * tokens, further + 1) if load.packed_chunk else None
+            prefill = (prefill - cost.params.fixed if added is None else added) + load.chunk_step
         else:
             prefill += load.chunk_step
     prefill += further * (load.chunk_step + (0.0 if load.chunks_packed else cost.predict(1, 0)))

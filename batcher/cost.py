@@ -190,10 +190,7 @@ class Calibration:
         if self._since >= self._every:
             self._since = 0
             ratios = np.asarray(self._ratios)
-            q = float(np.quantile(ratios, SLOWDOWN_QUANTILE))
-            if len(ratios) > RECENT:
-                q = max(q, float(np.quantile(ratios[-RECENT:], SLOWDOWN_QUANTILE)))
-            self.factor = min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
+            self.factor = _stretch(ratios, np.ones(len(ratios), dtype=bool), 1)
             self._seen = (np.asarray(self._predicted), ratios)
 
     def factor_for(self, predicted: float) -> float:
@@ -207,11 +204,17 @@ class Calibration:
         like = (seen >= predicted / LIKE) & (seen <= predicted * LIKE)
         if int(like.sum()) < LIKE_SEEN:
             return self.factor
-        q = float(np.quantile(ratios[like], SLOWDOWN_QUANTILE))
-        recent = like[-RECENT:]
-        if len(like) > RECENT and int(recent.sum()) >= LIKE_SEEN:
-            q = max(q, float(np.quantile(ratios[-RECENT:][recent], SLOWDOWN_QUANTILE)))
-        return min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
+        return _stretch(ratios, like, LIKE_SEEN)
+
+
+def _stretch(ratios: np.ndarray, counted: np.ndarray, least: int) -> float:
+    """The SLOWDOWN_QUANTILE of the `counted` ratios, or of those among the last RECENT where
+    at least `least` are and theirs is larger; within [1, MAX_PROMISE_SLOWDOWN]."""
+    q = float(np.quantile(ratios[counted], SLOWDOWN_QUANTILE))
+    recent = counted[-RECENT:]
+    if len(ratios) > RECENT and int(recent.sum()) >= least:
+        q = max(q, float(np.quantile(ratios[-RECENT:][recent], SLOWDOWN_QUANTILE)))
+    return min(max(q, 1.0), MAX_PROMISE_SLOWDOWN)
 
 
 class PackedChunkCost:
@@ -253,11 +256,13 @@ class PackedChunkCost:
             per_token = min(per_token, float(np.median(t / x)))
             self.params = (max(float(np.median(t - per_token * x)), 0.0), per_token)
 
-    def predict(self, tokens: int) -> float | None:
+    def predict(self, tokens: int, iterations: int = 1) -> float | None:
+        """What `tokens` chunk tokens add to the `iterations` packed steps that carry them
+        (the fixed part in each); None until measured."""
         if self.params is None:
             return None
         fixed, per_token = self.params
-        return fixed + per_token * tokens
+        return iterations * fixed + per_token * tokens
 
 
 def _line(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:

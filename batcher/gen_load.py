@@ -78,7 +78,7 @@ class GenerationLoad(QueueingBatcher):
             "prefill_chunk": chunk,
             "chunk_step": step,
             "chunks_packed": packed,
-            "packed_chunk": self.packed_chunk.params,
+            "packed_chunk": self.packed_chunk,
         }
         backlog, prefilling = self._prefill_backlog(chunk)
         return self._slots.load(

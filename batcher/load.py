@@ -17,7 +17,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from .cost import CostModel
+from .cost import CostModel, PackedChunkCost
 from .queue import RequestQueue
 from .settings import BatchingSettings
 from .types import Priority
@@ -78,9 +78,9 @@ class Load:
     prefill_chunk: int | None = None
     chunk_step: float = 0.0
     chunks_packed: bool = False  # further chunks ride in the decode step's forward: no forward of their own
-    # What chunks add to such a packed step, (fixed, per token), measured (cost.PackedChunkCost);
-    # None: not yet, the prefill model's per-token cost stands in.
-    packed_chunk: tuple[float, float] | None = None
+    # What chunks add to such a packed step, measured; None (or not measured yet): the
+    # prefill model's price less the fixed cost of a forward of its own stands in.
+    packed_chunk: PackedChunkCost | None = None
     # Prompt tokens the engine has taken and not yet prefilled when the iteration in flight
     # ends: the chunks of the next iterations go to them first.
     prefill_backlog: int = 0

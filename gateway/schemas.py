@@ -5,7 +5,7 @@ validates with their subclasses bounded by its limits (gateway/limits.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     AfterValidator,
@@ -46,6 +46,7 @@ def only(allowed: Callable[[Any], bool], why: str) -> AfterValidator:
 Budget = Annotated[float, Field(gt=0, le=3_600_000, description="Latency budget in milliseconds.")]
 PriorityName = Literal["interactive", "batch"]
 OnInfeasible = Literal["reject", "serve"]
+ON_INFEASIBLE = get_args(OnInfeasible)
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 

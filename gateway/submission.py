@@ -16,6 +16,7 @@ from batcher.types import Priority, WorkItem
 
 from .errors import APIError
 from .request_body import header
+from .schemas import ON_INFEASIBLE
 
 if TYPE_CHECKING:
     from .models.served import ServedBatcher
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 BUDGET_HEADER = "x-ferry-latency-budget-ms"
 PRIORITY_HEADER = "x-ferry-priority"
 ON_INFEASIBLE_HEADER = "x-ferry-on-infeasible"
-ON_INFEASIBLE = ("reject", "serve")
 # Per-request SLO headers of the Gateway API Inference Extension (llm-d), newest name first.
 TTFT_HEADERS = ("x-llm-d-slo-ttft-ms", "x-slo-ttft-ms")
 TPOT_HEADERS = ("x-llm-d-slo-tpot-ms", "x-slo-tpot-ms")

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine.custom import DATATYPES, CustomResult, Row, Tensor
 
 from ..errors import APIError
+from ..schemas import ON_INFEASIBLE
 
 Datatype = Literal[
     "BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64", "BYTES"
@@ -233,7 +234,7 @@ def parse_infer(raw: bytes, header_length: str | None, model: Any, max_rows: int
     if priority is not None and priority not in ("interactive", "batch"):
         raise bad(f"parameters.priority is 'interactive' or 'batch', got {priority!r}", "priority")
     choice = params.get("on_infeasible")
-    if choice is not None and choice not in ("reject", "serve"):
+    if choice is not None and choice not in ON_INFEASIBLE:
         raise bad(f"parameters.on_infeasible is 'reject' or 'serve', got {choice!r}", "on_infeasible")
     return Infer(req.id, rows, outputs, None if budget is None else float(budget), priority, choice)
 

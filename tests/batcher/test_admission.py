@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from batcher import admission
-from batcher.cost import Calibration
+from batcher.cost import Calibration, PackedChunkCost
 from batcher.errors import BatchingError, DeadlineInfeasible, QueueFull
 from batcher.load import IDLE, Load
 from batcher.queue import RequestQueue
@@ -247,7 +247,9 @@ def test_packed_chunks_are_priced_at_what_chunks_were_measured_to_add_a_fixed_pa
     prompt, short = item(NOW + 1.0, tokens=250), item(NOW + 1.0, tokens=80)
     # Measured: chunks add 15 ms to a packed step and 0.1 ms a token, whatever the prefill
     # model says a prefill forward of its own costs.
-    measured = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, chunks_packed=True, packed_chunk=(0.015, 0.0001))
+    chunks = PackedChunkCost()
+    chunks.params = (0.015, 0.0001)
+    measured = Load(free_slots=2, prefill_chunk=100, chunk_step=0.02, chunks_packed=True, packed_chunk=chunks)
     assert admission.predicted_first_token(queue(), short, NOW, s, COST, measured) == pytest.approx(
         NOW + 0.02 + 0.015 + 0.0001 * 80
     )
